@@ -1,0 +1,197 @@
+// BlockStore: the paged KV-block store of one node.
+//
+// Blocks live in host pages (HostPagePool) and, when a ColdTier is given,
+// are demoted there on eviction and promoted back on a hit. Each block is
+// filed under a ScopedKey (namespace + BlockKey); lookups never cross
+// namespaces. Pins are per tenant, with per-tenant quotas on pinned bytes;
+// only blocks nobody pins or reads are evicted, in the order the
+// EvictionPolicy chooses.
+//
+// Thread safety: every public method is safe to call from many threads.
+// `mu_` guards the index, the policy, the per-page hold counts, the page
+// owners and the tenant table. Payload copies (Put's copy in, Read's copy
+// out) and cold-tier I/O run outside `mu_`: a page being written is not yet
+// in the index, and a page being read or demoted carries a hold that keeps it
+// from being evicted or reused.
+//
+// Errors: INVALID_ARGUMENT for malformed requests, NOT_FOUND for unknown
+// keys, RESOURCE_EXHAUSTED for quota or capacity, FAILED_PRECONDITION for
+// pin misuse, DATA_LOSS for a checksum mismatch, and the cold tier's own
+// status when demotion fails. On any error the store is unchanged.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "kvring/cache/block_index.h"
+#include "kvring/cache/cold_tier.h"
+#include "kvring/cache/eviction_policy.h"
+#include "kvring/cache/host_page_pool.h"
+
+namespace kvring {
+
+struct BlockStoreOptions {
+  // Bytes per page = the largest block payload accepted. Default: 256 KiB.
+  size_t page_bytes = 256 << 10;
+  // Host-tier capacity in pages. Default: 1024.
+  size_t num_pages = 1024;
+  // Eviction policy name (MakeEvictionPolicy). Default: "lru".
+  std::string eviction_policy = "lru";
+  // mlock the host pages. Default: false.
+  bool lock_memory = false;
+  // Verify the checksum of every Put against the payload when the caller
+  // supplies one (meta.checksum != 0). Always on; listed for clarity.
+  // Optional pinning hook for the host region (cudaHostRegister).
+  std::function<absl::Status(void*, size_t)> register_memory;
+  std::function<void(void*)> unregister_memory;
+};
+
+struct TenantQuota {
+  // Most bytes the tenant may hold pinned at once. Default: unlimited.
+  uint64_t max_pinned_bytes = UINT64_MAX;
+};
+
+struct TenantUsage {
+  uint64_t pinned_bytes = 0;
+  uint64_t owned_blocks = 0;  // blocks this tenant put, in any tier
+  uint64_t owned_bytes = 0;
+};
+
+struct BlockStoreStats {
+  uint64_t blocks = 0;        // held in any tier
+  uint64_t host_blocks = 0;
+  uint64_t cold_only_blocks = 0;
+  uint64_t pinned_blocks = 0;
+  uint64_t free_pages = 0;
+  uint64_t num_pages = 0;
+  uint64_t page_bytes = 0;
+  uint64_t puts = 0, put_dedups = 0, hits = 0, misses = 0, cold_hits = 0;
+  uint64_t evictions = 0, demotions = 0, drops = 0, promotions = 0, demotion_errors = 0;
+  uint64_t lookups = 0;
+};
+
+struct PutArgs {
+  TenantId tenant = 0;
+  NamespaceId ns = 0;
+  BlockKey key;
+  BlockKey parent;  // zero for the first block of a sequence
+  BlockMeta meta;   // layout, encoding, payload_bytes; checksum 0 = compute
+  bool pin = false; // leave it pinned by `tenant` (charged to its quota)
+};
+
+struct PutResult {
+  bool inserted = false;  // false: the block was already held (deduplicated)
+};
+
+class BlockStore;
+
+// A read hold on a block's host copy: the payload stays valid and the block
+// unevictable until the handle is destroyed. Movable, not copyable. Must not
+// outlive its store.
+class PinnedBlock {
+ public:
+  PinnedBlock() = default;
+  PinnedBlock(PinnedBlock&& other) noexcept;
+  PinnedBlock& operator=(PinnedBlock&& other) noexcept;
+  PinnedBlock(const PinnedBlock&) = delete;
+  PinnedBlock& operator=(const PinnedBlock&) = delete;
+  ~PinnedBlock();
+
+  bool valid() const { return store_ != nullptr; }
+  const BlockMeta& meta() const { return meta_; }
+  const BlockKey& parent() const { return parent_; }
+  absl::Span<const uint8_t> payload() const { return {data_, meta_.payload_bytes}; }
+  void Release();
+
+ private:
+  friend class BlockStore;
+  BlockStore* store_ = nullptr;
+  PageId page_ = kNoPage;
+  const uint8_t* data_ = nullptr;
+  BlockMeta meta_;
+  BlockKey parent_;
+};
+
+class BlockStore {
+ public:
+  // `cold` (optional) becomes owned by the store. When given, Create() scans
+  // it and indexes every block it holds (recovery after a restart).
+  static absl::StatusOr<std::unique_ptr<BlockStore>> Create(const BlockStoreOptions& options,
+                                                            std::unique_ptr<ColdTier> cold = nullptr);
+  ~BlockStore();
+  BlockStore(const BlockStore&) = delete;
+  BlockStore& operator=(const BlockStore&) = delete;
+
+  absl::StatusOr<PutResult> Put(const PutArgs& args, absl::Span<const uint8_t> payload) ABSL_LOCKS_EXCLUDED(mu_);
+  // Longest held prefix of `keys` (BlockIndex::LookupPrefix's contract).
+  size_t LookupPrefix(NamespaceId ns, absl::Span<const BlockKey> keys) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether each key is held (any order, any chains).
+  std::vector<bool> Contains(NamespaceId ns, absl::Span<const BlockKey> keys) ABSL_LOCKS_EXCLUDED(mu_);
+  // A read hold on the block, promoting it from the cold tier if needed.
+  absl::StatusOr<PinnedBlock> Acquire(NamespaceId ns, const BlockKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  // Copies the payload into `dst` (INVALID_ARGUMENT if too small).
+  absl::Status Read(NamespaceId ns, const BlockKey& key, absl::Span<uint8_t> dst, BlockMeta* meta)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Pin(TenantId tenant, NamespaceId ns, const BlockKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Unpin(TenantId tenant, NamespaceId ns, const BlockKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes the block from every tier (FAILED_PRECONDITION while pinned).
+  absl::Status Erase(NamespaceId ns, const BlockKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+
+  void SetTenantQuota(TenantId tenant, const TenantQuota& quota) ABSL_LOCKS_EXCLUDED(mu_);
+  TenantUsage GetTenantUsage(TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_);
+  BlockStoreStats stats() ABSL_LOCKS_EXCLUDED(mu_);
+  ColdTier* cold_tier() const { return cold_.get(); }
+  size_t page_bytes() const { return pool_->page_bytes(); }
+  const std::string& eviction_policy_name() const { return policy_name_; }
+
+  // Verifies index invariants and that page accounting adds up (tests).
+  absl::Status CheckInvariants() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  friend class PinnedBlock;
+  struct TenantState {
+    TenantQuota quota;
+    TenantUsage usage;
+  };
+  BlockStore(const BlockStoreOptions& options, std::unique_ptr<HostPagePool> pool,
+             std::unique_ptr<EvictionPolicy> policy, std::unique_ptr<ColdTier> cold);
+
+  absl::Status Recover() ABSL_LOCKS_EXCLUDED(mu_);
+  // Frees a page or makes room by evicting; may release and re-take `mu_`
+  // while a victim is demoted to the cold tier.
+  absl::StatusOr<PageId> AcquirePageLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HoldLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseHoldLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseRead(PageId page) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status PinLocked(TenantId tenant, const ScopedKey& key, BlockIndex::Entry* e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SlotInfo SlotInfoLocked(const ScopedKey& key, const BlockIndex::Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreePageLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const BlockStoreOptions options_;
+  const std::string policy_name_;
+  std::unique_ptr<HostPagePool> pool_;
+  std::unique_ptr<ColdTier> cold_;
+
+  absl::Mutex mu_;
+  BlockIndex index_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<EvictionPolicy> policy_ ABSL_GUARDED_BY(mu_);
+  // Per page: holds = tenant pins of its block (0/1: "pinned") + readers +
+  // an in-flight demotion. A page with holds > 0 is never evicted or reused.
+  std::vector<uint32_t> holds_ ABSL_GUARDED_BY(mu_);
+  std::vector<ScopedKey> page_owner_ ABSL_GUARDED_BY(mu_);
+  // Pages whose block was erased while readers held them: freed at the last
+  // release.
+  std::vector<bool> orphaned_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<TenantId, TenantState> tenants_ ABSL_GUARDED_BY(mu_);
+  BlockStoreStats counters_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvring
