@@ -60,6 +60,7 @@ absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Create(const BlockStoreO
   po.page_bytes = options.page_bytes;
   po.num_pages = options.num_pages;
   po.lock_memory = options.lock_memory;
+  po.prefault = options.prefault;
   po.register_memory = options.register_memory;
   po.unregister_memory = options.unregister_memory;
   KVRING_ASSIGN_OR_RETURN(std::unique_ptr<HostPagePool> pool, HostPagePool::Create(po));

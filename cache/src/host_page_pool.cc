@@ -59,6 +59,11 @@ absl::StatusOr<std::unique_ptr<HostPagePool>> HostPagePool::Create(const HostPag
     return absl::ResourceExhaustedError(absl::StrCat("mmap of ", bytes, " bytes failed: ", std::strerror(errno)));
   }
   if (o.huge_pages) ::madvise(mem, bytes, MADV_HUGEPAGE);
+  if (o.prefault) {
+    // Touch one byte per 4 KiB page (after madvise, so huge pages can back it).
+    auto* p = static_cast<volatile uint8_t*>(mem);
+    for (size_t off = 0; off < bytes; off += 4096) p[off] = 0;
+  }
   if (o.lock_memory && ::mlock(mem, bytes) != 0) {
     const std::string err = std::strerror(errno);
     ::munmap(mem, bytes);

@@ -46,8 +46,9 @@ struct BlockStoreOptions {
   std::string eviction_policy = "lru";
   // mlock the host pages. Default: false.
   bool lock_memory = false;
-  // Verify the checksum of every Put against the payload when the caller
-  // supplies one (meta.checksum != 0). Always on; listed for clarity.
+  // Fault the host pages in at Create() (HostPagePoolOptions::prefault).
+  // Default: true.
+  bool prefault = true;
   // Optional pinning hook for the host region (cudaHostRegister).
   std::function<absl::Status(void*, size_t)> register_memory;
   std::function<void(void*)> unregister_memory;
