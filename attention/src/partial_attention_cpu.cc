@@ -1,0 +1,338 @@
+// CPU PartialAttention: tiles of one block's K and V for one kv head are
+// converted to fp32 once and reused by every query head of the GQA group and
+// every query row of the task; scores, an online softmax and the P*V
+// accumulation run on vectorizable loops (8 independent lanes), compiled for
+// AVX2+FMA and a baseline x86-64 clone chosen at run time.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kvring/attention/partial_attention.h"
+#include "kvring/layout/float_convert.h"
+#include "kvring/layout/fp8.h"
+
+namespace kvring {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr uint32_t kRowsPerTask = 8;
+
+#if defined(__x86_64__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#define KVRING_MULTIVERSION __attribute__((target_clones("arch=haswell", "default")))
+#else
+#define KVRING_MULTIVERSION
+#endif
+
+const std::array<float, 256>& Fp8Table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = Fp8E4M3ToFloat(static_cast<uint8_t>(i));
+    return t;
+  }();
+  return table;
+}
+
+// exp(x) for x <= 0 (scores minus their max), ~2 ulp; 0 below -87.3.
+inline float ExpNonPositive(float x) {
+  const float kLog2e = 1.44269504088896341f;
+  const float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  const bool under = x < -87.3f;
+  x = under ? -87.3f : x;
+  const float z = x * kLog2e;
+  const int n = static_cast<int>(z - 0.5f);  // round to nearest for z <= 0
+  const float fn = static_cast<float>(n);
+  const float r = x - fn * kLn2Hi - fn * kLn2Lo;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  uint32_t bits;
+  const int e = n + 127;
+  bits = static_cast<uint32_t>(e > 0 ? e : 0) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return under ? 0.0f : y * scale;
+}
+
+inline float Dot(const float* __restrict a, const float* __restrict b, uint32_t n) {
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (uint32_t i = 0; i < n; i += 8) {
+    for (int j = 0; j < 8; ++j) s[j] += a[i + j] * b[i + j];
+  }
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+// Converts the (layer, kv, head) plane of a block, first `n` tokens, to fp32.
+void LoadTile(const PagedKv& kv, const KvBlockRef& b, uint32_t layer, uint32_t which, uint32_t head, uint32_t n,
+              float* __restrict dst) {
+  const BlockLayout& L = kv.layout;
+  const uint32_t D = L.head_dim;
+  const uint64_t base = L.plane_index(layer, which, head);
+  const size_t count = size_t{n} * D;
+  if (!kv.encoding.quantized()) {
+    switch (L.dtype) {
+      case DType::kF32:
+        std::memcpy(dst, reinterpret_cast<const float*>(b.data) + base, count * 4);
+        return;
+      case DType::kBF16: {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(b.data) + base;
+        for (size_t i = 0; i < count; ++i) {
+          const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+          std::memcpy(dst + i, &bits, 4);
+        }
+        return;
+      }
+      case DType::kF16: {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(b.data) + base;
+        for (size_t i = 0; i < count; ++i) dst[i] = F16ToFloat(src[i]);
+        return;
+      }
+      default:
+        return;
+    }
+  }
+  const uint8_t* codes = b.data + base;
+  const float* scales = reinterpret_cast<const float*>(b.data + L.elements());
+  const ScaleMode mode = kv.encoding.scales;
+  const bool fp8 = kv.encoding.codec == KvCodec::kFp8E4M3;
+  const std::array<float, 256>& t8 = Fp8Table();
+  for (uint32_t t = 0; t < n; ++t) {
+    const uint8_t* c = codes + size_t{t} * D;
+    float* out = dst + size_t{t} * D;
+    if (mode == ScaleMode::kKChannelVToken && which == 0) {
+      const float* ch = scales + ScaleIndex(L, mode, layer, 0, head, 0, 0);
+      for (uint32_t d = 0; d < D; ++d) out[d] = (fp8 ? t8[c[d]] : static_cast<float>(static_cast<int8_t>(c[d]))) * ch[d];
+    } else {
+      const float s = scales[ScaleIndex(L, mode, layer, which, head, t, 0)];
+      for (uint32_t d = 0; d < D; ++d) out[d] = (fp8 ? t8[c[d]] : static_cast<float>(static_cast<int8_t>(c[d]))) * s;
+    }
+  }
+}
+
+float LoadQ(const QueryTensor& q, size_t idx) {
+  switch (q.dtype) {
+    case DType::kF32: return static_cast<const float*>(q.data)[idx];
+    case DType::kBF16: return Bf16ToFloat(static_cast<const uint16_t*>(q.data)[idx]);
+    case DType::kF16: return F16ToFloat(static_cast<const uint16_t*>(q.data)[idx]);
+    default: return 0;
+  }
+}
+
+struct Task {
+  uint32_t seq;
+  uint32_t kv_head;
+  uint32_t row_begin, row_end;  // into the row list of `seq`
+};
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, ktile, vtile, s;
+  std::vector<int64_t> pos;
+};
+
+KVRING_MULTIVERSION
+void RunTask(const AttentionOptions& o, const QueryTensor& q, const PagedKv& kv, const uint32_t* rows,
+             const Task& task, float scale, PartialOutput out, Scratch& sc) {
+  const BlockLayout& L = kv.layout;
+  const uint32_t D = L.head_dim;
+  const uint32_t G = q.q_heads / L.kv_heads;
+  const uint32_t nrows = task.row_end - task.row_begin;
+  const uint32_t nv = nrows * G;
+  sc.q.resize(size_t{nv} * D);
+  sc.acc.assign(size_t{nv} * D, 0.0f);
+  sc.m.assign(nv, kNegInf);
+  sc.l.assign(nv, 0.0f);
+  sc.pos.resize(nv);
+  sc.ktile.resize(size_t{L.block_tokens} * D);
+  sc.vtile.resize(size_t{L.block_tokens} * D);
+  sc.s.resize(L.block_tokens);
+  int64_t min_pos = std::numeric_limits<int64_t>::max(), max_pos = std::numeric_limits<int64_t>::min();
+  for (uint32_t r = 0; r < nrows; ++r) {
+    const uint32_t row = rows[task.row_begin + r];
+    const int64_t p = q.positions ? q.positions[row] : 0;
+    min_pos = std::min(min_pos, p);
+    max_pos = std::max(max_pos, p);
+    for (uint32_t g = 0; g < G; ++g) {
+      const uint32_t v = r * G + g;
+      const uint32_t head = task.kv_head * G + g;
+      const size_t src = (size_t{row} * q.q_heads + head) * D;
+      for (uint32_t d = 0; d < D; ++d) sc.q[size_t{v} * D + d] = LoadQ(q, src + d) * scale;
+      sc.pos[v] = p;
+    }
+  }
+  const bool use_pos = o.causal || o.window > 0;
+  for (uint32_t bi = kv.seq_begin[task.seq]; bi < kv.seq_begin[task.seq + 1]; ++bi) {
+    const KvBlockRef& b = kv.blocks[bi];
+    const uint32_t n = b.num_tokens;
+    const int64_t first = b.start_pos, last = b.start_pos + n - 1;
+    if (o.causal && first > max_pos) continue;
+    if (o.window > 0 && last <= min_pos - o.window) continue;
+    LoadTile(kv, b, o.layer, 0, task.kv_head, n, sc.ktile.data());
+    LoadTile(kv, b, o.layer, 1, task.kv_head, n, sc.vtile.data());
+    for (uint32_t v = 0; v < nv; ++v) {
+      uint32_t lo = 0, hi = n;
+      if (use_pos) {
+        const int64_t p = sc.pos[v];
+        if (o.causal) hi = static_cast<uint32_t>(std::clamp<int64_t>(p - first + 1, 0, n));
+        if (o.window > 0) lo = static_cast<uint32_t>(std::clamp<int64_t>(p - o.window + 1 - first, 0, n));
+      }
+      if (lo >= hi) continue;
+      const float* qv = sc.q.data() + size_t{v} * D;
+      float mx = kNegInf;
+      for (uint32_t t = lo; t < hi; ++t) {
+        const float s = Dot(qv, sc.ktile.data() + size_t{t} * D, D);
+        sc.s[t] = s;
+        mx = std::max(mx, s);
+      }
+      const float m_old = sc.m[v];
+      const float m_new = std::max(m_old, mx);
+      const float corr = m_old == kNegInf ? 0.0f : std::exp(m_old - m_new);
+      float sum = 0;
+      for (uint32_t t = lo; t < hi; ++t) {
+        const float e = ExpNonPositive(sc.s[t] - m_new);
+        sc.s[t] = e;
+        sum += e;
+      }
+      float* acc = sc.acc.data() + size_t{v} * D;
+      if (corr != 1.0f) {
+        for (uint32_t d = 0; d < D; ++d) acc[d] *= corr;
+      }
+      for (uint32_t t = lo; t < hi; ++t) {
+        const float e = sc.s[t];
+        const float* vv = sc.vtile.data() + size_t{t} * D;
+        for (uint32_t d = 0; d < D; ++d) acc[d] += e * vv[d];
+      }
+      sc.l[v] = sc.l[v] * corr + sum;
+      sc.m[v] = m_new;
+    }
+  }
+  for (uint32_t r = 0; r < nrows; ++r) {
+    const uint32_t row = rows[task.row_begin + r];
+    for (uint32_t g = 0; g < G; ++g) {
+      const uint32_t v = r * G + g;
+      const uint32_t head = task.kv_head * G + g;
+      float* o_row = out.out + (size_t{row} * q.q_heads + head) * D;
+      const float lsum = sc.l[v];
+      if (lsum > 0) {
+        const float inv = 1.0f / lsum;
+        for (uint32_t d = 0; d < D; ++d) o_row[d] = sc.acc[size_t{v} * D + d] * inv;
+        out.lse[size_t{row} * q.q_heads + head] = sc.m[v] + std::log(lsum);
+      } else {
+        std::memset(o_row, 0, sizeof(float) * D);
+        out.lse[size_t{row} * q.q_heads + head] = kNegInf;
+      }
+    }
+  }
+}
+
+// Rows grouped by sequence (stable), with per-sequence offsets.
+void GroupRows(const QueryTensor& q, uint32_t nseq, std::vector<uint32_t>* rows, std::vector<uint32_t>* begin) {
+  begin->assign(nseq + 1, 0);
+  for (uint32_t r = 0; r < q.num_rows; ++r) ++(*begin)[(q.seq_ids ? q.seq_ids[r] : 0) + 1];
+  for (uint32_t s = 0; s < nseq; ++s) (*begin)[s + 1] += (*begin)[s];
+  rows->resize(q.num_rows);
+  std::vector<uint32_t> fill(begin->begin(), begin->end() - 1);
+  for (uint32_t r = 0; r < q.num_rows; ++r) (*rows)[fill[q.seq_ids ? q.seq_ids[r] : 0]++] = r;
+}
+
+}  // namespace
+
+absl::Status ValidateAttention(const AttentionOptions& o, const QueryTensor& q, const PagedKv& kv) {
+  const char* why = nullptr;
+  if (!kv.layout.IsValid(&why)) return absl::InvalidArgumentError(absl::StrCat("KV layout: ", why));
+  if (!IsFloatKvDType(q.dtype)) return absl::InvalidArgumentError("queries must be f32, f16 or bf16");
+  if (q.num_rows > 0 && q.data == nullptr) return absl::InvalidArgumentError("queries have no data");
+  if (q.head_dim != kv.layout.head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("query head_dim ", q.head_dim, " != KV head_dim ", kv.layout.head_dim));
+  }
+  if (q.q_heads == 0 || q.q_heads % kv.layout.kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q_heads ", q.q_heads, " must be a positive multiple of kv_heads ", kv.layout.kv_heads));
+  }
+  if (o.layer >= kv.layout.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", o.layer, " out of range [0, ", kv.layout.layers, ")"));
+  }
+  if (o.window < 0) return absl::InvalidArgumentError("window must be >= 0");
+  if (!(o.softmax_scale >= 0) || std::isinf(o.softmax_scale)) return absl::InvalidArgumentError("softmax_scale must be finite and >= 0");
+  if ((o.causal || o.window > 0) && q.num_rows > 0 && q.positions == nullptr) {
+    return absl::InvalidArgumentError("causal or windowed attention needs query positions");
+  }
+  KvEncoding e;
+  if (!KvEncoding::Unpack(kv.encoding.Pack(), &e)) return absl::InvalidArgumentError("unknown KV encoding");
+  const uint32_t nseq = kv.num_sequences();
+  if (kv.seq_begin.empty()) return absl::InvalidArgumentError("seq_begin must have num_sequences + 1 entries");
+  if (kv.seq_begin[0] != 0 || kv.seq_begin[nseq] != kv.blocks.size()) {
+    return absl::InvalidArgumentError("seq_begin must start at 0 and end at the number of blocks");
+  }
+  for (uint32_t s = 0; s < nseq; ++s) {
+    if (kv.seq_begin[s] > kv.seq_begin[s + 1]) return absl::InvalidArgumentError("seq_begin must be non-decreasing");
+  }
+  for (size_t i = 0; i < kv.blocks.size(); ++i) {
+    const KvBlockRef& b = kv.blocks[i];
+    if (b.data == nullptr) return absl::InvalidArgumentError(absl::StrCat("KV block ", i, " has no data"));
+    if (b.num_tokens == 0 || b.num_tokens > kv.layout.block_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("KV block ", i, " has ", b.num_tokens, " tokens; must be in [1, ",
+                                                     kv.layout.block_tokens, "]"));
+    }
+    if (b.start_pos < 0) return absl::InvalidArgumentError(absl::StrCat("KV block ", i, " has a negative position"));
+  }
+  if (q.seq_ids != nullptr) {
+    for (uint32_t r = 0; r < q.num_rows; ++r) {
+      if (q.seq_ids[r] >= nseq) {
+        return absl::InvalidArgumentError(absl::StrCat("query row ", r, " names sequence ", q.seq_ids[r], " of ", nseq));
+      }
+    }
+  } else if (q.num_rows > 0 && nseq == 0) {
+    return absl::InvalidArgumentError("queries given but the KV batch has no sequence");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PartialAttention(const AttentionOptions& o, const QueryTensor& q, const PagedKv& kv, PartialOutput out,
+                              ThreadPool* pool) {
+  if (absl::Status s = ValidateAttention(o, q, kv); !s.ok()) return s;
+  if (q.num_rows == 0) return absl::OkStatus();
+  if (out.out == nullptr || out.lse == nullptr) return absl::InvalidArgumentError("output buffers are null");
+  const uint32_t nseq = kv.num_sequences();
+  std::vector<uint32_t> rows, begin;
+  GroupRows(q, nseq, &rows, &begin);
+  std::vector<Task> tasks;
+  for (uint32_t s = 0; s < nseq; ++s) {
+    for (uint32_t h = 0; h < kv.layout.kv_heads; ++h) {
+      for (uint32_t r = begin[s]; r < begin[s + 1]; r += kRowsPerTask) {
+        tasks.push_back(Task{s, h, r, std::min(begin[s + 1], r + kRowsPerTask)});
+      }
+    }
+  }
+  const float scale = o.softmax_scale > 0 ? o.softmax_scale : 1.0f / std::sqrt(static_cast<float>(q.head_dim));
+  ParallelForOrInline(pool, tasks.size(), [&](size_t i) {
+    thread_local Scratch sc;
+    RunTask(o, q, kv, rows.data(), tasks[i], scale, out, sc);
+  });
+  return absl::OkStatus();
+}
+
+double AttentionFlops(const AttentionOptions& o, const QueryTensor& q, const PagedKv& kv) {
+  double visible = 0;
+  for (uint32_t r = 0; r < q.num_rows; ++r) {
+    const uint32_t s = q.seq_ids ? q.seq_ids[r] : 0;
+    const int64_t p = q.positions ? q.positions[r] : 0;
+    for (uint32_t bi = kv.seq_begin[s]; bi < kv.seq_begin[s + 1]; ++bi) {
+      const KvBlockRef& b = kv.blocks[bi];
+      int64_t lo = b.start_pos, hi = b.start_pos + b.num_tokens;  // [lo, hi)
+      if (o.causal) hi = std::min<int64_t>(hi, p + 1);
+      if (o.window > 0) lo = std::max<int64_t>(lo, p - o.window + 1);
+      if (hi > lo) visible += static_cast<double>(hi - lo);
+    }
+  }
+  return 4.0 * q.head_dim * q.q_heads * visible;
+}
+
+}  // namespace kvring

@@ -1,0 +1,42 @@
+// ThreadPool: a fixed set of worker threads for data-parallel loops.
+//
+// ParallelFor(n, fn) runs fn(i) for i in [0, n) across the workers and the
+// calling thread, and returns when all are done. Calls from several threads
+// at once are safe (each waits for its own work). fn must not throw. The
+// destructor joins the workers; no ParallelFor may be running then.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kvring {
+
+class ThreadPool {
+ public:
+  // `threads` workers (0: hardware_concurrency() - 1, at least 0 workers).
+  explicit ThreadPool(size_t threads = 0);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  size_t num_workers() const { return workers_.size(); }
+  void ParallelFor(size_t n, const std::function<void(size_t)>& fn);
+
+ private:
+  void Work();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+};
+
+// Runs fn(i) for i in [0, n) on `pool`, or inline when pool is null.
+void ParallelForOrInline(ThreadPool* pool, size_t n, const std::function<void(size_t)>& fn);
+
+}  // namespace kvring
