@@ -22,10 +22,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr uint32_t kRowsPerTask = 8;
 
 #if defined(__x86_64__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
-#define KVRING_MULTIVERSION __attribute__((target_clones("arch=haswell", "default")))
+#define KVRING_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define KVRING_MULTIVERSION
 #endif
+// Helpers are force-inlined so each clone of RunTask gets its own
+// (AVX2 or baseline) copy of them.
+#define KVRING_INLINE inline __attribute__((always_inline))
 
 const std::array<float, 256>& Fp8Table() {
   static const std::array<float, 256> table = [] {
@@ -37,7 +40,7 @@ const std::array<float, 256>& Fp8Table() {
 }
 
 // exp(x) for x <= 0 (scores minus their max), ~2 ulp; 0 below -87.3.
-inline float ExpNonPositive(float x) {
+KVRING_INLINE float ExpNonPositive(float x) {
   const float kLog2e = 1.44269504088896341f;
   const float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
   const bool under = x < -87.3f;
@@ -61,16 +64,97 @@ inline float ExpNonPositive(float x) {
   return under ? 0.0f : y * scale;
 }
 
-inline float Dot(const float* __restrict a, const float* __restrict b, uint32_t n) {
-  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (uint32_t i = 0; i < n; i += 8) {
-    for (int j = 0; j < 8; ++j) s[j] += a[i + j] * b[i + j];
+// 8-lane float vectors (GCC vector extensions): AVX in the x86-64-v3 clone,
+// pairs of SSE registers in the baseline one.
+typedef float V8 __attribute__((vector_size(32)));
+KVRING_INLINE V8 Load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+KVRING_INLINE void Store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
+KVRING_INLINE float Sum8(V8 v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// Scores of 2 query vectors against 4 keys: 8 independent accumulators hide
+// the FMA latency; each k load serves two queries.
+KVRING_INLINE void Dot2x4(const float* __restrict q0, const float* __restrict q1, const float* __restrict k,
+                          size_t kstride, uint32_t D, float* __restrict s0, float* __restrict s1) {
+  V8 a00 = {}, a01 = {}, a02 = {}, a03 = {}, a10 = {}, a11 = {}, a12 = {}, a13 = {};
+  const float* k0 = k;
+  const float* k1 = k + kstride;
+  const float* k2 = k + 2 * kstride;
+  const float* k3 = k + 3 * kstride;
+  for (uint32_t i = 0; i < D; i += 8) {
+    const V8 x0 = Load8(q0 + i), x1 = Load8(q1 + i);
+    const V8 y0 = Load8(k0 + i), y1 = Load8(k1 + i), y2 = Load8(k2 + i), y3 = Load8(k3 + i);
+    a00 += x0 * y0; a01 += x0 * y1; a02 += x0 * y2; a03 += x0 * y3;
+    a10 += x1 * y0; a11 += x1 * y1; a12 += x1 * y2; a13 += x1 * y3;
   }
-  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  s0[0] = Sum8(a00); s0[1] = Sum8(a01); s0[2] = Sum8(a02); s0[3] = Sum8(a03);
+  s1[0] = Sum8(a10); s1[1] = Sum8(a11); s1[2] = Sum8(a12); s1[3] = Sum8(a13);
+}
+
+KVRING_INLINE float Dot(const float* __restrict a, const float* __restrict b, uint32_t n) {
+  V8 s0 = {}, s1 = {};
+  uint32_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 += Load8(a + i) * Load8(b + i);
+    s1 += Load8(a + i + 8) * Load8(b + i + 8);
+  }
+  for (; i < n; i += 8) s0 += Load8(a + i) * Load8(b + i);
+  return Sum8(s0 + s1);
+}
+
+// S[v][t] = q_v . k_t for v < nv, t < n (S row stride `sstride`).
+KVRING_INLINE void Scores(const float* q, uint32_t nv, const float* k, uint32_t n, uint32_t D, float* S, uint32_t sstride) {
+  uint32_t v = 0;
+  for (; v + 2 <= nv; v += 2) {
+    const float* q0 = q + size_t{v} * D;
+    const float* q1 = q0 + D;
+    uint32_t t = 0;
+    for (; t + 4 <= n; t += 4) Dot2x4(q0, q1, k + size_t{t} * D, D, D, S + size_t{v} * sstride + t, S + size_t{v + 1} * sstride + t);
+    for (; t < n; ++t) {
+      S[size_t{v} * sstride + t] = Dot(q0, k + size_t{t} * D, D);
+      S[size_t{v + 1} * sstride + t] = Dot(q1, k + size_t{t} * D, D);
+    }
+  }
+  for (; v < nv; ++v) {
+    for (uint32_t t = 0; t < n; ++t) S[size_t{v} * sstride + t] = Dot(q + size_t{v} * D, k + size_t{t} * D, D);
+  }
+}
+
+// acc[0..D) = acc * corr + sum_{t in [lo,hi)} e[t] * V[t], 32 columns at a
+// time held in registers across the tokens (head_dim is a multiple of 8).
+KVRING_INLINE void AccumulatePV(float* __restrict acc, float corr, const float* __restrict e, const float* __restrict V,
+                                uint32_t lo, uint32_t hi, uint32_t D) {
+  uint32_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) {
+    V8 a0 = Load8(acc + d0) * corr, a1 = Load8(acc + d0 + 8) * corr;
+    V8 a2 = Load8(acc + d0 + 16) * corr, a3 = Load8(acc + d0 + 24) * corr;
+    for (uint32_t t = lo; t < hi; ++t) {
+      const float et = e[t];
+      const float* vr = V + size_t{t} * D + d0;
+      a0 += et * Load8(vr);
+      a1 += et * Load8(vr + 8);
+      a2 += et * Load8(vr + 16);
+      a3 += et * Load8(vr + 24);
+    }
+    Store8(acc + d0, a0);
+    Store8(acc + d0 + 8, a1);
+    Store8(acc + d0 + 16, a2);
+    Store8(acc + d0 + 24, a3);
+  }
+  for (; d0 < D; d0 += 8) {
+    V8 a = Load8(acc + d0) * corr;
+    for (uint32_t t = lo; t < hi; ++t) a += e[t] * Load8(V + size_t{t} * D + d0);
+    Store8(acc + d0, a);
+  }
 }
 
 // Converts the (layer, kv, head) plane of a block, first `n` tokens, to fp32.
-void LoadTile(const PagedKv& kv, const KvBlockRef& b, uint32_t layer, uint32_t which, uint32_t head, uint32_t n,
+KVRING_INLINE void LoadTile(const PagedKv& kv, const KvBlockRef& b, uint32_t layer, uint32_t which, uint32_t head, uint32_t n,
               float* __restrict dst) {
   const BlockLayout& L = kv.layout;
   const uint32_t D = L.head_dim;
@@ -116,7 +200,7 @@ void LoadTile(const PagedKv& kv, const KvBlockRef& b, uint32_t layer, uint32_t w
   }
 }
 
-float LoadQ(const QueryTensor& q, size_t idx) {
+KVRING_INLINE float LoadQ(const QueryTensor& q, size_t idx) {
   switch (q.dtype) {
     case DType::kF32: return static_cast<const float*>(q.data)[idx];
     case DType::kBF16: return Bf16ToFloat(static_cast<const uint16_t*>(q.data)[idx]);
@@ -151,7 +235,7 @@ void RunTask(const AttentionOptions& o, const QueryTensor& q, const PagedKv& kv,
   sc.pos.resize(nv);
   sc.ktile.resize(size_t{L.block_tokens} * D);
   sc.vtile.resize(size_t{L.block_tokens} * D);
-  sc.s.resize(L.block_tokens);
+  sc.s.resize(size_t{nv} * L.block_tokens);
   int64_t min_pos = std::numeric_limits<int64_t>::max(), max_pos = std::numeric_limits<int64_t>::min();
   for (uint32_t r = 0; r < nrows; ++r) {
     const uint32_t row = rows[task.row_begin + r];
@@ -175,6 +259,8 @@ void RunTask(const AttentionOptions& o, const QueryTensor& q, const PagedKv& kv,
     if (o.window > 0 && last <= min_pos - o.window) continue;
     LoadTile(kv, b, o.layer, 0, task.kv_head, n, sc.ktile.data());
     LoadTile(kv, b, o.layer, 1, task.kv_head, n, sc.vtile.data());
+    const uint32_t BT = L.block_tokens;
+    Scores(sc.q.data(), nv, sc.ktile.data(), n, D, sc.s.data(), BT);
     for (uint32_t v = 0; v < nv; ++v) {
       uint32_t lo = 0, hi = n;
       if (use_pos) {
@@ -183,31 +269,19 @@ void RunTask(const AttentionOptions& o, const QueryTensor& q, const PagedKv& kv,
         if (o.window > 0) lo = static_cast<uint32_t>(std::clamp<int64_t>(p - o.window + 1 - first, 0, n));
       }
       if (lo >= hi) continue;
-      const float* qv = sc.q.data() + size_t{v} * D;
+      float* sv = sc.s.data() + size_t{v} * BT;
       float mx = kNegInf;
-      for (uint32_t t = lo; t < hi; ++t) {
-        const float s = Dot(qv, sc.ktile.data() + size_t{t} * D, D);
-        sc.s[t] = s;
-        mx = std::max(mx, s);
-      }
+      for (uint32_t t = lo; t < hi; ++t) mx = std::max(mx, sv[t]);
       const float m_old = sc.m[v];
       const float m_new = std::max(m_old, mx);
       const float corr = m_old == kNegInf ? 0.0f : std::exp(m_old - m_new);
       float sum = 0;
       for (uint32_t t = lo; t < hi; ++t) {
-        const float e = ExpNonPositive(sc.s[t] - m_new);
-        sc.s[t] = e;
+        const float e = ExpNonPositive(sv[t] - m_new);
+        sv[t] = e;
         sum += e;
       }
-      float* acc = sc.acc.data() + size_t{v} * D;
-      if (corr != 1.0f) {
-        for (uint32_t d = 0; d < D; ++d) acc[d] *= corr;
-      }
-      for (uint32_t t = lo; t < hi; ++t) {
-        const float e = sc.s[t];
-        const float* vv = sc.vtile.data() + size_t{t} * D;
-        for (uint32_t d = 0; d < D; ++d) acc[d] += e * vv[d];
-      }
+      AccumulatePV(sc.acc.data() + size_t{v} * D, corr, sv, sc.vtile.data(), lo, hi, D);
       sc.l[v] = sc.l[v] * corr + sum;
       sc.m[v] = m_new;
     }
