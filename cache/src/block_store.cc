@@ -261,7 +261,16 @@ absl::StatusOr<PutResult> BlockStore::Put(const PutArgs& a, absl::Span<const uin
   // The page is ours alone (not in the index or the policy): copy unlocked.
   mu_.Unlock();
   std::memcpy(pool_->page(page), payload.data(), payload.size());
+  absl::Status through = absl::OkStatus();
+  if (options_.cold_write_through && cold_ != nullptr) {
+    through = cold_->Write(ColdBlockInfo{sk, a.parent, meta}, absl::MakeConstSpan(pool_->page(page), payload.size()));
+  }
   mu_.Lock();
+  if (!through.ok()) {
+    FreePageLocked(page);
+    return absl::Status(through.code(), absl::StrCat("writing block ", a.key.ToHex(), " through to the cold tier: ",
+                                                     through.message()));
+  }
   if (BlockIndex::Entry* e = index_.Find(sk)) {  // a concurrent Put won
     FreePageLocked(page);
     return dedup(e);
@@ -277,6 +286,7 @@ absl::StatusOr<PutResult> BlockStore::Put(const PutArgs& a, absl::Span<const uin
   }
   BlockIndex::Entry* e = *ins;
   e->page = page;
+  e->in_cold = options_.cold_write_through && cold_ != nullptr;
   page_owner_[page] = sk;
   holds_[page] = 0;
   policy_->Admit(page, SlotInfoLocked(sk, *e));

@@ -71,6 +71,18 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
   shared->cv.wait(l, [&] { return shared->done.load() == n; });
 }
 
+void ThreadPool::Submit(std::function<void()> task) {
+  if (workers_.empty()) {
+    task();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
 void ParallelForOrInline(ThreadPool* pool, size_t n, const std::function<void(size_t)>& fn) {
   if (pool != nullptr) {
     pool->ParallelFor(n, fn);

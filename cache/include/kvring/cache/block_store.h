@@ -46,6 +46,10 @@ struct BlockStoreOptions {
   std::string eviction_policy = "lru";
   // mlock the host pages. Default: false.
   bool lock_memory = false;
+  // With a cold tier: also write every new block to it before Put returns,
+  // so a restart recovers every acknowledged block (costs the cold write on
+  // the Put path). Default: false (blocks reach the cold tier on eviction).
+  bool cold_write_through = false;
   // Fault the host pages in at Create() (HostPagePoolOptions::prefault).
   // Default: true.
   bool prefault = true;

@@ -37,8 +37,15 @@ class LogMessage {
 #define KVRING_LOG_LEVEL_WARNING ::kvring::LogLevel::kWarning
 #define KVRING_LOG_LEVEL_ERROR ::kvring::LogLevel::kError
 
-#define KVRING_LOG(severity)                                              \
-  if (KVRING_LOG_LEVEL_##severity < ::kvring::GetLogLevel()) {            \
-  } else                                                                  \
-    ::kvring::LogMessage(KVRING_LOG_LEVEL_##severity, __FILE__, __LINE__) \
-        .stream()
+namespace kvring {
+// Lets KVRING_LOG be one expression (no dangling else inside an if).
+struct LogVoidify {
+  void operator&(std::ostream&) {}
+};
+}  // namespace kvring
+
+#define KVRING_LOG(severity)                                                \
+  (KVRING_LOG_LEVEL_##severity < ::kvring::GetLogLevel())                   \
+      ? (void)0                                                             \
+      : ::kvring::LogVoidify() &                                            \
+            ::kvring::LogMessage(KVRING_LOG_LEVEL_##severity, __FILE__, __LINE__).stream()

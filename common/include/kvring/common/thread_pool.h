@@ -26,6 +26,9 @@ class ThreadPool {
 
   size_t num_workers() const { return workers_.size(); }
   void ParallelFor(size_t n, const std::function<void(size_t)>& fn);
+  // Runs `task` on a worker (or inline when the pool has none). Returns at
+  // once; the task must not outlive what it references.
+  void Submit(std::function<void()> task);
 
  private:
   void Work();

@@ -1,0 +1,128 @@
+// kvring::Client: what an inference engine links to use a kvring cluster.
+//
+// Connect() asks the coordinator who the token belongs to (its tenant and
+// namespace) and for the shard map, which it caches and refreshes (every
+// `map_refresh`, and at once after a node failure); data never passes
+// through the coordinator. Each block goes to its home shards by consistent
+// hashing (R replicas, W acknowledgements); reads try the replicas in
+// preference order and move on when one is down or misses; every payload
+// read back is checked against its XXH3-64 checksum (DATA_LOSS, never
+// served, if it does not match). Bulk payloads use a daemon's UCX data plane
+// when it advertises one, gRPC otherwise.
+//
+// Attention sequences are placed by sequence (contiguous chunks of blocks,
+// each chunk on R shards). Attend() sends the queries to one live replica of
+// every chunk at once (pass-Q fan-out), each shard attends over exactly the
+// blocks it is told to, and the partials merge exactly; if some chunk has no
+// live replica the answer is UNAVAILABLE, never a partial result.
+//
+// Thread-safe: one Client may be used from many threads.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvring/attention/tensors.h"
+#include "kvring/cache/block_key.h"
+#include "kvring/cache/block_meta.h"
+
+namespace kvring {
+
+struct ClientOptions {
+  std::string coordinator = "127.0.0.1:7000";
+  std::string token;
+  // Namespace to act in: empty for the tenant's own, or one of its shared
+  // namespaces ("shared/<name>").
+  std::string ns;
+  // Use a daemon's UCX data plane for payloads when it has one. Default: true.
+  bool use_ucx = true;
+  absl::Duration rpc_timeout = absl::Seconds(10);
+  absl::Duration map_refresh = absl::Seconds(2);
+  // Largest Put/Get message to one node; bigger batches are split.
+  uint64_t max_batch_bytes = 64ull << 20;
+  // Fan-out threads (0: 16).
+  size_t threads = 0;
+};
+
+struct BlockData {
+  BlockKey key;
+  BlockKey parent;  // zero for the first block of a sequence
+  BlockLayout layout;
+  KvEncoding encoding;
+  absl::Span<const uint8_t> payload;
+  bool pin = false;
+};
+
+struct GetResult {
+  absl::Status status;
+  BlockMeta meta;
+  BlockKey parent;
+  std::vector<uint8_t> payload;
+  std::string node_id;  // which replica answered
+};
+
+struct PutReport {
+  uint64_t blocks = 0, inserted = 0, replicas_written = 0, bytes = 0;
+};
+
+struct AttendReport {
+  int shards = 0;
+  uint64_t blocks = 0;
+  uint64_t bytes_sent = 0, bytes_received = 0;
+  int retries = 0;
+  double seconds = 0;
+};
+
+struct NodeStats {
+  std::string node_id, address, state;
+  uint64_t blocks = 0, host_blocks = 0, cold_blocks = 0, pinned_blocks = 0, free_pages = 0, num_pages = 0;
+  uint64_t puts = 0, hits = 0, misses = 0, evictions = 0, demotions = 0, promotions = 0, sequences = 0;
+  uint64_t cold_stored_bytes = 0, cold_raw_bytes = 0;
+  absl::Status status;
+};
+
+class ClientImpl;
+
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const std::string& tenant_name() const;
+  // The namespace this client hashes and stores under.
+  const std::string& namespace_name() const;
+  // Keys for `model_id` blocks of `layout` in this client's namespace.
+  BlockKeyHasher Hasher(const std::string& model_id, const BlockLayout& layout) const;
+
+  // --- block cache (hash placement) ---
+  absl::StatusOr<size_t> LookupPrefix(absl::Span<const BlockKey> chain);
+  absl::StatusOr<PutReport> Put(absl::Span<const BlockData> blocks);
+  std::vector<GetResult> Get(absl::Span<const BlockKey> keys);
+  absl::Status Pin(absl::Span<const BlockKey> keys, bool unpin = false);
+
+  // --- attention sequences (sequence placement) ---
+  // Stores blocks [first_block, first_block + blocks.size()) of `sequence_id`.
+  absl::StatusOr<PutReport> PutSequence(const std::string& sequence_id, uint64_t first_block,
+                                        absl::Span<const BlockData> blocks);
+  // Attention of `q` over blocks [0, num_blocks) of the sequence (layer
+  // `options.layer`), merged over the shards: (O, LSE) for every row.
+  absl::StatusOr<PartialResult> Attend(const std::string& sequence_id, uint64_t num_blocks, const QueryTensor& q,
+                                       const AttentionOptions& options, AttendReport* report = nullptr);
+
+  std::vector<NodeStats> Stats();
+  // The cached shard map version, and a forced refresh.
+  uint64_t map_version() const;
+  absl::Status RefreshMap();
+
+ private:
+  explicit Client(std::unique_ptr<ClientImpl> impl);
+  std::unique_ptr<ClientImpl> impl_;
+};
+
+}  // namespace kvring

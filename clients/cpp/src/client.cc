@@ -1,0 +1,702 @@
+#include "kvring/client/client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/create_channel.h"
+#include "kvring.grpc.pb.h"
+#include "kvring/attention/merge.h"
+#include "kvring/common/logging.h"
+#include "kvring/common/status_macros.h"
+#include "kvring/common/thread_pool.h"
+#include "kvring/control/auth.h"
+#include "kvring/control/request_validation.h"
+#include "kvring/control/shard_ring.h"
+#include "kvring/control/ucx_data_plane.h"
+#include "kvring/transport/ucx_rpc.h"
+
+namespace kvring {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+bool IsNodeFailure(const absl::Status& s) {
+  return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsCancelled(s);
+}
+
+absl::Status StatusOf(const v1::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.code()), s.message());
+}
+}  // namespace
+
+class ClientImpl {
+ public:
+  struct Node {
+    std::string id, address, ucx_address;
+    std::unique_ptr<v1::Node::Stub> stub;
+    absl::Mutex mu;
+    std::unique_ptr<UcxRpcClient> ucx ABSL_GUARDED_BY(mu);
+    bool ucx_tried ABSL_GUARDED_BY(mu) = false;
+  };
+
+  explicit ClientImpl(const ClientOptions& o) : o_(o), pool_(o.threads ? o.threads : 16) {}
+
+  absl::Status Init() {
+    coord_ = v1::Coordinator::NewStub(grpc::CreateChannel(o_.coordinator, grpc::InsecureChannelCredentials()));
+    v1::WhoAmIRequest req;
+    req.set_version(1);
+    auto ctx = Context(absl::Seconds(5));
+    grpc::Status s = coord_->WhoAmI(ctx.get(), req, &tenant_);
+    if (!s.ok()) return absl::Status(FromGrpc(s).code(), absl::StrCat("coordinator ", o_.coordinator, ": ", s.error_message()));
+    KVRING_ASSIGN_OR_RETURN(ns_, ResolveNamespace(tenant_, o_.ns));
+    ns_id_ = NamespaceIdOf(ns_);
+    return RefreshMap();
+  }
+
+  std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout) const {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->AddMetadata("authorization", "Bearer " + o_.token);
+    ctx->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
+    return ctx;
+  }
+
+  v1::RequestHeader Header() const {
+    v1::RequestHeader h;
+    h.set_version(1);
+    h.set_namespace_(o_.ns);
+    return h;
+  }
+
+  absl::Status RefreshMap() {
+    v1::GetShardMapRequest req;
+    req.set_version(1);
+    v1::ShardMap map;
+    auto ctx = Context(absl::Seconds(5));
+    grpc::Status s = coord_->GetShardMap(ctx.get(), req, &map);
+    if (!s.ok()) return FromGrpc(s);
+    auto ring = std::make_shared<const ShardRing>(map);
+    absl::MutexLock l(&mu_);
+    for (const auto& n : map.nodes()) {
+      auto& conn = nodes_[n.node_id()];
+      if (conn == nullptr || conn->address != n.grpc_address() || conn->ucx_address != n.ucx_address()) {
+        conn = std::make_shared<Node>();
+        conn->id = n.node_id();
+        conn->address = n.grpc_address();
+        conn->ucx_address = n.ucx_address();
+        grpc::ChannelArguments args;
+        args.SetMaxReceiveMessageSize(-1);
+        args.SetMaxSendMessageSize(-1);
+        conn->stub = v1::Node::NewStub(grpc::CreateCustomChannel(n.grpc_address(), grpc::InsecureChannelCredentials(), args));
+      }
+    }
+    ring_ = ring;
+    last_refresh_ = absl::Now();
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<const ShardRing> Ring() {
+    bool stale;
+    {
+      absl::MutexLock l(&mu_);
+      stale = absl::Now() - last_refresh_ > o_.map_refresh;
+    }
+    if (stale) {
+      absl::Status s = RefreshMap();  // the coordinator being away is no reason to stop serving
+      if (!s.ok()) {
+        absl::MutexLock l(&mu_);
+        last_refresh_ = absl::Now();
+      }
+    }
+    absl::MutexLock l(&mu_);
+    return ring_;
+  }
+
+  std::shared_ptr<Node> NodeFor(const std::string& id) {
+    absl::MutexLock l(&mu_);
+    auto it = nodes_.find(id);
+    return it == nodes_.end() ? nullptr : it->second;
+  }
+
+  void Suspect(const std::string& id) {
+    {
+      absl::MutexLock l(&mu_);
+      suspect_until_[id] = absl::Now() + absl::Seconds(2);
+    }
+    (void)RefreshMap();
+  }
+  bool Suspected(const std::string& id) {
+    absl::MutexLock l(&mu_);
+    auto it = suspect_until_.find(id);
+    return it != suspect_until_.end() && it->second > absl::Now();
+  }
+
+  // Node indices for a ring position: live, unsuspected nodes first.
+  std::vector<int> Candidates(const ShardRing& ring, uint64_t pos) {
+    std::vector<int> good, bad;
+    for (int i : ring.ReadCandidates(pos)) {
+      (ring.up(i) && !Suspected(ring.node(i).node_id()) ? good : bad).push_back(i);
+    }
+    good.insert(good.end(), bad.begin(), bad.end());
+    return good;
+  }
+
+  UcxRpcClient* Ucx(Node& n) {
+    if (!o_.use_ucx || n.ucx_address.empty()) return nullptr;
+    absl::MutexLock l(&n.mu);
+    if (n.ucx && n.ucx->connected()) return n.ucx.get();
+    if (n.ucx_tried && !n.ucx) return nullptr;
+    n.ucx_tried = true;
+    auto c = UcxRpcClient::Connect(n.ucx_address, absl::Seconds(3));
+    if (!c.ok()) {
+      KVRING_LOG(WARNING) << "UCX to " << n.id << " at " << n.ucx_address << " failed (" << c.status().message()
+                          << "); using gRPC payloads";
+      n.ucx.reset();
+      return nullptr;
+    }
+    n.ucx = std::move(*c);
+    return n.ucx.get();
+  }
+
+  // ---- per-node calls ----
+  absl::StatusOr<v1::PutResponse> PutOn(Node& n, v1::PutRequest req, const std::vector<absl::Span<const uint8_t>>& payloads) {
+    if (UcxRpcClient* u = Ucx(n)) {
+      auto r = u->Call(kUcxMethodPut, o_.token, req.SerializeAsString(), payloads, {}, o_.rpc_timeout);
+      if (!r.ok()) return r.status();
+      if (!r->status.ok()) return r->status;
+      v1::PutResponse resp;
+      if (!resp.ParseFromString(r->meta)) return absl::DataLossError("bad UCX Put reply");
+      return resp;
+    }
+    for (int i = 0; i < req.blocks_size(); ++i) {
+      req.mutable_blocks(i)->set_payload(reinterpret_cast<const char*>(payloads[i].data()), payloads[i].size());
+    }
+    v1::PutResponse resp;
+    auto ctx = Context(o_.rpc_timeout);
+    grpc::Status s = n.stub->Put(ctx.get(), req, &resp);
+    if (!s.ok()) return FromGrpc(s);
+    return resp;
+  }
+
+  absl::StatusOr<std::vector<GetResult>> GetOn(Node& n, const std::vector<BlockKey>& keys) {
+    v1::GetRequest req;
+    *req.mutable_header() = Header();
+    for (const auto& k : keys) KeyToProto(k, req.add_keys());
+    v1::GetResponse resp;
+    std::vector<uint8_t> bulk;
+    bool via_ucx = false;
+    if (UcxRpcClient* u = Ucx(n)) {
+      auto r = u->Call(kUcxMethodGet, o_.token, req.SerializeAsString(), {}, {}, o_.rpc_timeout);
+      if (!r.ok()) return r.status();
+      if (!r->status.ok()) return r->status;
+      if (!resp.ParseFromString(r->meta)) return absl::DataLossError("bad UCX Get reply");
+      bulk = std::move(r->payload);
+      via_ucx = true;
+    } else {
+      auto ctx = Context(o_.rpc_timeout);
+      grpc::Status s = n.stub->Get(ctx.get(), req, &resp);
+      if (!s.ok()) return FromGrpc(s);
+    }
+    if (resp.blocks_size() != static_cast<int>(keys.size())) return absl::DataLossError("Get reply has the wrong number of blocks");
+    std::vector<GetResult> out(keys.size());
+    size_t off = 0;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const v1::GetBlock& b = resp.blocks(static_cast<int>(i));
+      GetResult& r = out[i];
+      r.node_id = n.id;
+      r.status = StatusOf(b.status());
+      if (!r.status.ok()) continue;
+      const size_t size = b.block().payload_bytes();
+      if (via_ucx) {
+        if (off + size > bulk.size()) {
+          r.status = absl::DataLossError("UCX Get reply shorter than its headers");
+          continue;
+        }
+        r.payload.assign(bulk.begin() + off, bulk.begin() + off + size);
+        off += size;
+      } else {
+        r.payload.assign(b.payload().begin(), b.payload().end());
+      }
+      auto layout = LayoutFromProto(b.block().layout());
+      if (!layout.ok()) {
+        r.status = layout.status();
+        continue;
+      }
+      r.meta.layout = *layout;
+      KvEncoding::Unpack(static_cast<uint8_t>(b.block().encoding()), &r.meta.encoding);
+      r.meta.payload_bytes = static_cast<uint32_t>(size);
+      r.meta.checksum = b.block().checksum();
+      r.parent = KeyFromProto(b.block().parent());
+      if (r.payload.size() != size || PayloadChecksum(r.payload.data(), r.payload.size()) != r.meta.checksum) {
+        r.status = absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id, " fails its checksum"));
+        r.payload.clear();
+      }
+    }
+    return out;
+  }
+
+  absl::StatusOr<uint32_t> LookupOn(Node& n, const std::vector<BlockKey>& keys) {
+    v1::LookupRequest req;
+    *req.mutable_header() = Header();
+    for (const auto& k : keys) KeyToProto(k, req.add_keys());
+    v1::LookupResponse resp;
+    auto ctx = Context(o_.rpc_timeout);
+    grpc::Status s = n.stub->Lookup(ctx.get(), req, &resp);
+    if (!s.ok()) return FromGrpc(s);
+    return resp.prefix_length();
+  }
+
+  absl::StatusOr<v1::AttendResponse> AttendOn(Node& n, v1::AttendRequest req, absl::Span<const uint8_t> q) {
+    if (UcxRpcClient* u = Ucx(n)) {
+      std::vector<absl::Span<const uint8_t>> parts{q};
+      auto r = u->Call(kUcxMethodAttend, o_.token, req.SerializeAsString(), parts, {}, o_.rpc_timeout);
+      if (!r.ok()) return r.status();
+      if (!r->status.ok()) return r->status;
+      v1::AttendResponse resp;
+      if (!resp.ParseFromString(r->meta)) return absl::DataLossError("bad UCX Attend reply");
+      const size_t out_bytes = size_t{resp.num_rows()} * resp.q_heads() * resp.head_dim() * 4;
+      const size_t lse_bytes = size_t{resp.num_rows()} * resp.q_heads() * 4;
+      if (r->payload.size() != out_bytes + lse_bytes) return absl::DataLossError("UCX Attend reply has the wrong size");
+      resp.set_out(reinterpret_cast<const char*>(r->payload.data()), out_bytes);
+      resp.set_lse(reinterpret_cast<const char*>(r->payload.data()) + out_bytes, lse_bytes);
+      return resp;
+    }
+    req.set_queries(reinterpret_cast<const char*>(q.data()), q.size());
+    v1::AttendResponse resp;
+    auto ctx = Context(o_.rpc_timeout);
+    grpc::Status s = n.stub->Attend(ctx.get(), req, &resp);
+    if (!s.ok()) return FromGrpc(s);
+    return resp;
+  }
+
+  // ---- public operations ----
+  absl::StatusOr<PutReport> PutBlocks(absl::Span<const BlockData> blocks, const std::string* seq, uint64_t first_block) {
+    auto ring = Ring();
+    if (ring->num_nodes() == 0) return absl::UnavailableError("the shard map has no nodes");
+    const int R = ring->replication(), W = ring->write_quorum();
+    const size_t n = blocks.size();
+    std::vector<uint64_t> pos(n);
+    for (size_t i = 0; i < n; ++i) {
+      pos[i] = seq ? ShardRing::ChunkPosition(ns_, *seq, (first_block + i) / ring->chunk_blocks())
+                   : ShardRing::KeyPosition(blocks[i].key);
+    }
+    std::vector<std::vector<int>> cands(n);
+    std::vector<size_t> next(n, 0);  // next candidate to try
+    std::vector<int> acks(n, 0);
+    std::vector<absl::Status> last_err(n);
+    std::vector<int> inserted(n, 0);
+    for (size_t i = 0; i < n; ++i) cands[i] = Candidates(*ring, pos[i]);
+    std::vector<int> want(n, R);
+    PutReport rep;
+    rep.blocks = n;
+    for (int round = 0; round < 2 * ring->num_nodes() + 1; ++round) {
+      // node -> blocks to write there this round
+      std::map<int, std::vector<size_t>> plan;
+      for (size_t i = 0; i < n; ++i) {
+        while (want[i] > 0 && next[i] < cands[i].size()) {
+          plan[cands[i][next[i]++]].push_back(i);
+          --want[i];
+        }
+      }
+      if (plan.empty()) break;
+      std::vector<std::pair<int, std::vector<size_t>>> jobs(plan.begin(), plan.end());
+      struct Outcome {
+        absl::Status status;
+        bool inserted = false;
+      };
+      std::vector<std::vector<Outcome>> results(jobs.size());
+      pool_.ParallelFor(jobs.size(), [&](size_t j) {
+        const int node_idx = jobs[j].first;
+        const auto& idx = jobs[j].second;
+        results[j].assign(idx.size(), Outcome{});
+        auto node = NodeFor(ring->node(node_idx).node_id());
+        if (!node) {
+          for (auto& r : results[j]) r.status = absl::UnavailableError("unknown node");
+          return;
+        }
+        // Split into messages of at most max_batch_bytes.
+        size_t start = 0;
+        while (start < idx.size()) {
+          v1::PutRequest req;
+          *req.mutable_header() = Header();
+          std::vector<absl::Span<const uint8_t>> payloads;
+          uint64_t bytes = 0;
+          size_t end = start;
+          while (end < idx.size() && (end == start || bytes + blocks[idx[end]].payload.size() <= o_.max_batch_bytes)) {
+            const BlockData& b = blocks[idx[end]];
+            v1::PutBlock* pb = req.add_blocks();
+            KeyToProto(b.key, pb->mutable_block()->mutable_key());
+            if (!b.parent.is_zero()) KeyToProto(b.parent, pb->mutable_block()->mutable_parent());
+            LayoutToProto(b.layout, pb->mutable_block()->mutable_layout());
+            pb->mutable_block()->set_encoding(b.encoding.Pack());
+            pb->mutable_block()->set_payload_bytes(static_cast<uint32_t>(b.payload.size()));
+            pb->mutable_block()->set_checksum(PayloadChecksum(b.payload.data(), b.payload.size()));
+            pb->set_pin(b.pin);
+            if (seq) {
+              pb->mutable_sequence()->set_sequence_id(*seq);
+              pb->mutable_sequence()->set_block_index(first_block + idx[end]);
+            }
+            payloads.push_back(b.payload);
+            bytes += b.payload.size();
+            ++end;
+          }
+          absl::StatusOr<v1::PutResponse> resp = PutOn(*node, std::move(req), payloads);
+          for (size_t k = start; k < end; ++k) {
+            if (!resp.ok()) {
+              results[j][k].status = resp.status();
+            } else if (resp->results_size() != static_cast<int>(end - start)) {
+              results[j][k].status = absl::DataLossError("Put reply has the wrong number of results");
+            } else {
+              const auto& r = resp->results(static_cast<int>(k - start));
+              results[j][k].status = StatusOf(r.status());
+              results[j][k].inserted = r.inserted();
+            }
+          }
+          if (!resp.ok() && IsNodeFailure(resp.status())) {
+            for (size_t k = end; k < idx.size(); ++k) results[j][k].status = resp.status();
+            break;
+          }
+          start = end;
+        }
+      });
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        bool failed_node = false;
+        for (size_t k = 0; k < jobs[j].second.size(); ++k) {
+          const size_t i = jobs[j].second[k];
+          const absl::Status& s = results[j][k].status;
+          if (s.ok()) {
+            ++acks[i];
+            ++rep.replicas_written;
+            if (results[j][k].inserted) inserted[i] = 1;
+          } else if (IsNodeFailure(s)) {
+            last_err[i] = s;
+            ++want[i];  // try the next candidate
+            failed_node = true;
+          } else {
+            last_err[i] = s;  // the node refused the block (bad input, quota...): no retry elsewhere
+          }
+        }
+        if (failed_node) Suspect(ring->node(jobs[j].first).node_id());
+      }
+    }
+    absl::Status first_error = absl::OkStatus();
+    for (size_t i = 0; i < n; ++i) {
+      rep.inserted += inserted[i];
+      rep.bytes += blocks[i].payload.size();
+      if (acks[i] < W && first_error.ok()) {
+        first_error = absl::Status(last_err[i].ok() ? absl::StatusCode::kUnavailable : last_err[i].code(),
+                                   absl::StrCat("block ", i, " (", blocks[i].key.ToHex(), ") stored on ", acks[i], " of ", W,
+                                                " required replicas", last_err[i].ok() ? "" : ": ",
+                                                std::string(last_err[i].message())));
+      }
+    }
+    if (!first_error.ok()) return first_error;
+    return rep;
+  }
+
+  std::vector<GetResult> GetBlocks(absl::Span<const BlockKey> keys) {
+    auto ring = Ring();
+    const size_t n = keys.size();
+    std::vector<GetResult> out(n);
+    std::vector<std::vector<int>> cands(n);
+    std::vector<size_t> next(n, 0);
+    std::vector<bool> done(n, false);
+    for (size_t i = 0; i < n; ++i) {
+      cands[i] = Candidates(*ring, ShardRing::KeyPosition(keys[i]));
+      out[i].status = absl::NotFoundError(absl::StrCat("block ", keys[i].ToHex(), " not held by any replica"));
+    }
+    const size_t max_tries = static_cast<size_t>(std::max(1, ring->num_nodes()));
+    for (size_t round = 0; round < max_tries; ++round) {
+      std::map<int, std::vector<size_t>> plan;
+      for (size_t i = 0; i < n; ++i) {
+        if (!done[i] && next[i] < cands[i].size()) plan[cands[i][next[i]++]].push_back(i);
+      }
+      if (plan.empty()) break;
+      std::vector<std::pair<int, std::vector<size_t>>> jobs(plan.begin(), plan.end());
+      std::vector<absl::StatusOr<std::vector<GetResult>>> res(jobs.size(), absl::UnknownError(""));
+      pool_.ParallelFor(jobs.size(), [&](size_t j) {
+        auto node = NodeFor(ring->node(jobs[j].first).node_id());
+        if (!node) {
+          res[j] = absl::UnavailableError("unknown node");
+          return;
+        }
+        std::vector<BlockKey> ks;
+        for (size_t i : jobs[j].second) ks.push_back(keys[i]);
+        res[j] = GetOn(*node, ks);
+      });
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        if (!res[j].ok()) {
+          if (IsNodeFailure(res[j].status())) Suspect(ring->node(jobs[j].first).node_id());
+          for (size_t i : jobs[j].second) out[i].status = res[j].status();
+          continue;
+        }
+        for (size_t k = 0; k < jobs[j].second.size(); ++k) {
+          const size_t i = jobs[j].second[k];
+          GetResult& r = (*res[j])[k];
+          if (r.status.ok()) {
+            out[i] = std::move(r);
+            done[i] = true;
+          } else if (!absl::IsNotFound(r.status) || absl::IsNotFound(out[i].status)) {
+            out[i].status = r.status;
+          }
+        }
+      }
+    }
+    return out;
+  }
+
+  absl::StatusOr<size_t> Lookup(absl::Span<const BlockKey> chain) {
+    auto ring = Ring();
+    if (chain.empty()) return size_t{0};
+    // Each key asks its first live replica; each node answers for its ordered
+    // subsequence; the global prefix ends at the earliest first miss.
+    std::map<int, std::vector<size_t>> plan;
+    for (size_t i = 0; i < chain.size(); ++i) {
+      auto c = Candidates(*ring, ShardRing::KeyPosition(chain[i]));
+      if (c.empty()) return absl::UnavailableError("no nodes");
+      plan[c[0]].push_back(i);
+    }
+    std::vector<std::pair<int, std::vector<size_t>>> jobs(plan.begin(), plan.end());
+    std::vector<absl::StatusOr<uint32_t>> res(jobs.size(), absl::UnknownError(""));
+    pool_.ParallelFor(jobs.size(), [&](size_t j) {
+      auto node = NodeFor(ring->node(jobs[j].first).node_id());
+      if (!node) {
+        res[j] = absl::UnavailableError("unknown node");
+        return;
+      }
+      std::vector<BlockKey> ks;
+      for (size_t i : jobs[j].second) ks.push_back(chain[i]);
+      res[j] = LookupOn(*node, ks);
+    });
+    size_t prefix = chain.size();
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const auto& idx = jobs[j].second;
+      if (!res[j].ok()) {
+        if (IsNodeFailure(res[j].status())) Suspect(ring->node(jobs[j].first).node_id());
+        prefix = std::min(prefix, idx[0]);  // unknown: treat its first block as a miss
+        continue;
+      }
+      if (*res[j] < idx.size()) prefix = std::min(prefix, idx[*res[j]]);
+    }
+    return prefix;
+  }
+
+  absl::StatusOr<PartialResult> Attend(const std::string& seq, uint64_t num_blocks, const QueryTensor& q,
+                                       const AttentionOptions& o, AttendReport* report) {
+    const auto t0 = Clock::now();
+    if (q.num_rows == 0) return absl::InvalidArgumentError("Attend needs at least one query row");
+    if (q.data == nullptr || q.positions == nullptr) return absl::InvalidArgumentError("queries need data and positions");
+    if (q.seq_ids != nullptr) return absl::InvalidArgumentError("Attend serves one sequence; seq_ids must be null");
+    auto ring = Ring();
+    const uint64_t chunk = ring->chunk_blocks();
+    const uint64_t nchunks = (num_blocks + chunk - 1) / chunk;
+    const size_t qbytes = size_t{q.num_rows} * q.q_heads * q.head_dim * DTypeSize(q.dtype);
+    absl::Span<const uint8_t> qspan(static_cast<const uint8_t*>(q.data), qbytes);
+    std::vector<std::vector<int>> cands(nchunks);
+    std::vector<size_t> next(nchunks, 0);
+    for (uint64_t c = 0; c < nchunks; ++c) cands[c] = Candidates(*ring, ShardRing::ChunkPosition(ns_, seq, c));
+    std::vector<uint64_t> pending(nchunks);
+    for (uint64_t c = 0; c < nchunks; ++c) pending[c] = c;
+    std::vector<PartialResult> partials;
+    AttendReport rep;
+    absl::Status last_error = absl::OkStatus();
+    for (int round = 0; !pending.empty(); ++round) {
+      std::map<int, std::vector<uint64_t>> plan;  // node -> chunks
+      for (uint64_t c : pending) {
+        if (next[c] >= cands[c].size()) {
+          return absl::UnavailableError(absl::StrCat("no live replica holds chunk ", c, " of sequence '", seq,
+                                                     "'", last_error.ok() ? "" : ": ", std::string(last_error.message())));
+        }
+        plan[cands[c][next[c]++]].push_back(c);
+      }
+      if (round > 0) rep.retries += static_cast<int>(plan.size());
+      std::vector<std::pair<int, std::vector<uint64_t>>> jobs(plan.begin(), plan.end());
+      std::vector<absl::StatusOr<v1::AttendResponse>> res(jobs.size(), absl::UnknownError(""));
+      pool_.ParallelFor(jobs.size(), [&](size_t j) {
+        auto node = NodeFor(ring->node(jobs[j].first).node_id());
+        if (!node) {
+          res[j] = absl::UnavailableError("unknown node");
+          return;
+        }
+        v1::AttendRequest req;
+        *req.mutable_header() = Header();
+        req.set_sequence_id(seq);
+        for (uint64_t c : jobs[j].second) {
+          for (uint64_t b = c * chunk; b < std::min(num_blocks, (c + 1) * chunk); ++b) req.add_block_indices(b);
+        }
+        req.set_layer(o.layer);
+        req.set_num_rows(q.num_rows);
+        req.set_q_heads(q.q_heads);
+        req.set_head_dim(q.head_dim);
+        req.set_q_dtype(static_cast<uint32_t>(q.dtype));
+        for (uint32_t r = 0; r < q.num_rows; ++r) req.add_positions(q.positions[r]);
+        req.set_causal(o.causal);
+        req.set_window(o.window);
+        req.set_softmax_scale(o.softmax_scale);
+        res[j] = AttendOn(*node, std::move(req), qspan);
+      });
+      pending.clear();
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        if (!res[j].ok()) {
+          last_error = res[j].status();
+          if (IsNodeFailure(res[j].status())) Suspect(ring->node(jobs[j].first).node_id());
+          if (!IsNodeFailure(res[j].status()) && !absl::IsNotFound(res[j].status())) return res[j].status();
+          pending.insert(pending.end(), jobs[j].second.begin(), jobs[j].second.end());
+          continue;
+        }
+        const v1::AttendResponse& r = *res[j];
+        PartialResult p(q.num_rows, q.q_heads, q.head_dim);
+        if (r.num_rows() != q.num_rows || r.q_heads() != q.q_heads || r.head_dim() != q.head_dim ||
+            r.out().size() != p.out.size() * 4 || r.lse().size() != p.lse.size() * 4) {
+          return absl::DataLossError("Attend reply has the wrong shape");
+        }
+        std::memcpy(p.out.data(), r.out().data(), r.out().size());
+        std::memcpy(p.lse.data(), r.lse().data(), r.lse().size());
+        partials.push_back(std::move(p));
+        rep.blocks += r.blocks_used();
+        rep.bytes_sent += qbytes;
+        rep.bytes_received += r.out().size() + r.lse().size();
+        ++rep.shards;
+      }
+    }
+    PartialResult merged(q.num_rows, q.q_heads, q.head_dim);
+    if (partials.empty()) {
+      std::fill(merged.lse.begin(), merged.lse.end(), -std::numeric_limits<float>::infinity());
+    } else {
+      std::vector<ConstPartial> views;
+      for (auto& p : partials) views.push_back(p.cview());
+      KVRING_RETURN_IF_ERROR(MergePartials(views, q.num_rows, q.q_heads, q.head_dim, merged.view()));
+    }
+    rep.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (report) *report = rep;
+    return merged;
+  }
+
+  std::vector<NodeStats> Stats() {
+    auto ring = Ring();
+    std::vector<NodeStats> out(ring->num_nodes());
+    pool_.ParallelFor(out.size(), [&](size_t i) {
+      const auto& info = ring->node(static_cast<int>(i));
+      NodeStats& s = out[i];
+      s.node_id = info.node_id();
+      s.address = info.grpc_address();
+      s.state = v1::NodeInfo::State_Name(info.state());
+      auto node = NodeFor(info.node_id());
+      if (!node) {
+        s.status = absl::UnavailableError("unknown node");
+        return;
+      }
+      v1::StatsRequest req;
+      *req.mutable_header() = Header();
+      v1::StatsResponse r;
+      auto ctx = Context(absl::Seconds(2));
+      grpc::Status g = node->stub->Stats(ctx.get(), req, &r);
+      s.status = FromGrpc(g);
+      if (!g.ok()) return;
+      s.blocks = r.blocks();
+      s.host_blocks = r.host_blocks();
+      s.cold_blocks = r.cold_blocks();
+      s.pinned_blocks = r.pinned_blocks();
+      s.free_pages = r.free_pages();
+      s.num_pages = r.num_pages();
+      s.puts = r.puts();
+      s.hits = r.hits();
+      s.misses = r.misses();
+      s.evictions = r.evictions();
+      s.demotions = r.demotions();
+      s.promotions = r.promotions();
+      s.sequences = r.sequences();
+      s.cold_stored_bytes = r.cold_stored_bytes();
+      s.cold_raw_bytes = r.cold_raw_bytes();
+    });
+    return out;
+  }
+
+  absl::Status PinBlocks(absl::Span<const BlockKey> keys, bool unpin) {
+    auto ring = Ring();
+    std::map<int, std::vector<size_t>> plan;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      for (int n : Candidates(*ring, ShardRing::KeyPosition(keys[i]))) {
+        if (ring->up(n)) plan[n].push_back(i);
+      }
+    }
+    absl::Status first = absl::OkStatus();
+    std::vector<int> ok_count(keys.size(), 0);
+    for (auto& [node_idx, idx] : plan) {
+      auto node = NodeFor(ring->node(node_idx).node_id());
+      if (!node) continue;
+      v1::PinRequest req;
+      *req.mutable_header() = Header();
+      req.set_unpin(unpin);
+      for (size_t i : idx) KeyToProto(keys[i], req.add_keys());
+      v1::PinResponse resp;
+      auto ctx = Context(o_.rpc_timeout);
+      grpc::Status s = node->stub->Pin(ctx.get(), req, &resp);
+      if (!s.ok()) continue;
+      for (int k = 0; k < resp.results_size() && k < static_cast<int>(idx.size()); ++k) {
+        absl::Status r = StatusOf(resp.results(k).status());
+        if (r.ok()) ++ok_count[idx[k]];
+        else if (!absl::IsNotFound(r) && first.ok()) first = r;
+      }
+    }
+    if (!first.ok()) return first;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (ok_count[i] == 0) return absl::NotFoundError(absl::StrCat("block ", keys[i].ToHex(), " is on no live node"));
+    }
+    return absl::OkStatus();
+  }
+
+  ClientOptions o_;
+  v1::Tenant tenant_;
+  std::string ns_;
+  NamespaceId ns_id_ = 0;
+  std::unique_ptr<v1::Coordinator::Stub> coord_;
+  ThreadPool pool_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const ShardRing> ring_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_refresh_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<Node>> nodes_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, absl::Time> suspect_until_ ABSL_GUARDED_BY(mu_);
+};
+
+Client::Client(std::unique_ptr<ClientImpl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  if (options.token.empty()) return absl::InvalidArgumentError("a tenant token is required");
+  auto impl = std::make_unique<ClientImpl>(options);
+  KVRING_RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+const std::string& Client::tenant_name() const { return impl_->tenant_.name(); }
+const std::string& Client::namespace_name() const { return impl_->ns_; }
+BlockKeyHasher Client::Hasher(const std::string& model_id, const BlockLayout& layout) const {
+  return BlockKeyHasher(model_id, impl_->ns_, layout);
+}
+absl::StatusOr<size_t> Client::LookupPrefix(absl::Span<const BlockKey> chain) { return impl_->Lookup(chain); }
+absl::StatusOr<PutReport> Client::Put(absl::Span<const BlockData> blocks) { return impl_->PutBlocks(blocks, nullptr, 0); }
+std::vector<GetResult> Client::Get(absl::Span<const BlockKey> keys) { return impl_->GetBlocks(keys); }
+absl::Status Client::Pin(absl::Span<const BlockKey> keys, bool unpin) { return impl_->PinBlocks(keys, unpin); }
+absl::StatusOr<PutReport> Client::PutSequence(const std::string& sequence_id, uint64_t first_block,
+                                              absl::Span<const BlockData> blocks) {
+  KVRING_RETURN_IF_ERROR(ValidateSequenceId(sequence_id, RequestLimits{}));
+  return impl_->PutBlocks(blocks, &sequence_id, first_block);
+}
+absl::StatusOr<PartialResult> Client::Attend(const std::string& sequence_id, uint64_t num_blocks, const QueryTensor& q,
+                                             const AttentionOptions& options, AttendReport* report) {
+  KVRING_RETURN_IF_ERROR(ValidateSequenceId(sequence_id, RequestLimits{}));
+  return impl_->Attend(sequence_id, num_blocks, q, options, report);
+}
+std::vector<NodeStats> Client::Stats() { return impl_->Stats(); }
+uint64_t Client::map_version() const {
+  absl::MutexLock l(&impl_->mu_);
+  return impl_->ring_ ? impl_->ring_->version() : 0;
+}
+absl::Status Client::RefreshMap() { return impl_->RefreshMap(); }
+
+}  // namespace kvring

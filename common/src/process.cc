@@ -1,0 +1,53 @@
+#include "kvring/common/process.h"
+
+#include <pthread.h>
+
+#include <fstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+
+namespace kvring {
+
+void BlockTerminationSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+}
+
+int WaitForTerminationSignal() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  int sig = 0;
+  sigwait(&set, &sig);
+  return sig;
+}
+
+absl::StatusOr<std::string> ReadSecretFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read secret file '", path, "'"));
+  std::string line;
+  std::getline(in, line);
+  std::string out(absl::StripAsciiWhitespace(line));
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("secret file '", path, "' is empty"));
+  return out;
+}
+
+absl::StatusOr<HostPort> ParseHostPort(const std::string& s) {
+  const size_t colon = s.rfind(':');
+  if (colon == std::string::npos || colon == 0) return absl::InvalidArgumentError(absl::StrCat("'", s, "' is not host:port"));
+  HostPort hp;
+  hp.host = s.substr(0, colon);
+  if (!absl::SimpleAtoi(s.substr(colon + 1), &hp.port) || hp.port < 0 || hp.port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("'", s, "' has a bad port"));
+  }
+  return hp;
+}
+
+}  // namespace kvring

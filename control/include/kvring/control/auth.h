@@ -1,0 +1,50 @@
+// Authentication: bearer tokens, their SHA-256 digests, and the tenant
+// directory a daemon (or the coordinator) checks them against.
+//
+// Only digests are stored or sent between nodes; a token is shown once, when
+// its tenant is created. TenantDirectory is thread-safe.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/server_context.h"
+#include "kvring.pb.h"
+#include "kvring/cache/block_key.h"
+
+namespace kvring {
+
+std::string Sha256(std::string_view data);
+// 32 random bytes (OpenSSL RAND_bytes), hex-encoded: 64 characters.
+absl::StatusOr<std::string> GenerateToken();
+// The token of "authorization: Bearer <token>"; UNAUTHENTICATED if absent.
+absl::StatusOr<std::string> BearerToken(const grpc::ServerContext& ctx);
+
+grpc::Status ToGrpc(const absl::Status& s);
+absl::Status FromGrpc(const grpc::Status& s);
+
+// The namespace a request acts in: the tenant's own (requested empty or equal
+// to it) or one of its shared namespaces; PERMISSION_DENIED otherwise.
+absl::StatusOr<std::string> ResolveNamespace(const v1::Tenant& tenant, const std::string& requested);
+
+class TenantDirectory {
+ public:
+  // Replaces the table when `table` is newer than the one held.
+  void Update(const v1::TenantTable& table) ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t version() const ABSL_LOCKS_EXCLUDED(mu_);
+  // UNAUTHENTICATED for a missing or unknown token.
+  absl::StatusOr<v1::Tenant> Authenticate(const grpc::ServerContext& ctx) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<v1::Tenant> ByToken(const std::string& token) const ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<v1::Tenant> tenants() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  mutable absl::Mutex mu_;
+  uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<std::string, v1::Tenant> by_digest_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvring

@@ -1,0 +1,62 @@
+// CoordinatorLink: a daemon's session with the coordinator. Registers the
+// node (retrying with backoff until the coordinator answers), heartbeats
+// every interval on its own thread, re-registers when the coordinator asks
+// (it restarted or declared this node dead), and refreshes the tenant
+// directory whenever the coordinator's tenants version moves.
+//
+// Start() returns once the first registration and tenant fetch succeeded or
+// `start_timeout` passed (UNAVAILABLE). The destructor stops the thread.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "kvring.grpc.pb.h"
+#include "kvring/control/auth.h"
+
+namespace kvring {
+
+struct CoordinatorLinkOptions {
+  std::string coordinator;   // host:port
+  std::string cluster_token;
+  v1::NodeInfo node;         // node_id, addresses, capacity
+  absl::Duration start_timeout = absl::Seconds(30);
+  absl::Duration rpc_timeout = absl::Seconds(2);
+  // Called after the tenant directory changed.
+  std::function<void()> on_tenants_changed;
+  // Returns the node's current load for heartbeats.
+  std::function<void(v1::HeartbeatRequest*)> fill_load;
+};
+
+class CoordinatorLink {
+ public:
+  CoordinatorLink(CoordinatorLinkOptions options, TenantDirectory* tenants);
+  ~CoordinatorLink();
+  CoordinatorLink(const CoordinatorLink&) = delete;
+  CoordinatorLink& operator=(const CoordinatorLink&) = delete;
+
+  absl::Status Start();
+  uint64_t incarnation() const { return incarnation_.load(); }
+  uint64_t map_version() const { return map_version_.load(); }
+
+ private:
+  absl::Status Register();
+  absl::Status RefreshTenants();
+  void Loop();
+  std::unique_ptr<grpc::ClientContext> Context() const;
+
+  CoordinatorLinkOptions options_;
+  TenantDirectory* tenants_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::atomic<uint64_t> incarnation_{0}, map_version_{0};
+  std::atomic<uint64_t> interval_ms_{500};
+  absl::Notification stop_;
+  std::thread thread_;
+};
+
+}  // namespace kvring

@@ -1,0 +1,42 @@
+// UcxDataPlane: a daemon's UCX face. Serves Put, Get and Attend with the
+// block payloads (and queries / partials) out of band over UCX active
+// messages, and the same NodeCore as gRPC, so both paths validate and
+// authorize identically. Method ids and payload conventions are shared with
+// the client (kUcxMethod*): Put sends the blocks' payloads concatenated in
+// request order; Get replies with the payloads of the blocks it found, in
+// order, straight from the store's pages (held until sent); Attend sends the
+// queries as payload and replies with out || lse.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "kvring/control/node_core.h"
+#include "kvring/transport/ucx_rpc.h"
+
+namespace kvring {
+
+inline constexpr uint32_t kUcxMethodPing = 0;
+inline constexpr uint32_t kUcxMethodPut = 1;
+inline constexpr uint32_t kUcxMethodGet = 2;
+inline constexpr uint32_t kUcxMethodAttend = 3;
+
+class UcxDataPlane {
+ public:
+  // Starts serving on `listen` (host:port); `core` must outlive the plane.
+  static absl::StatusOr<std::unique_ptr<UcxDataPlane>> Start(NodeCore* core, const std::string& listen,
+                                                             uint64_t max_message_bytes, size_t threads);
+  ~UcxDataPlane();
+  const std::string& address() const { return server_->address(); }
+
+ private:
+  UcxDataPlane() = default;
+  void Handle(UcxRequest&& req, UcxReplier reply);
+  NodeCore* core_ = nullptr;
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<UcxRpcServer> server_;
+};
+
+}  // namespace kvring

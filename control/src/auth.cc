@@ -1,0 +1,94 @@
+#include "kvring/control/auth.h"
+
+#include <openssl/evp.h>
+#include <openssl/rand.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvring {
+
+std::string Sha256(std::string_view data) {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  EVP_Digest(data.data(), data.size(), md, &len, EVP_sha256(), nullptr);
+  return std::string(reinterpret_cast<char*>(md), len);
+}
+
+absl::StatusOr<std::string> GenerateToken() {
+  unsigned char b[32];
+  if (RAND_bytes(b, sizeof(b)) != 1) return absl::InternalError("RAND_bytes failed");
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : b) {
+    out.push_back(kHex[c >> 4]);
+    out.push_back(kHex[c & 0xf]);
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> BearerToken(const grpc::ServerContext& ctx) {
+  const auto& md = ctx.client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
+  std::string v(it->second.data(), it->second.size());
+  if (!absl::StartsWith(v, "Bearer ") || v.size() <= 7) {
+    return absl::UnauthenticatedError("authorization metadata must be 'Bearer <token>'");
+  }
+  return v.substr(7);
+}
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+absl::StatusOr<std::string> ResolveNamespace(const v1::Tenant& tenant, const std::string& requested) {
+  if (requested.empty() || requested == tenant.namespace_()) return tenant.namespace_();
+  for (const auto& s : tenant.shared_namespaces()) {
+    if (s == requested) return s;
+  }
+  return absl::PermissionDeniedError(
+      absl::StrCat("tenant '", tenant.name(), "' may not use namespace '", requested, "'"));
+}
+
+void TenantDirectory::Update(const v1::TenantTable& table) {
+  absl::MutexLock l(&mu_);
+  if (table.tenants_version() < version_) return;
+  by_digest_.clear();
+  for (const auto& e : table.entries()) by_digest_[e.token_sha256()] = e.tenant();
+  version_ = table.tenants_version();
+}
+
+uint64_t TenantDirectory::version() const {
+  absl::MutexLock l(&mu_);
+  return version_;
+}
+
+absl::StatusOr<v1::Tenant> TenantDirectory::ByToken(const std::string& token) const {
+  const std::string d = Sha256(token);
+  absl::MutexLock l(&mu_);
+  auto it = by_digest_.find(d);
+  if (it == by_digest_.end()) return absl::UnauthenticatedError("unknown tenant token");
+  return it->second;
+}
+
+absl::StatusOr<v1::Tenant> TenantDirectory::Authenticate(const grpc::ServerContext& ctx) const {
+  absl::StatusOr<std::string> tok = BearerToken(ctx);
+  if (!tok.ok()) return tok.status();
+  return ByToken(*tok);
+}
+
+std::vector<v1::Tenant> TenantDirectory::tenants() const {
+  absl::MutexLock l(&mu_);
+  std::vector<v1::Tenant> out;
+  for (const auto& [d, t] : by_digest_) out.push_back(t);
+  return out;
+}
+
+}  // namespace kvring

@@ -1,0 +1,106 @@
+#include "kvring/control/coordinator_link.h"
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
+#include "kvring/common/logging.h"
+
+namespace kvring {
+
+CoordinatorLink::CoordinatorLink(CoordinatorLinkOptions options, TenantDirectory* tenants)
+    : options_(std::move(options)), tenants_(tenants) {
+  stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials()));
+}
+
+CoordinatorLink::~CoordinatorLink() {
+  if (!stop_.HasBeenNotified()) stop_.Notify();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::unique_ptr<grpc::ClientContext> CoordinatorLink::Context() const {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->AddMetadata("authorization", "Bearer " + options_.cluster_token);
+  ctx->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(options_.rpc_timeout));
+  return ctx;
+}
+
+absl::Status CoordinatorLink::Register() {
+  v1::RegisterNodeRequest req;
+  req.set_version(1);
+  *req.mutable_node() = options_.node;
+  v1::RegisterNodeResponse resp;
+  auto ctx = Context();
+  grpc::Status s = stub_->RegisterNode(ctx.get(), req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  incarnation_ = resp.incarnation();
+  map_version_ = resp.map_version();
+  if (resp.heartbeat_interval_ms() > 0) interval_ms_ = resp.heartbeat_interval_ms();
+  KVRING_LOG(INFO) << "registered with coordinator " << options_.coordinator << " as " << options_.node.node_id()
+                   << " (incarnation " << resp.incarnation() << ", map version " << resp.map_version() << ")";
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorLink::RefreshTenants() {
+  v1::TenantTableRequest req;
+  req.set_version(1);
+  v1::TenantTable table;
+  auto ctx = Context();
+  grpc::Status s = stub_->GetTenantTable(ctx.get(), req, &table);
+  if (!s.ok()) return FromGrpc(s);
+  const uint64_t before = tenants_->version();
+  tenants_->Update(table);
+  if (table.tenants_version() != before || before == 0) {
+    KVRING_LOG(INFO) << "tenant directory at version " << table.tenants_version() << " (" << table.entries_size()
+                     << " tenants)";
+    if (options_.on_tenants_changed) options_.on_tenants_changed();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorLink::Start() {
+  const absl::Time deadline = absl::Now() + options_.start_timeout;
+  absl::Duration backoff = absl::Milliseconds(100);
+  absl::Status last;
+  while (absl::Now() < deadline) {
+    last = Register();
+    if (last.ok()) last = RefreshTenants();
+    if (last.ok()) break;
+    if (absl::IsPermissionDenied(last) || absl::IsUnauthenticated(last) || absl::IsInvalidArgument(last)) return last;
+    KVRING_LOG(WARNING) << "coordinator " << options_.coordinator << " not reachable yet (" << last.message()
+                        << "); retrying in " << absl::FormatDuration(backoff);
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(2));
+  }
+  if (!last.ok()) {
+    return absl::UnavailableError(absl::StrCat("could not register with coordinator ", options_.coordinator, " within ",
+                                               absl::FormatDuration(options_.start_timeout), ": ", last.message()));
+  }
+  thread_ = std::thread([this] { Loop(); });
+  return absl::OkStatus();
+}
+
+void CoordinatorLink::Loop() {
+  while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(interval_ms_.load()))) {
+    v1::HeartbeatRequest req;
+    req.set_version(1);
+    req.set_node_id(options_.node.node_id());
+    req.set_incarnation(incarnation_.load());
+    if (options_.fill_load) options_.fill_load(&req);
+    v1::HeartbeatResponse resp;
+    auto ctx = Context();
+    grpc::Status s = stub_->Heartbeat(ctx.get(), req, &resp);
+    if (!s.ok()) {
+      KVRING_LOG(WARNING) << "heartbeat to " << options_.coordinator << " failed: " << s.error_message();
+      continue;
+    }
+    map_version_ = resp.map_version();
+    if (resp.reregister()) {
+      KVRING_LOG(WARNING) << "coordinator asks this node to re-register";
+      if (absl::Status r = Register(); !r.ok()) KVRING_LOG(WARNING) << "re-registration failed: " << r.message();
+    }
+    if (resp.tenants_version() != tenants_->version()) {
+      if (absl::Status r = RefreshTenants(); !r.ok()) KVRING_LOG(WARNING) << "tenant refresh failed: " << r.message();
+    }
+  }
+}
+
+}  // namespace kvring

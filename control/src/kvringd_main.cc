@@ -1,0 +1,213 @@
+// kvringd: the kvring node daemon. Holds a block store (host DRAM + RocksDB
+// cold tier on local SSD), serves the Node gRPC service (and the UCX data
+// plane when enabled), registers and heartbeats with the coordinator, and
+// exports Prometheus metrics.
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "kvring/cache/rocksdb_cold_tier.h"
+#include "kvring/common/flags.h"
+#include "kvring/common/http_server.h"
+#include "kvring/common/logging.h"
+#include "kvring/common/process.h"
+#include "kvring/control/coordinator_link.h"
+#include "kvring/control/metadata_store.h"
+#include "kvring/control/node_core.h"
+#include "kvring/control/node_service.h"
+#include "kvring/control/sequence_table.h"
+#include "kvring/control/ucx_data_plane.h"
+
+using namespace kvring;
+
+namespace {
+
+int Fail(const absl::Status& s, const char* what) {
+  KVRING_LOG(ERROR) << what << ": " << s;
+  return 1;
+}
+
+absl::StatusOr<std::string> NodeIdFor(MetadataStore& meta, const std::string& flag) {
+  auto stored = meta.Get("node/id");
+  if (stored.ok()) {
+    if (!flag.empty() && flag != *stored) {
+      return absl::FailedPreconditionError(absl::StrCat("data directory belongs to node '", *stored, "', not '", flag, "'"));
+    }
+    return *stored;
+  }
+  if (!absl::IsNotFound(stored.status())) return stored.status();
+  std::string id = flag;
+  if (id.empty()) {
+    auto tok = GenerateToken();
+    if (!tok.ok()) return tok.status();
+    id = "node-" + tok->substr(0, 8);
+  }
+  if (absl::Status s = meta.Put("node/id", id); !s.ok()) return s;
+  return id;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  BlockTerminationSignals();
+  std::string listen = "0.0.0.0:7100", advertise, coordinator = "127.0.0.1:7000", cluster_token, cluster_token_file;
+  std::string data_dir, node_id, eviction = "lru", cold_codec = "zstd", metrics_listen = "127.0.0.1:0", port_file;
+  std::string log_level = "info", ucx_listen;
+  uint64_t host_bytes = 1ull << 30, page_bytes = 2ull << 20, max_message = 256ull << 20;
+  int64_t threads = 0;
+  bool write_through = false, cold_sync = false, lock_memory = false;
+  FlagSet flags("kvringd", "the kvring node daemon: a shard of the KV-block store with attention where the KV lives");
+  flags.AddString("listen", &listen, "gRPC listen address host:port (port 0: any free port)");
+  flags.AddString("advertise", &advertise, "address other processes use to reach this node (default: listen, with 127.0.0.1 for 0.0.0.0)");
+  flags.AddString("coordinator", &coordinator, "coordinator address host:port");
+  flags.AddString("cluster_token", &cluster_token, "token nodes present to the coordinator (prefer --cluster_token_file)");
+  flags.AddString("cluster_token_file", &cluster_token_file, "file holding the cluster token");
+  flags.AddString("data_dir", &data_dir, "directory for the cold tier and node metadata (required)");
+  flags.AddString("node_id", &node_id, "node id (default: generated once and kept in data_dir)");
+  flags.AddBytes("host_bytes", &host_bytes, "host-DRAM tier capacity (e.g. 8G)");
+  flags.AddBytes("page_bytes", &page_bytes, "page size = largest block accepted (e.g. 2M)");
+  flags.AddString("eviction_policy", &eviction, "host-tier eviction policy");
+  flags.AddString("cold_codec", &cold_codec, "cold-tier compression: zstd, lz4 or none");
+  flags.AddBool("cold_write_through", &write_through, "write every Put to the cold tier before acknowledging it");
+  flags.AddBool("cold_sync", &cold_sync, "fsync cold-tier writes (survive power loss, not just crashes)");
+  flags.AddBool("lock_memory", &lock_memory, "mlock the host tier");
+  flags.AddInt("threads", &threads, "attention compute threads (0: all cores)");
+  flags.AddBytes("max_message_bytes", &max_message, "largest gRPC message accepted or sent");
+  flags.AddString("metrics_listen", &metrics_listen, "Prometheus /metrics address host:port (empty: off)");
+  flags.AddString("ucx_listen", &ucx_listen, "UCX data-plane listen address host:port (empty: off; clients use gRPC payloads)");
+  flags.AddString("port_file", &port_file, "write the bound gRPC port here once serving (for scripts and tests)");
+  flags.AddString("log_level", &log_level, "debug, info, warning or error");
+  if (absl::Status s = flags.Parse(argc, argv); !s.ok()) {
+    std::fprintf(stderr, "kvringd: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  if (flags.help_requested()) {
+    std::printf("%s", flags.Usage().c_str());
+    return 0;
+  }
+  LogLevel lvl;
+  if (!ParseLogLevel(log_level, &lvl)) return Fail(absl::InvalidArgumentError(log_level), "--log_level");
+  SetLogLevel(lvl);
+  if (data_dir.empty()) return Fail(absl::InvalidArgumentError("--data_dir is required"), "flags");
+  if (!cluster_token_file.empty()) {
+    auto t = ReadSecretFile(cluster_token_file);
+    if (!t.ok()) return Fail(t.status(), "--cluster_token_file");
+    cluster_token = *t;
+  }
+  if (cluster_token.empty()) return Fail(absl::InvalidArgumentError("--cluster_token or --cluster_token_file is required"), "flags");
+  auto codec = ParseColdCodec(cold_codec);
+  if (!codec.ok()) return Fail(codec.status(), "--cold_codec");
+  std::error_code ec;
+  std::filesystem::create_directories(data_dir, ec);
+  if (ec) return Fail(absl::UnavailableError(ec.message()), "creating --data_dir");
+
+  auto meta = MetadataStore::Open(data_dir + "/meta");
+  if (!meta.ok()) return Fail(meta.status(), "metadata store");
+  auto id = NodeIdFor(**meta, node_id);
+  if (!id.ok()) return Fail(id.status(), "node id");
+  auto cold = RocksDbColdTier::Open({.path = data_dir + "/cold", .codec = *codec, .sync_writes = cold_sync});
+  if (!cold.ok()) return Fail(cold.status(), "cold tier");
+  BlockStoreOptions so;
+  so.page_bytes = page_bytes;
+  so.num_pages = std::max<uint64_t>(1, host_bytes / page_bytes);
+  so.eviction_policy = eviction;
+  so.lock_memory = lock_memory;
+  so.cold_write_through = write_through;
+  KVRING_LOG(INFO) << "node " << *id << ": host tier " << so.num_pages << " pages x " << page_bytes << " bytes, cold tier "
+                   << data_dir << "/cold (" << cold_codec << "), recovering...";
+  auto store = BlockStore::Create(so, std::move(*cold));
+  if (!store.ok()) return Fail(store.status(), "block store");
+  const BlockStoreStats st0 = (*store)->stats();
+  KVRING_LOG(INFO) << "recovered " << st0.cold_only_blocks << " blocks from the cold tier";
+  auto seqs = SequenceTable::Create(meta->get());
+  if (!seqs.ok()) return Fail(seqs.status(), "sequence table");
+
+  ThreadPool pool(threads > 0 ? static_cast<size_t>(threads) - 1 : 0);
+  MetricsRegistry metrics;
+  TenantDirectory tenants;
+  NodeCoreOptions co;
+  co.node_id = *id;
+  co.limits.max_payload_bytes = page_bytes;
+  co.limits.max_request_bytes = max_message;
+  NodeCore core(co, store->get(), seqs->get(), &tenants, &pool, &metrics);
+  NodeService service(&core);
+
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
+  builder.SetMaxSendMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) return Fail(absl::UnavailableError(absl::StrCat("cannot listen on ", listen)), "gRPC server");
+  auto lhp = ParseHostPort(listen);
+  if (advertise.empty()) advertise = absl::StrCat(lhp.ok() && lhp->host != "0.0.0.0" ? lhp->host : "127.0.0.1", ":", port);
+
+  // The UCX data plane (optional).
+  std::unique_ptr<UcxDataPlane> ucx;
+  std::string ucx_address;
+  if (!ucx_listen.empty()) {
+    auto u = UcxDataPlane::Start(&core, ucx_listen, max_message, 4);
+    if (!u.ok()) return Fail(u.status(), "UCX data plane");
+    ucx = std::move(*u);
+    ucx_address = ucx->address();
+  }
+
+  // Metrics.
+  GaugeMetric* g_blocks = metrics.Gauge("kvring_blocks", "Blocks held in any tier");
+  GaugeMetric* g_free = metrics.Gauge("kvring_free_pages", "Free host pages");
+  GaugeMetric* g_cold = metrics.Gauge("kvring_cold_blocks", "Blocks only in the cold tier");
+  GaugeMetric* g_evict = metrics.Gauge("kvring_evictions", "Host-tier evictions since start");
+  GaugeMetric* g_cold_bytes = metrics.Gauge("kvring_cold_stored_bytes", "Bytes in the cold tier after compression");
+  HttpServer http;
+  int metrics_port = 0;
+  if (!metrics_listen.empty()) {
+    auto mhp = ParseHostPort(metrics_listen);
+    if (!mhp.ok()) return Fail(mhp.status(), "--metrics_listen");
+    http.Handle("/metrics", [&] {
+      const BlockStoreStats s = (*store)->stats();
+      g_blocks->Set(static_cast<double>(s.blocks));
+      g_free->Set(static_cast<double>(s.free_pages));
+      g_cold->Set(static_cast<double>(s.cold_only_blocks));
+      g_evict->Set(static_cast<double>(s.evictions));
+      if ((*store)->cold_tier()) g_cold_bytes->Set(static_cast<double>((*store)->cold_tier()->stats().stored_bytes));
+      return metrics.Render();
+    }, "text/plain; version=0.0.4");
+    http.Handle("/healthz", [] { return std::string("ok\n"); });
+    auto mp = http.Start(mhp->host, mhp->port);
+    if (!mp.ok()) return Fail(mp.status(), "metrics server");
+    metrics_port = *mp;
+  }
+
+  CoordinatorLinkOptions lo;
+  lo.coordinator = coordinator;
+  lo.cluster_token = cluster_token;
+  lo.node.set_node_id(*id);
+  lo.node.set_grpc_address(advertise);
+  lo.node.set_ucx_address(ucx_address);
+  lo.node.set_capacity_bytes(so.num_pages * so.page_bytes);
+  lo.on_tenants_changed = [&core] { core.ApplyQuotas(); };
+  lo.fill_load = [&](v1::HeartbeatRequest* r) {
+    const BlockStoreStats s = (*store)->stats();
+    r->set_blocks(s.blocks);
+    r->set_free_pages(s.free_pages);
+  };
+  CoordinatorLink link(lo, &tenants);
+  if (absl::Status s = link.Start(); !s.ok()) return Fail(s, "coordinator");
+
+  if (!port_file.empty()) {
+    std::ofstream(port_file + ".tmp") << port << "\n";
+    std::filesystem::rename(port_file + ".tmp", port_file, ec);
+  }
+  KVRING_LOG(INFO) << "kvringd ready: node=" << *id << " grpc=" << advertise
+                   << (ucx_address.empty() ? "" : " ucx=" + ucx_address)
+                   << (metrics_port ? absl::StrCat(" metrics=", metrics_port) : "");
+  const int sig = WaitForTerminationSignal();
+  KVRING_LOG(INFO) << "signal " << sig << ": shutting down";
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  ucx.reset();
+  return 0;
+}

@@ -1,0 +1,107 @@
+#include "kvring/control/ucx_data_plane.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvring {
+
+absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(NodeCore* core, const std::string& listen,
+                                                                  uint64_t max_message_bytes, size_t threads) {
+  std::unique_ptr<UcxDataPlane> p(new UcxDataPlane());
+  p->core_ = core;
+  p->pool_ = std::make_unique<ThreadPool>(std::max<size_t>(1, threads));
+  UcxDataPlane* raw = p.get();
+  auto server = UcxRpcServer::Start(
+      listen, [raw](UcxRequest&& req, UcxReplier reply) { raw->Handle(std::move(req), std::move(reply)); }, p->pool_.get(),
+      max_message_bytes);
+  if (!server.ok()) return server.status();
+  p->server_ = std::move(*server);
+  return p;
+}
+
+UcxDataPlane::~UcxDataPlane() {
+  server_.reset();  // stops replies before the handler pool goes
+  pool_.reset();
+}
+
+void UcxDataPlane::Handle(UcxRequest&& req, UcxReplier reply) {
+  if (req.method == kUcxMethodPing) {
+    reply.Send(absl::OkStatus(), "");
+    return;
+  }
+  absl::StatusOr<v1::Tenant> tenant = core_->Authenticate(req.token);
+  if (!tenant.ok()) {
+    reply.Send(tenant.status(), "");
+    return;
+  }
+  switch (req.method) {
+    case kUcxMethodPut: {
+      v1::PutRequest r;
+      if (!r.ParseFromString(req.meta)) {
+        reply.Send(absl::InvalidArgumentError("UCX Put: request does not parse"), "");
+        return;
+      }
+      // Cut the payload by the block headers; the sizes are validated again by the core.
+      std::vector<absl::Span<const uint8_t>> parts;
+      size_t off = 0;
+      for (const auto& b : r.blocks()) {
+        const size_t n = b.block().payload_bytes();
+        if (off + n > req.payload.size()) {
+          reply.Send(absl::InvalidArgumentError(absl::StrCat("UCX Put: payload has ", req.payload.size(),
+                                                             " bytes, fewer than the blocks' headers declare")), "");
+          return;
+        }
+        parts.push_back(req.payload.subspan(off, n));
+        off += n;
+      }
+      if (off != req.payload.size()) {
+        reply.Send(absl::InvalidArgumentError("UCX Put: payload longer than the blocks' headers declare"), "");
+        return;
+      }
+      if (parts.empty()) parts.push_back({});  // "external" even with no blocks
+      v1::PutResponse resp;
+      absl::Status s = core_->Put(*tenant, r, r.blocks_size() ? absl::MakeConstSpan(parts) : absl::Span<const absl::Span<const uint8_t>>(), &resp);
+      reply.Send(s, s.ok() ? resp.SerializeAsString() : "");
+      return;
+    }
+    case kUcxMethodGet: {
+      v1::GetRequest r;
+      if (!r.ParseFromString(req.meta)) {
+        reply.Send(absl::InvalidArgumentError("UCX Get: request does not parse"), "");
+        return;
+      }
+      auto held = std::make_shared<std::vector<PinnedBlock>>();
+      v1::GetResponse resp;
+      absl::Status s = core_->Get(*tenant, r, &resp, held.get());
+      std::vector<absl::Span<const uint8_t>> parts;
+      for (const PinnedBlock& b : *held) parts.push_back(b.payload());
+      reply.Send(s, s.ok() ? resp.SerializeAsString() : "", std::move(parts), held);
+      return;
+    }
+    case kUcxMethodAttend: {
+      v1::AttendRequest r;
+      if (!r.ParseFromString(req.meta)) {
+        reply.Send(absl::InvalidArgumentError("UCX Attend: request does not parse"), "");
+        return;
+      }
+      r.set_queries(reinterpret_cast<const char*>(req.payload.data()), req.payload.size());
+      auto resp = std::make_shared<v1::AttendResponse>();
+      absl::Status s = core_->Attend(*tenant, r, resp.get());
+      if (!s.ok()) {
+        reply.Send(s, "");
+        return;
+      }
+      std::vector<absl::Span<const uint8_t>> parts{
+          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(resp->out().data()), resp->out().size()),
+          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(resp->lse().data()), resp->lse().size())};
+      v1::AttendResponse head = *resp;
+      head.clear_out();
+      head.clear_lse();
+      reply.Send(absl::OkStatus(), head.SerializeAsString(), std::move(parts), resp);
+      return;
+    }
+    default:
+      reply.Send(absl::UnimplementedError(absl::StrCat("unknown UCX method ", req.method)), "");
+  }
+}
+
+}  // namespace kvring

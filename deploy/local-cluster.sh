@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# A kvring cluster on this machine: one coordinator and N daemons on loopback.
+#
+#   deploy/local-cluster.sh start  [--nodes N] [--dir DIR] [--port P] [--replication R] [--host-bytes B] [--no-ucx]
+#   deploy/local-cluster.sh stop   [--dir DIR]
+#   deploy/local-cluster.sh status [--dir DIR]
+#
+# Ports: coordinator P (default 7400), daemon i gRPC P+1+i, UCX P+101+i,
+# metrics P+201+i. State, logs and tokens live in DIR (default
+# /tmp/kvring-cluster): DIR/admin.token, DIR/cluster.token, and
+# DIR/tenant.token for a tenant 'demo' created at start.
+set -euo pipefail
+cmd=${1:-}; shift || true
+NODES=4; DIR=/tmp/kvring-cluster; PORT=7400; R=2; HOST_BYTES=512M; UCX=1
+BIN=${KVRING_BIN:-$(cd "$(dirname "$0")/.." && pwd)/build}
+while (($#)); do
+  case "$1" in
+    --nodes) NODES=$2; shift 2;;
+    --dir) DIR=$2; shift 2;;
+    --port) PORT=$2; shift 2;;
+    --replication) R=$2; shift 2;;
+    --host-bytes) HOST_BYTES=$2; shift 2;;
+    --no-ucx) UCX=0; shift;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0;;
+    *) echo "unknown option $1" >&2; exit 2;;
+  esac
+done
+
+pids() { cat "$DIR"/pids/* 2>/dev/null || true; }
+
+stop() {
+  local any=0
+  for f in "$DIR"/pids/*; do
+    [ -f "$f" ] || continue
+    pid=$(cat "$f"); any=1
+    kill -TERM "$pid" 2>/dev/null || true
+  done
+  for _ in $(seq 50); do
+    alive=0
+    for f in "$DIR"/pids/*; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 0.1
+  done
+  for f in "$DIR"/pids/*; do
+    [ -f "$f" ] || continue
+    kill -KILL "$(cat "$f")" 2>/dev/null || true
+    rm -f "$f"
+  done
+  [ $any = 1 ] && echo "[cluster] stopped" || echo "[cluster] nothing running in $DIR"
+}
+
+start() {
+  [ -x "$BIN/control/kvringd" ] || { echo "build first: $BIN/control/kvringd missing" >&2; exit 1; }
+  mkdir -p "$DIR/pids" "$DIR/logs"
+  if [ -n "$(pids)" ]; then stop >/dev/null; fi
+  [ -f "$DIR/admin.token" ] || head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$DIR/admin.token"
+  [ -f "$DIR/cluster.token" ] || head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$DIR/cluster.token"
+  chmod 600 "$DIR"/*.token
+  setsid "$BIN/control/kvring-coordinator" --listen=127.0.0.1:$PORT --data_dir="$DIR/coordinator" \
+    --admin_token_file="$DIR/admin.token" --cluster_token_file="$DIR/cluster.token" --replication=$R \
+    --heartbeat_interval=250ms --heartbeat_timeout=1500ms --metrics_listen=127.0.0.1:$((PORT+200)) \
+    >"$DIR/logs/coordinator.log" 2>&1 < /dev/null &
+  echo $! > "$DIR/pids/coordinator"
+  for i in $(seq 0 $((NODES-1))); do
+    ucx_flag=""
+    [ $UCX = 1 ] && ucx_flag="--ucx_listen=127.0.0.1:$((PORT+101+i))"
+    setsid "$BIN/control/kvringd" --listen=127.0.0.1:$((PORT+1+i)) --coordinator=127.0.0.1:$PORT \
+      --cluster_token_file="$DIR/cluster.token" --data_dir="$DIR/node$i" --node_id=node$i \
+      --host_bytes=$HOST_BYTES --page_bytes=2M $ucx_flag --metrics_listen=127.0.0.1:$((PORT+201+i)) \
+      >"$DIR/logs/node$i.log" 2>&1 < /dev/null &
+    echo $! > "$DIR/pids/node$i"
+  done
+  # Wait for every daemon to be serving.
+  for i in $(seq 0 $((NODES-1))); do
+    for _ in $(seq 100); do
+      grep -q "kvringd ready" "$DIR/logs/node$i.log" 2>/dev/null && break
+      if ! kill -0 "$(cat "$DIR/pids/node$i")" 2>/dev/null; then
+        echo "[cluster] node$i exited:" >&2; tail -5 "$DIR/logs/node$i.log" >&2; exit 1
+      fi
+      sleep 0.1
+    done
+    grep -q "kvringd ready" "$DIR/logs/node$i.log" || { echo "[cluster] node$i not ready" >&2; tail -5 "$DIR/logs/node$i.log" >&2; exit 1; }
+  done
+  if [ ! -f "$DIR/tenant.token" ]; then
+    "$BIN/clients/kvring" --coordinator=127.0.0.1:$PORT --token_file="$DIR/admin.token" tenant-create --name=demo \
+      > "$DIR/tenant.token" 2>/dev/null
+    chmod 600 "$DIR/tenant.token"
+  fi
+  echo "[cluster] coordinator 127.0.0.1:$PORT, $NODES daemons (R=$R, UCX=$UCX), state in $DIR"
+}
+
+status() {
+  for f in "$DIR"/pids/*; do
+    [ -f "$f" ] || continue
+    n=$(basename "$f"); pid=$(cat "$f")
+    if kill -0 "$pid" 2>/dev/null; then echo "$n pid $pid running"; else echo "$n pid $pid DEAD"; fi
+  done
+}
+
+case "$cmd" in
+  start) start;;
+  stop) stop;;
+  status) status;;
+  *) sed -n '2,12p' "$0"; exit 2;;
+esac

@@ -1,0 +1,259 @@
+// Real processes for cluster tests: a kvring-coordinator and N kvringd
+// daemons on loopback, each in its own temporary data directory, started
+// from the binaries of this build and stopped (SIGTERM, then SIGKILL) at the
+// end. Ports are chosen by the processes (port 0) and read back from their
+// --port_file, so tests never collide.
+#pragma once
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "kvring.grpc.pb.h"
+#include "kvring/client/client.h"
+
+#ifndef KVRING_BIN_DIR
+#error "KVRING_BIN_DIR must point at the build directory"
+#endif
+
+namespace kvring::testing {
+
+class Process {
+ public:
+  Process() = default;
+  Process(const Process&) = delete;
+  ~Process() { Stop(); }
+  bool Start(const std::vector<std::string>& argv, const std::string& log) {
+    pid_ = fork();
+    if (pid_ == 0) {
+      setpgid(0, 0);
+      FILE* f = std::fopen(log.c_str(), "a");
+      if (f) {
+        dup2(fileno(f), 1);
+        dup2(fileno(f), 2);
+      }
+      std::vector<char*> args;
+      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      args.push_back(nullptr);
+      execv(args[0], args.data());
+      _exit(127);
+    }
+    return pid_ > 0;
+  }
+  void Kill9() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+      pid_ = -1;
+    }
+  }
+  void Stop() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGTERM);
+    for (int i = 0; i < 100; ++i) {
+      if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = -1;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    Kill9();
+  }
+  bool alive() const { return pid_ > 0 && kill(pid_, 0) == 0; }
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+struct ClusterOptions {
+  int nodes = 3;
+  int replication = 2;
+  bool ucx = true;
+  std::string host_bytes = "256M";
+  std::string page_bytes = "2M";
+  bool write_through = false;
+  std::vector<std::string> extra_daemon_flags;
+};
+
+class Cluster {
+ public:
+  explicit Cluster(ClusterOptions o) : o_(std::move(o)) {
+    dir_ = std::filesystem::path(::testing::TempDir()) / absl::StrCat("kvring_cluster_", getpid(), "_", counter()++);
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+    admin_token_ = "admin-token-0123456789abcdef";
+    cluster_token_ = "cluster-token-0123456789abcdef";
+    daemons_.resize(o_.nodes);
+  }
+  ~Cluster() {
+    for (auto& d : daemons_) d.reset();
+    coordinator_.reset();
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  static std::string Bin(const std::string& rel) { return std::string(KVRING_BIN_DIR) + "/" + rel; }
+  const std::filesystem::path& dir() const { return dir_; }
+
+  ::testing::AssertionResult Start() {
+    if (auto r = StartCoordinator(); !r) return r;
+    for (int i = 0; i < o_.nodes; ++i) {
+      if (auto r = StartDaemon(i); !r) return r;
+    }
+    return WaitForNodesUp(o_.nodes);
+  }
+
+  ::testing::AssertionResult StartCoordinator() {
+    const std::string pf = (dir_ / "coordinator.port").string();
+    std::filesystem::remove(pf);
+    coordinator_ = std::make_unique<Process>();
+    coordinator_->Start({Bin("control/kvring-coordinator"), "--listen=127.0.0.1:" + std::to_string(coordinator_port_),
+                         "--data_dir=" + (dir_ / "coordinator").string(), "--admin_token=" + admin_token_,
+                         "--cluster_token=" + cluster_token_, "--replication=" + std::to_string(o_.replication),
+                         "--heartbeat_interval=100ms", "--heartbeat_timeout=600ms", "--port_file=" + pf},
+                        (dir_ / "coordinator.log").string());
+    int port = WaitPort(pf);
+    if (port <= 0) return ::testing::AssertionFailure() << "coordinator did not start: " << Log("coordinator.log");
+    coordinator_port_ = port;  // reuse it across restarts
+    return ::testing::AssertionSuccess();
+  }
+
+  ::testing::AssertionResult StartDaemon(int i, std::vector<std::string> extra = {}) {
+    const std::string pf = (dir_ / absl::StrCat("node", i, ".port")).string();
+    std::filesystem::remove(pf);
+    std::vector<std::string> argv = {Bin("control/kvringd"), "--listen=127.0.0.1:0",
+                                     "--coordinator=127.0.0.1:" + std::to_string(coordinator_port_),
+                                     "--cluster_token=" + cluster_token_,
+                                     "--data_dir=" + (dir_ / absl::StrCat("node", i)).string(),
+                                     "--node_id=node" + std::to_string(i), "--host_bytes=" + o_.host_bytes,
+                                     "--page_bytes=" + o_.page_bytes, "--threads=2", "--metrics_listen=",
+                                     "--port_file=" + pf};
+    if (o_.ucx) argv.push_back("--ucx_listen=127.0.0.1:0");
+    if (o_.write_through) argv.push_back("--cold_write_through");
+    for (const auto& f : o_.extra_daemon_flags) argv.push_back(f);
+    for (const auto& f : extra) argv.push_back(f);
+    daemons_[i] = std::make_unique<Process>();
+    daemons_[i]->Start(argv, (dir_ / absl::StrCat("node", i, ".log")).string());
+    if (WaitPort(pf) <= 0) return ::testing::AssertionFailure() << "node" << i << " did not start: " << Log(absl::StrCat("node", i, ".log"));
+    return ::testing::AssertionSuccess();
+  }
+
+  void KillDaemon(int i) { daemons_[i]->Kill9(); }
+  void StopDaemon(int i) { daemons_[i]->Stop(); }
+  void KillCoordinator() { coordinator_->Kill9(); }
+  Process& daemon(int i) { return *daemons_[i]; }
+
+  // Waits until the coordinator's map shows `up` nodes UP.
+  ::testing::AssertionResult WaitForNodesUp(int up, absl::Duration timeout = absl::Seconds(20)) {
+    const absl::Time end = absl::Now() + timeout;
+    int seen = -1;
+    while (absl::Now() < end) {
+      auto m = Map();
+      if (m.ok()) {
+        seen = 0;
+        for (const auto& n : m->nodes()) seen += n.state() == v1::NodeInfo::UP;
+        if (seen == up) return ::testing::AssertionSuccess();
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return ::testing::AssertionFailure() << "expected " << up << " nodes UP, saw " << seen;
+  }
+
+  absl::StatusOr<v1::ShardMap> Map() {
+    auto stub = CoordinatorStub();
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + admin_token_);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::GetShardMapRequest req;
+    req.set_version(1);
+    v1::ShardMap m;
+    grpc::Status s = stub->GetShardMap(&ctx, req, &m);
+    if (!s.ok()) return absl::UnavailableError(s.error_message());
+    return m;
+  }
+
+  std::unique_ptr<v1::Coordinator::Stub> CoordinatorStub() {
+    return v1::Coordinator::NewStub(grpc::CreateChannel(coordinator_address(), grpc::InsecureChannelCredentials()));
+  }
+
+  // Creates a tenant and returns its token (waits until every UP daemon knows it).
+  absl::StatusOr<std::string> CreateTenant(const std::string& name, std::vector<std::string> shared = {},
+                                           uint64_t quota = 0) {
+    auto stub = CoordinatorStub();
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + admin_token_);
+    v1::CreateTenantRequest req;
+    req.set_version(1);
+    req.set_name(name);
+    req.set_max_pinned_bytes(quota);
+    for (auto& s : shared) req.add_shared_namespaces(s);
+    v1::CreateTenantResponse resp;
+    grpc::Status s = stub->CreateTenant(&ctx, req, &resp);
+    if (!s.ok()) return absl::InternalError(s.error_message());
+    absl::SleepFor(absl::Milliseconds(400));  // > heartbeat interval: daemons refresh their directory
+    return resp.token();
+  }
+
+  absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& token, const std::string& ns = "", bool ucx = true) {
+    ClientOptions co;
+    co.coordinator = coordinator_address();
+    co.token = token;
+    co.ns = ns;
+    co.use_ucx = ucx && o_.ucx;
+    co.rpc_timeout = absl::Seconds(5);
+    co.map_refresh = absl::Milliseconds(200);
+    return Client::Connect(co);
+  }
+
+  std::string coordinator_address() const { return "127.0.0.1:" + std::to_string(coordinator_port_); }
+  // gRPC address of daemon i (from its port file).
+  std::string daemon_address(int i) const {
+    std::ifstream in(dir_ / absl::StrCat("node", i, ".port"));
+    int p = 0;
+    in >> p;
+    return "127.0.0.1:" + std::to_string(p);
+  }
+  std::string Log(const std::string& name) const {
+    std::ifstream in(dir_ / name);
+    std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return all.size() > 3000 ? all.substr(all.size() - 3000) : all;
+  }
+  const std::string& admin_token() const { return admin_token_; }
+  const std::string& cluster_token() const { return cluster_token_; }
+
+ private:
+  static int& counter() {
+    static int c = 0;
+    return c;
+  }
+  int WaitPort(const std::string& file) {
+    for (int i = 0; i < 400; ++i) {
+      std::ifstream in(file);
+      int p = 0;
+      if (in >> p && p > 0) return p;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    return -1;
+  }
+
+  ClusterOptions o_;
+  std::filesystem::path dir_;
+  std::string admin_token_, cluster_token_;
+  int coordinator_port_ = 0;
+  std::unique_ptr<Process> coordinator_;
+  std::vector<std::unique_ptr<Process>> daemons_;
+};
+
+}  // namespace kvring::testing

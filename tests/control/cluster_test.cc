@@ -1,0 +1,346 @@
+// Multi-process cluster tests: real kvring-coordinator and kvringd
+// processes, real gRPC, real RocksDB, real UCX over loopback.
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "cluster_fixture.h"
+#include "gtest/gtest.h"
+#include "kvring/attention/reference.h"
+#include "kvring/control/request_validation.h"
+#include "kvring/layout/float_convert.h"
+
+namespace kvring {
+namespace {
+
+using testing::Cluster;
+using testing::ClusterOptions;
+
+BlockLayout SmallLayout() { return BlockLayout{16, 2, 2, 64, DType::kBF16}; }  // 16 KiB
+
+struct Blocks {
+  std::vector<BlockKey> keys;
+  std::vector<std::vector<uint8_t>> payloads;
+  std::vector<BlockData> data;
+};
+
+Blocks MakeChain(Client& c, const BlockLayout& layout, const std::string& model, uint32_t seed, size_t nblocks) {
+  Blocks b;
+  std::mt19937 rng(seed);
+  std::vector<uint32_t> tokens(nblocks * layout.block_tokens);
+  for (auto& t : tokens) t = rng() % 50000;
+  b.keys = c.Hasher(model, layout).Chain(tokens);
+  std::normal_distribution<float> nd;
+  for (size_t i = 0; i < nblocks; ++i) {
+    b.payloads.emplace_back(layout.bytes());
+    auto* h = reinterpret_cast<uint16_t*>(b.payloads.back().data());
+    for (uint64_t e = 0; e < layout.elements(); ++e) h[e] = FloatToBf16(nd(rng));
+  }
+  for (size_t i = 0; i < nblocks; ++i) {
+    b.data.push_back(BlockData{b.keys[i], i ? b.keys[i - 1] : BlockKey{}, layout, {}, b.payloads[i], false});
+  }
+  return b;
+}
+
+TEST(ClusterTest, MultiNodePutGetLookupOverUcxAndGrpc) {
+  Cluster cl(ClusterOptions{.nodes = 3});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("alpha");
+  ASSERT_TRUE(token.ok()) << token.status();
+  for (bool ucx : {true, false}) {
+    auto c = cl.Connect(*token, "", ucx);
+    ASSERT_TRUE(c.ok()) << c.status();
+    Blocks b = MakeChain(**c, SmallLayout(), "m", ucx ? 1 : 2, 40);
+    auto put = (*c)->Put(b.data);
+    ASSERT_TRUE(put.ok()) << put.status();
+    EXPECT_EQ(put->inserted, 40u);
+    EXPECT_EQ(put->replicas_written, 80u);  // R = 2
+    auto n = (*c)->LookupPrefix(b.keys);
+    ASSERT_TRUE(n.ok());
+    EXPECT_EQ(*n, 40u);
+    auto got = (*c)->Get(b.keys);
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(got[i].status.ok()) << i << ": " << got[i].status;
+      EXPECT_EQ(got[i].payload, b.payloads[i]);
+    }
+    // A longer chain: the prefix ends where the stored blocks end.
+    Blocks longer = MakeChain(**c, SmallLayout(), "m", ucx ? 1 : 2, 50);
+    EXPECT_EQ(*(*c)->LookupPrefix(longer.keys), 40u);
+  }
+  auto c = cl.Connect(*token);
+  auto stats = (*c)->Stats();
+  uint64_t total = 0;
+  for (const auto& s : stats) {
+    ASSERT_TRUE(s.status.ok()) << s.status;
+    total += s.blocks;
+    EXPECT_GT(s.blocks, 0u) << s.node_id << " holds nothing: placement is not spreading";
+  }
+  EXPECT_EQ(total, 160u);  // 80 distinct blocks x R
+}
+
+TEST(ClusterTest, PassQAttendAcrossFourDaemonsEqualsTheCpuReference) {
+  Cluster cl(ClusterOptions{.nodes = 4, .replication = 1});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("attn");
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  const BlockLayout L{16, 2, 8, 64, DType::kBF16};
+  const size_t nblocks = 300;  // chunks of 64 blocks: 5 chunks over 4 daemons
+  Blocks b = MakeChain(**c, L, "attn-model", 7, nblocks);
+  ASSERT_TRUE((*c)->PutSequence("session-1", 0, b.data).ok());
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  const uint32_t rows = 3, q_heads = 32;
+  std::vector<uint16_t> q(size_t{rows} * q_heads * 64);
+  std::vector<double> qd(q.size());
+  for (size_t i = 0; i < q.size(); ++i) {
+    q[i] = FloatToBf16(nd(rng));
+    qd[i] = Bf16ToFloat(q[i]);
+  }
+  std::vector<int64_t> pos = {static_cast<int64_t>(nblocks * 16 - 1), 2000, 77};
+  QueryTensor qt{q.data(), DType::kBF16, rows, q_heads, 64, pos.data(), nullptr};
+  AttentionOptions o;
+  o.layer = 1;
+  AttendReport rep;
+  auto out = (*c)->Attend("session-1", nblocks, qt, o, &rep);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_GE(rep.shards, 2);
+  EXPECT_EQ(rep.blocks, nblocks);
+  std::vector<KvBlockRef> refs;
+  for (size_t i = 0; i < nblocks; ++i) refs.push_back(KvBlockRef{b.payloads[i].data(), static_cast<int64_t>(i * 16), 16});
+  std::vector<uint32_t> begin{0, static_cast<uint32_t>(nblocks)};
+  auto dense = reference::FromBlocks(PagedKv{L, {}, refs, begin}, 0, 1);
+  auto ref = reference::Attention(qd, pos, q_heads, dense, o);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.out.size(); ++i) {
+    num += (out->out[i] - ref.out[i]) * (out->out[i] - ref.out[i]);
+    den += ref.out[i] * ref.out[i];
+  }
+  ASSERT_GT(den, 0);
+  EXPECT_LT(std::sqrt(num / den), 2e-5);
+  for (size_t i = 0; i < ref.lse.size(); ++i) EXPECT_NEAR(out->lse[i], ref.lse[i], 1e-4 * std::max(1.0, std::abs(ref.lse[i])));
+  // An unknown sequence is a clear error.
+  auto missing = (*c)->Attend("no-such-session", 10, qt, o);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kUnavailable) << missing.status();
+}
+
+TEST(ClusterTest, KillNineOneDaemonWithR2AndEveryAcknowledgedBlockIsStillReadable) {
+  Cluster cl(ClusterOptions{.nodes = 3, .replication = 2});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("durable");
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  Blocks b = MakeChain(**c, SmallLayout(), "m", 11, 120);
+  auto put = (*c)->Put(b.data);
+  ASSERT_TRUE(put.ok()) << put.status();
+  cl.KillDaemon(1);  // no goodbye, no flush
+  auto got = (*c)->Get(b.keys);
+  int ok = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i].status.ok() && got[i].payload == b.payloads[i]) ++ok;
+    EXPECT_NE(got[i].node_id, "node1");
+  }
+  EXPECT_EQ(ok, 120) << "acknowledged blocks lost after kill -9";
+  ASSERT_TRUE(cl.WaitForNodesUp(2));
+  // Writes go on with the survivors.
+  Blocks more = MakeChain(**c, SmallLayout(), "m", 12, 20);
+  ASSERT_TRUE((*c)->Put(more.data).ok());
+  for (const auto& r : (*c)->Get(more.keys)) EXPECT_TRUE(r.status.ok()) << r.status;
+}
+
+TEST(ClusterTest, DaemonRestartRecoversTheColdTier) {
+  Cluster cl(ClusterOptions{.nodes = 1, .replication = 1, .write_through = true});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("restart");
+  ASSERT_TRUE(token.ok());
+  Blocks b;
+  {
+    auto c = cl.Connect(*token);
+    ASSERT_TRUE(c.ok());
+    b = MakeChain(**c, SmallLayout(), "m", 21, 64);
+    ASSERT_TRUE((*c)->Put(b.data).ok());
+    ASSERT_TRUE((*c)->PutSequence("s", 0, absl::MakeConstSpan(b.data).subspan(0, 8)).ok());
+  }
+  cl.KillDaemon(0);
+  ASSERT_TRUE(cl.WaitForNodesUp(0));
+  ASSERT_TRUE(cl.StartDaemon(0));
+  ASSERT_TRUE(cl.WaitForNodesUp(1));
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(*(*c)->LookupPrefix(b.keys), 64u);
+  auto got = (*c)->Get(b.keys);
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << got[i].status;
+    EXPECT_EQ(got[i].payload, b.payloads[i]);
+  }
+  // The sequence table came back too: Attend works over the recovered blocks.
+  std::vector<uint16_t> q(2 * 4 * 64, FloatToBf16(0.5f));
+  std::vector<int64_t> pos = {127, 50};
+  QueryTensor qt{q.data(), DType::kBF16, 2, 4, 64, pos.data(), nullptr};
+  auto out = (*c)->Attend("s", 8, qt, {});
+  EXPECT_TRUE(out.ok()) << out.status();
+  EXPECT_NE(cl.Log("node0.log").find("recovered 64 blocks"), std::string::npos) << cl.Log("node0.log");
+}
+
+// Raw gRPC with malformed requests: each gets a clear error and the daemon
+// keeps serving.
+TEST(ClusterTest, MalformedRequestsGetClearErrorsAndTheDaemonKeepsServing) {
+  Cluster cl(ClusterOptions{.nodes = 1, .replication = 1, .page_bytes = "1M"});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("fuzzy");
+  ASSERT_TRUE(token.ok());
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(-1);
+  auto stub = v1::Node::NewStub(grpc::CreateCustomChannel(cl.daemon_address(0), grpc::InsecureChannelCredentials(), args));
+  auto call_put = [&](const v1::PutRequest& req, const std::string& tok) {
+    grpc::ClientContext ctx;
+    if (!tok.empty()) ctx.AddMetadata("authorization", "Bearer " + tok);
+    v1::PutResponse resp;
+    grpc::Status s = stub->Put(&ctx, req, &resp);
+    return std::make_pair(s, resp);
+  };
+  v1::PutRequest good;
+  good.mutable_header()->set_version(1);
+  auto* blk = good.add_blocks();
+  blk->mutable_block()->mutable_key()->set_lo(5);
+  LayoutToProto(SmallLayout(), blk->mutable_block()->mutable_layout());
+  blk->mutable_block()->set_payload_bytes(static_cast<uint32_t>(SmallLayout().bytes()));
+  blk->set_payload(std::string(SmallLayout().bytes(), 'x'));
+
+  struct Case {
+    const char* name;
+    std::function<void(v1::PutRequest&)> mutate;
+    std::string token;
+    grpc::StatusCode code;
+    const char* needle;
+  };
+  std::vector<Case> cases = {
+      {"no token", [](v1::PutRequest&) {}, "", grpc::StatusCode::UNAUTHENTICATED, "authorization"},
+      {"unknown tenant", [](v1::PutRequest&) {}, "not-a-real-token-at-all", grpc::StatusCode::UNAUTHENTICATED, "unknown"},
+      {"bad version", [](v1::PutRequest& r) { r.mutable_header()->set_version(7); }, *token,
+       grpc::StatusCode::FAILED_PRECONDITION, "version 7"},
+      {"foreign namespace", [](v1::PutRequest& r) { r.mutable_header()->set_namespace_("tenant/other"); }, *token,
+       grpc::StatusCode::PERMISSION_DENIED, "may not use namespace"},
+      {"wrong payload size", [](v1::PutRequest& r) { r.mutable_blocks(0)->set_payload("short"); }, *token,
+       grpc::StatusCode::INVALID_ARGUMENT, "payload has 5 bytes"},
+      {"bad head_dim", [](v1::PutRequest& r) { r.mutable_blocks(0)->mutable_block()->mutable_layout()->set_head_dim(13); },
+       *token, grpc::StatusCode::INVALID_ARGUMENT, "head_dim"},
+      {"bad dtype", [](v1::PutRequest& r) { r.mutable_blocks(0)->mutable_block()->mutable_layout()->set_dtype(9); }, *token,
+       grpc::StatusCode::INVALID_ARGUMENT, "dtype"},
+      {"zero key", [](v1::PutRequest& r) { r.mutable_blocks(0)->mutable_block()->clear_key(); }, *token,
+       grpc::StatusCode::INVALID_ARGUMENT, "key"},
+      {"oversize block",
+       [](v1::PutRequest& r) {
+         BlockLayout big{64, 16, 8, 128, DType::kBF16};  // 4 MiB > the 1 MiB page
+         LayoutToProto(big, r.mutable_blocks(0)->mutable_block()->mutable_layout());
+         r.mutable_blocks(0)->mutable_block()->set_payload_bytes(static_cast<uint32_t>(big.bytes()));
+         r.mutable_blocks(0)->set_payload(std::string(big.bytes(), 'y'));
+       },
+       *token, grpc::StatusCode::INVALID_ARGUMENT, "exceeds"},
+      {"huge count", [](v1::PutRequest& r) { for (int i = 0; i < 2000; ++i) r.add_blocks(); }, *token,
+       grpc::StatusCode::INVALID_ARGUMENT, "limit"},
+  };
+  for (const Case& k : cases) {
+    v1::PutRequest r = good;
+    k.mutate(r);
+    auto [s, resp] = call_put(r, k.token);
+    EXPECT_EQ(s.error_code(), k.code) << k.name << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(k.needle), std::string::npos) << k.name << ": " << s.error_message();
+  }
+  // Checksum mismatch: the block is refused with DATA_LOSS, per block.
+  v1::PutRequest bad_sum = good;
+  bad_sum.mutable_blocks(0)->mutable_block()->set_checksum(12345);
+  auto [s1, r1] = call_put(bad_sum, *token);
+  ASSERT_TRUE(s1.ok()) << s1.error_message();
+  EXPECT_EQ(r1.results(0).status().code(), static_cast<int>(absl::StatusCode::kDataLoss));
+  // Malformed Attend shapes.
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + *token);
+    v1::AttendRequest a;
+    a.mutable_header()->set_version(1);
+    a.set_sequence_id("s");
+    a.set_num_rows(2);
+    a.set_q_heads(4);
+    a.set_head_dim(64);
+    a.set_q_dtype(2);
+    a.set_queries(std::string(100, 'q'));
+    a.add_positions(1);
+    a.add_positions(2);
+    v1::AttendResponse resp;
+    grpc::Status s = stub->Attend(&ctx, a, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(s.error_message().find("queries have 100 bytes"), std::string::npos) << s.error_message();
+  }
+  // Still serving: the good request works.
+  auto [s2, r2] = call_put(good, *token);
+  ASSERT_TRUE(s2.ok()) << s2.error_message();
+  EXPECT_EQ(r2.results(0).status().code(), 0) << r2.results(0).status().message();
+  EXPECT_TRUE(cl.daemon(0).alive());
+}
+
+TEST(ClusterTest, ATenantNeverSeesAnotherTenantsBlocks) {
+  Cluster cl(ClusterOptions{.nodes = 2, .replication = 1});
+  ASSERT_TRUE(cl.Start());
+  auto ta = cl.CreateTenant("tenant-a", {"shared/sys"});
+  auto tb = cl.CreateTenant("tenant-b", {"shared/sys"});
+  auto tc = cl.CreateTenant("tenant-c");
+  ASSERT_TRUE(ta.ok() && tb.ok() && tc.ok());
+  auto a = cl.Connect(*ta);
+  auto b = cl.Connect(*tb);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Blocks ab = MakeChain(**a, SmallLayout(), "m", 31, 10);
+  ASSERT_TRUE((*a)->Put(ab.data).ok());
+  // B with the same tokens computes different keys: nothing.
+  Blocks bb = MakeChain(**b, SmallLayout(), "m", 31, 10);
+  EXPECT_NE(ab.keys[0], bb.keys[0]);
+  EXPECT_EQ(*(*b)->LookupPrefix(bb.keys), 0u);
+  // B with A's exact keys (guessed or leaked): still nothing, the daemon files
+  // blocks under the authenticated tenant's namespace.
+  EXPECT_EQ(*(*b)->LookupPrefix(ab.keys), 0u);
+  for (const auto& r : (*b)->Get(ab.keys)) EXPECT_EQ(r.status.code(), absl::StatusCode::kNotFound) << r.status;
+  // B asking for A's namespace by name is refused outright.
+  auto b_in_a = cl.Connect(*tb, "tenant/tenant-a");
+  EXPECT_EQ(b_in_a.status().code(), absl::StatusCode::kPermissionDenied) << b_in_a.status();
+  // A shared namespace is shared by its members, and only them.
+  auto as = cl.Connect(*ta, "shared/sys");
+  auto bs = cl.Connect(*tb, "shared/sys");
+  ASSERT_TRUE(as.ok() && bs.ok());
+  Blocks sys = MakeChain(**as, SmallLayout(), "m", 41, 6);
+  ASSERT_TRUE((*as)->Put(sys.data).ok());
+  Blocks sys_b = MakeChain(**bs, SmallLayout(), "m", 41, 6);
+  EXPECT_EQ(sys.keys, sys_b.keys);
+  EXPECT_EQ(*(*bs)->LookupPrefix(sys_b.keys), 6u);
+  EXPECT_EQ(cl.Connect(*tc, "shared/sys").status().code(), absl::StatusCode::kPermissionDenied);
+  auto c = cl.Connect(*tc);
+  EXPECT_EQ(*(*c)->LookupPrefix(sys.keys), 0u);
+}
+
+TEST(ClusterTest, CoordinatorRestartMovesTheMapForwardAndLosesNoBlock) {
+  Cluster cl(ClusterOptions{.nodes = 2, .replication = 2});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("coord");
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  Blocks b = MakeChain(**c, SmallLayout(), "m", 51, 30);
+  ASSERT_TRUE((*c)->Put(b.data).ok());
+  auto before = cl.Map();
+  ASSERT_TRUE(before.ok());
+  cl.KillCoordinator();
+  // The data path does not need the coordinator.
+  for (const auto& r : (*c)->Get(b.keys)) EXPECT_TRUE(r.status.ok()) << r.status;
+  ASSERT_TRUE(cl.StartCoordinator());
+  ASSERT_TRUE(cl.WaitForNodesUp(2));
+  auto after = cl.Map();
+  ASSERT_TRUE(after.ok());
+  EXPECT_GT(after->version(), before->version());
+  // Tenants survived the restart (the token still works) and so did every block.
+  auto c2 = cl.Connect(*token);
+  ASSERT_TRUE(c2.ok()) << c2.status();
+  for (const auto& r : (*c2)->Get(b.keys)) EXPECT_TRUE(r.status.ok()) << r.status;
+}
+
+}  // namespace
+}  // namespace kvring

@@ -1,0 +1,111 @@
+// Request/reply messaging over UCX active messages: the daemon's bulk data
+// plane. gRPC carries control and small messages; block payloads (Put, Get)
+// travel here, over whatever UCX picks between the two processes (shared
+// memory and cross-memory attach on one host, TCP or RDMA across hosts).
+//
+// A request is one active message: a fixed header plus data = token || meta
+// || payload, where meta is a serialized protobuf and payload the raw bytes
+// (sent from an iovec, without concatenating). The reply is one message back
+// on the same endpoint: status || meta || payload. Large data moves with
+// UCX's rendezvous protocol (zero-copy where the transport allows).
+//
+// UcxRpcServer: listens on host:port; each request runs the handler on the
+// given ThreadPool; the handler replies exactly once through its UcxReplier
+// (from any thread). Payload spans given to Send() must stay valid until the
+// reply is sent: pass their owner as `keepalive`.
+// UcxRpcClient: one endpoint to a server; Call() is thread-safe and may be
+// issued from many threads at once. A connection failure fails every
+// pending call with UNAVAILABLE. Both are torn down by their destructors.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvring/common/thread_pool.h"
+
+namespace kvring {
+
+namespace ucx_internal {
+class UcxWorkerLoop;
+struct ServerState;
+struct ClientState;
+}  // namespace ucx_internal
+
+struct UcxRequest {
+  uint32_t method = 0;
+  std::string token;
+  std::string meta;
+  absl::Span<const uint8_t> payload;
+  std::shared_ptr<void> storage;  // owns `payload`
+};
+
+class UcxReplier {
+ public:
+  UcxReplier() = default;
+  UcxReplier(UcxReplier&&) = default;
+  UcxReplier& operator=(UcxReplier&&) = default;
+  // Sends the reply (once; later calls are ignored).
+  void Send(const absl::Status& status, std::string meta, std::vector<absl::Span<const uint8_t>> payload = {},
+            std::shared_ptr<void> keepalive = nullptr);
+
+ private:
+  friend struct ucx_internal::ServerState;
+  std::shared_ptr<ucx_internal::ServerState> server_;
+  void* ep_ = nullptr;
+  uint64_t request_id_ = 0;
+  uint64_t ep_generation_ = 0;
+};
+
+using UcxHandler = std::function<void(UcxRequest&&, UcxReplier)>;
+
+class UcxRpcServer {
+ public:
+  // `pool` runs the handlers and must outlive the server.
+  static absl::StatusOr<std::unique_ptr<UcxRpcServer>> Start(const std::string& listen, UcxHandler handler,
+                                                             ThreadPool* pool, uint64_t max_message_bytes);
+  ~UcxRpcServer();
+  // host:port actually bound.
+  const std::string& address() const { return address_; }
+
+ private:
+  UcxRpcServer() = default;
+  std::unique_ptr<ucx_internal::UcxWorkerLoop> loop_;
+  std::shared_ptr<ucx_internal::ServerState> state_;
+  std::string address_;
+};
+
+struct UcxReply {
+  absl::Status status;
+  std::string meta;
+  std::vector<uint8_t> payload;  // when it did not fit the caller's buffer
+  size_t payload_size = 0;
+  bool payload_in_buffer = false;
+};
+
+class UcxRpcClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcxRpcClient>> Connect(const std::string& address,
+                                                               absl::Duration timeout = absl::Seconds(5));
+  ~UcxRpcClient();
+  // Sends a request and waits for its reply. The reply payload lands in
+  // `reply_buffer` when it fits (payload_in_buffer), else in reply.payload.
+  // Transport failures are the returned status; the server's answer is
+  // reply.status.
+  absl::StatusOr<UcxReply> Call(uint32_t method, const std::string& token, const std::string& meta,
+                                absl::Span<const absl::Span<const uint8_t>> payload, absl::Span<uint8_t> reply_buffer,
+                                absl::Duration timeout);
+  bool connected() const;
+  const std::string& address() const { return address_; }
+
+ private:
+  UcxRpcClient() = default;
+  std::unique_ptr<ucx_internal::UcxWorkerLoop> loop_;
+  std::shared_ptr<ucx_internal::ClientState> state_;
+  std::string address_;
+};
+
+}  // namespace kvring

@@ -1,0 +1,149 @@
+#include "ucx_worker.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvring::ucx_internal {
+
+absl::Status UcsError(ucs_status_t s, const std::string& what) {
+  const std::string msg = absl::StrCat(what, ": ", ucs_status_string(s));
+  switch (s) {
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_NOT_CONNECTED:
+      return absl::UnavailableError(msg);
+    case UCS_ERR_MESSAGE_TRUNCATED:
+      return absl::OutOfRangeError(msg);
+    case UCS_ERR_TIMED_OUT:
+      return absl::DeadlineExceededError(msg);
+    case UCS_ERR_CANCELED:
+      return absl::CancelledError(msg);
+    case UCS_ERR_NO_MEMORY:
+      return absl::ResourceExhaustedError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+absl::Status ToSockaddr(const std::string& host_port, sockaddr_storage* out, socklen_t* len) {
+  const size_t colon = host_port.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(host_port.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("'", host_port, "' is not host:port"));
+  }
+  std::string host = host_port.substr(0, colon);
+  if (host == "localhost") host = "127.0.0.1";
+  std::memset(out, 0, sizeof(*out));
+  auto* sa = reinterpret_cast<sockaddr_in*>(out);
+  sa->sin_family = AF_INET;
+  sa->sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host.c_str(), &sa->sin_addr) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("'", host, "' is not an IPv4 address"));
+  }
+  *len = sizeof(sockaddr_in);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t features, const std::string& name) {
+  std::unique_ptr<UcxWorkerLoop> l(new UcxWorkerLoop());
+  ucp_config_t* config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  if (s != UCS_OK) return UcsError(s, "ucp_config_read");
+  ucp_params_t p{};
+  p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  p.features = features | UCP_FEATURE_WAKEUP;
+  p.name = name.c_str();
+  s = ucp_init(&p, config, &l->context_);
+  ucp_config_release(config);
+  if (s != UCS_OK) return UcsError(s, "ucp_init");
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  s = ucp_worker_create(l->context_, &wp, &l->worker_);
+  if (s != UCS_OK) return UcsError(s, "ucp_worker_create");
+  s = ucp_worker_get_efd(l->worker_, &l->worker_fd_);
+  if (s != UCS_OK) return UcsError(s, "ucp_worker_get_efd");
+  l->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (l->wake_fd_ < 0) return absl::InternalError("eventfd failed");
+  UcxWorkerLoop* raw = l.get();
+  l->thread_ = std::thread([raw] { raw->Loop(); });
+  return l;
+}
+
+UcxWorkerLoop::~UcxWorkerLoop() {
+  if (thread_.joinable()) Stop(nullptr);
+  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (context_ != nullptr) ucp_cleanup(context_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void UcxWorkerLoop::Post(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    tasks_.push_back(std::move(fn));
+  }
+  const uint64_t one = 1;
+  ssize_t w = ::write(wake_fd_, &one, sizeof(one));
+  (void)w;
+}
+
+void UcxWorkerLoop::Stop(std::function<void()> last) {
+  if (!thread_.joinable()) return;
+  Post([this, last = std::move(last)] {
+    if (last) last();
+    stop_.store(true);
+  });
+  thread_.join();
+}
+
+void UcxWorkerLoop::Loop() {
+  while (!stop_.load()) {
+    std::deque<std::function<void()>> todo;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      todo.swap(tasks_);
+    }
+    for (auto& t : todo) t();
+    if (stop_.load()) break;
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!tasks_.empty()) continue;
+    }
+    const ucs_status_t armed = ucp_worker_arm(worker_);
+    if (armed == UCS_ERR_BUSY) continue;
+    pollfd fds[2] = {{worker_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    ::poll(fds, 2, 100);
+    if (fds[1].revents & POLLIN) {
+      uint64_t v;
+      ssize_t r = ::read(wake_fd_, &v, sizeof(v));
+      (void)r;
+    }
+  }
+  // Drain what is left so no request is abandoned mid-flight.
+  for (int i = 0; i < 1000 && ucp_worker_progress(worker_) != 0; ++i) {
+  }
+}
+
+void CloseEndpoint(ucp_worker_h worker, ucp_ep_h ep) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) return;
+  for (int i = 0; i < 100000 && ucp_request_check_status(r) == UCS_INPROGRESS; ++i) ucp_worker_progress(worker);
+  ucp_request_free(r);
+}
+
+}  // namespace kvring::ucx_internal

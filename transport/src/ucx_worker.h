@@ -1,0 +1,68 @@
+// UcxWorkerLoop (internal to transport/): one UCP context and worker, owned
+// by one progress thread. Every UCP call on the worker runs on that thread
+// (the worker is single-threaded); other threads Post() closures to it and
+// wake it through an eventfd. The loop sleeps in poll() on the worker's
+// event fd and the eventfd when there is nothing to do.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+
+namespace kvring::ucx_internal {
+
+absl::Status UcsError(ucs_status_t s, const std::string& what);
+// host:port -> sockaddr_in (IPv4 literal or "localhost").
+absl::Status ToSockaddr(const std::string& host_port, sockaddr_storage* out, socklen_t* len);
+
+class UcxWorkerLoop {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> Create(uint64_t features, const std::string& name);
+  ~UcxWorkerLoop();
+  UcxWorkerLoop(const UcxWorkerLoop&) = delete;
+  UcxWorkerLoop& operator=(const UcxWorkerLoop&) = delete;
+
+  ucp_worker_h worker() const { return worker_; }
+  bool on_loop_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+  // Runs fn on the progress thread, asynchronously.
+  void Post(std::function<void()> fn);
+  // Runs fn on the progress thread and waits for it.
+  template <typename Fn>
+  auto Run(Fn&& fn) -> decltype(fn()) {
+    if (on_loop_thread()) return fn();
+    using R = decltype(fn());
+    auto task = std::make_shared<std::packaged_task<R()>>(std::forward<Fn>(fn));
+    auto fut = task->get_future();
+    Post([task] { (*task)(); });
+    return fut.get();
+  }
+  // Stops the thread after running `last` on it (closing endpoints etc.).
+  void Stop(std::function<void()> last);
+
+ private:
+  UcxWorkerLoop() = default;
+  void Loop();
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int worker_fd_ = -1;
+  int wake_fd_ = -1;
+  std::mutex mu_;
+  std::deque<std::function<void()>> tasks_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// Closes an endpoint (force), progressing the worker until done. Loop thread.
+void CloseEndpoint(ucp_worker_h worker, ucp_ep_h ep);
+
+}  // namespace kvring::ucx_internal
