@@ -1,11 +1,9 @@
 #include "kvring/transport/ucx_rpc.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <random>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
@@ -15,28 +13,71 @@ namespace kvring {
 namespace ucx_internal {
 namespace {
 
+// Active message ids.
 constexpr unsigned kRequestAm = 1;
 constexpr unsigned kReplyAm = 2;
+constexpr unsigned kHelloAm = 3;
+
+// flags: the small pieces (token/meta, msg/meta) travel in the AM header, and
+// the AM data is exactly the payload, contiguous, so UCX's zero-copy
+// rendezvous (CMA on one host, RDMA across) moves it without staging.
+constexpr uint32_t kInlinePieces = 1;
 
 struct ReqHeader {
   uint64_t request_id;
-  uint32_t method, token_len, meta_len, pad;
+  uint64_t client_id;
+  uint32_t method, token_len, meta_len, flags;
 };
 struct RepHeader {
   uint64_t request_id;
   int32_t code;
-  uint32_t msg_len, meta_len, pad;
+  uint32_t msg_len, meta_len, flags;
 };
-static_assert(sizeof(ReqHeader) == 24 && sizeof(RepHeader) == 24);
+struct HelloHeader {
+  uint64_t client_id;
+};
+static_assert(sizeof(ReqHeader) == 32 && sizeof(RepHeader) == 24);
 
-// Everything an in-flight send must keep alive.
+// Everything an in-flight send keeps alive.
 struct SendCtx {
   std::vector<uint8_t> header;
-  std::string a, b;  // small data pieces (token/meta or msg/meta)
-  std::vector<ucp_dt_iov_t> iov;
+  std::vector<uint8_t> staged;  // payload parts joined, or pieces + payload
+  const void* data = nullptr;
+  size_t length = 0;
   std::shared_ptr<void> keepalive;
   std::function<void(ucs_status_t)> done;
 };
+
+// Lays out a message. `fixed` is the header struct (its flags set here by
+// the caller through `set_inline`); `pieces` are small strings; `payload` the
+// bulk parts. A single payload part is sent in place (zero copy).
+template <typename Fixed>
+SendCtx* BuildMessage(Fixed fixed, std::initializer_list<std::string_view> pieces,
+                      const std::vector<absl::Span<const uint8_t>>& payload, size_t max_header) {
+  auto* c = new SendCtx();
+  size_t piece_bytes = 0, payload_bytes = 0;
+  for (auto p : pieces) piece_bytes += p.size();
+  for (auto p : payload) payload_bytes += p.size();
+  const bool inline_pieces = sizeof(Fixed) + piece_bytes <= max_header;
+  if (inline_pieces) fixed.flags |= kInlinePieces;
+  c->header.resize(sizeof(Fixed));
+  std::memcpy(c->header.data(), &fixed, sizeof(Fixed));
+  if (inline_pieces) {
+    for (auto p : pieces) c->header.insert(c->header.end(), p.begin(), p.end());
+    if (payload.size() == 1) {
+      c->data = payload[0].data();
+      c->length = payload[0].size();
+      return c;
+    }
+  } else {
+    for (auto p : pieces) c->staged.insert(c->staged.end(), p.begin(), p.end());
+  }
+  c->staged.reserve(c->staged.size() + payload_bytes);
+  for (auto p : payload) c->staged.insert(c->staged.end(), p.begin(), p.end());
+  c->data = c->staged.data();
+  c->length = c->staged.size();
+  return c;
+}
 
 void OnSendDone(void* request, ucs_status_t status, void* user) {
   auto* ctx = static_cast<SendCtx*>(user);
@@ -46,15 +87,13 @@ void OnSendDone(void* request, ucs_status_t status, void* user) {
 }
 
 // Sends an AM; `ctx` is consumed (deleted when the send completes).
-void SendAm(ucp_ep_h ep, unsigned id, SendCtx* ctx, uint32_t flags) {
+void SendAm(ucp_ep_h ep, unsigned id, SendCtx* ctx) {
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE |
-                   UCP_OP_ATTR_FIELD_FLAGS;
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
   p.cb.send = OnSendDone;
   p.user_data = ctx;
-  p.datatype = ucp_dt_make_iov();
-  p.flags = flags;
-  ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, ctx->header.data(), ctx->header.size(), ctx->iov.data(), ctx->iov.size(), &p);
+  p.datatype = ucp_dt_make_contig(1);
+  ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, ctx->header.data(), ctx->header.size(), ctx->data, ctx->length, &p);
   if (r == nullptr) {
     OnSendDone(nullptr, UCS_OK, ctx);
   } else if (UCS_PTR_IS_ERR(r)) {
@@ -62,57 +101,124 @@ void SendAm(ucp_ep_h ep, unsigned id, SendCtx* ctx, uint32_t flags) {
   }
 }
 
-void AddIov(SendCtx* c, const void* p, size_t n) {
-  if (n > 0) c->iov.push_back(ucp_dt_iov_t{const_cast<void*>(p), n});
+// Receives an AM's data into `dst` (eager: copied now; rendezvous: fetched,
+// then `done` runs on the loop thread). Takes ownership of `done`.
+void ReceiveData(ucp_worker_h worker, void* data, size_t length, const ucp_am_recv_param_t* param, uint8_t* dst,
+                 std::function<void(ucs_status_t)> done) {
+  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+    if (length) std::memcpy(dst, data, length);
+    done(UCS_OK);
+    return;
+  }
+  auto* fn = new std::function<void(ucs_status_t)>(std::move(done));
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  rp.datatype = ucp_dt_make_contig(1);
+  rp.user_data = fn;
+  rp.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user) {
+    auto* f = static_cast<std::function<void(ucs_status_t)>*>(user);
+    (*f)(status);
+    delete f;
+    if (request != nullptr) ucp_request_free(request);
+  };
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker, data, dst, length, &rp);
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+    (*fn)(r == nullptr ? UCS_OK : UCS_PTR_STATUS(r));
+    delete fn;
+  }
 }
 
 }  // namespace
 
 // ------------------------------------------------------------------ server
 
+// Receive buffers, recycled: a fresh multi-megabyte allocation per request
+// costs page faults and zeroing on every Put. Buffers are uninitialized and
+// bucketed by power-of-two size; at most kMaxPerBucket are kept per bucket.
+class BufferPool : public std::enable_shared_from_this<BufferPool> {
+ public:
+  struct Buffer {
+    std::unique_ptr<uint8_t[]> data;
+    size_t size = 0;
+    size_t capacity = 0;
+  };
+  std::shared_ptr<Buffer> Get(size_t n) {
+    const int b = Bucket(n);
+    std::unique_ptr<Buffer> buf;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto& free = free_[b];
+      if (!free.empty()) {
+        buf = std::move(free.back());
+        free.pop_back();
+      }
+    }
+    if (!buf) {
+      buf = std::make_unique<Buffer>();
+      buf->capacity = size_t{1} << b;
+      buf->data.reset(new uint8_t[buf->capacity]);
+    }
+    buf->size = n;
+    std::weak_ptr<BufferPool> weak = shared_from_this();
+    return std::shared_ptr<Buffer>(buf.release(), [weak, b](Buffer* p) {
+      if (auto pool = weak.lock()) {
+        std::lock_guard<std::mutex> g(pool->mu_);
+        if (pool->free_[b].size() < kMaxPerBucket) {
+          pool->free_[b].emplace_back(p);
+          return;
+        }
+      }
+      delete p;
+    });
+  }
+
+ private:
+  static constexpr size_t kMaxPerBucket = 16;
+  static int Bucket(size_t n) {
+    int b = 12;
+    while ((size_t{1} << b) < n) ++b;
+    return b;
+  }
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Buffer>> free_[64];
+};
+
 struct ServerState : std::enable_shared_from_this<ServerState> {
+  std::shared_ptr<BufferPool> buffers = std::make_shared<BufferPool>();
   UcxWorkerLoop* loop = nullptr;
-  ucp_listener_h listener = nullptr;
   UcxHandler handler;
   ThreadPool* pool = nullptr;
   uint64_t max_bytes = 0;
   std::mutex mu;
   bool alive = true;                                   // guarded by mu
-  std::unordered_map<ucp_ep_h, uint64_t> eps;         // loop thread only
+  std::unordered_map<ucp_ep_h, uint64_t> eps;         // loop thread only: ep -> generation
+  std::unordered_map<uint64_t, ucp_ep_h> clients;      // loop thread only: client id -> ep back to it
   uint64_t next_generation = 1;                        // loop thread only
 
-  void Dispatch(ucp_ep_h ep, const ReqHeader& h, std::shared_ptr<std::vector<uint8_t>> buf) {
-    auto it = eps.find(ep);
-    if (it == eps.end()) return;
+  void Dispatch(ucp_ep_h ep, uint64_t gen, const ReqHeader& h, std::string token, std::string meta,
+                std::shared_ptr<BufferPool::Buffer> buf, size_t payload_offset) {
     auto req = std::make_shared<UcxRequest>();
     req->method = h.method;
-    const uint8_t* d = buf->data();
-    req->token.assign(reinterpret_cast<const char*>(d), h.token_len);
-    req->meta.assign(reinterpret_cast<const char*>(d + h.token_len), h.meta_len);
-    req->payload = absl::MakeConstSpan(d + h.token_len + h.meta_len, buf->size() - h.token_len - h.meta_len);
+    req->token = std::move(token);
+    req->meta = std::move(meta);
+    req->payload = absl::MakeConstSpan(buf->data.get() + payload_offset, buf->size - payload_offset);
     req->storage = buf;
     auto rep = std::make_shared<UcxReplier>();
     rep->server_ = shared_from_this();
     rep->ep_ = ep;
     rep->request_id_ = h.request_id;
-    rep->ep_generation_ = it->second;
+    rep->ep_generation_ = gen;
     UcxHandler* handler_ptr = &handler;
     pool->Submit([handler_ptr, req, rep]() mutable { (*handler_ptr)(std::move(*req), std::move(*rep)); });
   }
 
   void SendReply(ucp_ep_h ep, uint64_t gen, uint64_t id, const absl::Status& status, std::string meta,
                  std::vector<absl::Span<const uint8_t>> payload, std::shared_ptr<void> keepalive) {
-    auto* c = new SendCtx();
-    RepHeader h{id, static_cast<int32_t>(status.code()), static_cast<uint32_t>(status.message().size()),
+    const std::string msg(status.message());
+    RepHeader h{id, static_cast<int32_t>(status.code()), static_cast<uint32_t>(msg.size()),
                 static_cast<uint32_t>(meta.size()), 0};
-    c->header.resize(sizeof(h));
-    std::memcpy(c->header.data(), &h, sizeof(h));
-    c->a = std::string(status.message());
-    c->b = std::move(meta);
+    SendCtx* c = BuildMessage(h, {msg, meta}, payload, loop->max_am_header());
     c->keepalive = std::move(keepalive);
-    AddIov(c, c->a.data(), c->a.size());
-    AddIov(c, c->b.data(), c->b.size());
-    for (auto s : payload) AddIov(c, s.data(), s.size());
     auto self = shared_from_this();
     loop->Post([self, ep, gen, c] {
       auto it = self->eps.find(ep);
@@ -120,81 +226,92 @@ struct ServerState : std::enable_shared_from_this<ServerState> {
         delete c;
         return;
       }
-      if (c->iov.empty()) {
-        static char zero = 0;
-        c->iov.push_back(ucp_dt_iov_t{&zero, 0});
-      }
-      SendAm(ep, kReplyAm, c, 0);
+      SendAm(ep, kReplyAm, c);
     });
   }
 };
 
 namespace {
 
-struct PendingRecv {
-  std::shared_ptr<ServerState> st;
-  ucp_ep_h ep;
-  ReqHeader h;
-  std::shared_ptr<std::vector<uint8_t>> buf;
-};
-
-void OnServerData(void* request, ucs_status_t status, size_t, void* user) {
-  auto* p = static_cast<PendingRecv*>(user);
-  if (status == UCS_OK) p->st->Dispatch(p->ep, p->h, p->buf);
-  delete p;
-  if (request != nullptr) ucp_request_free(request);
-}
-
 ucs_status_t OnRequest(void* arg, const void* header, size_t header_length, void* data, size_t length,
                        const ucp_am_recv_param_t* param) {
   auto* st = static_cast<ServerState*>(arg);
-  if (header_length != sizeof(ReqHeader) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
+  if (header_length < sizeof(ReqHeader)) return UCS_OK;
   ReqHeader h;
   std::memcpy(&h, header, sizeof(h));
-  ucp_ep_h ep = param->reply_ep;
-  auto it = st->eps.find(ep);
-  if (it == st->eps.end()) return UCS_OK;
-  if (uint64_t{h.token_len} + h.meta_len > length || length > st->max_bytes) {
-    st->SendReply(ep, it->second, h.request_id,
+  auto cit = st->clients.find(h.client_id);
+  if (cit == st->clients.end()) return UCS_OK;  // no hello from this client: nowhere to reply
+  ucp_ep_h ep = cit->second;
+  const uint64_t gen = st->eps[ep];
+  const uint64_t pieces = uint64_t{h.token_len} + h.meta_len;
+  const bool inline_pieces = h.flags & kInlinePieces;
+  const bool sane = inline_pieces ? header_length == sizeof(ReqHeader) + pieces
+                                  : header_length == sizeof(ReqHeader) && pieces <= length;
+  if (!sane || length > st->max_bytes) {
+    st->SendReply(ep, gen, h.request_id,
                   absl::InvalidArgumentError(absl::StrCat("malformed or oversize UCX request (", length, " bytes)")), "", {},
                   nullptr);
     return UCS_OK;
   }
-  auto buf = std::make_shared<std::vector<uint8_t>>(length);
-  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-    auto* p = new PendingRecv{st->shared_from_this(), ep, h, buf};
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.cb.recv_am = OnServerData;
-    rp.user_data = p;
-    ucs_status_ptr_t r = ucp_am_recv_data_nbx(st->loop->worker(), data, buf->data(), length, &rp);
-    if (r == nullptr) {
-      OnServerData(nullptr, UCS_OK, length, p);
-    } else if (UCS_PTR_IS_ERR(r)) {
-      delete p;
-    }
-    return UCS_OK;
+  std::string token, meta;
+  size_t payload_offset = 0;
+  if (inline_pieces) {
+    const char* p = static_cast<const char*>(header) + sizeof(ReqHeader);
+    token.assign(p, h.token_len);
+    meta.assign(p + h.token_len, h.meta_len);
+  } else {
+    payload_offset = pieces;  // split once the data is here
   }
-  if (length) std::memcpy(buf->data(), data, length);
-  st->Dispatch(ep, h, buf);
+  auto buf = st->buffers->Get(length);
+  auto self = st->shared_from_this();
+  ReceiveData(st->loop->worker(), data, length, param, buf->data.get(),
+              [self, ep, gen, h, token = std::move(token), meta = std::move(meta), buf, payload_offset,
+               inline_pieces](ucs_status_t s) mutable {
+                if (s != UCS_OK) return;
+                if (!inline_pieces) {
+                  token.assign(reinterpret_cast<const char*>(buf->data.get()), h.token_len);
+                  meta.assign(reinterpret_cast<const char*>(buf->data.get()) + h.token_len, h.meta_len);
+                }
+                self->Dispatch(ep, gen, h, std::move(token), std::move(meta), buf, payload_offset);
+              });
   return UCS_OK;
 }
 
 void OnServerEpError(void* arg, ucp_ep_h ep, ucs_status_t) {
   auto* st = static_cast<ServerState*>(arg);
-  if (st->eps.erase(ep)) CloseEndpoint(st->loop->worker(), ep);
+  if (st->eps.erase(ep)) {
+    for (auto it = st->clients.begin(); it != st->clients.end();) {
+      it = it->second == ep ? st->clients.erase(it) : std::next(it);
+    }
+    CloseEndpoint(st->loop->worker(), ep);
+  }
 }
 
-void OnConnection(ucp_conn_request_h conn, void* arg) {
+// A client introduces itself with its worker address; the server opens an
+// endpoint back to it (with peer-failure handling) for the replies.
+ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                     const ucp_am_recv_param_t* param) {
   auto* st = static_cast<ServerState*>(arg);
+  if (header_length != sizeof(HelloHeader) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length == 0 ||
+      length > 65536) {
+    return UCS_OK;
+  }
+  HelloHeader h;
+  std::memcpy(&h, header, sizeof(h));
+  if (st->clients.count(h.client_id)) return UCS_OK;
   ucp_ep_params_t p{};
-  p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  p.conn_request = conn;
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.address = static_cast<const ucp_address_t*>(data);
   p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   p.err_handler.cb = OnServerEpError;
   p.err_handler.arg = st;
   ucp_ep_h ep = nullptr;
-  if (ucp_ep_create(st->loop->worker(), &p, &ep) == UCS_OK) st->eps[ep] = st->next_generation++;
+  if (ucp_ep_create(st->loop->worker(), &p, &ep) != UCS_OK) return UCS_OK;
+  const uint64_t gen = st->next_generation++;
+  st->eps[ep] = gen;
+  st->clients[h.client_id] = ep;
+  st->SendReply(ep, gen, /*the hello's request id*/ 0, absl::OkStatus(), "", {}, nullptr);
+  return UCS_OK;
 }
 
 }  // namespace
@@ -208,10 +325,11 @@ struct ClientState {
   };
   UcxWorkerLoop* loop = nullptr;
   ucp_ep_h ep = nullptr;  // loop thread
+  uint64_t client_id = 0;  // set before any send
   std::mutex mu;
-  bool connected = true;                                                // guarded by mu
-  uint64_t next_id = 1;                                                 // guarded by mu
-  std::unordered_map<uint64_t, std::shared_ptr<Pending>> pending;       // guarded by mu
+  bool connected = true;                                           // guarded by mu
+  uint64_t next_id = 1;                                            // guarded by mu
+  std::unordered_map<uint64_t, std::shared_ptr<Pending>> pending;  // guarded by mu
 
   std::shared_ptr<Pending> Take(uint64_t id) {
     std::lock_guard<std::mutex> g(mu);
@@ -238,79 +356,71 @@ struct ClientState {
 
 namespace {
 
-struct ReplyRecv {
-  std::shared_ptr<ClientState::Pending> p;
-  RepHeader h;
-  std::vector<uint8_t> head;  // msg || meta
-  UcxReply reply;
-  ucp_dt_iov_t iov[2];
-};
-
-void FinishReply(ReplyRecv* rr, ucs_status_t status) {
-  if (status != UCS_OK) {
-    rr->reply.status = UcsError(status, "receiving a UCX reply");
-  } else {
-    const char* d = reinterpret_cast<const char*>(rr->head.data());
-    const std::string msg(d, rr->h.msg_len);
-    rr->reply.status = absl::Status(static_cast<absl::StatusCode>(rr->h.code), msg);
-    rr->reply.meta.assign(d + rr->h.msg_len, rr->h.meta_len);
-  }
-  rr->p->promise.set_value(std::move(rr->reply));
-}
-
-void OnClientData(void* request, ucs_status_t status, size_t, void* user) {
-  auto* rr = static_cast<ReplyRecv*>(user);
-  FinishReply(rr, status);
-  delete rr;
-  if (request != nullptr) ucp_request_free(request);
-}
-
 ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data, size_t length,
                      const ucp_am_recv_param_t* param) {
   auto* st = static_cast<ClientState*>(arg);
-  if (header_length != sizeof(RepHeader)) return UCS_OK;
+  if (header_length < sizeof(RepHeader)) return UCS_OK;
   RepHeader h;
   std::memcpy(&h, header, sizeof(h));
-  if (uint64_t{h.msg_len} + h.meta_len > length) return UCS_OK;
+  const uint64_t pieces = uint64_t{h.msg_len} + h.meta_len;
+  const bool inline_pieces = h.flags & kInlinePieces;
+  if (inline_pieces ? header_length != sizeof(RepHeader) + pieces : pieces > length) return UCS_OK;
   auto p = st->Take(h.request_id);
   if (p == nullptr) return UCS_OK;  // timed out: drop
-  auto* rr = new ReplyRecv{p, h, std::vector<uint8_t>(h.msg_len + h.meta_len), {}, {}};
-  const size_t payload = length - h.msg_len - h.meta_len;
-  rr->reply.payload_size = payload;
+  auto reply = std::make_shared<UcxReply>();
+  std::string msg, meta;
+  if (inline_pieces) {
+    const char* q = static_cast<const char*>(header) + sizeof(RepHeader);
+    msg.assign(q, h.msg_len);
+    meta.assign(q + h.msg_len, h.meta_len);
+  }
+  // With the pieces inline, the data is the payload: straight into the
+  // caller's buffer when it fits.
+  auto staging = std::make_shared<std::vector<uint8_t>>();
   uint8_t* dst;
-  if (payload <= p->buffer.size() && p->buffer.data() != nullptr) {
-    rr->reply.payload_in_buffer = true;
+  if (inline_pieces && length <= p->buffer.size() && p->buffer.data() != nullptr) {
+    reply->payload_in_buffer = true;
     dst = p->buffer.data();
+  } else if (inline_pieces) {
+    reply->payload.resize(length);
+    dst = reply->payload.data();
   } else {
-    rr->reply.payload.resize(payload);
-    dst = rr->reply.payload.data();
+    staging->resize(length);
+    dst = staging->data();
   }
-  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-    rr->iov[0] = ucp_dt_iov_t{rr->head.data(), rr->head.size()};
-    rr->iov[1] = ucp_dt_iov_t{dst, payload};
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
-    rp.cb.recv_am = OnClientData;
-    rp.user_data = rr;
-    rp.datatype = ucp_dt_make_iov();
-    ucs_status_ptr_t r = ucp_am_recv_data_nbx(st->loop->worker(), data, rr->iov, 2, &rp);
-    if (r == nullptr) {
-      OnClientData(nullptr, UCS_OK, length, rr);
-    } else if (UCS_PTR_IS_ERR(r)) {
-      OnClientData(nullptr, UCS_PTR_STATUS(r), 0, rr);
-    }
-    return UCS_OK;
-  }
-  const uint8_t* d = static_cast<const uint8_t*>(data);
-  if (!rr->head.empty()) std::memcpy(rr->head.data(), d, rr->head.size());
-  if (payload) std::memcpy(dst, d + rr->head.size(), payload);
-  FinishReply(rr, UCS_OK);
-  delete rr;
+  ReceiveData(st->loop->worker(), data, length, param, dst,
+              [p, reply, h, msg = std::move(msg), meta = std::move(meta), staging, inline_pieces, length](ucs_status_t s) mutable {
+                if (s != UCS_OK) {
+                  reply->status = UcsError(s, "receiving a UCX reply");
+                } else {
+                  if (!inline_pieces) {
+                    const char* d = reinterpret_cast<const char*>(staging->data());
+                    msg.assign(d, h.msg_len);
+                    meta.assign(d + h.msg_len, h.meta_len);
+                    reply->payload.assign(staging->begin() + static_cast<long>(h.msg_len + h.meta_len), staging->end());
+                  }
+                  reply->status = absl::Status(static_cast<absl::StatusCode>(h.code), msg);
+                  reply->meta = std::move(meta);
+                  reply->payload_size = inline_pieces ? length : reply->payload.size();
+                }
+                p->promise.set_value(std::move(*reply));
+              });
   return UCS_OK;
 }
 
 void OnClientEpError(void* arg, ucp_ep_h, ucs_status_t s) {
   static_cast<ClientState*>(arg)->FailAll(UcsError(s, "UCX connection to the daemon failed"));
+}
+
+std::string Hex(const void* p, size_t n) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < n; ++i) {
+    const uint8_t b = static_cast<const uint8_t*>(p)[i];
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 0xf]);
+  }
+  return out;
 }
 
 }  // namespace
@@ -332,9 +442,7 @@ void UcxReplier::Send(const absl::Status& status, std::string meta, std::vector<
 
 absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::string& listen, UcxHandler handler,
                                                                   ThreadPool* pool, uint64_t max_message_bytes) {
-  sockaddr_storage sa;
-  socklen_t salen;
-  if (absl::Status s = ToSockaddr(listen, &sa, &salen); !s.ok()) return s;
+  (void)listen;
   auto loop = UcxWorkerLoop::Create(UCP_FEATURE_AM, "kvring-ucx-server");
   if (!loop.ok()) return loop.status();
   std::unique_ptr<UcxRpcServer> srv(new UcxRpcServer());
@@ -346,27 +454,25 @@ absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::str
   st->pool = pool;
   st->max_bytes = max_message_bytes;
   absl::StatusOr<std::string> addr = srv->loop_->Run([&]() -> absl::StatusOr<std::string> {
-    ucp_am_handler_param_t hp{};
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.id = kRequestAm;
-    hp.cb = OnRequest;
-    hp.arg = st;
-    ucs_status_t s = ucp_worker_set_am_recv_handler(st->loop->worker(), &hp);
-    if (s != UCS_OK) return UcsError(s, "ucp_worker_set_am_recv_handler");
-    ucp_listener_params_t lp{};
-    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
-    lp.sockaddr.addrlen = salen;
-    lp.conn_handler.cb = OnConnection;
-    lp.conn_handler.arg = st;
-    s = ucp_listener_create(st->loop->worker(), &lp, &st->listener);
-    if (s != UCS_OK) return UcsError(s, absl::StrCat("UCX listen on ", listen));
-    ucp_listener_attr_t la{};
-    la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-    s = ucp_listener_query(st->listener, &la);
-    if (s != UCS_OK) return UcsError(s, "ucp_listener_query");
-    const int port = ntohs(reinterpret_cast<const sockaddr_in*>(&la.sockaddr)->sin_port);
-    return absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+    for (auto [id, cb] : {std::pair<unsigned, ucp_am_recv_callback_t>{kRequestAm, OnRequest}, {kHelloAm, OnHello}}) {
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      hp.id = id;
+      hp.cb = cb;
+      hp.arg = st;
+      ucs_status_t s = ucp_worker_set_am_recv_handler(st->loop->worker(), &hp);
+      if (s != UCS_OK) return UcsError(s, "ucp_worker_set_am_recv_handler");
+    }
+    // Peers connect by worker address: UCX then picks every transport the two
+    // workers share (shared memory and CMA on one host, TCP/RDMA across hosts;
+    // a sockaddr connection would get TCP lanes only).
+    ucp_address_t* wa = nullptr;
+    size_t wlen = 0;
+    ucs_status_t s = ucp_worker_get_address(st->loop->worker(), &wa, &wlen);
+    if (s != UCS_OK) return UcsError(s, "ucp_worker_get_address");
+    std::string a = absl::StrCat("ucxw:", Hex(wa, wlen));
+    ucp_worker_release_address(st->loop->worker(), wa);
+    return a;
   });
   if (!addr.ok()) return addr.status();
   srv->address_ = *addr;
@@ -382,23 +488,40 @@ UcxRpcServer::~UcxRpcServer() {
   loop_->Stop([st] {
     for (auto& [ep, gen] : st->eps) CloseEndpoint(st->loop->worker(), ep);
     st->eps.clear();
-    if (st->listener != nullptr) ucp_listener_destroy(st->listener);
-    st->listener = nullptr;
+    st->clients.clear();
   });
 }
 
 absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::string& address, absl::Duration timeout) {
-  sockaddr_storage sa;
-  socklen_t salen;
-  if (absl::Status s = ToSockaddr(address, &sa, &salen); !s.ok()) return s;
+  if (address.rfind("ucxw:", 0) != 0 || address.size() % 2 != 1 || address.size() < 7) {
+    return absl::InvalidArgumentError("a UCX address is 'ucxw:<hex worker address>'");
+  }
+  std::vector<uint8_t> server_addr;
+  for (size_t i = 5; i + 1 < address.size(); i += 2) {
+    auto v = [](char c) { return c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= '0' && c <= '9' ? c - '0' : -1; };
+    const int hi = v(address[i]), lo = v(address[i + 1]);
+    if (hi < 0 || lo < 0) return absl::InvalidArgumentError("a UCX address is 'ucxw:<hex worker address>'");
+    server_addr.push_back(static_cast<uint8_t>(hi * 16 + lo));
+  }
   auto loop = UcxWorkerLoop::Create(UCP_FEATURE_AM, "kvring-ucx-client");
   if (!loop.ok()) return loop.status();
   std::unique_ptr<UcxRpcClient> c(new UcxRpcClient());
   c->loop_ = std::move(*loop);
   c->state_ = std::make_shared<ClientState>();
-  c->address_ = address;
+  c->address_ = address.substr(0, 21) + "...";
   ClientState* st = c->state_.get();
   st->loop = c->loop_.get();
+  {
+    std::random_device rd;
+    st->client_id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }
+  // The hello's reply (request id 0) proves both directions work.
+  auto hello = std::make_shared<ClientState::Pending>();
+  std::future<UcxReply> hello_done = hello->promise.get_future();
+  {
+    std::lock_guard<std::mutex> g(st->mu);
+    st->pending[0] = hello;
+  }
   absl::Status s = c->loop_->Run([&]() -> absl::Status {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -408,22 +531,35 @@ absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::s
     ucs_status_t u = ucp_worker_set_am_recv_handler(st->loop->worker(), &hp);
     if (u != UCS_OK) return UcsError(u, "ucp_worker_set_am_recv_handler");
     ucp_ep_params_t p{};
-    p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
-                   UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
-    p.sockaddr.addrlen = salen;
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    p.address = reinterpret_cast<const ucp_address_t*>(server_addr.data());
     p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     p.err_handler.cb = OnClientEpError;
     p.err_handler.arg = st;
     u = ucp_ep_create(st->loop->worker(), &p, &st->ep);
-    if (u != UCS_OK) return UcsError(u, absl::StrCat("UCX connect to ", address));
+    if (u != UCS_OK) return UcsError(u, "UCX connect");
+    ucp_address_t* wa = nullptr;
+    size_t wlen = 0;
+    u = ucp_worker_get_address(st->loop->worker(), &wa, &wlen);
+    if (u != UCS_OK) return UcsError(u, "ucp_worker_get_address");
+    auto* ctx = new SendCtx();
+    HelloHeader h{st->client_id};
+    ctx->header.resize(sizeof(h));
+    std::memcpy(ctx->header.data(), &h, sizeof(h));
+    ctx->staged.assign(reinterpret_cast<const uint8_t*>(wa), reinterpret_cast<const uint8_t*>(wa) + wlen);
+    ctx->data = ctx->staged.data();
+    ctx->length = ctx->staged.size();
+    ucp_worker_release_address(st->loop->worker(), wa);
+    SendAm(st->ep, kHelloAm, ctx);
     return absl::OkStatus();
   });
   if (!s.ok()) return s;
-  // A round trip proves the connection (the endpoint connects lazily).
-  auto ping = c->Call(0, "", "", {}, {}, timeout);
-  if (!ping.ok()) return absl::UnavailableError(absl::StrCat("UCX daemon at ", address, " did not answer: ", ping.status().message()));
+  if (hello_done.wait_for(absl::ToChronoMilliseconds(timeout)) != std::future_status::ready) {
+    st->Take(0);
+    return absl::UnavailableError(absl::StrCat("UCX daemon did not answer within ", absl::FormatDuration(timeout)));
+  }
+  UcxReply r = hello_done.get();
+  if (!r.status.ok()) return absl::UnavailableError(absl::StrCat("UCX hello failed: ", r.status.message()));
   return c;
 }
 
@@ -455,28 +591,18 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
     id = st->next_id++;
     st->pending[id] = pending;
   }
+  ReqHeader h{id, st->client_id, method, static_cast<uint32_t>(token.size()), static_cast<uint32_t>(meta.size()), 0};
+  SendCtx* c = BuildMessage(h, {token, meta}, std::vector<absl::Span<const uint8_t>>(payload.begin(), payload.end()),
+                            loop_->max_am_header());
   auto send_done = std::make_shared<std::promise<ucs_status_t>>();
   std::future<ucs_status_t> sent = send_done->get_future();
-  auto* c = new SendCtx();
-  ReqHeader h{id, method, static_cast<uint32_t>(token.size()), static_cast<uint32_t>(meta.size()), 0};
-  c->header.resize(sizeof(h));
-  std::memcpy(c->header.data(), &h, sizeof(h));
-  c->a = token;
-  c->b = meta;
-  AddIov(c, c->a.data(), c->a.size());
-  AddIov(c, c->b.data(), c->b.size());
-  for (auto s : payload) AddIov(c, s.data(), s.size());
-  if (c->iov.empty()) {
-    static char zero = 0;
-    c->iov.push_back(ucp_dt_iov_t{&zero, 0});
-  }
   c->done = [send_done](ucs_status_t s) { send_done->set_value(s); };
   loop_->Post([st, c] {
     if (st->ep == nullptr) {
       OnSendDone(nullptr, UCS_ERR_NOT_CONNECTED, c);
       return;
     }
-    SendAm(st->ep, kRequestAm, c, UCP_AM_SEND_FLAG_REPLY);
+    SendAm(st->ep, kRequestAm, c);
   });
   // The payload must stay untouched until the send completes, whatever else happens.
   const ucs_status_t ss = sent.get();

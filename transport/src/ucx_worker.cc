@@ -6,6 +6,8 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/numbers.h"
@@ -61,7 +63,7 @@ absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t fe
   if (s != UCS_OK) return UcsError(s, "ucp_config_read");
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
-  p.features = features | UCP_FEATURE_WAKEUP;
+  p.features = features | (std::getenv("KVRING_UCX_NOWAKEUP") ? 0 : UCP_FEATURE_WAKEUP);
   p.name = name.c_str();
   s = ucp_init(&p, config, &l->context_);
   ucp_config_release(config);
@@ -71,9 +73,15 @@ absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t fe
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
   s = ucp_worker_create(l->context_, &wp, &l->worker_);
   if (s != UCS_OK) return UcsError(s, "ucp_worker_create");
-  s = ucp_worker_get_efd(l->worker_, &l->worker_fd_);
-  if (s != UCS_OK) return UcsError(s, "ucp_worker_get_efd");
+  ucp_worker_attr_t wa{};
+  wa.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+  if (ucp_worker_query(l->worker_, &wa) == UCS_OK) l->max_am_header_ = wa.max_am_header;
+  if (!std::getenv("KVRING_UCX_NOWAKEUP")) {
+    s = ucp_worker_get_efd(l->worker_, &l->worker_fd_);
+    if (s != UCS_OK) return UcsError(s, "ucp_worker_get_efd");
+  }
   l->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (const char* e = std::getenv("KVRING_UCX_SPIN_US")) l->spin_us_ = std::atoi(e);
   if (l->wake_fd_ < 0) return absl::InternalError("eventfd failed");
   UcxWorkerLoop* raw = l.get();
   l->thread_ = std::thread([raw] { raw->Loop(); });
@@ -115,11 +123,27 @@ void UcxWorkerLoop::Loop() {
     }
     for (auto& t : todo) t();
     if (stop_.load()) break;
-    while (ucp_worker_progress(worker_) != 0) {
-    }
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (!tasks_.empty()) continue;
+    // Hybrid polling: keep progressing while there is activity and for a
+    // short spin after it (messages in flight complete without a sleep/wake
+    // round trip), then arm the worker and sleep.
+    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+    bool idle = true;
+    do {
+      if (ucp_worker_progress(worker_) != 0) idle = false;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (!tasks_.empty()) {
+          idle = false;
+          break;
+        }
+      }
+    } while (std::chrono::steady_clock::now() < spin_until);
+    if (!idle) continue;
+    if (worker_fd_ < 0) {
+      pollfd f1{wake_fd_, POLLIN, 0};
+      ::poll(&f1, 1, 0);
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      continue;
     }
     const ucs_status_t armed = ucp_worker_arm(worker_);
     if (armed == UCS_ERR_BUSY) continue;

@@ -32,6 +32,8 @@ class UcxWorkerLoop {
   UcxWorkerLoop& operator=(const UcxWorkerLoop&) = delete;
 
   ucp_worker_h worker() const { return worker_; }
+  // Largest active-message header the worker accepts.
+  size_t max_am_header() const { return max_am_header_; }
   bool on_loop_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
   // Runs fn on the progress thread, asynchronously.
@@ -56,6 +58,8 @@ class UcxWorkerLoop {
   ucp_worker_h worker_ = nullptr;
   int worker_fd_ = -1;
   int wake_fd_ = -1;
+  int spin_us_ = 20;
+  size_t max_am_header_ = 0;
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
   std::atomic<bool> stop_{false};

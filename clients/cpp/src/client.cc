@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <atomic>
 #include <map>
 
 #include "absl/container/flat_hash_map.h"
@@ -182,19 +183,37 @@ class ClientImpl {
     return resp;
   }
 
-  absl::StatusOr<std::vector<GetResult>> GetOn(Node& n, const std::vector<BlockKey>& keys) {
+  // `dsts` (empty, or one per key): where payloads go; else into results.
+  absl::StatusOr<std::vector<GetResult>> GetOn(Node& n, const std::vector<BlockKey>& keys,
+                                               const std::vector<absl::Span<uint8_t>>& dsts) {
     v1::GetRequest req;
     *req.mutable_header() = Header();
     for (const auto& k : keys) KeyToProto(k, req.add_keys());
     v1::GetResponse resp;
     std::vector<uint8_t> bulk;
     bool via_ucx = false;
+    std::vector<GetResult> out(keys.size());
+    bool landed = false;  // a single block landed straight in its destination
     if (UcxRpcClient* u = Ucx(n)) {
-      auto r = u->Call(kUcxMethodGet, o_.token, req.SerializeAsString(), {}, {}, o_.rpc_timeout);
+      absl::Span<uint8_t> into;
+      if (keys.size() == 1) {
+        if (!dsts.empty()) {
+          into = dsts[0];
+        } else {
+          out[0].payload.resize(last_block_bytes_.load(std::memory_order_relaxed));
+          into = absl::MakeSpan(out[0].payload);
+        }
+      }
+      auto r = u->Call(kUcxMethodGet, o_.token, req.SerializeAsString(), {}, into, o_.rpc_timeout);
       if (!r.ok()) return r.status();
       if (!r->status.ok()) return r->status;
       if (!resp.ParseFromString(r->meta)) return absl::DataLossError("bad UCX Get reply");
-      bulk = std::move(r->payload);
+      if (r->payload_in_buffer) {
+        if (dsts.empty()) out[0].payload.resize(r->payload_size);
+        landed = true;
+      } else {
+        bulk = std::move(r->payload);
+      }
       via_ucx = true;
     } else {
       auto ctx = Context(o_.rpc_timeout);
@@ -202,25 +221,18 @@ class ClientImpl {
       if (!s.ok()) return FromGrpc(s);
     }
     if (resp.blocks_size() != static_cast<int>(keys.size())) return absl::DataLossError("Get reply has the wrong number of blocks");
-    std::vector<GetResult> out(keys.size());
     size_t off = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
       const v1::GetBlock& b = resp.blocks(static_cast<int>(i));
       GetResult& r = out[i];
       r.node_id = n.id;
       r.status = StatusOf(b.status());
-      if (!r.status.ok()) continue;
-      const size_t size = b.block().payload_bytes();
-      if (via_ucx) {
-        if (off + size > bulk.size()) {
-          r.status = absl::DataLossError("UCX Get reply shorter than its headers");
-          continue;
-        }
-        r.payload.assign(bulk.begin() + off, bulk.begin() + off + size);
-        off += size;
-      } else {
-        r.payload.assign(b.payload().begin(), b.payload().end());
+      if (!r.status.ok()) {
+        r.payload.clear();
+        continue;
       }
+      const size_t size = b.block().payload_bytes();
+      last_block_bytes_.store(size, std::memory_order_relaxed);
       auto layout = LayoutFromProto(b.block().layout());
       if (!layout.ok()) {
         r.status = layout.status();
@@ -231,7 +243,36 @@ class ClientImpl {
       r.meta.payload_bytes = static_cast<uint32_t>(size);
       r.meta.checksum = b.block().checksum();
       r.parent = KeyFromProto(b.block().parent());
-      if (r.payload.size() != size || PayloadChecksum(r.payload.data(), r.payload.size()) != r.meta.checksum) {
+      const uint8_t* src = nullptr;
+      if (landed) {
+        // already in place
+      } else if (via_ucx) {
+        if (off + size > bulk.size()) {
+          r.status = absl::DataLossError("UCX Get reply shorter than its headers");
+          continue;
+        }
+        src = bulk.data() + off;
+        off += size;
+      } else {
+        if (b.payload().size() != size) {
+          r.status = absl::DataLossError("Get reply payload has the wrong size");
+          continue;
+        }
+        src = reinterpret_cast<const uint8_t*>(b.payload().data());
+      }
+      uint8_t* dst;
+      if (!dsts.empty()) {
+        if (dsts[i].size() < size) {
+          r.status = absl::InvalidArgumentError(absl::StrCat("destination of ", dsts[i].size(), " bytes for a block of ", size));
+          continue;
+        }
+        dst = dsts[i].data();
+      } else {
+        if (!landed) r.payload.resize(size);
+        dst = r.payload.data();
+      }
+      if (src != nullptr) std::memcpy(dst, src, size);
+      if (PayloadChecksum(dst, size) != r.meta.checksum) {
         r.status = absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id, " fails its checksum"));
         r.payload.clear();
       }
@@ -398,7 +439,7 @@ class ClientImpl {
     return rep;
   }
 
-  std::vector<GetResult> GetBlocks(absl::Span<const BlockKey> keys) {
+  std::vector<GetResult> GetBlocks(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts) {
     auto ring = Ring();
     const size_t n = keys.size();
     std::vector<GetResult> out(n);
@@ -425,8 +466,12 @@ class ClientImpl {
           return;
         }
         std::vector<BlockKey> ks;
-        for (size_t i : jobs[j].second) ks.push_back(keys[i]);
-        res[j] = GetOn(*node, ks);
+        std::vector<absl::Span<uint8_t>> ds;
+        for (size_t i : jobs[j].second) {
+          ks.push_back(keys[i]);
+          if (!dsts.empty()) ds.push_back(dsts[i]);
+        }
+        res[j] = GetOn(*node, ks, ds);
       });
       for (size_t j = 0; j < jobs.size(); ++j) {
         if (!res[j].ok()) {
@@ -650,6 +695,7 @@ class ClientImpl {
     return absl::OkStatus();
   }
 
+  std::atomic<size_t> last_block_bytes_{0};
   ClientOptions o_;
   v1::Tenant tenant_;
   std::string ns_;
@@ -680,7 +726,15 @@ BlockKeyHasher Client::Hasher(const std::string& model_id, const BlockLayout& la
 }
 absl::StatusOr<size_t> Client::LookupPrefix(absl::Span<const BlockKey> chain) { return impl_->Lookup(chain); }
 absl::StatusOr<PutReport> Client::Put(absl::Span<const BlockData> blocks) { return impl_->PutBlocks(blocks, nullptr, 0); }
-std::vector<GetResult> Client::Get(absl::Span<const BlockKey> keys) { return impl_->GetBlocks(keys); }
+std::vector<GetResult> Client::Get(absl::Span<const BlockKey> keys) { return impl_->GetBlocks(keys, {}); }
+std::vector<GetResult> Client::GetInto(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts) {
+  if (dsts.size() != keys.size()) {
+    std::vector<GetResult> out(keys.size());
+    for (auto& r : out) r.status = absl::InvalidArgumentError("GetInto needs one destination per key");
+    return out;
+  }
+  return impl_->GetBlocks(keys, dsts);
+}
 absl::Status Client::Pin(absl::Span<const BlockKey> keys, bool unpin) { return impl_->PinBlocks(keys, unpin); }
 absl::StatusOr<PutReport> Client::PutSequence(const std::string& sequence_id, uint64_t first_block,
                                               absl::Span<const BlockData> blocks) {

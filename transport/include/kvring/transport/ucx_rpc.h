@@ -9,7 +9,14 @@
 // on the same endpoint: status || meta || payload. Large data moves with
 // UCX's rendezvous protocol (zero-copy where the transport allows).
 //
-// UcxRpcServer: listens on host:port; each request runs the handler on the
+// Addressing: peers connect by UCX worker address ("ucxw:<hex>", from
+// UcxRpcServer::address(), published in the shard map), so UCX selects
+// every transport the two workers share: shared memory and CMA on one host,
+// TCP or RDMA across hosts. A client first sends a hello with its own worker
+// address; the server opens an endpoint back to it for replies, with
+// peer-failure detection on both.
+//
+// UcxRpcServer: serves requests; each request runs the handler on the
 // given ThreadPool; the handler replies exactly once through its UcxReplier
 // (from any thread). Payload spans given to Send() must stay valid until the
 // reply is sent: pass their owner as `keepalive`.
@@ -64,11 +71,12 @@ using UcxHandler = std::function<void(UcxRequest&&, UcxReplier)>;
 
 class UcxRpcServer {
  public:
-  // `pool` runs the handlers and must outlive the server.
+  // `pool` runs the handlers and must outlive the server. `listen` is kept
+  // for logs only (peers use the worker address).
   static absl::StatusOr<std::unique_ptr<UcxRpcServer>> Start(const std::string& listen, UcxHandler handler,
                                                              ThreadPool* pool, uint64_t max_message_bytes);
   ~UcxRpcServer();
-  // host:port actually bound.
+  // "ucxw:<hex worker address>": what clients pass to Connect().
   const std::string& address() const { return address_; }
 
  private:

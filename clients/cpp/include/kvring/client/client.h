@@ -104,6 +104,10 @@ class Client {
   absl::StatusOr<size_t> LookupPrefix(absl::Span<const BlockKey> chain);
   absl::StatusOr<PutReport> Put(absl::Span<const BlockData> blocks);
   std::vector<GetResult> Get(absl::Span<const BlockKey> keys);
+  // The same, into caller buffers (one per key, each at least the block's
+  // size): no allocation per block; over UCX the bytes land in place.
+  // results[i].payload stays empty; results[i].meta says how many bytes.
+  std::vector<GetResult> GetInto(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts);
   absl::Status Pin(absl::Span<const BlockKey> keys, bool unpin = false);
 
   // --- attention sequences (sequence placement) ---
