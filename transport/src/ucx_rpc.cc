@@ -3,6 +3,7 @@
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <cstdlib>
 #include <random>
 #include <unordered_map>
 
@@ -17,6 +18,7 @@ namespace {
 constexpr unsigned kRequestAm = 1;
 constexpr unsigned kReplyAm = 2;
 constexpr unsigned kHelloAm = 3;
+constexpr unsigned kPingAm = 4;  // wires up a sentinel endpoint; ignored on arrival
 
 // flags: the small pieces (token/meta, msg/meta) travel in the AM header, and
 // the AM data is exactly the payload, contiguous, so UCX's zero-copy
@@ -35,17 +37,22 @@ struct RepHeader {
 };
 struct HelloHeader {
   uint64_t client_id;
+  uint32_t same_host;  // the client is on this host: no peer-failure mode (see below)
+  uint32_t pad;
 };
 static_assert(sizeof(ReqHeader) == 32 && sizeof(RepHeader) == 24);
 
 // Everything an in-flight send keeps alive.
 struct SendCtx {
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+  ucp_ep_h ep = nullptr;
   std::vector<uint8_t> header;
   std::vector<uint8_t> staged;  // payload parts joined, or pieces + payload
   const void* data = nullptr;
   size_t length = 0;
   std::shared_ptr<void> keepalive;
   std::function<void(ucs_status_t)> done;
+  std::function<void()> untrack;  // server: drop from the in-flight set
 };
 
 // Lays out a message. `fixed` is the header struct (its flags set here by
@@ -82,6 +89,7 @@ SendCtx* BuildMessage(Fixed fixed, std::initializer_list<std::string_view> piece
 void OnSendDone(void* request, ucs_status_t status, void* user) {
   auto* ctx = static_cast<SendCtx*>(user);
   if (ctx->done) ctx->done(status);
+  if (ctx->untrack) ctx->untrack();
   delete ctx;
   if (request != nullptr) ucp_request_free(request);
 }
@@ -194,6 +202,39 @@ struct ServerState : std::enable_shared_from_this<ServerState> {
   std::unordered_map<ucp_ep_h, uint64_t> eps;         // loop thread only: ep -> generation
   std::unordered_map<uint64_t, ucp_ep_h> clients;      // loop thread only: client id -> ep back to it
   uint64_t next_generation = 1;                        // loop thread only
+  // Replies in flight (loop thread only). On one host the endpoints run
+  // without UCX's peer-failure mode (which would rule out shared memory and
+  // CMA), so a client that dies mid-transfer is found here instead: a reply
+  // older than reply_timeout closes its endpoint, which completes (cancels)
+  // everything pending on it and releases the blocks it held.
+  std::unordered_map<SendCtx*, ucp_ep_h> inflight;
+  std::chrono::milliseconds reply_timeout{30000};
+  // Same-host clients also get a sentinel endpoint in peer-failure mode (TCP
+  // lanes, no data): its error callback reports the client's death at once.
+  std::unordered_map<ucp_ep_h, ucp_ep_h> sentinel_of;  // data ep -> sentinel
+  std::unordered_map<ucp_ep_h, ucp_ep_h> data_of;      // sentinel -> data ep
+
+  void DropEndpoint(ucp_ep_h ep) {
+    if (!eps.erase(ep)) return;
+    for (auto it = clients.begin(); it != clients.end();) {
+      it = it->second == ep ? clients.erase(it) : std::next(it);
+    }
+    CloseEndpoint(loop->worker(), ep);
+    auto s = sentinel_of.find(ep);
+    if (s != sentinel_of.end()) {
+      data_of.erase(s->second);
+      CloseEndpoint(loop->worker(), s->second);
+      sentinel_of.erase(s);
+    }
+  }
+  void Sweep() {
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<ucp_ep_h> dead;
+    for (auto& [c, ep] : inflight) {
+      if (now - c->started > reply_timeout) dead.push_back(ep);
+    }
+    for (ucp_ep_h ep : dead) DropEndpoint(ep);
+  }
 
   void Dispatch(ucp_ep_h ep, uint64_t gen, const ReqHeader& h, std::string token, std::string meta,
                 std::shared_ptr<BufferPool::Buffer> buf, size_t payload_offset) {
@@ -226,6 +267,9 @@ struct ServerState : std::enable_shared_from_this<ServerState> {
         delete c;
         return;
       }
+      self->inflight[c] = ep;
+      ServerState* raw = self.get();
+      c->untrack = [raw, c] { raw->inflight.erase(c); };
       SendAm(ep, kReplyAm, c);
     });
   }
@@ -277,14 +321,29 @@ ucs_status_t OnRequest(void* arg, const void* header, size_t header_length, void
   return UCS_OK;
 }
 
-void OnServerEpError(void* arg, ucp_ep_h ep, ucs_status_t) {
+void OnServerEpError(void* arg, ucp_ep_h ep, ucs_status_t) { static_cast<ServerState*>(arg)->DropEndpoint(ep); }
+void OnServerSentinelError(void* arg, ucp_ep_h sentinel, ucs_status_t) {
   auto* st = static_cast<ServerState*>(arg);
-  if (st->eps.erase(ep)) {
-    for (auto it = st->clients.begin(); it != st->clients.end();) {
-      it = it->second == ep ? st->clients.erase(it) : std::next(it);
-    }
-    CloseEndpoint(st->loop->worker(), ep);
-  }
+  auto it = st->data_of.find(sentinel);
+  if (it != st->data_of.end()) st->DropEndpoint(it->second);
+}
+ucs_status_t OnPing(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) { return UCS_OK; }
+
+// Opens a peer-failure-mode endpoint to `address` that carries one ping (to
+// complete its wireup) and nothing else.
+ucp_ep_h OpenSentinel(ucp_worker_h worker, const void* address, ucp_err_handler_cb_t cb, void* arg) {
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.address = static_cast<const ucp_address_t*>(address);
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_handler.cb = cb;
+  p.err_handler.arg = arg;
+  ucp_ep_h ep = nullptr;
+  if (ucp_ep_create(worker, &p, &ep) != UCS_OK) return nullptr;
+  auto* ctx = new SendCtx();
+  ctx->header.assign(8, 0);
+  SendAm(ep, kPingAm, ctx);
+  return ep;
 }
 
 // A client introduces itself with its worker address; the server opens an
@@ -302,7 +361,7 @@ ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* 
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   p.address = static_cast<const ucp_address_t*>(data);
-  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_mode = h.same_host ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
   p.err_handler.cb = OnServerEpError;
   p.err_handler.arg = st;
   ucp_ep_h ep = nullptr;
@@ -310,6 +369,12 @@ ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* 
   const uint64_t gen = st->next_generation++;
   st->eps[ep] = gen;
   st->clients[h.client_id] = ep;
+  if (h.same_host) {
+    if (ucp_ep_h sen = OpenSentinel(st->loop->worker(), data, OnServerSentinelError, st)) {
+      st->sentinel_of[ep] = sen;
+      st->data_of[sen] = ep;
+    }
+  }
   st->SendReply(ep, gen, /*the hello's request id*/ 0, absl::OkStatus(), "", {}, nullptr);
   return UCS_OK;
 }
@@ -324,7 +389,8 @@ struct ClientState {
     absl::Span<uint8_t> buffer;
   };
   UcxWorkerLoop* loop = nullptr;
-  ucp_ep_h ep = nullptr;  // loop thread
+  ucp_ep_h ep = nullptr;        // loop thread
+  ucp_ep_h sentinel = nullptr;  // loop thread: same-host failure detector
   uint64_t client_id = 0;  // set before any send
   std::mutex mu;
   bool connected = true;                                           // guarded by mu
@@ -454,7 +520,8 @@ absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::str
   st->pool = pool;
   st->max_bytes = max_message_bytes;
   absl::StatusOr<std::string> addr = srv->loop_->Run([&]() -> absl::StatusOr<std::string> {
-    for (auto [id, cb] : {std::pair<unsigned, ucp_am_recv_callback_t>{kRequestAm, OnRequest}, {kHelloAm, OnHello}}) {
+    for (auto [id, cb] : {std::pair<unsigned, ucp_am_recv_callback_t>{kRequestAm, OnRequest}, {kHelloAm, OnHello},
+                          {kPingAm, OnPing}}) {
       ucp_am_handler_param_t hp{};
       hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
       hp.id = id;
@@ -470,12 +537,14 @@ absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::str
     size_t wlen = 0;
     ucs_status_t s = ucp_worker_get_address(st->loop->worker(), &wa, &wlen);
     if (s != UCS_OK) return UcsError(s, "ucp_worker_get_address");
-    std::string a = absl::StrCat("ucxw:", Hex(wa, wlen));
+    std::string a = absl::StrCat("ucxw:", Hex(wa, wlen), "@", HostKey());
     ucp_worker_release_address(st->loop->worker(), wa);
     return a;
   });
   if (!addr.ok()) return addr.status();
   srv->address_ = *addr;
+  ServerState* raw = st;
+  srv->loop_->SetPeriodic([raw] { raw->Sweep(); }, std::chrono::milliseconds(500));
   return srv;
 }
 
@@ -487,19 +556,41 @@ UcxRpcServer::~UcxRpcServer() {
   ServerState* st = state_.get();
   loop_->Stop([st] {
     for (auto& [ep, gen] : st->eps) CloseEndpoint(st->loop->worker(), ep);
+    for (auto& [sen, ep] : st->data_of) CloseEndpoint(st->loop->worker(), sen);
     st->eps.clear();
     st->clients.clear();
+    st->data_of.clear();
+    st->sentinel_of.clear();
   });
 }
 
-absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::string& address, absl::Duration timeout) {
-  if (address.rfind("ucxw:", 0) != 0 || address.size() % 2 != 1 || address.size() < 7) {
-    return absl::InvalidArgumentError("a UCX address is 'ucxw:<hex worker address>'");
+template <typename F>
+bool UcxRpcClient::WaitFor(F& f, absl::Duration timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(timeout);
+  for (;;) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return false;
+    const auto slice = std::min<std::chrono::steady_clock::duration>(deadline - now, std::chrono::milliseconds(50));
+    if (f.wait_for(slice) == std::future_status::ready) return true;
+    if (peer_alive_ && !peer_alive_()) return false;
   }
+}
+
+absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::string& address, absl::Duration timeout,
+                                                                     std::function<bool()> peer_alive) {
+  const size_t at = address.find('@');
+  const std::string hex_part = address.substr(0, at);
+  const std::string host_key = at == std::string::npos ? "" : address.substr(at + 1);
+  if (hex_part.rfind("ucxw:", 0) != 0 || hex_part.size() % 2 != 1 || hex_part.size() < 7) {
+    return absl::InvalidArgumentError("a UCX address is 'ucxw:<hex worker address>@<host key>'");
+  }
+  // Same host: shared memory and CMA are possible, but only without UCX's
+  // peer-failure mode; timeouts (here and on the server) stand in for it.
+  const bool same_host = !host_key.empty() && host_key == HostKey();
   std::vector<uint8_t> server_addr;
-  for (size_t i = 5; i + 1 < address.size(); i += 2) {
+  for (size_t i = 5; i + 1 < hex_part.size(); i += 2) {
     auto v = [](char c) { return c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= '0' && c <= '9' ? c - '0' : -1; };
-    const int hi = v(address[i]), lo = v(address[i + 1]);
+    const int hi = v(hex_part[i]), lo = v(hex_part[i + 1]);
     if (hi < 0 || lo < 0) return absl::InvalidArgumentError("a UCX address is 'ucxw:<hex worker address>'");
     server_addr.push_back(static_cast<uint8_t>(hi * 16 + lo));
   }
@@ -509,6 +600,8 @@ absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::s
   c->loop_ = std::move(*loop);
   c->state_ = std::make_shared<ClientState>();
   c->address_ = address.substr(0, 21) + "...";
+  c->same_host_ = same_host;
+  c->peer_alive_ = std::move(peer_alive);
   ClientState* st = c->state_.get();
   st->loop = c->loop_.get();
   {
@@ -523,27 +616,31 @@ absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::s
     st->pending[0] = hello;
   }
   absl::Status s = c->loop_->Run([&]() -> absl::Status {
-    ucp_am_handler_param_t hp{};
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.id = kReplyAm;
-    hp.cb = OnReply;
-    hp.arg = st;
-    ucs_status_t u = ucp_worker_set_am_recv_handler(st->loop->worker(), &hp);
-    if (u != UCS_OK) return UcsError(u, "ucp_worker_set_am_recv_handler");
+    ucs_status_t u = UCS_OK;
+    for (auto [id, cb] : {std::pair<unsigned, ucp_am_recv_callback_t>{kReplyAm, OnReply}, {kPingAm, OnPing}}) {
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      hp.id = id;
+      hp.cb = cb;
+      hp.arg = st;
+      u = ucp_worker_set_am_recv_handler(st->loop->worker(), &hp);
+      if (u != UCS_OK) return UcsError(u, "ucp_worker_set_am_recv_handler");
+    }
     ucp_ep_params_t p{};
     p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
     p.address = reinterpret_cast<const ucp_address_t*>(server_addr.data());
-    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_mode = same_host ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
     p.err_handler.cb = OnClientEpError;
     p.err_handler.arg = st;
     u = ucp_ep_create(st->loop->worker(), &p, &st->ep);
     if (u != UCS_OK) return UcsError(u, "UCX connect");
+    if (same_host) st->sentinel = OpenSentinel(st->loop->worker(), server_addr.data(), OnClientEpError, st);
     ucp_address_t* wa = nullptr;
     size_t wlen = 0;
     u = ucp_worker_get_address(st->loop->worker(), &wa, &wlen);
     if (u != UCS_OK) return UcsError(u, "ucp_worker_get_address");
     auto* ctx = new SendCtx();
-    HelloHeader h{st->client_id};
+    HelloHeader h{st->client_id, same_host ? 1u : 0u, 0};
     ctx->header.resize(sizeof(h));
     std::memcpy(ctx->header.data(), &h, sizeof(h));
     ctx->staged.assign(reinterpret_cast<const uint8_t*>(wa), reinterpret_cast<const uint8_t*>(wa) + wlen);
@@ -567,9 +664,22 @@ UcxRpcClient::~UcxRpcClient() {
   ClientState* st = state_.get();
   loop_->Stop([st] {
     if (st->ep != nullptr) CloseEndpoint(st->loop->worker(), st->ep);
+    if (st->sentinel != nullptr) CloseEndpoint(st->loop->worker(), st->sentinel);
     st->ep = nullptr;
+    st->sentinel = nullptr;
   });
   state_->FailAll(absl::CancelledError("client closed"));
+}
+
+void UcxRpcClient::Break(const absl::Status& why) {
+  ClientState* st = state_.get();
+  state_->FailAll(why);
+  loop_->Post([st] {
+    if (st->ep != nullptr) CloseEndpoint(st->loop->worker(), st->ep);
+    if (st->sentinel != nullptr) CloseEndpoint(st->loop->worker(), st->sentinel);
+    st->ep = nullptr;
+    st->sentinel = nullptr;
+  });
 }
 
 bool UcxRpcClient::connected() const {
@@ -604,15 +714,24 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
     }
     SendAm(st->ep, kRequestAm, c);
   });
-  // The payload must stay untouched until the send completes, whatever else happens.
+  // The payload must stay untouched until the send completes, whatever else
+  // happens: if the peer stops taking it, close the endpoint (which cancels
+  // the send) before returning.
+  if (!WaitFor(sent, timeout)) {
+    Break(absl::UnavailableError(absl::StrCat("UCX send to ", address_, " stalled for ", absl::FormatDuration(timeout))));
+    sent.wait();
+  }
   const ucs_status_t ss = sent.get();
   if (ss != UCS_OK) {
     st->Take(id);
     return UcsError(ss, absl::StrCat("UCX send to ", address_));
   }
-  if (fut.wait_for(absl::ToChronoMilliseconds(timeout)) != std::future_status::ready) {
+  if (!WaitFor(fut, timeout)) {
     if (st->Take(id) != nullptr) {
-      return absl::DeadlineExceededError(absl::StrCat("no UCX reply from ", address_, " within ", absl::FormatDuration(timeout)));
+      // Without peer-failure detection a dead peer looks like silence: treat
+      // it as a broken connection (the next call reconnects).
+      Break(absl::UnavailableError(absl::StrCat("no UCX reply from ", address_, " within ", absl::FormatDuration(timeout))));
+      return absl::UnavailableError(absl::StrCat("no UCX reply from ", address_, " within ", absl::FormatDuration(timeout)));
     }
     // The reply is landing right now (perhaps into reply_buffer): wait for it.
   }

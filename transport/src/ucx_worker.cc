@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -105,6 +106,31 @@ void UcxWorkerLoop::Post(std::function<void()> fn) {
   (void)w;
 }
 
+void UcxWorkerLoop::SetPeriodic(std::function<void()> fn, std::chrono::milliseconds every) {
+  Run([&] {
+    periodic_ = std::move(fn);
+    periodic_every_ = every;
+    next_periodic_ = std::chrono::steady_clock::now() + every;
+  });
+}
+
+std::string HostKey() {
+  std::string key;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::getline(in, key);
+  for (const char* ns : {"/proc/self/ns/pid", "/proc/self/ns/ipc"}) {
+    char buf[128];
+    const ssize_t n = ::readlink(ns, buf, sizeof(buf) - 1);
+    if (n > 0) key.append(buf, static_cast<size_t>(n));
+  }
+  // Keep it to [0-9a-z]: it travels inside an address string.
+  std::string out;
+  for (char c : key) {
+    if ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z')) out.push_back(c);
+  }
+  return out;
+}
+
 void UcxWorkerLoop::Stop(std::function<void()> last) {
   if (!thread_.joinable()) return;
   Post([this, last = std::move(last)] {
@@ -123,6 +149,10 @@ void UcxWorkerLoop::Loop() {
     }
     for (auto& t : todo) t();
     if (stop_.load()) break;
+    if (periodic_ && std::chrono::steady_clock::now() >= next_periodic_) {
+      periodic_();
+      next_periodic_ = std::chrono::steady_clock::now() + periodic_every_;
+    }
     // Hybrid polling: keep progressing while there is activity and for a
     // short spin after it (messages in flight complete without a sleep/wake
     // round trip), then arm the worker and sleep.

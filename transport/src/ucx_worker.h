@@ -8,6 +8,7 @@
 #include <ucp/api/ucp.h>
 
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <functional>
 #include <future>
@@ -23,6 +24,9 @@ namespace kvring::ucx_internal {
 absl::Status UcsError(ucs_status_t s, const std::string& what);
 // host:port -> sockaddr_in (IPv4 literal or "localhost").
 absl::Status ToSockaddr(const std::string& host_port, sockaddr_storage* out, socklen_t* len);
+// Identifies "the same host" for shared-memory transports: the kernel boot id
+// plus the pid and IPC namespaces (processes in other containers differ).
+std::string HostKey();
 
 class UcxWorkerLoop {
  public:
@@ -50,6 +54,8 @@ class UcxWorkerLoop {
   }
   // Stops the thread after running `last` on it (closing endpoints etc.).
   void Stop(std::function<void()> last);
+  // Runs `fn` on the loop thread about every `every` (set before traffic).
+  void SetPeriodic(std::function<void()> fn, std::chrono::milliseconds every);
 
  private:
   UcxWorkerLoop() = default;
@@ -63,6 +69,9 @@ class UcxWorkerLoop {
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
   std::atomic<bool> stop_{false};
+  std::function<void()> periodic_;
+  std::chrono::milliseconds periodic_every_{250};
+  std::chrono::steady_clock::time_point next_periodic_{};
   std::thread thread_;
 };
 

@@ -39,10 +39,11 @@ class ClientImpl {
  public:
   struct Node {
     std::string id, address, ucx_address;
+    std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<v1::Node::Stub> stub;
     absl::Mutex mu;
     std::unique_ptr<UcxRpcClient> ucx ABSL_GUARDED_BY(mu);
-    bool ucx_tried ABSL_GUARDED_BY(mu) = false;
+    absl::Time ucx_retry_after ABSL_GUARDED_BY(mu) = absl::InfinitePast();
   };
 
   explicit ClientImpl(const ClientOptions& o) : o_(o), pool_(o.threads ? o.threads : 16) {}
@@ -92,7 +93,8 @@ class ClientImpl {
         grpc::ChannelArguments args;
         args.SetMaxReceiveMessageSize(-1);
         args.SetMaxSendMessageSize(-1);
-        conn->stub = v1::Node::NewStub(grpc::CreateCustomChannel(n.grpc_address(), grpc::InsecureChannelCredentials(), args));
+        conn->channel = grpc::CreateCustomChannel(n.grpc_address(), grpc::InsecureChannelCredentials(), args);
+        conn->stub = v1::Node::NewStub(conn->channel);
       }
     }
     ring_ = ring;
@@ -150,13 +152,21 @@ class ClientImpl {
     if (!o_.use_ucx || n.ucx_address.empty()) return nullptr;
     absl::MutexLock l(&n.mu);
     if (n.ucx && n.ucx->connected()) return n.ucx.get();
-    if (n.ucx_tried && !n.ucx) return nullptr;
-    n.ucx_tried = true;
-    auto c = UcxRpcClient::Connect(n.ucx_address, absl::Seconds(3));
+    // Down, or never connected: (re)connect, but not more often than every
+    // 10 s; meanwhile the node is served over gRPC.
+    if (absl::Now() < n.ucx_retry_after) return nullptr;
+    n.ucx.reset();
+    // The daemon's gRPC channel doubles as the liveness signal for UCX calls.
+    std::shared_ptr<grpc::Channel> ch = n.channel;
+    auto c = UcxRpcClient::Connect(n.ucx_address, absl::Seconds(2), [ch] {
+      // try_to_connect: a dropped connection goes IDLE; reconnecting to a dead
+      // daemon turns it TRANSIENT_FAILURE within milliseconds.
+      const grpc_connectivity_state s = ch->GetState(/*try_to_connect=*/true);
+      return s != GRPC_CHANNEL_TRANSIENT_FAILURE && s != GRPC_CHANNEL_SHUTDOWN;
+    });
     if (!c.ok()) {
-      KVRING_LOG(WARNING) << "UCX to " << n.id << " at " << n.ucx_address << " failed (" << c.status().message()
-                          << "); using gRPC payloads";
-      n.ucx.reset();
+      KVRING_LOG(WARNING) << "UCX to " << n.id << " failed (" << c.status().message() << "); using gRPC payloads";
+      n.ucx_retry_after = absl::Now() + absl::Seconds(10);
       return nullptr;
     }
     n.ucx = std::move(*c);

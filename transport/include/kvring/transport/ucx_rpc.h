@@ -13,8 +13,13 @@
 // UcxRpcServer::address(), published in the shard map), so UCX selects
 // every transport the two workers share: shared memory and CMA on one host,
 // TCP or RDMA across hosts. A client first sends a hello with its own worker
-// address; the server opens an endpoint back to it for replies, with
-// peer-failure detection on both.
+// address; the server opens an endpoint back to it for replies.
+// Failure detection: between hosts, UCX's peer-failure mode. On one host that
+// mode would exclude shared memory and CMA (UCX 1.13), so there the
+// endpoints run without it and timeouts detect a dead peer: a client breaks
+// the connection when a send or reply outlasts its timeout (UNAVAILABLE; the
+// next Connect starts afresh), and the server closes an endpoint whose reply
+// has been in flight longer than 30 s, releasing what the reply held.
 //
 // UcxRpcServer: serves requests; each request runs the handler on the
 // given ThreadPool; the handler replies exactly once through its UcxReplier
@@ -25,6 +30,7 @@
 // pending call with UNAVAILABLE. Both are torn down by their destructors.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,8 +102,12 @@ struct UcxReply {
 
 class UcxRpcClient {
  public:
+  // `peer_alive` (optional) is polled while a call waits; when it says the
+  // peer is gone (e.g. its gRPC channel failed) the call fails at once with
+  // UNAVAILABLE instead of waiting out its timeout.
   static absl::StatusOr<std::unique_ptr<UcxRpcClient>> Connect(const std::string& address,
-                                                               absl::Duration timeout = absl::Seconds(5));
+                                                               absl::Duration timeout = absl::Seconds(5),
+                                                               std::function<bool()> peer_alive = nullptr);
   ~UcxRpcClient();
   // Sends a request and waits for its reply. The reply payload lands in
   // `reply_buffer` when it fits (payload_in_buffer), else in reply.payload.
@@ -108,9 +118,18 @@ class UcxRpcClient {
                                 absl::Duration timeout);
   bool connected() const;
   const std::string& address() const { return address_; }
+  // True when the server is on this host (shared-memory / CMA lanes).
+  bool same_host() const { return same_host_; }
 
  private:
   UcxRpcClient() = default;
+  void Break(const absl::Status& why);
+  // Waits for `f` up to `timeout`, polling peer_alive_; false on timeout or
+  // a dead peer.
+  template <typename F>
+  bool WaitFor(F& f, absl::Duration timeout);
+  bool same_host_ = false;
+  std::function<bool()> peer_alive_;
   std::unique_ptr<ucx_internal::UcxWorkerLoop> loop_;
   std::shared_ptr<ucx_internal::ClientState> state_;
   std::string address_;
