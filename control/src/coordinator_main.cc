@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   std::string port_file, log_level = "info", metrics_listen;
   uint64_t replication = 2, write_quorum = 0, vnodes = 64, chunk_blocks = 64;
   absl::Duration hb_interval = absl::Milliseconds(500), hb_timeout = absl::Seconds(3);
+  bool check_config = false;
   FlagSet flags("kvring-coordinator", "membership, shard map and tenants of a kvring cluster");
   flags.AddString("listen", &listen, "gRPC listen address host:port");
   flags.AddString("data_dir", &data_dir, "directory of the metadata database (required)");
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
   flags.AddString("metrics_listen", &metrics_listen, "Prometheus /metrics address host:port (empty: off)");
   flags.AddString("port_file", &port_file, "write the bound port here once serving");
   flags.AddString("log_level", &log_level, "debug, info, warning or error");
+  flags.AddBool("check_config", &check_config, "parse and check the flags and config file, then exit");
   if (absl::Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "kvring-coordinator: %s\n", std::string(s.message()).c_str());
     return 2;
@@ -48,7 +50,8 @@ int main(int argc, char** argv) {
   }
   LogLevel lvl;
   if (ParseLogLevel(log_level, &lvl)) SetLogLevel(lvl);
-  auto secret = [](std::string* v, const std::string& file, const char* name) -> bool {
+  auto secret = [&](std::string* v, const std::string& file, const char* name) -> bool {
+    if (!file.empty() && check_config) return true;
     if (!file.empty()) {
       auto t = ReadSecretFile(file);
       if (!t.ok()) {
@@ -67,6 +70,16 @@ int main(int argc, char** argv) {
   if (data_dir.empty()) {
     KVRING_LOG(ERROR) << "--data_dir is required";
     return 2;
+  }
+  if (replication == 0 || replication > 16 || write_quorum > replication || hb_timeout <= hb_interval ||
+      !ParseHostPort(listen).ok()) {
+    KVRING_LOG(ERROR) << "bad flags: replication in [1,16], write_quorum <= replication, heartbeat_timeout > "
+                         "heartbeat_interval, listen host:port";
+    return 2;
+  }
+  if (check_config) {
+    std::printf("kvring-coordinator: config OK\n");
+    return 0;
   }
   std::error_code ec;
   std::filesystem::create_directories(data_dir, ec);

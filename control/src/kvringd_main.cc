@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "kvring/cache/eviction_policy.h"
 #include "kvring/cache/rocksdb_cold_tier.h"
 #include "kvring/common/flags.h"
 #include "kvring/common/http_server.h"
@@ -58,7 +59,7 @@ int main(int argc, char** argv) {
   std::string log_level = "info", ucx_listen;
   uint64_t host_bytes = 1ull << 30, page_bytes = 2ull << 20, max_message = 256ull << 20;
   int64_t threads = 0;
-  bool write_through = false, cold_sync = false, lock_memory = false;
+  bool write_through = false, cold_sync = false, lock_memory = false, check_config = false;
   FlagSet flags("kvringd", "the kvring node daemon: a shard of the KV-block store with attention where the KV lives");
   flags.AddString("listen", &listen, "gRPC listen address host:port (port 0: any free port)");
   flags.AddString("advertise", &advertise, "address other processes use to reach this node (default: listen, with 127.0.0.1 for 0.0.0.0)");
@@ -80,6 +81,7 @@ int main(int argc, char** argv) {
   flags.AddString("ucx_listen", &ucx_listen, "UCX data-plane listen address host:port (empty: off; clients use gRPC payloads)");
   flags.AddString("port_file", &port_file, "write the bound gRPC port here once serving (for scripts and tests)");
   flags.AddString("log_level", &log_level, "debug, info, warning or error");
+  flags.AddBool("check_config", &check_config, "parse and check the flags and config file, then exit");
   if (absl::Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "kvringd: %s\n", std::string(s.message()).c_str());
     return 2;
@@ -92,14 +94,26 @@ int main(int argc, char** argv) {
   if (!ParseLogLevel(log_level, &lvl)) return Fail(absl::InvalidArgumentError(log_level), "--log_level");
   SetLogLevel(lvl);
   if (data_dir.empty()) return Fail(absl::InvalidArgumentError("--data_dir is required"), "flags");
-  if (!cluster_token_file.empty()) {
+  if (!cluster_token_file.empty() && !check_config) {
     auto t = ReadSecretFile(cluster_token_file);
     if (!t.ok()) return Fail(t.status(), "--cluster_token_file");
     cluster_token = *t;
   }
-  if (cluster_token.empty()) return Fail(absl::InvalidArgumentError("--cluster_token or --cluster_token_file is required"), "flags");
+  if (cluster_token.empty() && cluster_token_file.empty()) {
+    return Fail(absl::InvalidArgumentError("--cluster_token or --cluster_token_file is required"), "flags");
+  }
   auto codec = ParseColdCodec(cold_codec);
   if (!codec.ok()) return Fail(codec.status(), "--cold_codec");
+  if (!MakeEvictionPolicy(eviction, 1).ok()) return Fail(MakeEvictionPolicy(eviction, 1).status(), "--eviction_policy");
+  if (page_bytes == 0 || page_bytes % 64 != 0 || host_bytes < page_bytes) {
+    return Fail(absl::InvalidArgumentError("page_bytes must be a positive multiple of 64 and at most host_bytes"), "flags");
+  }
+  if (!ParseHostPort(listen).ok()) return Fail(ParseHostPort(listen).status(), "--listen");
+  if (!ParseHostPort(coordinator).ok()) return Fail(ParseHostPort(coordinator).status(), "--coordinator");
+  if (check_config) {
+    std::printf("kvringd: config OK\n");
+    return 0;
+  }
   std::error_code ec;
   std::filesystem::create_directories(data_dir, ec);
   if (ec) return Fail(absl::UnavailableError(ec.message()), "creating --data_dir");

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Checks the deployment files: Kubernetes manifests are valid YAML with the
+objects a cluster needs, every config file (systemd and the ConfigMap) is
+accepted by the binary it configures (--check_config), and the systemd units
+name binaries and configs that exist in the layout they describe."""
+import configparser, os, subprocess, sys, tempfile
+import yaml
+
+root, build = sys.argv[1], sys.argv[2]
+fail = []
+
+docs = list(yaml.safe_load_all(open(os.path.join(root, "deploy/k8s/kvring.yaml"))))
+kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+for need in [("Namespace", "kvring"), ("ConfigMap", "kvring-config"), ("Secret", "kvring-tokens"),
+             ("Deployment", "kvring-coordinator"), ("Service", "kvring-coordinator"), ("Service", "kvringd"),
+             ("StatefulSet", "kvringd")]:
+    if need not in kinds:
+        fail.append(f"k8s: missing {need}")
+for d in docs:
+    for key in ("apiVersion", "kind", "metadata"):
+        if key not in d:
+            fail.append(f"k8s: {d.get('kind')} lacks {key}")
+    if d["kind"] in ("Deployment", "StatefulSet"):
+        spec = d["spec"]
+        if spec["selector"]["matchLabels"] != spec["template"]["metadata"]["labels"]:
+            fail.append(f"k8s: {d['metadata']['name']} selector does not match its pod labels")
+        for c in spec["template"]["spec"]["containers"]:
+            binary = os.path.basename(c["command"][0])
+            if binary not in ("kvringd", "kvring-coordinator"):
+                fail.append(f"k8s: unknown binary {binary}")
+
+def check_conf(binary, text, what):
+    with tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False) as f:
+        f.write(text)
+    r = subprocess.run([binary, f"--config={f.name}", "--check_config"], capture_output=True, text=True)
+    os.unlink(f.name)
+    if r.returncode != 0 or "config OK" not in r.stdout:
+        fail.append(f"{what}: {binary} rejects it: {r.stdout}{r.stderr}")
+
+kvringd = os.path.join(build, "control/kvringd")
+coord = os.path.join(build, "control/kvring-coordinator")
+cm = next(d for d in docs if d["kind"] == "ConfigMap")
+check_conf(kvringd, cm["data"]["kvringd.conf"], "ConfigMap kvringd.conf")
+check_conf(coord, cm["data"]["coordinator.conf"], "ConfigMap coordinator.conf")
+check_conf(kvringd, open(os.path.join(root, "deploy/systemd/kvringd-0.conf")).read(), "systemd kvringd-0.conf")
+check_conf(coord, open(os.path.join(root, "deploy/systemd/coordinator.conf")).read(), "systemd coordinator.conf")
+# A bad config must be rejected, or the checks above prove nothing.
+with tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False) as f:
+    f.write("listen = 0.0.0.0:7100\nno_such_flag = 1\n")
+r = subprocess.run([kvringd, f"--config={f.name}", "--check_config"], capture_output=True, text=True)
+if r.returncode == 0:
+    fail.append("kvringd accepted a config with an unknown flag")
+
+for unit in ("kvring-coordinator.service", "kvringd@.service"):
+    cp = configparser.ConfigParser(strict=False, interpolation=None)
+    cp.read(os.path.join(root, "deploy/systemd", unit))
+    for sec in ("Unit", "Service", "Install"):
+        if sec not in cp:
+            fail.append(f"{unit}: no [{sec}] section")
+    exe = cp["Service"]["ExecStart"].split()[0]
+    if os.path.basename(exe) not in ("kvringd", "kvring-coordinator"):
+        fail.append(f"{unit}: ExecStart runs {exe}")
+
+if fail:
+    print("\n".join(fail))
+    sys.exit(1)
+print(f"deploy files OK: {len(docs)} Kubernetes objects, 4 config files, 2 systemd units")
