@@ -77,6 +77,7 @@ absl::StatusOr<std::vector<Record>> AllGather(Transport& t, const RingOptions& r
                                           st));
     reqs.push_back(std::move(sq));
   }
+  KVRING_RETURN_IF_ERROR(t.Flush());
   Waiter w(r, st);
   KVRING_RETURN_IF_ERROR(w.WaitAll(reqs));
   return all;
@@ -123,6 +124,7 @@ absl::Status ReturnAndMergePartials(Transport& t, const RingOptions& r, const Qu
     KVRING_ASSIGN_OR_RETURN(auto sq, Send(t, p, Tag(r, kPartialBack, 0), send[p], st));
     reqs.push_back(std::move(sq));
   }
+  KVRING_RETURN_IF_ERROR(t.Flush());
   Waiter w(r, st);
   KVRING_RETURN_IF_ERROR(w.WaitAll(reqs));
   const auto t0 = Clock::now();
@@ -162,6 +164,7 @@ absl::Status RingPassKv(Transport& t, const AttentionOptions& o, const QueryTens
       reqs.push_back(std::move(rq));
       KVRING_ASSIGN_OR_RETURN(auto sq, Send(t, next, Tag(r, kKvRing, s), buf[cur], st));
       reqs.push_back(std::move(sq));
+      KVRING_RETURN_IF_ERROR(t.Flush());
     }
     // Compute on the chunk in hand while the next one moves.
     DecodedKv decoded;
@@ -212,6 +215,7 @@ absl::Status RingPassQ(Transport& t, const AttentionOptions& o, const QueryTenso
         reqs.push_back(std::move(rq));
         KVRING_ASSIGN_OR_RETURN(auto sq, Send(t, next, Tag(r, kQRing, s), buf[cur], st));
         reqs.push_back(std::move(sq));
+        KVRING_RETURN_IF_ERROR(t.Flush());
       }
       KVRING_RETURN_IF_ERROR(compute_for(owner, buf[cur]));
       KVRING_RETURN_IF_ERROR(w.WaitAll(reqs));
@@ -229,6 +233,7 @@ absl::Status RingPassQ(Transport& t, const AttentionOptions& o, const QueryTenso
       KVRING_ASSIGN_OR_RETURN(auto sq, Send(t, p, Tag(r, kQAll, 0), mine, st));
       sends.push_back(std::move(sq));
     }
+    KVRING_RETURN_IF_ERROR(t.Flush());
     KVRING_RETURN_IF_ERROR(compute_for(me, mine));  // overlaps with the incoming queries
     for (int k = 1; k < n; ++k) {
       const int p = (me + k) % n;
@@ -291,6 +296,7 @@ absl::Status DecodeStep(Transport& t, const AttentionOptions& o, int caller, con
       reqs.push_back(std::move(b));
       reqs.push_back(std::move(c));
     }
+    KVRING_RETURN_IF_ERROR(t.Flush());
     // Our own appends.
     KVRING_ASSIGN_OR_RETURN(QueryTensor kt, ring_internal::DecodeQueryChunk(kmsg[me]));
     KVRING_ASSIGN_OR_RETURN(QueryTensor vt, ring_internal::DecodeQueryChunk(vmsg[me]));
@@ -304,11 +310,13 @@ absl::Status DecodeStep(Transport& t, const AttentionOptions& o, int caller, con
     std::array<uint64_t, 2> sizes{};
     KVRING_ASSIGN_OR_RETURN(auto sq, t.Irecv(caller, Tag(r, kAppendSize, 0),
                                              absl::MakeSpan(reinterpret_cast<uint8_t*>(sizes.data()), 16)));
+    KVRING_RETURN_IF_ERROR(t.Flush());
     KVRING_RETURN_IF_ERROR(w.Wait(*sq).status());
     if (sizes[0] > (1ull << 32) || sizes[1] > (1ull << 32)) return absl::DataLossError("append message size is absurd");
     std::vector<uint8_t> kmsg(sizes[0]), vmsg(sizes[1]);
     KVRING_ASSIGN_OR_RETURN(auto kr, t.Irecv(caller, Tag(r, kAppendK, 0), absl::MakeSpan(kmsg)));
     KVRING_ASSIGN_OR_RETURN(auto vr, t.Irecv(caller, Tag(r, kAppendV, 0), absl::MakeSpan(vmsg)));
+    KVRING_RETURN_IF_ERROR(t.Flush());
     KVRING_RETURN_IF_ERROR(w.Wait(*kr).status());
     KVRING_RETURN_IF_ERROR(w.Wait(*vr).status());
     KVRING_ASSIGN_OR_RETURN(QueryTensor kt, ring_internal::DecodeQueryChunk(kmsg));

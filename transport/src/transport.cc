@@ -14,12 +14,14 @@ absl::Status Transport::CheckPeer(int peer) const {
 absl::Status Transport::Send(int peer, uint64_t tag, absl::Span<const uint8_t> data, absl::Duration timeout) {
   auto req = Isend(peer, tag, data);
   if (!req.ok()) return req.status();
+  if (absl::Status f = Flush(); !f.ok()) return f;
   return (*req)->Wait(timeout).status();
 }
 
 absl::StatusOr<size_t> Transport::Recv(int peer, uint64_t tag, absl::Span<uint8_t> buffer, absl::Duration timeout) {
   auto req = Irecv(peer, tag, buffer);
   if (!req.ok()) return req.status();
+  if (absl::Status f = Flush(); !f.ok()) return f;
   return (*req)->Wait(timeout);
 }
 

@@ -54,6 +54,12 @@ class Transport {
   virtual absl::StatusOr<std::unique_ptr<TransportRequest>> Irecv(int peer, uint64_t tag,
                                                                   absl::Span<uint8_t> buffer) = 0;
 
+  // Starts the operations posted so far. Fabrics that batch operations
+  // (NCCL runs a posted send/receive set as one group) start them here;
+  // others start each at post time and ignore this. Callers post a step's
+  // receives and sends, then Flush(), then compute, then Wait().
+  virtual absl::Status Flush() { return absl::OkStatus(); }
+
   // Blocking conveniences over Isend/Irecv.
   absl::Status Send(int peer, uint64_t tag, absl::Span<const uint8_t> data, absl::Duration timeout);
   absl::StatusOr<size_t> Recv(int peer, uint64_t tag, absl::Span<uint8_t> buffer, absl::Duration timeout);

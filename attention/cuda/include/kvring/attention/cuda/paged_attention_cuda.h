@@ -1,0 +1,97 @@
+// CUDA partial attention over the HBM page pool (Hopper, sm_90).
+//
+// Plain views and launchers (CUTLASS/FlashInfer style): no allocation, every
+// launcher takes a stream and returns cudaError_t; work is asynchronous on
+// that stream and complete when the stream is. Outputs are the exact-merge
+// pair of kvring: O fp32 [rows, q_heads, head_dim] and LSE fp32 [rows,
+// q_heads] in the natural log (-inf and O = 0 for a row that sees no key),
+// the same contract as the CPU PartialAttention (attention/partial_attention.h).
+//
+// KV pages use the block layout [layer][K|V][kv_head][token][head_dim] in
+// bf16 or fp16. A sequence is a list of pages, all full but the last; each
+// page carries the absolute position of its token 0, so a shard may hold any
+// subset of a sequence's blocks. Queries are grouped by sequence (CSR).
+// Only these header types cross into device code; the header needs nothing
+// but the CUDA runtime.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvring::cuda {
+
+enum class KvType : int32_t { kBF16 = 0, kF16 = 1 };
+
+struct PagedKvView {
+  const void* pool = nullptr;          // base address of the page pool
+  uint64_t page_stride = 0;            // bytes between consecutive pages
+  int32_t block_tokens = 16, layers = 1, kv_heads = 8, head_dim = 128;
+  KvType dtype = KvType::kBF16;
+  int32_t layer = 0;                   // the layer to attend over
+  const int32_t* page_ids = nullptr;   // [listed pages] pool page of each listed block
+  const int32_t* page_pos = nullptr;   // [listed pages] absolute position of each block's token 0
+  const int32_t* seq_page_begin = nullptr;  // [num_seqs + 1] CSR into page_ids
+  const int32_t* seq_tokens = nullptr; // [num_seqs] valid tokens of each sequence's listed pages
+  int32_t num_seqs = 0;
+};
+
+struct QueryView {
+  const void* q = nullptr;             // [num_rows, q_heads, head_dim], dtype of the KV
+  const int32_t* positions = nullptr;  // [num_rows] absolute positions
+  const int32_t* seq_row_begin = nullptr;  // [num_seqs + 1] rows grouped by sequence
+  int32_t num_rows = 0, q_heads = 0;
+  int32_t max_rows_per_seq = 1;        // bound used for launch shapes
+};
+
+struct OutputView {
+  float* out = nullptr;  // [num_rows, q_heads, head_dim]
+  float* lse = nullptr;  // [num_rows, q_heads], natural log
+};
+
+struct AttnParams {
+  float softmax_scale = 0;  // 0: 1/sqrt(head_dim)
+  bool causal = true;
+  int32_t window = 0;       // > 0: keys at positions > p - window only
+};
+
+// ---- decode: few query rows per sequence, KV split across CTAs (flash-decoding)
+// Rows per sequence: 1..64 (any); q_heads % kv_heads == 0; head_dim 64 or 128.
+// Partials of the splits are merged by a second kernel into `out`.
+int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count);
+size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim);
+cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// ---- prefill: many query rows per sequence, tensor cores (mma.sync bf16/fp16,
+// fp32 accumulate), causal by absolute position; head_dim 64 or 128.
+cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
+                         cudaStream_t stream);
+
+// ---- merge: out = exact merge of `num_parts` stacked partials
+// (out_parts [num_parts][rows_heads][head_dim], lse_parts [num_parts][rows_heads]).
+cudaError_t MergePartials(const float* out_parts, const float* lse_parts, int num_parts, int rows_heads, int head_dim,
+                          OutputView out, cudaStream_t stream);
+// acc <- merge(acc, other), in place.
+cudaError_t MergeInto(OutputView acc, const float* other_out, const float* other_lse, int rows_heads, int head_dim,
+                      cudaStream_t stream);
+
+// Validates a view pair on the host (pointers non-null, shapes in range);
+// returns a static message, or nullptr when fine.
+const char* CheckViews(const QueryView& q, const PagedKvView& kv);
+
+}  // namespace kvring::cuda
+
+namespace kvring::cuda {
+// Copies the `layer` slice ([K|V][kv_head][token][head_dim]) of each listed
+// page into `dst`, one slice after another: the packed form a KV chunk takes
+// on the wire, itself a page pool of one-layer pages (stride = slice bytes).
+cudaError_t PackLayerPages(const PagedKvView& kv, const int32_t* page_ids, int num_pages, void* dst, cudaStream_t stream);
+// Bytes of one packed slice.
+inline uint64_t LayerSliceBytes(const PagedKvView& kv) {
+  return 2ull * kv.kv_heads * kv.block_tokens * kv.head_dim * 2;
+}
+// Fills dst[i] = i for i < n (page ids of a packed buffer).
+cudaError_t Iota(int32_t* dst, int n, cudaStream_t stream);
+}  // namespace kvring::cuda

@@ -1,0 +1,90 @@
+// C ABI over the CUDA launchers (for ctypes). Pointers are device pointers;
+// integer arrays are int32 on the device; the stream is a cudaStream_t
+// (torch.cuda.current_stream().cuda_stream). Returns cudaError_t as int.
+#include "kvring/attention/cuda/paged_attention_cuda.h"
+
+using namespace kvring::cuda;
+
+namespace {
+PagedKvView Kv(const void* pool, uint64_t stride, int bt, int layers, int kv_heads, int head_dim, int dtype, int layer,
+               const int32_t* page_ids, const int32_t* page_pos, const int32_t* seq_page_begin, const int32_t* seq_tokens,
+               int num_seqs) {
+  PagedKvView v;
+  v.pool = pool;
+  v.page_stride = stride;
+  v.block_tokens = bt;
+  v.layers = layers;
+  v.kv_heads = kv_heads;
+  v.head_dim = head_dim;
+  v.dtype = static_cast<KvType>(dtype);
+  v.layer = layer;
+  v.page_ids = page_ids;
+  v.page_pos = page_pos;
+  v.seq_page_begin = seq_page_begin;
+  v.seq_tokens = seq_tokens;
+  v.num_seqs = num_seqs;
+  return v;
+}
+QueryView Q(const void* q, const int32_t* pos, const int32_t* seq_row_begin, int num_rows, int q_heads, int max_rows) {
+  QueryView v;
+  v.q = q;
+  v.positions = pos;
+  v.seq_row_begin = seq_row_begin;
+  v.num_rows = num_rows;
+  v.q_heads = q_heads;
+  v.max_rows_per_seq = max_rows;
+  return v;
+}
+}  // namespace
+
+extern "C" {
+
+int kvring_cuda_decode(const void* pool, uint64_t stride, int bt, int layers, int kv_heads, int head_dim, int dtype,
+                       int layer, const int32_t* page_ids, const int32_t* page_pos, const int32_t* seq_page_begin,
+                       const int32_t* seq_tokens, int num_seqs, const void* q, const int32_t* pos,
+                       const int32_t* seq_row_begin, int num_rows, int q_heads, int max_rows, float scale, int causal,
+                       int window, int num_splits, void* workspace, uint64_t workspace_bytes, float* out, float* lse,
+                       void* stream) {
+  AttnParams p{scale, causal != 0, window};
+  return PagedDecode(p, Q(q, pos, seq_row_begin, num_rows, q_heads, max_rows),
+                     Kv(pool, stride, bt, layers, kv_heads, head_dim, dtype, layer, page_ids, page_pos, seq_page_begin,
+                        seq_tokens, num_seqs),
+                     OutputView{out, lse}, num_splits, workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
+}
+
+int kvring_cuda_decode_splits(int num_seqs, int kv_heads, int q_heads, int max_rows, int max_pages, int sm_count) {
+  PagedKvView kv;
+  kv.num_seqs = num_seqs;
+  kv.kv_heads = kv_heads;
+  QueryView q;
+  q.q_heads = q_heads;
+  q.max_rows_per_seq = max_rows;
+  return DefaultDecodeSplits(q, kv, max_pages, sm_count);
+}
+
+uint64_t kvring_cuda_decode_workspace(int num_rows, int q_heads, int num_splits, int head_dim) {
+  QueryView q;
+  q.num_rows = num_rows;
+  q.q_heads = q_heads;
+  return DecodeWorkspaceBytes(q, num_splits, head_dim);
+}
+
+int kvring_cuda_prefill(const void* pool, uint64_t stride, int bt, int layers, int kv_heads, int head_dim, int dtype,
+                        int layer, const int32_t* page_ids, const int32_t* page_pos, const int32_t* seq_page_begin,
+                        const int32_t* seq_tokens, int num_seqs, const void* q, const int32_t* pos,
+                        const int32_t* seq_row_begin, int num_rows, int q_heads, int max_rows, float scale, int causal,
+                        int window, float* out, float* lse, void* stream) {
+  AttnParams p{scale, causal != 0, window};
+  return PagedPrefill(p, Q(q, pos, seq_row_begin, num_rows, q_heads, max_rows),
+                      Kv(pool, stride, bt, layers, kv_heads, head_dim, dtype, layer, page_ids, page_pos, seq_page_begin,
+                         seq_tokens, num_seqs),
+                      OutputView{out, lse}, static_cast<cudaStream_t>(stream));
+}
+
+int kvring_cuda_merge(const float* out_parts, const float* lse_parts, int num_parts, int rows_heads, int head_dim,
+                      float* out, float* lse, void* stream) {
+  return MergePartials(out_parts, lse_parts, num_parts, rows_heads, head_dim, OutputView{out, lse},
+                       static_cast<cudaStream_t>(stream));
+}
+
+}  // extern "C"

@@ -1,0 +1,81 @@
+// Exact LSE merge of attention partials on the GPU: one warp per (row, head).
+#include "cuda_common.cuh"
+
+namespace kvring::cuda {
+namespace internal {
+namespace {
+
+__global__ void MergeKernel(const float* __restrict__ out_parts, const float* __restrict__ lse_parts, int num_parts,
+                            int rows_heads, int head_dim, float* __restrict__ out, float* __restrict__ lse) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (warp >= rows_heads) return;
+  float M = -INFINITY;
+  for (int s = 0; s < num_parts; ++s) M = fmaxf(M, lse_parts[(size_t)s * rows_heads + warp]);
+  float* o = out + (size_t)warp * head_dim;
+  if (M == -INFINITY) {
+    for (int d = lane; d < head_dim; d += 32) o[d] = 0.f;
+    if (lane == 0) lse[warp] = -INFINITY;
+    return;
+  }
+  float L = 0.f;
+  for (int s = 0; s < num_parts; ++s) {
+    const float x = lse_parts[(size_t)s * rows_heads + warp];
+    L += x == -INFINITY ? 0.f : __expf(x - M);
+  }
+  const float inv = 1.f / L;
+  for (int d = lane; d < head_dim; d += 32) {
+    float acc = 0.f;
+    for (int s = 0; s < num_parts; ++s) {
+      const float x = lse_parts[(size_t)s * rows_heads + warp];
+      if (x != -INFINITY) acc += __expf(x - M) * out_parts[((size_t)s * rows_heads + warp) * head_dim + d];
+    }
+    o[d] = acc * inv;
+  }
+  if (lane == 0) lse[warp] = M + __logf(L);
+}
+
+__global__ void MergeIntoKernel(float* __restrict__ acc_out, float* __restrict__ acc_lse, const float* __restrict__ other_out,
+                                const float* __restrict__ other_lse, int rows_heads, int head_dim) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (warp >= rows_heads) return;
+  const float a = acc_lse[warp], b = other_lse[warp];
+  const float M = fmaxf(a, b);
+  if (M == -INFINITY) return;  // both empty: acc stays (0, -inf)
+  const float wa = a == -INFINITY ? 0.f : __expf(a - M), wb = b == -INFINITY ? 0.f : __expf(b - M);
+  const float inv = 1.f / (wa + wb);
+  float* o = acc_out + (size_t)warp * head_dim;
+  const float* p = other_out + (size_t)warp * head_dim;
+  for (int d = lane; d < head_dim; d += 32) o[d] = (wa * o[d] + wb * p[d]) * inv;
+  __syncwarp();
+  if (lane == 0) acc_lse[warp] = M + __logf(wa + wb);
+}
+
+}  // namespace
+}  // namespace internal
+
+cudaError_t MergePartials(const float* out_parts, const float* lse_parts, int num_parts, int rows_heads, int head_dim,
+                          OutputView out, cudaStream_t stream) {
+  if (out_parts == nullptr || lse_parts == nullptr || out.out == nullptr || out.lse == nullptr || num_parts < 1 ||
+      head_dim <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows_heads == 0) return cudaSuccess;
+  const int threads = 256, warps_per_block = threads / 32;
+  internal::MergeKernel<<<(rows_heads + warps_per_block - 1) / warps_per_block, threads, 0, stream>>>(
+      out_parts, lse_parts, num_parts, rows_heads, head_dim, out.out, out.lse);
+  return cudaGetLastError();
+}
+
+cudaError_t MergeInto(OutputView acc, const float* other_out, const float* other_lse, int rows_heads, int head_dim,
+                      cudaStream_t stream) {
+  if (acc.out == nullptr || acc.lse == nullptr || other_out == nullptr || other_lse == nullptr) return cudaErrorInvalidValue;
+  if (rows_heads == 0) return cudaSuccess;
+  const int threads = 256, warps_per_block = threads / 32;
+  internal::MergeIntoKernel<<<(rows_heads + warps_per_block - 1) / warps_per_block, threads, 0, stream>>>(
+      acc.out, acc.lse, other_out, other_lse, rows_heads, head_dim);
+  return cudaGetLastError();
+}
+
+}  // namespace kvring::cuda

@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""kvring CUDA attention vs torch scaled_dot_product_attention, one run, same
+inputs, on the device machine.
+
+  decode:  achieved bandwidth (bytes of KV read / time) as a fraction of the
+           measured device-to-device copy rate; beside torch SDPA (cuDNN and
+           flash backends) on the same shapes.
+  prefill: TFLOP/s as a fraction of torch SDPA's flash backend (and cuDNN)
+           and of a measured bf16 GEMM rate.
+Every kvring result is checked against SDPA's output (relative L2) before it
+is timed. Llama-3-8B heads: 32 q heads, 8 kv heads, head_dim 128, bf16.
+Writes a JSON and a Markdown table to --out.
+"""
+import argparse, ctypes, json, math, os, sys, time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+p = argparse.ArgumentParser()
+p.add_argument("--lib", required=True)
+p.add_argument("--out", default=".")
+p.add_argument("--quick", action="store_true")
+args = p.parse_args()
+
+lib = ctypes.CDLL(args.lib)
+I, U64, F32, VP = ctypes.c_int, ctypes.c_uint64, ctypes.c_float, ctypes.c_void_p
+lib.kvring_cuda_decode.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, I, VP, U64,
+                                   VP, VP, VP]
+lib.kvring_cuda_prefill.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, VP, VP, VP]
+lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
+lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
+lib.kvring_cuda_decode_workspace.restype = U64
+
+dev = torch.device("cuda")
+props = torch.cuda.get_device_properties(0)
+SMS = props.multi_processor_count
+HQ, HKV, D, BT = 32, 8, 128, 16
+torch.manual_seed(0)
+
+
+def timed(fn, reps=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]  # median ms
+
+
+def ceilings():
+    n = 1 << 31  # 2 GiB
+    x = torch.empty(n, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    ms = timed(lambda: y.copy_(x), reps=10)
+    copy = 2 * n / (ms * 1e-3)  # read + write
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    ms = timed(lambda: a @ b, reps=10)
+    gemm = 2 * 8192 ** 3 / (ms * 1e-3)
+    return copy, gemm
+
+
+class Paged:
+    """KV of B sequences of L tokens as bf16 pages [page][K|V][kv_head][16][128] at shuffled page ids."""
+
+    def __init__(self, B, L):
+        self.B, self.L = B, L
+        self.pages_per_seq = (L + BT - 1) // BT
+        n = B * self.pages_per_seq
+        self.pool = torch.randn(n, 2, HKV, BT, D, dtype=torch.bfloat16, device=dev)
+        perm = torch.randperm(n, device=dev).to(torch.int32)
+        self.page_ids = perm.contiguous()
+        self.page_pos = (torch.arange(self.pages_per_seq, device=dev, dtype=torch.int32) * BT).repeat(B).contiguous()
+        self.seq_page_begin = (torch.arange(B + 1, device=dev, dtype=torch.int32) * self.pages_per_seq).contiguous()
+        self.seq_tokens = torch.full((B,), L, dtype=torch.int32, device=dev)
+        self.stride = 2 * HKV * BT * D * 2
+
+    def dense(self):
+        # [B, HKV, L, D] K and V in position order (what SDPA reads).
+        pg = self.pool[self.page_ids.long()].view(self.B, self.pages_per_seq, 2, HKV, BT, D)
+        k = pg[:, :, 0].permute(0, 2, 1, 3, 4).reshape(self.B, HKV, -1, D)[:, :, : self.L]
+        v = pg[:, :, 1].permute(0, 2, 1, 3, 4).reshape(self.B, HKV, -1, D)[:, :, : self.L]
+        return k.contiguous(), v.contiguous()
+
+    def kv_args(self):
+        return [self.pool.data_ptr(), self.stride, BT, 1, HKV, D, 0, 0, self.page_ids.data_ptr(), self.page_pos.data_ptr(),
+                self.seq_page_begin.data_ptr(), self.seq_tokens.data_ptr(), self.B]
+
+
+def sdpa(q, k, v, causal, backend):
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+stream = lambda: torch.cuda.current_stream().cuda_stream
+results = {"device": props.name, "sms": SMS, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+copy_bw, gemm = ceilings()
+results["copy_bytes_per_s"], results["gemm_flops"] = copy_bw, gemm
+print(f"{props.name}: device copy {copy_bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s", flush=True)
+
+# ------------------------------------------------------------------ decode
+decode_shapes = [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (16, 131072), (64, 4096), (64, 32768)]
+if args.quick:
+    decode_shapes = [(1, 32768), (8, 32768)]
+results["decode"] = []
+for B, L in decode_shapes:
+    kv = Paged(B, L)
+    q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device=dev)
+    pos = torch.full((B,), L - 1, dtype=torch.int32, device=dev)
+    rows = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    out = torch.empty(B, HQ, D, dtype=torch.float32, device=dev)
+    lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
+    splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, kv.pages_per_seq, SMS)
+    wsb = lib.kvring_cuda_decode_workspace(B, HQ, splits, D)
+    ws = torch.empty(max(1, wsb), dtype=torch.uint8, device=dev)
+
+    def ours():
+        e = lib.kvring_cuda_decode(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B, HQ, 1, 0.0, 1, 0, splits,
+                                   ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(), stream())
+        assert e == 0, f"decode error {e}"
+
+    ours()
+    k, v = kv.dense()
+    ref = sdpa(q.view(B, HQ, 1, D), k, v, False, SDPBackend.MATH).view(B, HQ, D)
+    err = rel(out, ref)
+    ms = timed(ours)
+    kv_bytes = B * L * HKV * D * 2 * 2
+    row = {"batch": B, "kv_len": L, "splits": splits, "ms": ms, "rel_err": err, "GBps": kv_bytes / (ms * 1e-3) / 1e9,
+           "frac_copy": kv_bytes / (ms * 1e-3) / copy_bw}
+    for name, be in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]:
+        try:
+            qq = q.view(B, HQ, 1, D)
+            t = timed(lambda: sdpa(qq, k, v, False, be))
+            row[f"sdpa_{name}_ms"] = t
+            row[f"sdpa_{name}_frac_copy"] = kv_bytes / (t * 1e-3) / copy_bw
+        except Exception as ex:  # a backend may refuse a shape
+            row[f"sdpa_{name}_ms"] = None
+            row[f"sdpa_{name}_error"] = str(ex)[:120]
+    results["decode"].append(row)
+    print(f"decode B={B:3d} L={L:6d}: {ms:.3f} ms, {row['GBps']:.0f} GB/s = {row['frac_copy']:.2f} of copy, err {err:.1e}; "
+          f"sdpa cudnn {row.get('sdpa_cudnn_ms')} flash {row.get('sdpa_flash_ms')}", flush=True)
+    del kv, k, v, ws
+    torch.cuda.empty_cache()
+
+# ------------------------------------------------------------------ prefill
+prefill_shapes = [(1, 4096), (1, 16384), (1, 32768), (4, 8192), (1, 131072)]
+if args.quick:
+    prefill_shapes = [(1, 8192)]
+results["prefill"] = []
+for B, L in prefill_shapes:
+    kv = Paged(B, L)
+    q = torch.randn(B, L, HQ, D, dtype=torch.bfloat16, device=dev)  # rows grouped by sequence
+    pos = torch.arange(L, dtype=torch.int32, device=dev).repeat(B).contiguous()
+    rows = (torch.arange(B + 1, dtype=torch.int32, device=dev) * L).contiguous()
+    out = torch.empty(B * L, HQ, D, dtype=torch.float32, device=dev)
+    lse = torch.empty(B * L, HQ, dtype=torch.float32, device=dev)
+
+    def ours():
+        e = lib.kvring_cuda_prefill(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B * L, HQ, L, 0.0, 1, 0,
+                                    out.data_ptr(), lse.data_ptr(), stream())
+        assert e == 0, f"prefill error {e}"
+
+    ours()
+    k, v = kv.dense()
+    qt = q.permute(0, 2, 1, 3).contiguous()  # [B, HQ, L, D]
+    ref = sdpa(qt, k, v, True, SDPBackend.FLASH_ATTENTION)
+    err = rel(out.view(B, L, HQ, D).permute(0, 2, 1, 3), ref)
+    reps = 5 if L >= 65536 else 10
+    ms = timed(ours, reps=reps)
+    flops = 4 * B * HQ * D * (L * (L + 1) / 2)
+    row = {"batch": B, "kv_len": L, "ms": ms, "rel_err": err, "TFLOPs": flops / (ms * 1e-3) / 1e12,
+           "frac_gemm": flops / (ms * 1e-3) / gemm}
+    for name, be in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
+        try:
+            t = timed(lambda: sdpa(qt, k, v, True, be), reps=reps)
+            row[f"sdpa_{name}_ms"] = t
+            row[f"sdpa_{name}_TFLOPs"] = flops / (t * 1e-3) / 1e12
+            row[f"ratio_vs_{name}"] = t / ms
+        except Exception as ex:
+            row[f"sdpa_{name}_ms"] = None
+            row[f"sdpa_{name}_error"] = str(ex)[:120]
+    results["prefill"].append(row)
+    print(f"prefill B={B} L={L:6d}: {ms:.2f} ms, {row['TFLOPs']:.0f} TFLOP/s ({row['frac_gemm']:.2f} of GEMM), err {err:.1e}; "
+          f"vs flash {row.get('ratio_vs_flash')}, vs cudnn {row.get('ratio_vs_cudnn')}", flush=True)
+    del kv, k, v, q, qt, out, ref
+    torch.cuda.empty_cache()
+
+os.makedirs(args.out, exist_ok=True)
+with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
+    json.dump(results, f, indent=1)
+with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
+    f.write(f"{props.name} ({SMS} SMs), torch {torch.__version__}, {results['date']}: device copy "
+            f"{copy_bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s\n\n")
+    f.write("| decode batch | kv len | splits | kvring ms | kvring GB/s | of copy | SDPA cuDNN ms | of copy | SDPA flash ms | of copy | rel err |\n")
+    f.write("|---|---|---|---|---|---|---|---|---|---|---|\n")
+    for r in results["decode"]:
+        fmt = lambda x: "n/a" if x is None else f"{x:.3f}"
+        frac = lambda x: "n/a" if x is None else f"{x:.2f}"
+        f.write(f"| {r['batch']} | {r['kv_len']} | {r['splits']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['frac_copy']:.2f} | "
+                f"{fmt(r.get('sdpa_cudnn_ms'))} | {frac(r.get('sdpa_cudnn_frac_copy'))} | {fmt(r.get('sdpa_flash_ms'))} | "
+                f"{frac(r.get('sdpa_flash_frac_copy'))} | {r['rel_err']:.1e} |\n")
+    f.write("\n| prefill batch | len | kvring ms | kvring TFLOP/s | of GEMM | SDPA flash TFLOP/s | kvring/flash | SDPA cuDNN TFLOP/s | kvring/cuDNN | rel err |\n")
+    f.write("|---|---|---|---|---|---|---|---|---|---|\n")
+    for r in results["prefill"]:
+        g = lambda k: "n/a" if r.get(k) is None else f"{r[k]:.2f}" if "ratio" in k else f"{r[k]:.0f}"
+        f.write(f"| {r['batch']} | {r['kv_len']} | {r['ms']:.2f} | {r['TFLOPs']:.0f} | {r['frac_gemm']:.2f} | "
+                f"{g('sdpa_flash_TFLOPs')} | {g('ratio_vs_flash')} | {g('sdpa_cudnn_TFLOPs')} | {g('ratio_vs_cudnn')} | "
+                f"{r['rel_err']:.1e} |\n")
+print(open(os.path.join(args.out, "gpu_bench.md")).read())

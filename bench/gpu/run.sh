@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Everything for one device call: GPU tests, the NCCL probe, and the
+# benchmark against torch SDPA. Run on the device machine from the repo root
+# after bench/gpu/pack.sh ran here:
+#   bash bench/gpu/run.sh [--quick]
+# Logs and results go to $OUT (or ./gpu-out).
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NCCL_DIR=$(dirname "$(ldconfig -p | awk '/libnccl.so.2 /{print $NF; exit}')" 2>/dev/null || true)
+[ -z "$NCCL_DIR" ] && NCCL_DIR=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(os.path.dirname(nvidia.nccl.__file__), "lib"))' 2>/dev/null || true)
+export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${NCCL_DIR}:${LD_LIBRARY_PATH:-}
+echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
+echo "== gpu tests"
+timeout 420 .gpu/bin/gpu_test --gtest_color=no 2>&1 | tee "$OUT/gpu_test.log" | grep -E "^\[ +(OK|FAILED|SKIPPED|PASSED) |Failure|error|Expected|Which|Value of|Actual" | head -80
+echo "== nccl probe"
+timeout 60 .gpu/bin/nccl_probe 2>&1 | tail -3 | tee "$OUT/nccl_probe.txt"
+echo "== benchmark"
+PYTHONUNBUFFERED=1 timeout 600 python3 bench/gpu/attention_bench.py --lib .gpu/lib/libkvring_cuda_capi.so --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40

@@ -1,0 +1,290 @@
+// The CUDA kernels against the float64 CPU reference on fresh random inputs:
+// decode (split-KV), prefill (tensor cores), merge; shapes that are not
+// tile multiples, causal edges, rows that see no key, sharded page lists.
+// Label gpu: skipped where there is no device.
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gpu_test_util.h"
+#include "kvring/attention/cuda/gpu_ring.h"
+#include "kvring/attention/merge.h"
+#include "kvring/transport/nccl_transport.h"
+
+namespace kvring {
+namespace {
+
+using namespace gpu_testing;
+
+// Decode: batches of sequences with 1..8 query rows each, GQA 1/4/8.
+TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
+  KVRING_REQUIRE_GPU();
+  uint64_t seed = 1;
+  for (int D : {64, 128})
+    for (int ratio : {1, 4, 8})
+      for (int bt : {16, 64})
+        for (int splits : {1, 7}) {
+          std::mt19937_64 rng(seed++);
+          const int kv_heads = 2, q_heads = kv_heads * ratio;
+          const bool bf16 = seed % 2;
+          std::vector<int> toks = {1 + (int)(rng() % 700), 33, 16 * 9, 1};
+          std::vector<int> starts = {0, 5, 100, 0};
+          auto kvb = MakeBatch(rng, bt, 2, kv_heads, D, bf16, toks, starts, /*gap=*/seed % 3 == 0, /*layer=*/1);
+          std::vector<std::vector<int32_t>> qpos;
+          for (size_t s = 0; s < toks.size(); ++s) {
+            const auto& kp = kvb.seqs[s].dense.positions;
+            std::vector<int32_t> rows;
+            const int nr = 1 + rng() % 8;
+            for (int r = 0; r < nr; ++r) rows.push_back(kp.back() - (int)(rng() % 3));
+            if (s == 1) rows[0] = 2;  // before every key of sequence 1: sees nothing
+            qpos.push_back(rows);
+          }
+          auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+          Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
+          out.Poison();
+          lse.Poison();
+          const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
+          Dev<uint8_t> work(ws);
+          cuda::AttnParams p;
+          CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(1), {out.p, lse.p}, splits, work.p, ws, nullptr));
+          CUDA_OK(cudaDeviceSynchronize());
+          AttentionOptions o;
+          o.layer = 1;
+          ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 2e-4,
+                        absl::StrCat("decode D=", D, " ratio=", ratio, " bt=", bt, " splits=", splits));
+        }
+}
+
+TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {
+  KVRING_REQUIRE_GPU();
+  std::mt19937_64 rng(77);
+  auto kvb = MakeBatch(rng, 16, 1, 8, 128, true, {1000, 300}, {0, 0}, false, 0);
+  auto qb = MakeQueries(rng, 32, 128, true, {{999}, {500, 250}});
+  for (int mode = 0; mode < 2; ++mode) {
+    Dev<float> out((size_t)3 * 32 * 128), lse(3 * 32);
+    out.Poison();
+    lse.Poison();
+    cuda::AttnParams p;
+    AttentionOptions o;
+    if (mode == 0) {
+      p.window = 100;
+      o.window = 100;
+    } else {
+      p.causal = false;
+      o.causal = false;
+    }
+    const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), 5, 128);
+    Dev<uint8_t> work(ws);
+    CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, 5, work.p, ws, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 2e-4, mode == 0 ? "window" : "non-causal");
+  }
+}
+
+// Prefill: causal chunks of new tokens over a cached prefix, row counts that
+// are not multiples of the 128-row tile, sharded (gapped) page lists.
+TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
+  KVRING_REQUIRE_GPU();
+  uint64_t seed = 100;
+  for (int D : {64, 128})
+    for (int ratio : {1, 4})
+      for (int bt : {16, 64})
+        for (bool gap : {false, true}) {
+          std::mt19937_64 rng(seed++);
+          const int kv_heads = 2, q_heads = kv_heads * ratio;
+          const bool bf16 = seed % 2;
+          std::vector<int> toks = {300 + (int)(rng() % 200), 129};
+          auto kvb = MakeBatch(rng, bt, 1, kv_heads, D, bf16, toks, {0, 40}, gap, 0);
+          std::vector<std::vector<int32_t>> qpos(2);
+          // Sequence 0: the last 200 tokens as a chunk (prefix hit before them).
+          const auto& kp0 = kvb.seqs[0].dense.positions;
+          for (size_t i = kp0.size() - 200; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);
+          // Sequence 1: every key position, plus rows that see nothing (before position 40).
+          for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);
+          qpos[1].push_back(3);
+          qpos[1].push_back(39);
+          auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+          Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
+          out.Poison();
+          lse.Poison();
+          cuda::AttnParams p;
+          CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr));
+          CUDA_OK(cudaDeviceSynchronize());
+          // P is rounded to 16 bits for the second matmul: tolerance of bf16 operands.
+          ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
+                        absl::StrCat("prefill D=", D, " ratio=", ratio, " bt=", bt, " gap=", gap));
+        }
+}
+
+TEST(GpuPrefillTest, SlidingWindowAndNonCausal) {
+  KVRING_REQUIRE_GPU();
+  std::mt19937_64 rng(5);
+  auto kvb = MakeBatch(rng, 16, 1, 8, 128, true, {700}, {0}, false, 0);
+  std::vector<int32_t> rows;
+  for (int i = 0; i < 700; i += 3) rows.push_back(i);
+  auto qb = MakeQueries(rng, 32, 128, true, {rows});
+  for (int mode = 0; mode < 2; ++mode) {
+    Dev<float> out((size_t)rows.size() * 32 * 128), lse(rows.size() * 32);
+    out.Poison();
+    lse.Poison();
+    cuda::AttnParams p;
+    AttentionOptions o;
+    if (mode == 0) {
+      p.window = 150;
+      o.window = 150;
+    } else {
+      p.causal = false;
+      o.causal = false;
+    }
+    CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2, mode == 0 ? "prefill window" : "prefill non-causal");
+  }
+}
+
+TEST(GpuMergeTest, MatchesCpuMerge) {
+  KVRING_REQUIRE_GPU();
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> nd;
+  const int P = 5, RH = 77, D = 128;
+  std::vector<float> outs((size_t)P * RH * D), lses((size_t)P * RH);
+  for (auto& x : outs) x = nd(rng);
+  for (size_t i = 0; i < lses.size(); ++i) lses[i] = (i % 7 == 0) ? -INFINITY : nd(rng) * 5;
+  for (int r = 0; r < RH; r += 11) {
+    for (int s = 0; s < P; ++s) lses[(size_t)s * RH + r] = -INFINITY;  // rows no partial saw anything for
+  }
+  Dev<float> dout(outs), dlse(lses), mo((size_t)RH * D), ml(RH);
+  mo.Poison();
+  ml.Poison();
+  CUDA_OK(cuda::MergePartials(dout.p, dlse.p, P, RH, D, {mo.p, ml.p}, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<ConstPartial> parts;
+  for (int s = 0; s < P; ++s) parts.push_back({outs.data() + (size_t)s * RH * D, lses.data() + (size_t)s * RH});
+  PartialResult ref(RH, 1, D);
+  ASSERT_TRUE(MergePartials(parts, RH, 1, D, ref.view()).ok());
+  auto go = mo.Host(), gl = ml.Host();
+  for (size_t i = 0; i < go.size(); ++i) ASSERT_NEAR(go[i], ref.out[i], 1e-5 + 1e-5 * std::abs(ref.out[i])) << i;
+  for (int r = 0; r < RH; ++r) {
+    if (std::isinf(ref.lse[r])) {
+      EXPECT_TRUE(std::isinf(gl[r]) && gl[r] < 0);
+    } else {
+      EXPECT_NEAR(gl[r], ref.lse[r], 1e-5 * std::max(1.f, std::abs(ref.lse[r])));
+    }
+  }
+}
+
+// The GPU rings on N ranks sharing this GPU (device loopback) equal one GPU
+// attending over everything; the load-balanced causal layout.
+TEST(GpuRingTest, PassKvAndPassQOnSeveralRanksEqualOneGpu) {
+  KVRING_REQUIRE_GPU();
+  for (int n : {1, 2, 3, 4}) {
+    std::mt19937_64 rng(200 + n);
+    const int bt = 16, D = 128, kv_heads = 8, q_heads = 32;
+    const int chunk_blocks = 3, nblocks = 2 * n * chunk_blocks;
+    auto whole = MakeBatch(rng, bt, 1, kv_heads, D, true, {nblocks * bt}, {0}, false, 0);
+    // Every rank gets chunks i and 2N-1-i of the pages, and the queries of those tokens.
+    std::vector<std::vector<int32_t>> ids_h(n), pos_h(n), qrows(n);
+    auto ids_all = whole.page_ids.Host();
+    auto pos_all = whole.page_pos.Host();
+    for (int b = 0; b < nblocks; ++b) {
+      const int c = b / chunk_blocks;
+      const int owner = c < n ? c : 2 * n - 1 - c;
+      ids_h[owner].push_back(ids_all[b]);
+      pos_h[owner].push_back(pos_all[b]);
+      for (int t = 0; t < bt; ++t) qrows[owner].push_back(pos_all[b] + t);
+    }
+    auto all_q = MakeQueries(rng, q_heads, D, true, {[&] {
+                               std::vector<int32_t> v;
+                               for (int r = 0; r < n; ++r) v.insert(v.end(), qrows[r].begin(), qrows[r].end());
+                               return v;
+                             }()});
+    // Reference: one GPU, all queries over all pages.
+    Dev<float> ref_out((size_t)all_q.pos.size() * q_heads * D), ref_lse(all_q.pos.size() * q_heads);
+    ASSERT_TRUE(cuda::AttendLocal({}, all_q.View(), whole.View(0), {ref_out.p, ref_lse.p}, nblocks, nullptr).ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    auto ro = ref_out.Host(), rl = ref_lse.Host();
+    for (int algo = 0; algo < 2; ++algo) {
+      auto group = DeviceLoopbackTransport::CreateGroup(n, 0);
+      std::vector<absl::Status> st(n);
+      std::vector<std::vector<float>> got_o(n), got_l(n);
+      std::vector<std::thread> ts;
+      for (int r = 0; r < n; ++r) {
+        ts.emplace_back([&, r] {
+          cudaSetDevice(0);
+          // This rank's view: its pages of the shared pool, its queries.
+          Dev<int32_t> ids(ids_h[r]), pos(pos_h[r]), begin(std::vector<int32_t>{0, (int32_t)ids_h[r].size()}),
+              ntok(std::vector<int32_t>{(int32_t)ids_h[r].size() * bt});
+          cuda::PagedKvView kv = whole.View(0);
+          kv.page_ids = ids.p;
+          kv.page_pos = pos.p;
+          kv.seq_page_begin = begin.p;
+          kv.seq_tokens = ntok.p;
+          size_t off = 0;
+          for (int k = 0; k < r; ++k) off += qrows[k].size();
+          Dev<int32_t> qpos(qrows[r]), qbeg(std::vector<int32_t>{0, (int32_t)qrows[r].size()});
+          cuda::QueryView q;
+          q.q = all_q.q.p + off * q_heads * D;
+          q.positions = qpos.p;
+          q.seq_row_begin = qbeg.p;
+          q.num_rows = (int)qrows[r].size();
+          q.q_heads = q_heads;
+          q.max_rows_per_seq = q.num_rows;
+          Dev<float> o((size_t)q.num_rows * q_heads * D), l((size_t)q.num_rows * q_heads);
+          o.Poison();
+          l.Poison();
+          cudaStream_t s;
+          cudaStreamCreate(&s);
+          cuda::GpuRingOptions ro_opts;
+          ro_opts.stream = s;
+          ro_opts.timeout = absl::Seconds(60);
+          st[r] = algo == 0 ? cuda::GpuRingPassKv(*group[r], {}, q, kv, {o.p, l.p}, ro_opts)
+                            : cuda::GpuRingPassQ(*group[r], {}, q, kv, {o.p, l.p}, ro_opts);
+          cudaStreamSynchronize(s);
+          cudaStreamDestroy(s);
+          got_o[r] = o.Host();
+          got_l[r] = l.Host();
+        });
+      }
+      for (auto& t : ts) t.join();
+      size_t off = 0;
+      for (int r = 0; r < n; ++r) {
+        ASSERT_TRUE(st[r].ok()) << "algo " << algo << " n=" << n << " rank " << r << ": " << st[r];
+        double num = 0, den = 0;
+        for (size_t i = 0; i < got_o[r].size(); ++i) {
+          ASSERT_FALSE(std::isnan(got_o[r][i]));
+          const double d = got_o[r][i] - ro[off * q_heads * D + i];
+          num += d * d;
+          den += ro[off * q_heads * D + i] * ro[off * q_heads * D + i];
+        }
+        EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-2) << (algo ? "pass-Q" : "pass-KV") << " n=" << n << " rank " << r;
+        for (size_t i = 0; i < got_l[r].size(); ++i) {
+          EXPECT_NEAR(got_l[r][i], rl[off * q_heads + i], 2e-2 * std::max(1.f, std::abs(rl[off * q_heads + i])));
+        }
+        off += qrows[r].size();
+      }
+    }
+  }
+}
+
+// NCCL with one rank: the same ring code over a real communicator.
+TEST(GpuRingTest, NcclTransportWorldSizeOne) {
+  KVRING_REQUIRE_GPU();
+  auto id = NcclTransport::NewUniqueId();
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto t = NcclTransport::Create(0, 1, *id, 0);
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::mt19937_64 rng(3);
+  auto kvb = MakeBatch(rng, 16, 1, 8, 128, true, {512}, {0}, false, 0);
+  std::vector<int32_t> rows;
+  for (int i = 0; i < 512; i += 2) rows.push_back(i);
+  auto qb = MakeQueries(rng, 32, 128, true, {rows});
+  Dev<float> o((size_t)rows.size() * 32 * 128), l(rows.size() * 32);
+  o.Poison();
+  l.Poison();
+  cuda::GpuRingOptions ro;
+  ASSERT_TRUE(cuda::GpuRingPassKv(**t, {}, qb.View(), kvb.View(0), {o.p, l.p}, ro).ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  ExpectMatches(o.Host(), l.Host(), qb, kvb, {}, 1e-2, "nccl n=1");
+}
+
+}  // namespace
+}  // namespace kvring
