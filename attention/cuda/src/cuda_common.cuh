@@ -53,4 +53,82 @@ __device__ __forceinline__ uint64_t PlaneOffset(const PagedKvView& kv, int which
   return (((uint64_t)kv.layer * 2 + which) * kv.kv_heads + head) * (uint64_t)kv.block_tokens * kv.head_dim;
 }
 
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void LdMatrixX4T(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+template <typename T>
+__device__ __forceinline__ void Mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void Mma<__nv_bfloat16>(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void Mma<__half>(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <typename T>
+__device__ __forceinline__ uint32_t Pack(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t Pack<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t Pack<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Byte offset of 16-byte chunk `c` of row `r` in a swizzled tile of D dims.
+template <int D>
+__device__ __forceinline__ uint32_t Swz(int r, int c) {
+  constexpr int kChunks = D / 8;
+  return (uint32_t)(r * kChunks + (c ^ (r & 7))) * 16u;
+}
+
+// Position of stream token i of a sequence (pages full but the last).
+__device__ __forceinline__ int TokenPos(const PagedKvView& kv, int pb, int i) {
+  const int pg = i / kv.block_tokens;
+  return kv.page_pos[pb + pg] + (i - pg * kv.block_tokens);
+}
+
+// Number of stream tokens with position <= p (pages in increasing position order).
+__device__ __forceinline__ int CountUpTo(const PagedKvView& kv, int pb, int npages, int ntok, int p) {
+  int lo = 0, hi = npages;  // first page whose token 0 is > p
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (kv.page_pos[pb + mid] > p) hi = mid; else lo = mid + 1;
+  }
+  if (lo == 0) return 0;
+  const int page = lo - 1;
+  const int in_page = min(kv.block_tokens, p - kv.page_pos[pb + page] + 1);
+  return min(ntok, page * kv.block_tokens + in_page);
+}
+
 }  // namespace kvring::cuda::internal

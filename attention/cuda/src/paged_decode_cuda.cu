@@ -1,16 +1,15 @@
-// Paged decode attention (flash-decoding) on CUDA cores.
+// Paged decode attention (flash-decoding) on tensor cores.
 //
-// Grid (splits, kv_heads x vector groups, sequences), 128 threads. A CTA
-// owns one kv head of one sequence, a contiguous range of its pages (the
-// split), and up to NV query vectors (query row x q head of the GQA group).
-// Each lane holds VEC consecutive dims of one key per step (16-byte loads,
-// coalesced along the row), so a warp covers TPS keys per step and every K/V
-// byte is read from HBM once per CTA; dot products reduce across the LPT
-// lanes of a key with shuffles. Scores live in the log2 domain (scale *
-// log2 e folded into q). Each warp keeps an online softmax per vector; warps
-// merge in shared memory; the CTA writes one (O, LSE) partial per vector,
-// and a second kernel merges the splits (or the CTA writes the final result
-// when there is one split).
+// Grid (splits, kv_heads x row groups, sequences), 4 warps. A CTA owns one kv
+// head of one sequence, a contiguous range of its pages (the split), and up
+// to 16 "rows": the (query row, q head) pairs of that kv head's GQA group,
+// packed as the 16 rows of an m16n8k16 tile (GQA packing: a Llama-3 decode
+// step, 1 query x 4 heads, fills 4 of them). The CTA streams the KV of its
+// range in 64-token tiles through a 3-stage cp.async pipeline (each thread
+// gathers 8 16-byte chunks of K and of V of one token per tile, one page
+// lookup), so HBM reads stay in flight while the tensor cores work. Each warp
+// takes 16 tokens of every tile: S = Q K^T (ldmatrix + mma), an online
+// softmax for its tokens, O += P V. Warps and splits merge exactly by LSE.
 #include <cfloat>
 
 #include "cuda_common.cuh"
@@ -19,169 +18,224 @@ namespace kvring::cuda {
 namespace internal {
 namespace {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = 4, kThreads = 128, kTile = 64, kStages = 3, kRows = 16;
 
-template <int D, int NV, typename T>
-__global__ void __launch_bounds__(128) DecodeKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits,
-                                                    int vec_groups, float* part_out, float* part_lse, float* out,
-                                                    float* lse) {
-  constexpr int VEC = 8;           // elements per 16-byte load
-  constexpr int LPT = D / VEC;     // lanes per key: 16 (D=128) or 8 (D=64)
-  constexpr int TPS = 32 / LPT;    // keys per warp step
-  const int sp = blockIdx.x;
-  const int h = blockIdx.y / vec_groups;
-  const int vg = blockIdx.y % vec_groups;
-  const int s = blockIdx.z;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+template <int D, typename T>
+__global__ void __launch_bounds__(kThreads) DecodeKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits,
+                                                         int row_groups, float* part_out, float* part_lse, float* out,
+                                                         float* lse) {
+  constexpr int kChunks = D / 8;      // 16-byte chunks per K/V row
+  constexpr int kKSteps = D / 16;     // k16 steps of S
+  constexpr int kDTiles = D / 8;      // n8 tiles of O
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sq = smem;                                   // kRows x D
+  uint8_t* sk = smem + kRows * D * 2;                   // kStages x kTile x D
+  uint8_t* sv = sk + kStages * kTile * D * 2;           // kStages x kTile x D
+  __shared__ int s_qpos[kRows];
+  __shared__ int s_qmin, s_qmax;
+  __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
+
+  const int sp = blockIdx.x, h = blockIdx.y / row_groups, rg = blockIdx.y % row_groups, s = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
   const int G = q.q_heads / kv.kv_heads;
   const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
-  const int v0 = vg * NV;
-  const int nvec_total = (re - rb) * G;
-  if (v0 >= nvec_total) return;
-  const int nv = min(NV, nvec_total - v0);
+  const int v0 = rg * kRows, nvec = (re - rb) * G;
+  if (v0 >= nvec) return;
+  const int nv = min(kRows, nvec - v0);
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
 
   const int bt = kv.block_tokens;
   const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
   const int ntok = kv.seq_tokens[s];
   const int pps = (npages + num_splits - 1) / num_splits;
-  const int page_lo = sp * pps;
-  const int tok_lo = page_lo * bt;
-  const int tok_hi = min(ntok, min(npages, page_lo + pps) * bt);
+  const int tok_lo = sp * pps * bt;
+  const int tok_hi = min(ntok, min(npages, sp * pps + pps) * bt);
 
-  const int sub = lane / LPT;
-  const int dl = (lane % LPT) * VEC;
-  float qr[NV][VEC];
-  int qpos[NV];
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    qpos[j] = INT32_MIN;
-    if (j < nv) {
-      const int v = v0 + j;
-      const int row = rb + v / G, head = h * G + v % G;
-      const T* src = static_cast<const T*>(q.q) + ((size_t)row * q.q_heads + head) * D + dl;
-      float f[VEC];
-      Vec8<T>::ToFloat(*reinterpret_cast<const uint4*>(src), f);
-#pragma unroll
-      for (int d = 0; d < VEC; ++d) qr[j][d] = f[d] * scale;
-      qpos[j] = q.positions[row];
-    } else {
-#pragma unroll
-      for (int d = 0; d < VEC; ++d) qr[j][d] = 0.f;
+  // Q rows (vector v0 + r = query row rb + v / G, head h * G + v % G) -> smem.
+  for (int c = tid; c < kRows * kChunks; c += kThreads) {
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool valid = r < nv;
+    const int v = v0 + (valid ? r : 0);
+    const T* src = static_cast<const T*>(q.q) + ((size_t)(rb + v / G) * q.q_heads + h * G + v % G) * D + ch * 8;
+    CpAsync16(SmemAddr(sq + Swz<D>(r, ch)), src, valid);
+  }
+  CpAsyncCommit();
+  if (tid < kRows) s_qpos[tid] = tid < nv ? q.positions[rb + (v0 + tid) / G] : INT32_MIN;
+  if (tid == 0) {
+    int mn = INT32_MAX, mx = INT32_MIN;
+    for (int r = 0; r < nv; ++r) {
+      const int qp = q.positions[rb + (v0 + r) / G];
+      mn = min(mn, qp);
+      mx = max(mx, qp);
     }
+    s_qmin = mn;
+    s_qmax = mx;
   }
-  float m[NV], l[NV], acc[NV][VEC];
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    m[j] = -INFINITY;
-    l[j] = 0.f;
-#pragma unroll
-    for (int d = 0; d < VEC; ++d) acc[j][d] = 0.f;
-  }
+
   const char* pool = static_cast<const char*>(kv.pool);
   const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
+  const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kTile - 1) / kTile : 0;
+  // Each thread loads half of one token's K and V row per tile.
+  auto load_tile = [&](int it) {
+    if (it < ntiles) {
+      const int stage = it % kStages;
+      const int r = tid >> 1, half = tid & 1;
+      const int i = tok_lo + it * kTile + r;
+      const bool valid = i < tok_hi;
+      const char* base = pool;
+      if (valid) {
+        const int pg = i / bt, off = i - pg * bt;
+        base = pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + (uint64_t)off * D * sizeof(T);
+      }
+#pragma unroll
+      for (int k = 0; k < kChunks / 2; ++k) {
+        const int ch = half * (kChunks / 2) + k;
+        const uint32_t o = Swz<D>(r, ch);
+        CpAsync16(SmemAddr(sk + stage * kTile * D * 2 + o), base + (valid ? koff + ch * 16 : 0), valid);
+        CpAsync16(SmemAddr(sv + stage * kTile * D * 2 + o), base + (valid ? voff + ch * 16 : 0), valid);
+      }
+    }
+    CpAsyncCommit();  // (an empty group keeps the wait counts uniform)
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) load_tile(i);
 
-  // kUnroll steps per iteration: their loads are all issued before any use,
-  // so each lane keeps 2 x kUnroll 16-byte loads in flight.
-  constexpr int kUnroll = 4;
-  for (int t0 = tok_lo + warp * TPS; t0 < tok_hi; t0 += kUnroll * kWarps * TPS) {
-    uint4 kraw[kUnroll], vraw[kUnroll];
-    int pos[kUnroll];
-    bool valid[kUnroll];
+  CpAsyncWait<kStages - 1>();  // Q has landed (it was committed first)
+  __syncthreads();
+  uint32_t qa[kKSteps][4];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int t = t0 + u * kWarps * TPS + sub;
-      valid[u] = t < tok_hi;
-      kraw[u] = vraw[u] = make_uint4(0, 0, 0, 0);
-      pos[u] = 0;
-      if (valid[u]) {
-        const int pg = t / bt, off = t - pg * bt;
-        const int page = kv.page_ids[pb + pg];
-        pos[u] = kv.page_pos[pb + pg] + off;
-        const char* base = pool + (uint64_t)page * kv.page_stride + ((uint64_t)off * D + dl) * sizeof(T);
-        kraw[u] = LoadNc(base + koff);
-        vraw[u] = LoadNc(base + voff);
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    const int mi = lane >> 3, rr = lane & 7;
+    LdMatrixX4(SmemAddr(sq + Swz<D>((mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3]);
+  }
+  const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8];
+
+  float o[kDTiles][4];
+#pragma unroll
+  for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+  for (int it = 0; it < ntiles; ++it) {
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();
+    load_tile(it + kStages - 1);
+    const int stage = it % kStages;
+    const uint8_t* kt = sk + stage * kTile * D * 2;
+    const uint8_t* vt = sv + stage * kTile * D * 2;
+    const int t0 = warp * 16;  // this warp's 16 tokens of the tile
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      const int mi = lane >> 3, rr = lane & 7;
+      uint32_t b0, b1, b2, b3;
+      LdMatrixX4(SmemAddr(kt + Swz<D>(t0 + (mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
+      Mma<T>(sc[0], qa[kk], b0, b1);
+      Mma<T>(sc[1], qa[kk], b2, b3);
+    }
+    // Masks: rows past nv always; keys past the range, and positions
+    // (causal / window), only on tiles that need them (positions increase
+    // along the stream, so the tile's last key bounds the causal check).
+    const int tile_first = tok_lo + it * kTile, tile_last = min(tile_first + kTile, tok_hi) - 1;
+    const bool pos_mask = (p.causal && TokenPos(kv, pb, tile_last) > s_qmin) ||
+                          (p.window > 0 && TokenPos(kv, pb, tile_first) <= s_qmax - p.window);
+    const bool tail = tile_first + kTile > tok_hi;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = tok_lo + it * kTile + t0 + j * 8 + tig * 2 + (e & 1);
+        const int qp = e < 2 ? qpos0 : qpos1;
+        bool vis = (!tail || i < tok_hi) && qp != INT32_MIN;
+        if (vis && pos_mask) {
+          const int kp = TokenPos(kv, pb, i);
+          if (p.causal) vis = kp <= qp;
+          if (p.window > 0) vis = vis && kp > qp - p.window;
+        }
+        sc[j][e] = vis ? sc[j][e] * scale : -INFINITY;
       }
+      mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
     }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
+    const float c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
+    const float c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
+    const float b0f = nm0 == -INFINITY ? 0.f : nm0, b1f = nm1 == -INFINITY ? 0.f : nm1;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (t0 + u * kWarps * TPS >= tok_hi) break;  // uniform across the warp
-      float kf[VEC], vf[VEC];
-      Vec8<T>::ToFloat(kraw[u], kf);
-      Vec8<T>::ToFloat(vraw[u], vf);
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        float dot = 0.f;
-#pragma unroll
-        for (int d = 0; d < VEC; ++d) dot = fmaf(qr[j][d], kf[d], dot);
-#pragma unroll
-        for (int o = LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        bool vis = valid[u] && j < nv;
-        if (p.causal) vis = vis && pos[u] <= qpos[j];
-        if (p.window > 0) vis = vis && pos[u] > qpos[j] - p.window;
-        const float sc = vis ? dot : -INFINITY;
-        float mx = sc;
-#pragma unroll
-        for (int o = LPT; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        const float nm = fmaxf(m[j], mx);
-        if (nm == -INFINITY) continue;  // uniform across the warp
-        const float corr = exp2f(m[j] - nm);
-        const float pe = vis ? exp2f(sc - nm) : 0.f;
-        float ps = pe;
-#pragma unroll
-        for (int o = LPT; o < 32; o <<= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-        l[j] = l[j] * corr + ps;
-#pragma unroll
-        for (int d = 0; d < VEC; ++d) acc[j][d] = fmaf(pe, vf[d], acc[j][d] * corr);
-        m[j] = nm;
-      }
+    for (int j = 0; j < 2; ++j) {
+      sc[j][0] = exp2f(sc[j][0] - b0f);
+      sc[j][1] = exp2f(sc[j][1] - b0f);
+      sc[j][2] = exp2f(sc[j][2] - b1f);
+      sc[j][3] = exp2f(sc[j][3] - b1f);
     }
-  }
-  // Sum the keys of a step (lanes of the same dims, different subs).
+    l0 = l0 * c0 + sc[0][0] + sc[0][1] + sc[1][0] + sc[1][1];
+    l1 = l1 * c1 + sc[0][2] + sc[0][3] + sc[1][2] + sc[1][3];
+    m0 = nm0;
+    m1 = nm1;
+    uint32_t pa[4] = {Pack<T>(sc[0][0], sc[0][1]), Pack<T>(sc[0][2], sc[0][3]), Pack<T>(sc[1][0], sc[1][1]),
+                      Pack<T>(sc[1][2], sc[1][3])};
 #pragma unroll
-  for (int j = 0; j < NV; ++j) {
-#pragma unroll
-    for (int d = 0; d < VEC; ++d) {
-#pragma unroll
-      for (int o = LPT; o < 32; o <<= 1) acc[j][d] += __shfl_xor_sync(0xffffffffu, acc[j][d], o);
+    for (int dn = 0; dn < kDTiles; dn += 2) {
+      o[dn][0] *= c0;
+      o[dn][1] *= c0;
+      o[dn][2] *= c1;
+      o[dn][3] *= c1;
+      o[dn + 1][0] *= c0;
+      o[dn + 1][1] *= c0;
+      o[dn + 1][2] *= c1;
+      o[dn + 1][3] *= c1;
+      const int mi = lane >> 3, rr = lane & 7;
+      uint32_t b0, b1, b2, b3;
+      LdMatrixX4T(SmemAddr(vt + Swz<D>(t0 + (mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
+      Mma<T>(o[dn], pa, b0, b1);
+      Mma<T>(o[dn + 1], pa, b2, b3);
     }
   }
-  // Merge the warps.
-  __shared__ float sm_m[kWarps][NV], sm_l[kWarps][NV];
-  __shared__ float sm_acc[kWarps][NV][D];
-  if (lane == 0) {
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      sm_m[warp][j] = m[j];
-      sm_l[warp][j] = l[j];
-    }
+  CpAsyncWait<0>();
+  // Merge the warps: full row sums, then (m, l, O) through shared memory.
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  __syncthreads();  // the K/V stages are free: reuse them for the warps' O
+  float* so = reinterpret_cast<float*>(sk);  // kWarps x kRows x D
+  if (tig == 0) {
+    s_m[warp][g] = m0;
+    s_m[warp][g + 8] = m1;
+    s_l[warp][g] = l0;
+    s_l[warp][g + 8] = l1;
   }
-  if (sub == 0) {
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-#pragma unroll
-      for (int d = 0; d < VEC; ++d) sm_acc[warp][j][dl + d] = acc[j][d];
-    }
+  for (int j = 0; j < kDTiles; ++j) {
+    float* r0p = so + ((size_t)warp * kRows + g) * D + j * 8 + tig * 2;
+    float* r1p = so + ((size_t)warp * kRows + g + 8) * D + j * 8 + tig * 2;
+    r0p[0] = o[j][0];
+    r0p[1] = o[j][1];
+    r1p[0] = o[j][2];
+    r1p[1] = o[j][3];
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < nv * D; idx += blockDim.x) {
-    const int j = idx / D, d = idx % D;
+  for (int idx = tid; idx < nv * D; idx += kThreads) {
+    const int r = idx / D, d = idx % D;
     float M = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w][j]);
-    float L = 0.f, o = 0.f;
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w][r]);
+    float L = 0.f, acc = 0.f;
     if (M != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
-        const float f = sm_m[w][j] == -INFINITY ? 0.f : exp2f(sm_m[w][j] - M);
-        L += sm_l[w][j] * f;
-        o += sm_acc[w][j][d] * f;
+        const float f = s_m[w][r] == -INFINITY ? 0.f : exp2f(s_m[w][r] - M);
+        L += s_l[w][r] * f;
+        acc += so[((size_t)w * kRows + r) * D + d] * f;
       }
     }
-    const int v = v0 + j;
-    const int row = rb + v / G, head = h * G + v % G;
-    const size_t rh = (size_t)row * q.q_heads + head;
-    const float val = L > 0.f ? o / L : 0.f;
+    const int v = v0 + r;
+    const size_t rh = (size_t)(rb + v / G) * q.q_heads + h * G + v % G;
+    const float val = L > 0.f ? acc / L : 0.f;
     const float ls = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
     if (num_splits == 1) {
       out[rh * D + d] = val;
@@ -194,24 +248,23 @@ __global__ void __launch_bounds__(128) DecodeKernel(AttnParams p, QueryView q, P
   }
 }
 
-template <int D, int NV, typename T>
+template <int D, typename T>
 cudaError_t LaunchDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                          float* part_out, float* part_lse, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
-  const int vec_groups = (q.max_rows_per_seq * G + NV - 1) / NV;
-  dim3 grid(splits, kv.kv_heads * vec_groups, kv.num_seqs);
-  DecodeKernel<D, NV, T><<<grid, 128, 0, stream>>>(p, q, kv, splits, vec_groups, part_out, part_lse, out.out, out.lse);
+  const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
+  const size_t smem = (size_t)(kRows + 2 * kStages * kTile) * D * 2;
+  cudaError_t e = cudaFuncSetAttribute(DecodeKernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
+  DecodeKernel<D, T><<<grid, kThreads, smem, stream>>>(p, q, kv, splits, row_groups, part_out, part_lse, out.out, out.lse);
   return cudaGetLastError();
 }
 
 template <int D, typename T>
 cudaError_t DispatchNV(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                        float* po, float* pl, cudaStream_t s) {
-  const int nvec = q.max_rows_per_seq * (q.q_heads / kv.kv_heads);
-  if (nvec <= 1) return LaunchDecode<D, 1, T>(p, q, kv, out, splits, po, pl, s);
-  if (nvec <= 2) return LaunchDecode<D, 2, T>(p, q, kv, out, splits, po, pl, s);
-  if (nvec <= 4) return LaunchDecode<D, 4, T>(p, q, kv, out, splits, po, pl, s);
-  return LaunchDecode<D, 8, T>(p, q, kv, out, splits, po, pl, s);
+  return LaunchDecode<D, T>(p, q, kv, out, splits, po, pl, s);
 }
 
 }  // namespace
@@ -236,9 +289,9 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
 
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count) {
   const int G = q.q_heads / kv.kv_heads;
-  const int vec_groups = (q.max_rows_per_seq * G + 7) / 8;
-  const long ctas = (long)kv.num_seqs * kv.kv_heads * vec_groups;
-  const long target = 4L * sm_count * 4;  // ~4 waves of 4 CTAs per SM
+  const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
+  const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;
+  const long target = 2L * sm_count * 2;  // two waves of the two CTAs an SM holds
   long splits = (target + ctas - 1) / ctas;
   splits = std::min<long>(splits, std::max(1, max_pages_per_seq / 4));  // >= 4 pages per split
   return (int)std::max<long>(1, std::min<long>(splits, 256));
