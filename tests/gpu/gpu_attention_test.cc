@@ -49,7 +49,8 @@ TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
           CUDA_OK(cudaDeviceSynchronize());
           AttentionOptions o;
           o.layer = 1;
-          ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 2e-4,
+          // The tensor cores take P rounded to 16 bits for P V: the tolerance of 16-bit operands.
+          ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, bf16 ? 1e-2 : 3e-3,
                         absl::StrCat("decode D=", D, " ratio=", ratio, " bt=", bt, " splits=", splits));
         }
 }
@@ -76,7 +77,7 @@ TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {
     Dev<uint8_t> work(ws);
     CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, 5, work.p, ws, nullptr));
     CUDA_OK(cudaDeviceSynchronize());
-    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 2e-4, mode == 0 ? "window" : "non-causal");
+    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2, mode == 0 ? "window" : "non-causal");
   }
 }
 

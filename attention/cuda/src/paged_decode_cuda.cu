@@ -75,30 +75,33 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(AttnParams p, QueryView
   const char* pool = static_cast<const char*>(kv.pool);
   const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
   const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kTile - 1) / kTile : 0;
-  // Each thread loads half of one token's K and V row per tile.
-  auto load_tile = [&](int it) {
+  // Each thread loads half of one token's K and V row per tile. The page
+  // lookup for a tile is done one tile ahead (`next_base`), so issuing the
+  // copies never waits on a dependent global load.
+  const int lrow = tid >> 1, lhalf = tid & 1;
+  auto page_base = [&](int it) -> const char* {
+    const int i = tok_lo + it * kTile + lrow;
+    if (it >= ntiles || i >= tok_hi) return nullptr;
+    const int pg = i / bt, off = i - pg * bt;
+    return pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + (uint64_t)off * D * sizeof(T);
+  };
+  auto load_tile = [&](int it, const char* base) {
     if (it < ntiles) {
       const int stage = it % kStages;
-      const int r = tid >> 1, half = tid & 1;
-      const int i = tok_lo + it * kTile + r;
-      const bool valid = i < tok_hi;
-      const char* base = pool;
-      if (valid) {
-        const int pg = i / bt, off = i - pg * bt;
-        base = pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + (uint64_t)off * D * sizeof(T);
-      }
+      const bool valid = base != nullptr;
 #pragma unroll
       for (int k = 0; k < kChunks / 2; ++k) {
-        const int ch = half * (kChunks / 2) + k;
-        const uint32_t o = Swz<D>(r, ch);
-        CpAsync16(SmemAddr(sk + stage * kTile * D * 2 + o), base + (valid ? koff + ch * 16 : 0), valid);
-        CpAsync16(SmemAddr(sv + stage * kTile * D * 2 + o), base + (valid ? voff + ch * 16 : 0), valid);
+        const int ch = lhalf * (kChunks / 2) + k;
+        const uint32_t o = Swz<D>(lrow, ch);
+        CpAsync16(SmemAddr(sk + stage * kTile * D * 2 + o), valid ? base + koff + ch * 16 : pool, valid);
+        CpAsync16(SmemAddr(sv + stage * kTile * D * 2 + o), valid ? base + voff + ch * 16 : pool, valid);
       }
     }
     CpAsyncCommit();  // (an empty group keeps the wait counts uniform)
   };
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) load_tile(i);
+  for (int i = 0; i < kStages - 1; ++i) load_tile(i, page_base(i));
+  const char* next_base = page_base(kStages - 1);
 
   CpAsyncWait<kStages - 1>();  // Q has landed (it was committed first)
   __syncthreads();
@@ -118,7 +121,8 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(AttnParams p, QueryView
   for (int it = 0; it < ntiles; ++it) {
     CpAsyncWait<kStages - 2>();
     __syncthreads();
-    load_tile(it + kStages - 1);
+    load_tile(it + kStages - 1, next_base);
+    next_base = page_base(it + kStages);
     const int stage = it % kStages;
     const uint8_t* kt = sk + stage * kTile * D * 2;
     const uint8_t* vt = sv + stage * kTile * D * 2;

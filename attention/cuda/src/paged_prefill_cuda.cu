@@ -83,23 +83,31 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
 
   const char* pool = static_cast<const char*>(kv.pool);
   const uint64_t koff = PlaneOffset(kv, 0, hk) * sizeof(T), voff = PlaneOffset(kv, 1, hk) * sizeof(T);
-  auto load_kv = [&](int n0, int buf) {
-    for (int c = tid; c < kBN * (D / 8); c += kThreads) {
-      const int r = c / (D / 8), ch = c % (D / 8);
-      const int i = n0 + r;
-      const bool valid = i < n_end;
-      const char* src = pool;
-      if (valid) {
-        const int pg = i / kv.block_tokens, off = i - pg * kv.block_tokens;
-        src = pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + ((uint64_t)off * D + ch * 8) * sizeof(T);
-      }
-      CpAsync16(SmemAddr(sk + buf * kBN * D * 2 + Swz<D>(r, ch)), src + koff * valid, valid);
-      CpAsync16(SmemAddr(sv + buf * kBN * D * 2 + Swz<D>(r, ch)), src + voff * valid, valid);
+  // A thread copies a fixed (token row, quarter of the chunks) of every tile:
+  // one page lookup per tile, made a tile ahead so issuing never waits on it.
+  constexpr int kPer = (kBN * (D / 8)) / kThreads;  // chunks per thread (K and V each)
+  constexpr int kThreadsPerRow = (D / 8) / kPer;
+  const int lrow = tid / kThreadsPerRow, lch0 = (tid % kThreadsPerRow) * kPer;
+  auto row_base = [&](int n0) -> const char* {
+    const int i = n0 + lrow;
+    if (n0 >= n_end || i >= n_end) return nullptr;
+    const int pg = i / kv.block_tokens, off = i - pg * kv.block_tokens;
+    return pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + (uint64_t)off * D * sizeof(T);
+  };
+  auto load_kv = [&](const char* base, int buf) {
+    const bool valid = base != nullptr;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int ch = lch0 + k;
+      const uint32_t o = Swz<D>(lrow, ch);
+      CpAsync16(SmemAddr(sk + buf * kBN * D * 2 + o), valid ? base + koff + ch * 16 : pool, valid);
+      CpAsync16(SmemAddr(sv + buf * kBN * D * 2 + o), valid ? base + voff + ch * 16 : pool, valid);
     }
     CpAsyncCommit();
   };
 
-  if (n_begin < n_end) load_kv(n_begin, 0);
+  if (n_begin < n_end) load_kv(row_base(n_begin), 0);
+  const char* next_base = row_base(n_begin + kBN);
   CpAsyncWait<0>();  // Q and the first KV tile
   __syncthreads();
   float o[kMT][kDTiles][4];
@@ -114,7 +122,8 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
   int buf = 0;
   for (int n0 = n_begin; n0 < n_end; n0 += kBN, buf ^= 1) {
     if (n0 + kBN < n_end) {
-      load_kv(n0 + kBN, buf ^ 1);
+      load_kv(next_base, buf ^ 1);
+      next_base = row_base(n0 + 2 * kBN);
       CpAsyncWait<1>();
     } else {
       CpAsyncWait<0>();
