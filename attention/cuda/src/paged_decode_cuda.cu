@@ -75,33 +75,46 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(AttnParams p, QueryView
   const char* pool = static_cast<const char*>(kv.pool);
   const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
   const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kTile - 1) / kTile : 0;
-  // Each thread loads half of one token's K and V row per tile. The page
-  // lookup for a tile is done one tile ahead (`next_base`), so issuing the
-  // copies never waits on a dependent global load.
-  const int lrow = tid >> 1, lhalf = tid & 1;
-  auto page_base = [&](int it) -> const char* {
-    const int i = tok_lo + it * kTile + lrow;
-    if (it >= ntiles || i >= tok_hi) return nullptr;
-    const int pg = i / bt, off = i - pg * bt;
-    return pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + (uint64_t)off * D * sizeof(T);
+  // Tile loads are coalesced: in each of its kLoads copy instructions a warp
+  // covers 32 consecutive 16-byte chunks (whole 32-byte sectors, two token
+  // rows of D=128), so L2 serves each sector once. A thread's rows are fixed
+  // (row k*kRowsPerPass + tid / kChunks); their page addresses are looked up
+  // a tile ahead so issuing never waits on a dependent global load.
+  constexpr int kLoads = kTile * kChunks / kThreads;   // copies per thread per tile (K and V each)
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  const int lch = tid % kChunks, lrow0 = tid / kChunks;
+  struct Bases {
+    const char* b[kLoads];
   };
-  auto load_tile = [&](int it, const char* base) {
+  auto page_bases = [&](int it) {
+    Bases r;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int i = tok_lo + it * kTile + k * kRowsPerPass + lrow0;
+      r.b[k] = nullptr;
+      if (it < ntiles && i < tok_hi) {
+        const int pg = i / bt, off = i - pg * bt;
+        r.b[k] = pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + (uint64_t)off * D * sizeof(T) + lch * 16;
+      }
+    }
+    return r;
+  };
+  auto load_tile = [&](int it, const Bases& bs) {
     if (it < ntiles) {
       const int stage = it % kStages;
-      const bool valid = base != nullptr;
 #pragma unroll
-      for (int k = 0; k < kChunks / 2; ++k) {
-        const int ch = lhalf * (kChunks / 2) + k;
-        const uint32_t o = Swz<D>(lrow, ch);
-        CpAsync16(SmemAddr(sk + stage * kTile * D * 2 + o), valid ? base + koff + ch * 16 : pool, valid);
-        CpAsync16(SmemAddr(sv + stage * kTile * D * 2 + o), valid ? base + voff + ch * 16 : pool, valid);
+      for (int k = 0; k < kLoads; ++k) {
+        const uint32_t o = Swz<D>(k * kRowsPerPass + lrow0, lch);
+        const bool valid = bs.b[k] != nullptr;
+        CpAsync16(SmemAddr(sk + stage * kTile * D * 2 + o), valid ? bs.b[k] + koff : pool, valid);
+        CpAsync16(SmemAddr(sv + stage * kTile * D * 2 + o), valid ? bs.b[k] + voff : pool, valid);
       }
     }
     CpAsyncCommit();  // (an empty group keeps the wait counts uniform)
   };
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) load_tile(i, page_base(i));
-  const char* next_base = page_base(kStages - 1);
+  for (int i = 0; i < kStages - 1; ++i) load_tile(i, page_bases(i));
+  Bases next_bases = page_bases(kStages - 1);
 
   CpAsyncWait<kStages - 1>();  // Q has landed (it was committed first)
   __syncthreads();
@@ -118,11 +131,16 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(AttnParams p, QueryView
   for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
+  // Does any key of this CTA's range need a position check? (Decode usually
+  // not: the queries come after every key.) Decided once, so tiles do not
+  // wait on position loads.
+  const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > s_qmin) ||
+                                           (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
   for (int it = 0; it < ntiles; ++it) {
     CpAsyncWait<kStages - 2>();
     __syncthreads();
-    load_tile(it + kStages - 1, next_base);
-    next_base = page_base(it + kStages);
+    load_tile(it + kStages - 1, next_bases);
+    next_bases = page_bases(it + kStages);
     const int stage = it % kStages;
     const uint8_t* kt = sk + stage * kTile * D * 2;
     const uint8_t* vt = sv + stage * kTile * D * 2;
@@ -140,8 +158,8 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(AttnParams p, QueryView
     // (causal / window), only on tiles that need them (positions increase
     // along the stream, so the tile's last key bounds the causal check).
     const int tile_first = tok_lo + it * kTile, tile_last = min(tile_first + kTile, tok_hi) - 1;
-    const bool pos_mask = (p.causal && TokenPos(kv, pb, tile_last) > s_qmin) ||
-                          (p.window > 0 && TokenPos(kv, pb, tile_first) <= s_qmax - p.window);
+    const bool pos_mask = cta_pos_mask && ((p.causal && TokenPos(kv, pb, tile_last) > s_qmin) ||
+                                           (p.window > 0 && TokenPos(kv, pb, tile_first) <= s_qmax - p.window));
     const bool tail = tile_first + kTile > tok_hi;
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll

@@ -83,31 +83,51 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
 
   const char* pool = static_cast<const char*>(kv.pool);
   const uint64_t koff = PlaneOffset(kv, 0, hk) * sizeof(T), voff = PlaneOffset(kv, 1, hk) * sizeof(T);
-  // A thread copies a fixed (token row, quarter of the chunks) of every tile:
-  // one page lookup per tile, made a tile ahead so issuing never waits on it.
-  constexpr int kPer = (kBN * (D / 8)) / kThreads;  // chunks per thread (K and V each)
-  constexpr int kThreadsPerRow = (D / 8) / kPer;
-  const int lrow = tid / kThreadsPerRow, lch0 = (tid % kThreadsPerRow) * kPer;
-  auto row_base = [&](int n0) -> const char* {
-    const int i = n0 + lrow;
-    if (n0 >= n_end || i >= n_end) return nullptr;
-    const int pg = i / kv.block_tokens, off = i - pg * kv.block_tokens;
-    return pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + (uint64_t)off * D * sizeof(T);
+  // Coalesced tile loads: each copy instruction of a warp covers 32
+  // consecutive 16-byte chunks (whole sectors); a thread's rows are fixed
+  // and their page addresses looked up a tile ahead.
+  constexpr int kLoads = kBN * (D / 8) / kThreads;
+  constexpr int kRowsPerPass = kThreads / (D / 8);
+  const int lch = tid % (D / 8), lrow0 = tid / (D / 8);
+  struct Bases {
+    const char* b[kLoads];
   };
-  auto load_kv = [&](const char* base, int buf) {
-    const bool valid = base != nullptr;
+  auto row_bases = [&](int n0) {
+    Bases r;
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int ch = lch0 + k;
-      const uint32_t o = Swz<D>(lrow, ch);
-      CpAsync16(SmemAddr(sk + buf * kBN * D * 2 + o), valid ? base + koff + ch * 16 : pool, valid);
-      CpAsync16(SmemAddr(sv + buf * kBN * D * 2 + o), valid ? base + voff + ch * 16 : pool, valid);
+    for (int k = 0; k < kLoads; ++k) {
+      const int i = n0 + k * kRowsPerPass + lrow0;
+      r.b[k] = nullptr;
+      if (n0 < n_end && i < n_end) {
+        const int pg = i / kv.block_tokens, off = i - pg * kv.block_tokens;
+        r.b[k] = pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + (uint64_t)off * D * sizeof(T) + lch * 16;
+      }
+    }
+    return r;
+  };
+  auto load_kv = [&](const Bases& bs, int buf) {
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const uint32_t o = Swz<D>(k * kRowsPerPass + lrow0, lch);
+      const bool valid = bs.b[k] != nullptr;
+      CpAsync16(SmemAddr(sk + buf * kBN * D * 2 + o), valid ? bs.b[k] + koff : pool, valid);
+      CpAsync16(SmemAddr(sv + buf * kBN * D * 2 + o), valid ? bs.b[k] + voff : pool, valid);
     }
     CpAsyncCommit();
   };
 
-  if (n_begin < n_end) load_kv(row_base(n_begin), 0);
-  const char* next_base = row_base(n_begin + kBN);
+  // Whether a tile needs masks (it straddles the causal diagonal, the window
+  // edge or the end; positions increase along the stream). Computed a tile
+  // ahead, so no tile waits on the position loads.
+  auto tile_edge = [&](int n0) -> bool {
+    if (n0 >= n_end) return false;
+    const int last = min(n0 + kBN, n_end) - 1;
+    return n0 + kBN > n_end || (p.causal && TokenPos(kv, pb, last) > qmin) ||
+           (p.window > 0 && TokenPos(kv, pb, n0) <= qmax - p.window);
+  };
+  if (n_begin < n_end) load_kv(row_bases(n_begin), 0);
+  Bases next_bases = row_bases(n_begin + kBN);
+  bool edge_cur = tile_edge(n_begin);
   CpAsyncWait<0>();  // Q and the first KV tile
   __syncthreads();
   float o[kMT][kDTiles][4];
@@ -121,9 +141,10 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
 
   int buf = 0;
   for (int n0 = n_begin; n0 < n_end; n0 += kBN, buf ^= 1) {
+    const bool edge_next = tile_edge(n0 + kBN);
     if (n0 + kBN < n_end) {
-      load_kv(next_base, buf ^ 1);
-      next_base = row_base(n0 + 2 * kBN);
+      load_kv(next_bases, buf ^ 1);
+      next_bases = row_bases(n0 + 2 * kBN);
       CpAsyncWait<1>();
     } else {
       CpAsyncWait<0>();
@@ -159,9 +180,8 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
     }
     // Masks: only tiles that straddle the causal diagonal / window edge / end
     // (positions increase along the stream).
-    const int last = min(n0 + kBN, n_end) - 1;
-    const bool edge = n0 + kBN > n_end || (p.causal && TokenPos(kv, pb, last) > qmin) ||
-                      (p.window > 0 && TokenPos(kv, pb, n0) <= qmax - p.window);
+    const bool edge = edge_cur;
+    edge_cur = edge_next;
     float pa_c[kMT][2];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
