@@ -73,12 +73,12 @@ def ceilings():
 class Paged:
     """KV of B sequences of L tokens as bf16 pages [page][K|V][kv_head][16][128] at shuffled page ids."""
 
-    def __init__(self, B, L):
+    def __init__(self, B, L, shuffle=True):
         self.B, self.L = B, L
         self.pages_per_seq = (L + BT - 1) // BT
         n = B * self.pages_per_seq
         self.pool = torch.randn(n, 2, HKV, BT, D, dtype=torch.bfloat16, device=dev)
-        perm = torch.randperm(n, device=dev).to(torch.int32)
+        perm = (torch.randperm(n, device=dev) if shuffle else torch.arange(n, device=dev)).to(torch.int32)
         self.page_ids = perm.contiguous()
         self.page_pos = (torch.arange(self.pages_per_seq, device=dev, dtype=torch.int32) * BT).repeat(B).contiguous()
         self.seq_page_begin = (torch.arange(B + 1, device=dev, dtype=torch.int32) * self.pages_per_seq).contiguous()
@@ -113,14 +113,16 @@ results["copy_bytes_per_s"], results["gemm_flops"] = copy_bw, gemm
 print(f"{props.name}: device copy {copy_bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s", flush=True)
 
 # ------------------------------------------------------------------ decode
-decode_shapes = [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (16, 131072), (64, 4096), (64, 32768)]
+decode_shapes = [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (16, 131072), (64, 4096), (64, 32768), (64, -32768)]
 if args.quick:
     decode_shapes = [(1, 32768), (8, 32768)]
 if args.profile_one:
     decode_shapes = [(64, 32768)]
 results["decode"] = []
 for B, L in decode_shapes:
-    kv = Paged(B, L)
+    ordered = L < 0  # diagnostic row: pages laid out in order (no scatter)
+    L = abs(L)
+    kv = Paged(B, L, shuffle=not ordered)
     q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device=dev)
     pos = torch.full((B,), L - 1, dtype=torch.int32, device=dev)
     rows = torch.arange(B + 1, dtype=torch.int32, device=dev)
@@ -144,7 +146,7 @@ for B, L in decode_shapes:
     err = rel(out, ref)
     ms = timed(ours)
     kv_bytes = B * L * HKV * D * 2 * 2
-    row = {"batch": B, "kv_len": L, "splits": splits, "ms": ms, "rel_err": err, "GBps": kv_bytes / (ms * 1e-3) / 1e9,
+    row = {"batch": B, "kv_len": L, "pages": "in order" if ordered else "shuffled", "splits": splits, "ms": ms, "rel_err": err, "GBps": kv_bytes / (ms * 1e-3) / 1e9,
            "frac_copy": kv_bytes / (ms * 1e-3) / copy_bw}
     for name, be in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]:
         try:
@@ -215,12 +217,12 @@ with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
 with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
     f.write(f"{props.name} ({SMS} SMs), torch {torch.__version__}, {results['date']}: device copy "
             f"{copy_bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s\n\n")
-    f.write("| decode batch | kv len | splits | kvring ms | kvring GB/s | of copy | SDPA cuDNN ms | of copy | SDPA flash ms | of copy | rel err |\n")
-    f.write("|---|---|---|---|---|---|---|---|---|---|---|\n")
+    f.write("| decode batch | kv len | pages | splits | kvring ms | kvring GB/s | of copy | SDPA cuDNN ms | of copy | SDPA flash ms | of copy | rel err |\n")
+    f.write("|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     for r in results["decode"]:
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"
         frac = lambda x: "n/a" if x is None else f"{x:.2f}"
-        f.write(f"| {r['batch']} | {r['kv_len']} | {r['splits']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['frac_copy']:.2f} | "
+        f.write(f"| {r['batch']} | {r['kv_len']} | {r['pages']} | {r['splits']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['frac_copy']:.2f} | "
                 f"{fmt(r.get('sdpa_cudnn_ms'))} | {frac(r.get('sdpa_cudnn_frac_copy'))} | {fmt(r.get('sdpa_flash_ms'))} | "
                 f"{frac(r.get('sdpa_flash_frac_copy'))} | {r['rel_err']:.1e} |\n")
     f.write("\n| prefill batch | len | kvring ms | kvring TFLOP/s | of GEMM | SDPA flash TFLOP/s | kvring/flash | SDPA cuDNN TFLOP/s | kvring/cuDNN | rel err |\n")
