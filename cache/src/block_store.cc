@@ -97,6 +97,10 @@ SlotInfo BlockStore::SlotInfoLocked(const ScopedKey& key, const BlockIndex::Entr
     const BlockIndex::Entry* p = index_.Find(ScopedKey{key.ns, e.parent});
     if (p != nullptr) s.parent_slot = p->page;
   }
+  index_.ForEachChild(key, [&](const BlockKey& c) {
+    const BlockIndex::Entry* ce = index_.Find(ScopedKey{key.ns, c});
+    if (ce != nullptr && ce->page != kNoPage) s.child_slots.push_back(ce->page);
+  });
   return s;
 }
 

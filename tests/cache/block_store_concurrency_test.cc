@@ -77,10 +77,13 @@ void RunMixedLoad(BlockStore& store, int threads, int ops_per_thread, std::atomi
   for (auto& t : ts) t.join();
 }
 
-TEST(BlockStoreConcurrencyTest, ManyThreadsKeepBytesAndAccountingIntact) {
+class BlockStoreConcurrencyTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(BlockStoreConcurrencyTest, ManyThreadsKeepBytesAndAccountingIntact) {
   BlockStoreOptions o;
   o.page_bytes = kBlock;
   o.num_pages = 64;  // far fewer than the 400 distinct (ns, key) pairs
+  o.eviction_policy = GetParam();
   auto store = BlockStore::Create(o);
   ASSERT_TRUE(store.ok());
   std::atomic<int> corrupt{0}, unexpected{0};
@@ -94,6 +97,8 @@ TEST(BlockStoreConcurrencyTest, ManyThreadsKeepBytesAndAccountingIntact) {
   EXPECT_GT(st.evictions, 0u);
   for (TenantId t = 1; t <= 3; ++t) EXPECT_EQ((*store)->GetTenantUsage(t).pinned_bytes, 0u);
 }
+
+INSTANTIATE_TEST_SUITE_P(Policies, BlockStoreConcurrencyTest, ::testing::Values("lru", "s3fifo", "arc", "leaf-lru"));
 
 }  // namespace
 }  // namespace kvring

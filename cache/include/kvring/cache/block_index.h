@@ -72,6 +72,13 @@ class BlockIndex {
 
   // Number of held children of `key` (blocks naming it as parent).
   size_t HeldChildren(const ScopedKey& key) const;
+  // Calls fn(child key) for each held child of `key`.
+  template <typename Fn>
+  void ForEachChild(const ScopedKey& key, Fn&& fn) const {
+    auto it = children_.find(key);
+    if (it == children_.end()) return;
+    for (const BlockKey& c : it->second) fn(c);
+  }
 
   // Checks the anchoring invariant over the whole index (tests; O(n * depth)).
   absl::Status CheckInvariants() const;

@@ -29,8 +29,10 @@ struct SlotInfo {
   uint64_t fingerprint = 0;  // a hash of the block's key (for ghost lists)
   uint32_t bytes = 0;
   // The slot of the block's parent when it is resident in the same tier,
-  // else UINT32_MAX. Prefix-aware policies use it.
+  // else UINT32_MAX; and the slots of its children that are resident. Prefix-
+  // aware policies use them.
   SlotId parent_slot = UINT32_MAX;
+  std::vector<SlotId> child_slots;
 };
 
 class EvictionPolicy {
@@ -45,9 +47,13 @@ class EvictionPolicy {
   virtual std::optional<SlotId> Victim() = 0;
 };
 
-// Creates a policy by name for a tier of `num_slots` slots. Names: "lru"
-// (and the others listed by EvictionPolicyNames()). INVALID_ARGUMENT for an
-// unknown name.
+// Creates a policy by name for a tier of `num_slots` slots:
+//   "lru"      least recently used (the baseline);
+//   "s3fifo"   S3-FIFO (small probation FIFO, main FIFO with re-insertion, ghost FIFO);
+//   "arc"      Adaptive Replacement Cache;
+//   "leaf-lru" prefix-aware: the least recently used block with no resident
+//              child (a child is useless without its parent).
+// INVALID_ARGUMENT for an unknown name.
 absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(std::string_view name, size_t num_slots);
 std::vector<std::string> EvictionPolicyNames();
 
