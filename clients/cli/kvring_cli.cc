@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "grpcpp/create_channel.h"
 #include "kvring.grpc.pb.h"
+#include "kvring/cache/quantize.h"
 #include "kvring/client/client.h"
 #include "kvring/common/flags.h"
 #include "kvring/common/process.h"
@@ -32,19 +33,39 @@ struct Opts {
   int64_t sequences = 8, tokens = 1024, seed = 1, block_tokens = 16, layers = 4, kv_heads = 8, head_dim = 128;
   int64_t threads = 4, blocks = 512, seconds = 5;
   uint64_t block_bytes = 1 << 20, quota = 0;
-  std::string op = "both", name, shared;
+  std::string op = "both", name, shared, quantize, kv_encoding;
 };
 
 double Secs(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
 
-std::vector<uint8_t> PayloadFor(const BlockKey& k, size_t n) {
+// Deterministic payload of a key: pseudo-random floats, all finite (the top
+// exponent bit of every 16-bit element is cleared; of every f32 element when
+// `f32`), so the blocks can also be quantized.
+std::vector<uint8_t> PayloadFor(const BlockKey& k, size_t n, bool f32 = false) {
   std::vector<uint8_t> p(n);
   uint64_t x = k.lo ^ (k.hi << 1);
+  const uint64_t mask = f32 ? ~0x4000000040000000ull : ~0x4000400040004000ull;
   for (size_t i = 0; i + 8 <= n; i += 8) {
     x ^= x << 13; x ^= x >> 7; x ^= x << 17;
-    std::memcpy(&p[i], &x, 8);
+    const uint64_t v = x & mask;
+    std::memcpy(&p[i], &v, 8);
   }
   return p;
+}
+
+// A block read back equals what `put` stored: bit for bit when plain; within
+// the codec's error (relative L2 under 0.1) when the node quantized it.
+bool Matches(const GetResult& r, const BlockLayout& layout, const std::vector<uint8_t>& want) {
+  if (!r.meta.encoding.quantized()) return r.payload == want;
+  std::vector<uint8_t> plain;
+  if (!DequantizeBlock(layout, r.meta.encoding, r.payload, &plain).ok() || plain.size() != want.size()) return false;
+  double err = 0, ref = 0;
+  for (uint64_t e = 0; e < layout.elements(); ++e) {
+    const double a = PlainElement(layout, plain.data(), e), b = PlainElement(layout, want.data(), e);
+    err += (a - b) * (a - b);
+    ref += b * b;
+  }
+  return err <= 0.01 * ref;
 }
 
 BlockLayout LayoutOf(const Opts& o) {
@@ -93,7 +114,7 @@ int CmdPutGetLookup(Client& c, const Opts& o, const std::string& cmd) {
     if (cmd == "put") {
       std::vector<std::vector<uint8_t>> payloads;
       std::vector<BlockData> blocks;
-      for (size_t i = 0; i < chain.size(); ++i) payloads.push_back(PayloadFor(chain[i], layout.bytes()));
+      for (size_t i = 0; i < chain.size(); ++i) payloads.push_back(PayloadFor(chain[i], layout.bytes(), layout.dtype == DType::kF32));
       for (size_t i = 0; i < chain.size(); ++i) {
         blocks.push_back(BlockData{chain[i], i ? chain[i - 1] : BlockKey{}, layout, {}, payloads[i], false});
       }
@@ -108,7 +129,7 @@ int CmdPutGetLookup(Client& c, const Opts& o, const std::string& cmd) {
     } else {
       auto res = c.Get(chain);
       for (size_t i = 0; i < res.size(); ++i) {
-        if (!res[i].status.ok() || res[i].payload != PayloadFor(chain[i], layout.bytes())) ++bad;
+        if (!res[i].status.ok() || !Matches(res[i], layout, PayloadFor(chain[i], layout.bytes(), layout.dtype == DType::kF32))) ++bad;
         else bytes += res[i].payload.size();
       }
       done += chain.size();
@@ -159,7 +180,7 @@ int CmdBench(Client& c, const Opts& o) {
   std::mt19937_64 rng(static_cast<uint64_t>(o.seed) * 7919 + static_cast<uint64_t>(Clock::now().time_since_epoch().count()));
   for (auto& k : keys) k = BlockKey{rng() | 1, rng()};
   std::vector<std::vector<uint8_t>> payloads(n);
-  for (size_t i = 0; i < n; ++i) payloads[i] = PayloadFor(keys[i], layout.bytes());
+  for (size_t i = 0; i < n; ++i) payloads[i] = PayloadFor(keys[i], layout.bytes(), layout.dtype == DType::kF32);
   std::printf("bench: %zu blocks of %.0f KiB, %lld threads, one block per request\n", n, layout.bytes() / 1024.0,
               static_cast<long long>(o.threads));
   auto run = [&](const char* what, auto&& op) {
@@ -211,6 +232,7 @@ int CmdTenant(const Opts& o, const std::string& cmd) {
     req.set_version(1);
     req.set_name(o.name);
     req.set_max_pinned_bytes(o.quota);
+    req.set_kv_encoding(o.kv_encoding);
     if (!o.shared.empty()) {
       for (auto s : absl::StrSplit(o.shared, ',')) req.add_shared_namespaces(std::string(s));
     }
@@ -282,6 +304,8 @@ int main(int argc, char** argv) {
   f.AddString("op", &o.op, "bench: put, get or both");
   f.AddString("name", &o.name, "tenant-*: tenant name");
   f.AddString("shared", &o.shared, "tenant-create: comma-separated shared namespaces (shared/<name>)");
+  f.AddString("kv_encoding", &o.kv_encoding, "tenant-create: quantize the tenant's blocks at Put (int8|fp8[/per-head|/per-token|/kivi])");
+  f.AddString("quantize", &o.quantize, "put/bench: have the nodes quantize the blocks (int8|fp8[/...], none; empty: tenant default)");
   f.AddBytes("quota", &o.quota, "tenant-create: pinned-bytes quota (0: unlimited)");
   std::vector<std::string> pos;
   if (absl::Status s = f.Parse(argc, argv, &pos); !s.ok()) {
@@ -307,6 +331,7 @@ int main(int argc, char** argv) {
   co.token = o.token;
   co.ns = o.ns;
   co.use_ucx = o.ucx;
+  co.quantize = o.quantize;
   auto c = Client::Connect(co);
   if (!c.ok()) {
     std::fprintf(stderr, "kvring: %s\n", c.status().ToString().c_str());

@@ -3,6 +3,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kvring/cache/quantize.h"
 #include "kvring/common/logging.h"
 #include "kvring/common/status_macros.h"
 
@@ -227,6 +228,10 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
       return ToGrpc(absl::InvalidArgumentError("shared namespaces are named 'shared/<name>'"));
     }
   }
+  if (KvEncoding enc; !ParseKvEncoding(req->kv_encoding(), &enc).ok()) {
+    return ToGrpc(absl::InvalidArgumentError(absl::StrCat("kv_encoding '", req->kv_encoding(),
+                                                          "': expected none, int8 or fp8, optionally /per-head, /per-token or /kivi")));
+  }
   std::string token = req->token();
   if (token.empty()) {
     absl::StatusOr<std::string> t = GenerateToken();
@@ -247,6 +252,7 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
   e.mutable_tenant()->set_namespace_("tenant/" + req->name());
   for (const auto& s : req->shared_namespaces()) e.mutable_tenant()->add_shared_namespaces(s);
   e.mutable_tenant()->set_max_pinned_bytes(req->max_pinned_bytes());
+  e.mutable_tenant()->set_kv_encoding(req->kv_encoding() == "none" ? "" : req->kv_encoding());
   e.set_token_sha256(digest);
   if (absl::Status s = store_->Put("tenant/" + req->name(), e.SerializeAsString()); !s.ok()) return ToGrpc(s);
   ++next_tenant_id_;

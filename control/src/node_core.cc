@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvring/attention/partial_attention.h"
+#include "kvring/cache/quantize.h"
 #include "kvring/common/logging.h"
 #include "kvring/common/status_macros.h"
 
@@ -42,6 +43,7 @@ NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* se
   attend_ = Op("attend");
   stats_ = Op("stats");
   put_bytes_ = metrics_->Counter("kvring_put_bytes_total", "Payload bytes accepted by Put");
+  quantized_ = metrics_->Counter("kvring_quantized_blocks_total", "Plain blocks quantized by this node at Put");
   get_bytes_ = metrics_->Counter("kvring_get_bytes_total", "Payload bytes served by Get");
 }
 
@@ -91,6 +93,13 @@ absl::Status NodeCore::Put(const v1::Tenant& t, const v1::PutRequest& req,
     return op.Done(absl::InvalidArgumentError(absl::StrCat(external.size(), " payloads for ", req.blocks_size(), " blocks")));
   }
   if (absl::Status s = ValidatePutRequest(req, options_.limits, ext); !s.ok()) return op.Done(s);
+  // What plain blocks become here: the request's choice, else the tenant's.
+  KvEncoding target;
+  const std::string& quantize = req.quantize().empty() ? t.kv_encoding() : req.quantize();
+  if (absl::Status s = ParseKvEncoding(quantize, &target); !s.ok()) {
+    return op.Done(absl::InvalidArgumentError(absl::StrCat("quantize: ", s.message())));
+  }
+  std::vector<uint8_t> quantized;
   for (int i = 0; i < req.blocks_size(); ++i) {
     const v1::PutBlock& b = req.blocks(i);
     BlockMeta meta;
@@ -103,6 +112,23 @@ absl::Status NodeCore::Put(const v1::Tenant& t, const v1::PutRequest& req,
       SetStatus(absl::InvalidArgumentError(absl::StrCat("payload has ", payload.size(), " bytes; the header says ",
                                                         meta.payload_bytes)), r->mutable_status());
       continue;
+    }
+    if (target.quantized() && !meta.encoding.quantized()) {
+      // The sender's checksum covers the plain bytes: check it before they
+      // are replaced by codes (the store then checksums the codes).
+      if (meta.checksum != 0 && PayloadChecksum(payload.data(), payload.size()) != meta.checksum) {
+        SetStatus(absl::DataLossError("payload checksum mismatch (before quantization)"), r->mutable_status());
+        continue;
+      }
+      if (absl::Status s = QuantizeBlock(meta.layout, payload, target, &quantized); !s.ok()) {
+        SetStatus(s, r->mutable_status());
+        continue;
+      }
+      meta.encoding = target;
+      meta.payload_bytes = static_cast<uint32_t>(quantized.size());
+      meta.checksum = 0;
+      payload = quantized;
+      quantized_->Add(1);
     }
     PutArgs a;
     a.tenant = t.id();

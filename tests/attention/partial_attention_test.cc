@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "attention_test_util.h"
 #include "gtest/gtest.h"
+#include "kvring/cache/quantize.h"
 #include "kvring/layout/fp8.h"
 
 namespace kvring {
@@ -179,6 +180,40 @@ TEST(PartialAttentionTest, ReadsQuantizedBlocksDirectly) {
       ASSERT_TRUE(PartialAttention(o, q.view, kv, got.view()).ok());
       auto ref = reference::Attention(q.values, q.positions, 4, DenseOf(layout, refs, 1, enc), o);
       ExpectClose(got.out.data(), got.lse.data(), ref, kTol, absl::StrCat("codec ", int(codec), " mode ", int(mode)));
+    }
+  }
+}
+
+// Blocks quantized by QuantizeBlock (the node's Put path): attention over
+// the codes equals attention over DequantizeBlock's output up to that
+// output's bf16 rounding.
+TEST(PartialAttentionTest, ReadsBlocksQuantizedByQuantizeBlock) {
+  std::mt19937_64 rng(34);
+  const BlockLayout layout{16, 2, 2, 64, DType::kBF16};
+  auto seq = RandomSequence(layout, 64, rng);
+  for (KvCodec codec : {KvCodec::kInt8, KvCodec::kFp8E4M3}) {
+    for (ScaleMode mode : {ScaleMode::kPerHead, ScaleMode::kPerToken, ScaleMode::kKChannelVToken}) {
+      const KvEncoding enc{codec, mode};
+      std::vector<std::vector<uint8_t>> codes(seq.refs.size()), plain(seq.refs.size());
+      std::vector<KvBlockRef> crefs, prefs;
+      for (size_t b = 0; b < seq.refs.size(); ++b) {
+        ASSERT_TRUE(QuantizeBlock(layout, absl::MakeConstSpan(seq.refs[b].data, layout.bytes()),
+                                  enc, &codes[b]).ok());
+        ASSERT_TRUE(DequantizeBlock(layout, enc, codes[b], &plain[b]).ok());
+        crefs.push_back(KvBlockRef{codes[b].data(), seq.refs[b].start_pos, seq.refs[b].num_tokens});
+        prefs.push_back(KvBlockRef{plain[b].data(), seq.refs[b].start_pos, seq.refs[b].num_tokens});
+      }
+      auto q = RandomQueries(DType::kF32, 3, 4, 64, {10, 40, 63}, rng);
+      std::vector<uint32_t> begin{0, static_cast<uint32_t>(seq.refs.size())};
+      AttentionOptions o;
+      o.layer = 1;
+      PartialResult got(3, 4, 64);
+      Poison(got);
+      ASSERT_TRUE(PartialAttention(o, q.view, PagedKv{layout, enc, crefs, begin}, got.view()).ok());
+      const std::string what = absl::StrCat("codec ", int(codec), " mode ", int(mode));
+      ExpectClose(got.out.data(), got.lse.data(),
+                  reference::Attention(q.values, q.positions, 4, DenseOf(layout, prefs, 1), o), 5e-3, what);
+      // (5e-3, not kTol: DequantizeBlock rounds the dequantized values to bf16.)
     }
   }
 }

@@ -4,8 +4,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "cluster_fixture.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvring/attention/reference.h"
+#include "kvring/cache/quantize.h"
 #include "kvring/control/request_validation.h"
 #include "kvring/layout/float_convert.h"
 
@@ -340,6 +342,97 @@ TEST(ClusterTest, CoordinatorRestartMovesTheMapForwardAndLosesNoBlock) {
   auto c2 = cl.Connect(*token);
   ASSERT_TRUE(c2.ok()) << c2.status();
   for (const auto& r : (*c2)->Get(b.keys)) EXPECT_TRUE(r.status.ok()) << r.status;
+}
+
+}  // namespace
+}  // namespace kvring
+
+namespace kvring {
+namespace {
+
+double RelL2(absl::Span<const float> a, absl::Span<const double> b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : 1e9;
+}
+
+TEST(ClusterTest, NodesQuantizeAtPutForTheTenantOrTheRequestAndAttendReadsTheCodes) {
+  Cluster cl(ClusterOptions{.nodes = 2, .replication = 1});
+  ASSERT_TRUE(cl.Start());
+  // A tenant whose blocks are stored as int8 (K per channel, V per token).
+  EXPECT_EQ(cl.CreateTenant("bogus", {}, 0, "int4").status().code(), absl::StatusCode::kInvalidArgument);
+  auto token = cl.CreateTenant("q8", {}, 0, "int8/kivi");
+  ASSERT_TRUE(token.ok()) << token.status();
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  const BlockLayout L{16, 2, 8, 64, DType::kBF16};
+  Blocks b = MakeChain(**c, L, "qm", 5, 40);
+  ASSERT_TRUE((*c)->Put(b.data).ok());
+  ASSERT_TRUE((*c)->PutSequence("s", 0, b.data).ok());
+  const KvEncoding want{KvCodec::kInt8, ScaleMode::kKChannelVToken};
+  auto got = (*c)->Get(b.keys);
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << got[i].status;
+    EXPECT_TRUE(got[i].meta.encoding == want);
+    EXPECT_EQ(got[i].payload.size(), EncodedBytes(L, want));
+    EXPECT_LT(got[i].payload.size(), L.bytes() * 6 / 10);
+    std::vector<uint8_t> plain;
+    ASSERT_TRUE(DequantizeBlock(L, got[i].meta.encoding, got[i].payload, &plain).ok());
+    std::vector<float> x(L.elements());
+    std::vector<double> y(L.elements());
+    for (uint64_t e = 0; e < L.elements(); ++e) {
+      x[e] = PlainElement(L, plain.data(), e);
+      y[e] = PlainElement(L, b.payloads[i].data(), e);
+    }
+    EXPECT_LT(RelL2(x, y), 1.5e-2);
+  }
+  // Attend reads the int8 codes on the nodes; the answer is within int8 error
+  // of attention over the plain blocks.
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  const uint32_t rows = 2, q_heads = 16;
+  std::vector<uint16_t> q(size_t{rows} * q_heads * 64);
+  std::vector<double> qd(q.size());
+  for (size_t i = 0; i < q.size(); ++i) qd[i] = Bf16ToFloat(q[i] = FloatToBf16(nd(rng)));
+  std::vector<int64_t> pos = {639, 300};
+  QueryTensor qt{q.data(), DType::kBF16, rows, q_heads, 64, pos.data(), nullptr};
+  AttentionOptions o;
+  auto out = (*c)->Attend("s", 40, qt, o);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::vector<KvBlockRef> refs;
+  for (size_t i = 0; i < 40; ++i) refs.push_back(KvBlockRef{b.payloads[i].data(), static_cast<int64_t>(i * 16), 16});
+  std::vector<uint32_t> begin{0, 40};
+  auto ref = reference::Attention(qd, pos, q_heads, reference::FromBlocks(PagedKv{L, {}, refs, begin}, 0, o.layer), o);
+  const double err = RelL2(out->out, ref.out);
+  EXPECT_LT(err, 3e-2);
+  EXPECT_GT(err, 1e-6);  // it really read codes, not the plain blocks
+  // The request overrides the tenant default: fp8 per token, or plain.
+  auto c8 = cl.Connect(*token, "", true, "fp8/per-token");
+  ASSERT_TRUE(c8.ok());
+  Blocks f = MakeChain(**c8, L, "qm", 6, 4);
+  ASSERT_TRUE((*c8)->Put(f.data).ok());
+  for (const auto& r : (*c8)->Get(f.keys)) {
+    ASSERT_TRUE(r.status.ok());
+    EXPECT_TRUE((r.meta.encoding == KvEncoding{KvCodec::kFp8E4M3, ScaleMode::kPerToken}));
+  }
+  auto cp = cl.Connect(*token, "", true, "none");
+  Blocks p = MakeChain(**cp, L, "qm", 7, 2);
+  ASSERT_TRUE((*cp)->Put(p.data).ok());
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ((*cp)->Get(absl::MakeConstSpan(&p.keys[i], 1))[0].payload, p.payloads[i]);
+  // A bad request encoding and a block holding NaN are refused with reasons.
+  auto bad = cl.Connect(*token, "", true, "int4");
+  Blocks x = MakeChain(**bad, L, "qm", 8, 1);
+  auto put = (*bad)->Put(x.data);
+  ASSERT_FALSE(put.ok());
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kInvalidArgument) << put.status();
+  Blocks n = MakeChain(**c, L, "qm", 9, 1);
+  reinterpret_cast<uint16_t*>(n.payloads[0].data())[123] = 0x7fc0;  // bf16 NaN
+  put = (*c)->Put(n.data);
+  ASSERT_FALSE(put.ok());
+  EXPECT_THAT(std::string(put.status().message()), ::testing::HasSubstr("finite"));
 }
 
 }  // namespace

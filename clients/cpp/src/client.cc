@@ -374,6 +374,7 @@ class ClientImpl {
         while (start < idx.size()) {
           v1::PutRequest req;
           *req.mutable_header() = Header();
+          req.set_quantize(o_.quantize);
           std::vector<absl::Span<const uint8_t>> payloads;
           uint64_t bytes = 0;
           size_t end = start;

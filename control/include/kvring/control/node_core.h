@@ -74,6 +74,7 @@ class NodeCore {
   MetricsRegistry* metrics_;
   OpMetrics lookup_, put_, get_, pin_, attend_, stats_;
   CounterMetric* put_bytes_;
+  CounterMetric* quantized_;
   CounterMetric* get_bytes_;
   friend class OpScope;
 };

@@ -46,6 +46,11 @@ struct ClientOptions {
   uint64_t max_batch_bytes = 64ull << 20;
   // Fan-out threads (0: 16).
   size_t threads = 0;
+  // Have the nodes quantize plain blocks at Put: "int8" or "fp8", optionally
+  // "/per-head", "/per-token" or "/kivi"; "none" stores them plain; empty:
+  // the tenant's kv_encoding. Get then returns the codes (meta.encoding says
+  // which; DequantizeBlock restores the dtype) and Attend reads them directly.
+  std::string quantize;
 };
 
 struct BlockData {
