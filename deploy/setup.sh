@@ -16,14 +16,14 @@ PACKAGES=(
   redis-server clang libclang-rt-14-dev iproute2 procps python3-yaml libssl-dev
 )
 
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
   echo "[setup] installing ${#missing[@]} Debian packages: ${missing[*]}"
-  SUDO=""
-  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -q
   $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
@@ -40,4 +40,22 @@ cmake -S "$ROOT" -B "$ROOT/$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInf
 grep -E "^-- kvring" "$ROOT/$BUILD_DIR.configure.log" || true
 echo "[setup] building (ninja, $(nproc) jobs)"
 ninja -C "$ROOT/$BUILD_DIR"
+# The Python package: put build/python on Debian python3's path, so that a
+# plain `python3 -c 'import kvring'` works.
+SITE=$($PY -c 'import site; print(site.getsitepackages()[0])')
+if [ -f "$ROOT/$BUILD_DIR/python/kvring/__init__.py" ]; then
+  $SUDO mkdir -p "$SITE"
+  echo "$ROOT/$BUILD_DIR/python" | $SUDO tee "$SITE/kvring.pth" >/dev/null
+  echo "[setup] python: kvring importable by $PY (via $SITE/kvring.pth)"
+  # A python3 earlier on PATH (e.g. pyenv) of the same version gets it too.
+  OTHER=$(command -v python3 || true)
+  if [ -n "$OTHER" ] && [ "$OTHER" != "$PY" ] && \
+     [ "$("$OTHER" -c 'import sys; print(sys.version_info[:2])' 2>/dev/null)" = "$($PY -c 'import sys; print(sys.version_info[:2])')" ]; then
+    OSITE=$("$OTHER" -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)
+    if [ -n "$OSITE" ] && [ -d "$OSITE" ] && [ -w "$OSITE" ]; then
+      echo "$ROOT/$BUILD_DIR/python" > "$OSITE/kvring.pth"
+      echo "[setup] python: also for $OTHER (via $OSITE/kvring.pth; numpy comes from Debian's python3 only)"
+    fi
+  fi
+fi
 echo "[setup] done: binaries in $BUILD_DIR/"

@@ -70,12 +70,30 @@ uint64_t TenantDirectory::version() const {
   return version_;
 }
 
-absl::StatusOr<v1::Tenant> TenantDirectory::ByToken(const std::string& token) const {
-  const std::string d = Sha256(token);
+absl::StatusOr<v1::Tenant> TenantDirectory::Find(const std::string& digest) const {
   absl::MutexLock l(&mu_);
-  auto it = by_digest_.find(d);
+  auto it = by_digest_.find(digest);
   if (it == by_digest_.end()) return absl::UnauthenticatedError("unknown tenant token");
   return it->second;
+}
+
+void TenantDirectory::SetMissHandler(std::function<void()> refresh, absl::Duration min_interval) {
+  absl::MutexLock l(&refresh_mu_);
+  refresh_ = std::move(refresh);
+  refresh_interval_ = min_interval;
+}
+
+absl::StatusOr<v1::Tenant> TenantDirectory::ByToken(const std::string& token) const {
+  const std::string d = Sha256(token);
+  absl::StatusOr<v1::Tenant> t = Find(d);
+  if (t.ok()) return t;
+  {
+    absl::MutexLock l(&refresh_mu_);
+    if (!refresh_ || absl::Now() - last_refresh_ < refresh_interval_) return Find(d);
+    last_refresh_ = absl::Now();
+    refresh_();
+  }
+  return Find(d);
 }
 
 absl::StatusOr<v1::Tenant> TenantDirectory::Authenticate(const grpc::ServerContext& ctx) const {

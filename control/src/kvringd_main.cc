@@ -211,6 +211,10 @@ int main(int argc, char** argv) {
   };
   CoordinatorLink link(lo, &tenants);
   if (absl::Status s = link.Start(); !s.ok()) return Fail(s, "coordinator");
+  // A token this node has not seen yet (a tenant created since the last
+  // heartbeat) is looked up at the coordinator before it is refused.
+  // (The gRPC server and UCX plane stop before `link` goes away.)
+  tenants.SetMissHandler([&link] { (void)link.RefreshTenants(); }, absl::Milliseconds(200));
 
   if (!port_file.empty()) {
     std::ofstream(port_file + ".tmp") << port << "\n";

@@ -5,6 +5,8 @@
 // its tenant is created. TenantDirectory is thread-safe.
 #pragma once
 
+#include <functional>
+
 #include <string>
 #include <vector>
 
@@ -12,6 +14,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "grpcpp/server_context.h"
 #include "kvring.pb.h"
 #include "kvring/cache/block_key.h"
@@ -40,8 +44,19 @@ class TenantDirectory {
   absl::StatusOr<v1::Tenant> Authenticate(const grpc::ServerContext& ctx) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::Tenant> ByToken(const std::string& token) const ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<v1::Tenant> tenants() const ABSL_LOCKS_EXCLUDED(mu_);
+  // A token not in the table triggers `refresh` (which should fetch the
+  // table and Update() it) before the lookup fails, at most once per
+  // `min_interval` (so a tenant created a moment ago works at once, and a
+  // flood of bad tokens costs the coordinator one call per interval).
+  // Call before serving; `refresh` runs on the authenticating thread.
+  void SetMissHandler(std::function<void()> refresh, absl::Duration min_interval) ABSL_LOCKS_EXCLUDED(refresh_mu_);
 
  private:
+  absl::StatusOr<v1::Tenant> Find(const std::string& digest) const ABSL_LOCKS_EXCLUDED(mu_);
+  mutable absl::Mutex refresh_mu_;  // held while a miss refresh runs
+  std::function<void()> refresh_ ABSL_GUARDED_BY(refresh_mu_);
+  absl::Duration refresh_interval_ ABSL_GUARDED_BY(refresh_mu_);
+  mutable absl::Time last_refresh_ ABSL_GUARDED_BY(refresh_mu_) = absl::InfinitePast();
   mutable absl::Mutex mu_;
   uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<std::string, v1::Tenant> by_digest_ ABSL_GUARDED_BY(mu_);

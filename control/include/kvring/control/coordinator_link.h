@@ -41,12 +41,14 @@ class CoordinatorLink {
   CoordinatorLink& operator=(const CoordinatorLink&) = delete;
 
   absl::Status Start();
+  // Fetches the tenant table now (also done on every heartbeat that shows a
+  // newer version). Thread-safe.
+  absl::Status RefreshTenants();
   uint64_t incarnation() const { return incarnation_.load(); }
   uint64_t map_version() const { return map_version_.load(); }
 
  private:
   absl::Status Register();
-  absl::Status RefreshTenants();
   void Loop();
   std::unique_ptr<grpc::ClientContext> Context() const;
 

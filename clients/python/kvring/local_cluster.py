@@ -1,0 +1,63 @@
+"""A local kvring cluster (coordinator + N daemons on loopback) for tests,
+demos and workloads, driven through deploy/local-cluster.sh.
+
+    with LocalCluster(nodes=4, port=7600) as cl:
+        c = kvring.Client(cl.coordinator, cl.tenant_token)
+
+Binaries come from KVRING_BIN (default: the build directory this package
+was built into), the script from KVRING_ROOT (default: its parent).
+"""
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+class LocalCluster:
+    def __init__(self, nodes=4, port=7600, replication=2, host_bytes="512M", directory=None, keep=False):
+        here = Path(__file__).resolve()
+        self.bin = Path(os.environ.get("KVRING_BIN", here.parents[2]))
+        self.root = Path(os.environ.get("KVRING_ROOT", self.bin.parent))
+        self.nodes, self.port, self.replication, self.host_bytes = nodes, port, replication, host_bytes
+        self._own_dir = directory is None
+        self.dir = Path(directory or tempfile.mkdtemp(prefix="kvring-cluster-"))
+        self.keep = keep
+        self.coordinator = f"127.0.0.1:{port}"
+
+    def _script(self, *args):
+        env = dict(os.environ, KVRING_BIN=str(self.bin))
+        r = subprocess.run(["bash", str(self.root / "deploy/local-cluster.sh"), *args, "--dir", str(self.dir)],
+                           env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"local-cluster.sh {args[0]} failed:\n{r.stdout}{r.stderr}")
+        return r.stdout
+
+    def start(self):
+        self._script("start", "--nodes", str(self.nodes), "--port", str(self.port), "--replication",
+                     str(self.replication), "--host-bytes", self.host_bytes)
+        return self
+
+    def stop(self):
+        self._script("stop")
+        if self._own_dir and not self.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def kill9(self, node):
+        """SIGKILL daemon `node` (fault tests)."""
+        pid = int((self.dir / "pids" / f"node{node}").read_text())
+        os.kill(pid, 9)
+
+    @property
+    def admin_token(self):
+        return (self.dir / "admin.token").read_text().strip()
+
+    @property
+    def tenant_token(self):
+        return (self.dir / "tenant.token").read_text().strip()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
