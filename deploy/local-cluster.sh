@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A kvring cluster on this machine: one coordinator and N daemons on loopback.
 #
-#   deploy/local-cluster.sh start  [--nodes N] [--dir DIR] [--port P] [--replication R] [--host-bytes B] [--no-ucx]
+#   deploy/local-cluster.sh start  [--nodes N] [--dir DIR] [--port P] [--replication R] [--host-bytes B] [--page-bytes B] [--no-ucx]
 #   deploy/local-cluster.sh stop   [--dir DIR]
 #   deploy/local-cluster.sh status [--dir DIR]
 #
@@ -11,7 +11,7 @@
 # DIR/tenant.token for a tenant 'demo' created at start.
 set -euo pipefail
 cmd=${1:-}; shift || true
-NODES=4; DIR=/tmp/kvring-cluster; PORT=7400; R=2; HOST_BYTES=512M; UCX=1
+NODES=4; DIR=/tmp/kvring-cluster; PORT=7400; R=2; HOST_BYTES=512M; PAGE_BYTES=2M; UCX=1
 BIN=${KVRING_BIN:-$(cd "$(dirname "$0")/.." && pwd)/build}
 while (($#)); do
   case "$1" in
@@ -20,6 +20,7 @@ while (($#)); do
     --port) PORT=$2; shift 2;;
     --replication) R=$2; shift 2;;
     --host-bytes) HOST_BYTES=$2; shift 2;;
+    --page-bytes) PAGE_BYTES=$2; shift 2;;
     --no-ucx) UCX=0; shift;;
     -h|--help) sed -n '2,12p' "$0"; exit 0;;
     *) echo "unknown option $1" >&2; exit 2;;
@@ -66,7 +67,7 @@ start() {
     [ $UCX = 1 ] && ucx_flag="--ucx_listen=127.0.0.1:$((PORT+101+i))"
     setsid "$BIN/control/kvringd" --listen=127.0.0.1:$((PORT+1+i)) --coordinator=127.0.0.1:$PORT \
       --cluster_token_file="$DIR/cluster.token" --data_dir="$DIR/node$i" --node_id=node$i \
-      --host_bytes=$HOST_BYTES --page_bytes=2M $ucx_flag --metrics_listen=127.0.0.1:$((PORT+201+i)) \
+      --host_bytes=$HOST_BYTES --page_bytes=$PAGE_BYTES $ucx_flag --metrics_listen=127.0.0.1:$((PORT+201+i)) \
       >"$DIR/logs/node$i.log" 2>&1 < /dev/null &
     echo $! > "$DIR/pids/node$i"
   done

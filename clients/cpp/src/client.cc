@@ -572,6 +572,7 @@ class ClientImpl {
       if (round > 0) rep.retries += static_cast<int>(plan.size());
       std::vector<std::pair<int, std::vector<uint64_t>>> jobs(plan.begin(), plan.end());
       std::vector<absl::StatusOr<v1::AttendResponse>> res(jobs.size(), absl::UnknownError(""));
+      std::vector<uint64_t> req_bytes(jobs.size(), 0);
       pool_.ParallelFor(jobs.size(), [&](size_t j) {
         auto node = NodeFor(ring->node(jobs[j].first).node_id());
         if (!node) {
@@ -593,6 +594,7 @@ class ClientImpl {
         req.set_causal(o.causal);
         req.set_window(o.window);
         req.set_softmax_scale(o.softmax_scale);
+        req_bytes[j] = req.ByteSizeLong();
         res[j] = AttendOn(*node, std::move(req), qspan);
       });
       pending.clear();
@@ -614,8 +616,8 @@ class ClientImpl {
         std::memcpy(p.lse.data(), r.lse().data(), r.lse().size());
         partials.push_back(std::move(p));
         rep.blocks += r.blocks_used();
-        rep.bytes_sent += qbytes;
-        rep.bytes_received += r.out().size() + r.lse().size();
+        rep.bytes_sent += qbytes + req_bytes[j];  // the queries and the request around them
+        rep.bytes_received += r.ByteSizeLong();
         ++rep.shards;
       }
     }

@@ -15,11 +15,12 @@ from pathlib import Path
 
 
 class LocalCluster:
-    def __init__(self, nodes=4, port=7600, replication=2, host_bytes="512M", directory=None, keep=False):
+    def __init__(self, nodes=4, port=7600, replication=2, host_bytes="512M", page_bytes="2M", directory=None, keep=False):
         here = Path(__file__).resolve()
         self.bin = Path(os.environ.get("KVRING_BIN", here.parents[2]))
         self.root = Path(os.environ.get("KVRING_ROOT", self.bin.parent))
-        self.nodes, self.port, self.replication, self.host_bytes = nodes, port, replication, host_bytes
+        self.nodes, self.port, self.replication = nodes, port, replication
+        self.host_bytes, self.page_bytes = host_bytes, page_bytes
         self._own_dir = directory is None
         self.dir = Path(directory or tempfile.mkdtemp(prefix="kvring-cluster-"))
         self.keep = keep
@@ -35,7 +36,7 @@ class LocalCluster:
 
     def start(self):
         self._script("start", "--nodes", str(self.nodes), "--port", str(self.port), "--replication",
-                     str(self.replication), "--host-bytes", self.host_bytes)
+                     str(self.replication), "--host-bytes", self.host_bytes, "--page-bytes", self.page_bytes)
         return self
 
     def stop(self):

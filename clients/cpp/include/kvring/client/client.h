@@ -77,6 +77,7 @@ struct PutReport {
 struct AttendReport {
   int shards = 0;
   uint64_t blocks = 0;
+  // Serialized request and reply bytes (queries, block list, partials).
   uint64_t bytes_sent = 0, bytes_received = 0;
   int retries = 0;
   double seconds = 0;
