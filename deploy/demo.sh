@@ -8,6 +8,9 @@ BUILD_DIR=${KVRING_BUILD_DIR:-build}
 export KVRING_BIN=$PWD/$BUILD_DIR
 DIR=${KVRING_DEMO_DIR:-/tmp/kvring-demo}
 rm -rf "$DIR"
+echo
+echo "== the block store alone: sessions sharing a system prompt, prefix reuse and LRU eviction"
+"$BUILD_DIR/clients/kvring-store-demo"
 trap 'bash deploy/local-cluster.sh stop --dir "$DIR" >/dev/null 2>&1 || true' EXIT
 echo
 echo "== starting a local cluster: coordinator + 4 daemons (R=2, UCX data plane)"
@@ -29,7 +32,20 @@ $K bench --blocks=256 --block_bytes=1M --threads=4
 echo
 echo "== cluster state"
 $K stats
-if [ -x "$BUILD_DIR/clients/examples/kvring-workloads" ]; then
-  echo
-  "$BUILD_DIR/clients/examples/kvring-workloads" --coordinator=127.0.0.1:7400 --admin_token_file="$DIR/admin.token" --out_dir="$DIR"
-fi
+bash deploy/local-cluster.sh stop --dir "$DIR" >/dev/null
+trap - EXIT
+
+# The three engine-facing workloads (clients/examples), each on a local
+# cluster of its own sized for its blocks; results and plots go to $OUT.
+OUT=${KVRING_WORKLOAD_OUT:-bench/workloads}
+echo
+echo "== workload 1: multi-tenant chat (prefix cache through kvring.connector, numpy reference model)"
+/usr/bin/python3 clients/examples/chat.py --port 8000 --out_dir "$OUT"
+echo
+echo "== workload 2: agent memory (a 128K-token context in the cluster, decode by pass-Q)"
+/usr/bin/python3 clients/examples/agent_memory.py --port 8300 --out_dir "$OUT"
+echo
+echo "== workload 3: cache backend (batched lookup / get_into / put, 256 KiB blocks)"
+/usr/bin/python3 clients/examples/cache_backend.py --port 8600 --out_dir "$OUT"
+echo
+echo "== done: results and plots in $OUT/"
