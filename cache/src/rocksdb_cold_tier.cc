@@ -88,11 +88,13 @@ absl::Status RocksDbColdTier::Compress(ColdCodec codec, int level, absl::Span<co
   return absl::OkStatus();
 }
 
-absl::Status RocksDbColdTier::Decompress(absl::Span<const uint8_t> in, std::vector<uint8_t>* out) {
+absl::Status RocksDbColdTier::Decompress(absl::Span<const uint8_t> in, std::vector<uint8_t>* out, uint64_t max_raw) {
   if (in.size() < kBlobHeader) return absl::DataLossError("cold block shorter than its header");
   uint32_t raw;
   std::memcpy(&raw, in.data() + 4, 4);
-  if (raw > (256u << 20)) return absl::DataLossError("cold block claims an absurd size");
+  if (raw > max_raw) {
+    return absl::DataLossError(absl::StrCat("cold block claims ", raw, " bytes; at most ", max_raw, " expected"));
+  }
   out->resize(raw);
   const uint8_t* data = in.data() + kBlobHeader;
   const size_t n = in.size() - kBlobHeader;
@@ -217,7 +219,8 @@ absl::Status RocksDbColdTier::Read(const ScopedKey& key, ColdBlockInfo* info, st
   info->meta.payload_bytes = m.payload_bytes;
   info->meta.checksum = m.checksum;
   info->meta.owner = m.owner;
-  if (absl::Status d = Decompress(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(blob.data()), blob.size()), payload);
+  if (absl::Status d = Decompress(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(blob.data()), blob.size()), payload,
+                                  m.payload_bytes);
       !d.ok()) {
     ++read_errors_;
     return d;

@@ -56,7 +56,9 @@ class RocksDbColdTier final : public ColdTier {
 
   // Lossless codec round trip, exposed for the compression benchmark.
   static absl::Status Compress(ColdCodec codec, int level, absl::Span<const uint8_t> in, std::string* out);
-  static absl::Status Decompress(absl::Span<const uint8_t> in, std::vector<uint8_t>* out);
+  // DATA_LOSS for anything malformed, including a claimed size over max_raw.
+  static absl::Status Decompress(absl::Span<const uint8_t> in, std::vector<uint8_t>* out,
+                                 uint64_t max_raw = kMaxBlockBytes);
 
  private:
   RocksDbColdTier(const RocksDbColdTierOptions& options, rocksdb::DB* db,
