@@ -39,12 +39,16 @@ const std::array<float, 256>& Fp8Table() {
   return table;
 }
 
-// exp(x) for x <= 0 (scores minus their max), ~2 ulp; 0 below -87.3.
+// exp(x) for x <= 0 (scores minus their max), ~2 ulp; 0 below -87.3; NaN
+// (from a non-finite value in a stored KV block) stays NaN, without the
+// undefined float-to-int conversion.
 KVRING_INLINE float ExpNonPositive(float x) {
   const float kLog2e = 1.44269504088896341f;
   const float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  const float in = x;
+  const bool nan = x != x;
   const bool under = x < -87.3f;
-  x = under ? -87.3f : x;
+  x = (under || nan) ? -87.3f : x;
   const float z = x * kLog2e;
   const int n = static_cast<int>(z - 0.5f);  // round to nearest for z <= 0
   const float fn = static_cast<float>(n);
@@ -61,7 +65,7 @@ KVRING_INLINE float ExpNonPositive(float x) {
   bits = static_cast<uint32_t>(e > 0 ? e : 0) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
-  return under ? 0.0f : y * scale;
+  return nan ? in : under ? 0.0f : y * scale;
 }
 
 // 8-lane float vectors (GCC vector extensions): AVX in the x86-64-v3 clone,
@@ -293,7 +297,7 @@ void RunTask(const AttentionOptions& o, const QueryTensor& q, const PagedKv& kv,
       const uint32_t head = task.kv_head * G + g;
       float* o_row = out.out + (size_t{row} * q.q_heads + head) * D;
       const float lsum = sc.l[v];
-      if (lsum > 0) {
+      if (lsum > 0 || std::isnan(lsum)) {  // NaN (a non-finite stored value) propagates, never reads as "no keys"
         const float inv = 1.0f / lsum;
         for (uint32_t d = 0; d < D; ++d) o_row[d] = sc.acc[size_t{v} * D + d] * inv;
         out.lse[size_t{row} * q.q_heads + head] = sc.m[v] + std::log(lsum);
@@ -365,6 +369,20 @@ absl::Status ValidateAttention(const AttentionOptions& o, const QueryTensor& q, 
     }
   } else if (q.num_rows > 0 && nseq == 0) {
     return absl::InvalidArgumentError("queries given but the KV batch has no sequence");
+  }
+  // Queries come from the caller: a NaN or Inf in them is refused here (a
+  // non-finite value stored in a KV block yields NaN outputs, never UB).
+  const uint64_t nq = uint64_t{q.num_rows} * q.q_heads * q.head_dim;
+  for (uint64_t i = 0; i < nq; ++i) {
+    float v;
+    if (q.dtype == DType::kF32) v = static_cast<const float*>(q.data)[i];
+    else if (q.dtype == DType::kF16) v = F16ToFloat(static_cast<const uint16_t*>(q.data)[i]);
+    else v = Bf16ToFloat(static_cast<const uint16_t*>(q.data)[i]);
+    if (!std::isfinite(v)) {
+      const uint64_t per_row = uint64_t{q.q_heads} * q.head_dim;
+      return absl::InvalidArgumentError(absl::StrCat("query row ", i / per_row, " head ", (i % per_row) / q.head_dim,
+                                                     " has a non-finite value"));
+    }
   }
   return absl::OkStatus();
 }

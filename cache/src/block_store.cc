@@ -98,6 +98,7 @@ SlotInfo BlockStore::SlotInfoLocked(const ScopedKey& key, const BlockIndex::Entr
     if (p != nullptr) s.parent_slot = p->page;
   }
   index_.ForEachChild(key, [&](const BlockKey& c) {
+    mu_.AssertHeld();  // (held by the caller; the analysis does not see into the callback)
     const BlockIndex::Entry* ce = index_.Find(ScopedKey{key.ns, c});
     if (ce != nullptr && ce->page != kNoPage) s.child_slots.push_back(ce->page);
   });

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -108,7 +109,12 @@ absl::Status QuantizeBlock(const BlockLayout& l, absl::Span<const uint8_t> plain
                                                            "): refusing to quantize"));
           }
         }
-        auto finish = [&](float amax) { return amax > 0 ? amax / qmax : 1.0f; };
+        // Scale of a group: amax / qmax, but never below the smallest normal
+        // float (a group of subnormals would otherwise get scale 0 and 0/0
+        // codes; found by fuzz_blocks), and 1 for a group of zeros.
+        auto finish = [&](float amax) {
+          return amax > 0 ? std::max(amax / qmax, std::numeric_limits<float>::min()) : 1.0f;
+        };
         if (enc.scales == ScaleMode::kPerHead) {
           float m = 0;
           for (float v : x) m = std::max(m, std::fabs(v));

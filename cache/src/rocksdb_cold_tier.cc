@@ -101,7 +101,7 @@ absl::Status RocksDbColdTier::Decompress(absl::Span<const uint8_t> in, std::vect
   switch (static_cast<ColdCodec>(in[0])) {
     case ColdCodec::kNone:
       if (n != raw) return absl::DataLossError("cold block size mismatch");
-      std::memcpy(out->data(), data, n);
+      if (n > 0) std::memcpy(out->data(), data, n);  // (memcpy of an empty vector's null data is UB)
       return absl::OkStatus();
     case ColdCodec::kZstd: {
       const size_t r = ZSTD_decompress(out->data(), raw, data, n);

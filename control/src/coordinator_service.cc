@@ -59,11 +59,13 @@ absl::Status CoordinatorService::Load() {
   KVRING_RETURN_IF_ERROR(store_->ScanPrefix("node/", [&](const std::string&, const std::string& v) {
     v1::NodeInfo n;
     if (!n.ParseFromString(v)) { bad = absl::DataLossError("corrupt node record"); return; }
+    mu_.AssertHeld();  // (Load holds it; the analysis does not see into the callback)
     nodes_[n.node_id()] = Node{n, now};  // one timeout of grace to heartbeat again
   }));
   KVRING_RETURN_IF_ERROR(store_->ScanPrefix("tenant/", [&](const std::string&, const std::string& v) {
     v1::TenantTable::Entry e;
     if (!e.ParseFromString(v)) { bad = absl::DataLossError("corrupt tenant record"); return; }
+    mu_.AssertHeld();
     tenants_[e.tenant().name()] = e;
   }));
   KVRING_RETURN_IF_ERROR(bad);

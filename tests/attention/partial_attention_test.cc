@@ -218,6 +218,37 @@ TEST(PartialAttentionTest, ReadsBlocksQuantizedByQuantizeBlock) {
   }
 }
 
+// Found by fuzz_requests: a NaN query reached a float-to-int conversion.
+// Non-finite queries are refused; a NaN stored in a KV block gives NaN
+// outputs for the rows that see it (no undefined behaviour, no crash).
+TEST(PartialAttentionTest, NonFiniteQueriesAreRefusedAndNonFiniteKvGivesNaN) {
+  std::mt19937_64 rng(5);
+  const BlockLayout layout{16, 1, 2, 64, DType::kF16};
+  auto seq = RandomSequence(layout, 16, rng);
+  std::vector<uint32_t> begin{0, 1};
+  PagedKv kv{layout, {}, seq.refs, begin};
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    auto q = RandomQueries(dt, 2, 4, 64, {5, 9}, rng);
+    const size_t at = 4 * 64 + 3;  // row 1, head 0
+    if (dt == DType::kF32) reinterpret_cast<float*>(q.data.data())[at] = std::numeric_limits<float>::quiet_NaN();
+    else reinterpret_cast<uint16_t*>(q.data.data())[at] = dt == DType::kF16 ? 0x7e00 : 0x7fc0;  // NaN
+    PartialResult out(2, 4, 64);
+    absl::Status s = PartialAttention({}, q.view, kv, out.view());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("row 1 head 0"), std::string::npos) << s;
+  }
+  // A NaN key at position 7: rows at positions >= 7 see it.
+  std::vector<uint8_t> block(static_cast<const uint8_t*>(seq.refs[0].data),
+                             static_cast<const uint8_t*>(seq.refs[0].data) + layout.bytes());
+  reinterpret_cast<uint16_t*>(block.data())[layout.index(0, 0, 0, 7, 0)] = 0x7e00;
+  KvBlockRef ref{block.data(), 0, 16};
+  auto q = RandomQueries(DType::kF32, 2, 4, 64, {5, 9}, rng);
+  PartialResult out(2, 4, 64);
+  ASSERT_TRUE(PartialAttention({}, q.view, PagedKv{layout, {}, absl::MakeConstSpan(&ref, 1), begin}, out.view()).ok());
+  EXPECT_TRUE(std::isfinite(out.out[0]));         // row 0 (position 5) never sees key 7
+  EXPECT_TRUE(std::isnan(out.out[size_t{4} * 64]));  // row 1, head 0 (kv head 0) does
+}
+
 TEST(PartialAttentionTest, RejectsMalformedInputsWithClearErrors) {
   std::mt19937_64 rng(1);
   const BlockLayout layout{16, 1, 2, 64, DType::kF16};

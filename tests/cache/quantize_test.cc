@@ -1,6 +1,7 @@
 #include "kvring/cache/quantize.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 
@@ -105,6 +106,31 @@ TEST(QuantizeTest, NonFiniteValuesAreRejectedWithTheirLocation) {
   std::vector<uint8_t> q;
   EXPECT_FALSE(QuantizeBlock(kL, std::vector<uint8_t>(10), {KvCodec::kInt8, ScaleMode::kPerHead}, &q).ok());
   EXPECT_FALSE(QuantizeBlock(kL, std::vector<uint8_t>(kL.bytes()), {}, &q).ok());  // plain is not a target
+}
+
+// Found by fuzz_blocks: a group of subnormal values got scale 0, and 0/0
+// codes. Scales are now at least the smallest normal float.
+TEST(QuantizeTest, SubnormalGroupsGetAPositiveScaleAndFiniteCodes) {
+  const BlockLayout l{4, 1, 1, 8, DType::kF32};
+  std::vector<float> x(l.elements(), 0.0f);
+  x[3] = std::numeric_limits<float>::denorm_min() * 7;
+  x[9] = -std::numeric_limits<float>::denorm_min();
+  std::vector<uint8_t> plain(l.bytes());
+  std::memcpy(plain.data(), x.data(), plain.size());
+  for (const char* name : {"int8/per-head", "int8/per-token", "int8/kivi", "fp8/per-head", "fp8/kivi"}) {
+    KvEncoding enc;
+    ASSERT_TRUE(ParseKvEncoding(name, &enc).ok());
+    std::vector<uint8_t> codes, back;
+    ASSERT_TRUE(QuantizeBlock(l, plain, enc, &codes).ok()) << name;
+    const float* scales = reinterpret_cast<const float*>(codes.data() + l.elements());
+    for (uint64_t i = 0; i < ScaleCount(l, enc.scales); ++i) EXPECT_GT(scales[i], 0.0f) << name;
+    ASSERT_TRUE(DequantizeBlock(l, enc, codes, &back).ok());
+    for (uint64_t e = 0; e < l.elements(); ++e) {
+      const float v = PlainElement(l, back.data(), e);
+      EXPECT_TRUE(std::isfinite(v)) << name << " element " << e;
+      EXPECT_LE(std::fabs(v), 1e-37f) << name;
+    }
+  }
 }
 
 TEST(QuantizeTest, Fp8TableRoundingMatchesTheReferenceEncoder) {

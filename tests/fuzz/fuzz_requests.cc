@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "google/protobuf/stubs/logging.h"
 #include "kvring/cache/block_store.h"
 #include "kvring/common/metrics.h"
 #include "kvring/common/thread_pool.h"
@@ -28,6 +29,7 @@ struct Env {
   kvring::v1::Tenant tenant;
 
   Env() {
+    google::protobuf::SetLogHandler(nullptr);  // invalid UTF-8 in string fields is expected here, and logged
     kvring::BlockStoreOptions o;
     o.page_bytes = 64 << 10;
     o.num_pages = 64;
