@@ -17,6 +17,9 @@ void BlockTerminationSignals() {
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
+  // A write past the file-size limit (ulimit -f, a full quota) fails with
+  // EFBIG and reaches the caller as an error instead of killing the process.
+  std::signal(SIGXFSZ, SIG_IGN);
 }
 
 int WaitForTerminationSignal() {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "kvring.grpc.pb.h"
 #include "kvring/client/client.h"
+#include "kvring/layout/float_convert.h"
 
 #ifndef KVRING_BIN_DIR
 #error "KVRING_BIN_DIR must point at the build directory"
@@ -34,10 +37,16 @@ class Process {
   Process() = default;
   Process(const Process&) = delete;
   ~Process() { Stop(); }
+  // RLIMIT_FSIZE for the child (0: none): a "disk full" for its writes.
+  void set_file_size_limit(uint64_t bytes) { fsize_limit_ = bytes; }
   bool Start(const std::vector<std::string>& argv, const std::string& log) {
     pid_ = fork();
     if (pid_ == 0) {
       setpgid(0, 0);
+      if (fsize_limit_ > 0) {
+        struct rlimit rl = {fsize_limit_, fsize_limit_};
+        setrlimit(RLIMIT_FSIZE, &rl);
+      }
       FILE* f = std::fopen(log.c_str(), "a");
       if (f) {
         dup2(fileno(f), 1);
@@ -75,6 +84,7 @@ class Process {
 
  private:
   pid_t pid_ = -1;
+  uint64_t fsize_limit_ = 0;
 };
 
 struct ClusterOptions {
@@ -130,7 +140,7 @@ class Cluster {
     return ::testing::AssertionSuccess();
   }
 
-  ::testing::AssertionResult StartDaemon(int i, std::vector<std::string> extra = {}) {
+  ::testing::AssertionResult StartDaemon(int i, std::vector<std::string> extra = {}, uint64_t file_size_limit = 0) {
     const std::string pf = (dir_ / absl::StrCat("node", i, ".port")).string();
     std::filesystem::remove(pf);
     std::vector<std::string> argv = {Bin("control/kvringd"), "--listen=127.0.0.1:0",
@@ -145,6 +155,7 @@ class Cluster {
     for (const auto& f : o_.extra_daemon_flags) argv.push_back(f);
     for (const auto& f : extra) argv.push_back(f);
     daemons_[i] = std::make_unique<Process>();
+    daemons_[i]->set_file_size_limit(file_size_limit);
     daemons_[i]->Start(argv, (dir_ / absl::StrCat("node", i, ".log")).string());
     if (WaitPort(pf) <= 0) return ::testing::AssertionFailure() << "node" << i << " did not start: " << Log(absl::StrCat("node", i, ".log"));
     return ::testing::AssertionSuccess();
@@ -258,5 +269,33 @@ class Cluster {
   std::unique_ptr<Process> coordinator_;
   std::vector<std::unique_ptr<Process>> daemons_;
 };
+
+// Test data: blocks with their keys and payloads.
+inline BlockLayout SmallLayout() { return BlockLayout{16, 2, 2, 64, DType::kBF16}; }  // 16 KiB
+
+struct Blocks {
+  std::vector<BlockKey> keys;
+  std::vector<std::vector<uint8_t>> payloads;
+  std::vector<BlockData> data;
+};
+
+// A chain of `nblocks` blocks of random bf16 values (normal), keyed for `c`.
+inline Blocks MakeChain(Client& c, const BlockLayout& layout, const std::string& model, uint32_t seed, size_t nblocks) {
+  Blocks b;
+  std::mt19937 rng(seed);
+  std::vector<uint32_t> tokens(nblocks * layout.block_tokens);
+  for (auto& t : tokens) t = rng() % 50000;
+  b.keys = c.Hasher(model, layout).Chain(tokens);
+  std::normal_distribution<float> nd;
+  for (size_t i = 0; i < nblocks; ++i) {
+    b.payloads.emplace_back(layout.bytes());
+    auto* h = reinterpret_cast<uint16_t*>(b.payloads.back().data());
+    for (uint64_t e = 0; e < layout.elements(); ++e) h[e] = FloatToBf16(nd(rng));
+  }
+  for (size_t i = 0; i < nblocks; ++i) {
+    b.data.push_back(BlockData{b.keys[i], i ? b.keys[i - 1] : BlockKey{}, layout, {}, b.payloads[i], false});
+  }
+  return b;
+}
 
 }  // namespace kvring::testing

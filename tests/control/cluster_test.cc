@@ -17,31 +17,9 @@ namespace {
 using testing::Cluster;
 using testing::ClusterOptions;
 
-BlockLayout SmallLayout() { return BlockLayout{16, 2, 2, 64, DType::kBF16}; }  // 16 KiB
-
-struct Blocks {
-  std::vector<BlockKey> keys;
-  std::vector<std::vector<uint8_t>> payloads;
-  std::vector<BlockData> data;
-};
-
-Blocks MakeChain(Client& c, const BlockLayout& layout, const std::string& model, uint32_t seed, size_t nblocks) {
-  Blocks b;
-  std::mt19937 rng(seed);
-  std::vector<uint32_t> tokens(nblocks * layout.block_tokens);
-  for (auto& t : tokens) t = rng() % 50000;
-  b.keys = c.Hasher(model, layout).Chain(tokens);
-  std::normal_distribution<float> nd;
-  for (size_t i = 0; i < nblocks; ++i) {
-    b.payloads.emplace_back(layout.bytes());
-    auto* h = reinterpret_cast<uint16_t*>(b.payloads.back().data());
-    for (uint64_t e = 0; e < layout.elements(); ++e) h[e] = FloatToBf16(nd(rng));
-  }
-  for (size_t i = 0; i < nblocks; ++i) {
-    b.data.push_back(BlockData{b.keys[i], i ? b.keys[i - 1] : BlockKey{}, layout, {}, b.payloads[i], false});
-  }
-  return b;
-}
+using testing::Blocks;
+using testing::MakeChain;
+using testing::SmallLayout;
 
 TEST(ClusterTest, MultiNodePutGetLookupOverUcxAndGrpc) {
   Cluster cl(ClusterOptions{.nodes = 3});

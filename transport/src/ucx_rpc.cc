@@ -59,8 +59,10 @@ struct SendCtx {
 // the caller through `set_inline`); `pieces` are small strings; `payload` the
 // bulk parts. A single payload part is sent in place (zero copy).
 template <typename Fixed>
+// `stage`: copy a single payload too (the message then owns every byte it
+// sends, so the caller's buffer may go away before the send completes).
 SendCtx* BuildMessage(Fixed fixed, std::initializer_list<std::string_view> pieces,
-                      const std::vector<absl::Span<const uint8_t>>& payload, size_t max_header) {
+                      const std::vector<absl::Span<const uint8_t>>& payload, size_t max_header, bool stage = false) {
   auto* c = new SendCtx();
   size_t piece_bytes = 0, payload_bytes = 0;
   for (auto p : pieces) piece_bytes += p.size();
@@ -71,7 +73,7 @@ SendCtx* BuildMessage(Fixed fixed, std::initializer_list<std::string_view> piece
   std::memcpy(c->header.data(), &fixed, sizeof(Fixed));
   if (inline_pieces) {
     for (auto p : pieces) c->header.insert(c->header.end(), p.begin(), p.end());
-    if (payload.size() == 1) {
+    if (payload.size() == 1 && !stage) {
       c->data = payload[0].data();
       c->length = payload[0].size();
       return c;
@@ -573,6 +575,7 @@ bool UcxRpcClient::WaitFor(F& f, absl::Duration timeout) {
     const auto slice = std::min<std::chrono::steady_clock::duration>(deadline - now, std::chrono::milliseconds(50));
     if (f.wait_for(slice) == std::future_status::ready) return true;
     if (peer_alive_ && !peer_alive_()) return false;
+    if (!connected()) return false;  // broken meanwhile (the sentinel saw the peer die)
   }
 }
 
@@ -702,8 +705,14 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
     st->pending[id] = pending;
   }
   ReqHeader h{id, st->client_id, method, static_cast<uint32_t>(token.size()), static_cast<uint32_t>(meta.size()), 0};
+  // Same-host endpoints run without peer-failure mode (shared-memory
+  // transports do not support it), so a send to a peer that died cannot be
+  // cancelled: stage the payload, so a stalled send never holds the
+  // caller's memory and Call can return. Across hosts the endpoint is in
+  // peer-failure mode, closing it cancels the send, and the payload goes
+  // zero-copy.
   SendCtx* c = BuildMessage(h, {token, meta}, std::vector<absl::Span<const uint8_t>>(payload.begin(), payload.end()),
-                            loop_->max_am_header());
+                            loop_->max_am_header(), /*stage=*/same_host_);
   auto send_done = std::make_shared<std::promise<ucs_status_t>>();
   std::future<ucs_status_t> sent = send_done->get_future();
   c->done = [send_done](ucs_status_t s) { send_done->set_value(s); };
@@ -718,8 +727,14 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
   // happens: if the peer stops taking it, close the endpoint (which cancels
   // the send) before returning.
   if (!WaitFor(sent, timeout)) {
-    Break(absl::UnavailableError(absl::StrCat("UCX send to ", address_, " stalled for ", absl::FormatDuration(timeout))));
-    sent.wait();
+    const absl::Status why =
+        absl::UnavailableError(absl::StrCat("UCX send to ", address_, " stalled for ", absl::FormatDuration(timeout)));
+    Break(why);
+    if (same_host_) {  // staged: nothing of the caller's is referenced (the context is freed if the send ever ends)
+      st->Take(id);
+      return why;
+    }
+    sent.wait();  // peer-failure mode: closing the endpoint cancels the send
   }
   const ucs_status_t ss = sent.get();
   if (ss != UCS_OK) {

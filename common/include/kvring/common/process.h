@@ -9,7 +9,8 @@
 namespace kvring {
 
 // Blocks SIGINT/SIGTERM in the calling thread (call first in main, before
-// any thread starts, so every thread inherits the mask).
+// any thread starts, so every thread inherits the mask), and ignores
+// SIGPIPE and SIGXFSZ (their errors come back from the write instead).
 void BlockTerminationSignals();
 // Waits for SIGINT or SIGTERM; returns the signal number.
 int WaitForTerminationSignal();
