@@ -34,6 +34,7 @@ struct Opts {
   int64_t threads = 4, blocks = 512, seconds = 5;
   uint64_t block_bytes = 1 << 20, quota = 0;
   std::string op = "both", name, shared, quantize, kv_encoding;
+  absl::Duration rpc_timeout = absl::Seconds(10);
 };
 
 double Secs(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
@@ -305,6 +306,7 @@ int main(int argc, char** argv) {
   f.AddString("name", &o.name, "tenant-*: tenant name");
   f.AddString("shared", &o.shared, "tenant-create: comma-separated shared namespaces (shared/<name>)");
   f.AddString("kv_encoding", &o.kv_encoding, "tenant-create: quantize the tenant's blocks at Put (int8|fp8[/per-head|/per-token|/kivi])");
+  f.AddDuration("rpc_timeout", &o.rpc_timeout, "deadline of each call to a node (then the next replica is tried)");
   f.AddString("quantize", &o.quantize, "put/bench: have the nodes quantize the blocks (int8|fp8[/...], none; empty: tenant default)");
   f.AddBytes("quota", &o.quota, "tenant-create: pinned-bytes quota (0: unlimited)");
   std::vector<std::string> pos;
@@ -332,6 +334,7 @@ int main(int argc, char** argv) {
   co.ns = o.ns;
   co.use_ucx = o.ucx;
   co.quantize = o.quantize;
+  co.rpc_timeout = o.rpc_timeout;
   auto c = Client::Connect(co);
   if (!c.ok()) {
     std::fprintf(stderr, "kvring: %s\n", c.status().ToString().c_str());
