@@ -21,6 +21,7 @@
 #include "kvring/common/flags.h"
 #include "kvring/common/process.h"
 #include "kvring/control/auth.h"
+#include "kvring/control/tls.h"
 
 using namespace kvring;
 using Clock = std::chrono::steady_clock;
@@ -35,6 +36,7 @@ struct Opts {
   uint64_t block_bytes = 1 << 20, quota = 0;
   std::string op = "both", name, shared, quantize, kv_encoding;
   absl::Duration rpc_timeout = absl::Seconds(10);
+  TlsConfig tls;
 };
 
 double Secs(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
@@ -224,7 +226,12 @@ int CmdBench(Client& c, const Opts& o) {
 }
 
 int CmdTenant(const Opts& o, const std::string& cmd) {
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(o.coordinator, grpc::InsecureChannelCredentials()));
+  auto creds = MakeChannelCredentials(o.tls);
+  if (!creds.ok()) {
+    std::fprintf(stderr, "%s\n", creds.status().ToString().c_str());
+    return 1;
+  }
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(o.coordinator, *creds));
   grpc::ClientContext ctx;
   ctx.AddMetadata("authorization", "Bearer " + o.token);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -306,6 +313,7 @@ int main(int argc, char** argv) {
   f.AddString("name", &o.name, "tenant-*: tenant name");
   f.AddString("shared", &o.shared, "tenant-create: comma-separated shared namespaces (shared/<name>)");
   f.AddString("kv_encoding", &o.kv_encoding, "tenant-create: quantize the tenant's blocks at Put (int8|fp8[/per-head|/per-token|/kivi])");
+  AddTlsFlags(&f, &o.tls, /*server=*/false);
   f.AddDuration("rpc_timeout", &o.rpc_timeout, "deadline of each call to a node (then the next replica is tried)");
   f.AddString("quantize", &o.quantize, "put/bench: have the nodes quantize the blocks (int8|fp8[/...], none; empty: tenant default)");
   f.AddBytes("quota", &o.quota, "tenant-create: pinned-bytes quota (0: unlimited)");
@@ -335,6 +343,7 @@ int main(int argc, char** argv) {
   co.use_ucx = o.ucx;
   co.quantize = o.quantize;
   co.rpc_timeout = o.rpc_timeout;
+  co.tls = o.tls;
   auto c = Client::Connect(co);
   if (!c.ok()) {
     std::fprintf(stderr, "kvring: %s\n", c.status().ToString().c_str());

@@ -23,6 +23,7 @@
 #include "kvring/attention/merge.h"
 #include "kvring/cache/quantize.h"
 #include "kvring/client/client.h"
+#include "kvring/control/tls.h"
 
 namespace py = pybind11;
 
@@ -161,8 +162,10 @@ py::dict ReportDict(const PutReport& r) {
 class PyClient {
  public:
   PyClient(const std::string& coordinator, const std::string& token, const std::string& ns, bool use_ucx,
-           const std::string& quantize, double rpc_timeout_s) {
+           const std::string& quantize, double rpc_timeout_s, const std::string& tls_ca, const std::string& tls_cert,
+           const std::string& tls_key) {
     ClientOptions o;
+    o.tls = TlsConfig{tls_cert, tls_key, tls_ca, false};
     o.coordinator = coordinator;
     o.token = token;
     o.ns = ns;
@@ -392,8 +395,9 @@ py::tuple Merge(const std::vector<py::array_t<float, py::array::c_style | py::ar
 
 // Admin: creates a tenant; returns its token (shown once).
 std::string CreateTenant(const std::string& coordinator, const std::string& admin_token, const std::string& name,
-                         const std::vector<std::string>& shared, uint64_t max_pinned_bytes, const std::string& kv_encoding) {
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
+                         const std::vector<std::string>& shared, uint64_t max_pinned_bytes, const std::string& kv_encoding,
+                         const std::string& tls_ca) {
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator, Value(MakeChannelCredentials(TlsConfig{"", "", tls_ca, false}))));
   grpc::ClientContext ctx;
   ctx.AddMetadata("authorization", "Bearer " + admin_token);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -446,9 +450,11 @@ PYBIND11_MODULE(_kvring, m) {
       });
 
   py::class_<PyClient>(m, "Client", "A connection to a kvring cluster (thread-safe).")
-      .def(py::init<const std::string&, const std::string&, const std::string&, bool, const std::string&, double>(),
+      .def(py::init<const std::string&, const std::string&, const std::string&, bool, const std::string&, double,
+                    const std::string&, const std::string&, const std::string&>(),
            py::arg("coordinator"), py::arg("token"), py::arg("namespace") = "", py::arg("use_ucx") = true,
-           py::arg("quantize") = "", py::arg("rpc_timeout") = 10.0)
+           py::arg("quantize") = "", py::arg("rpc_timeout") = 10.0, py::arg("tls_ca") = "", py::arg("tls_cert") = "",
+           py::arg("tls_key") = "")
       .def_property_readonly("tenant", &PyClient::tenant)
       .def_property_readonly("namespace", &PyClient::ns)
       .def_property_readonly("map_version", &PyClient::map_version)
@@ -473,5 +479,5 @@ PYBIND11_MODULE(_kvring, m) {
   m.def("merge", &Merge, py::arg("outs"), py::arg("lses"), "Exact merge of attention partials (out, lse).");
   m.def("create_tenant", &CreateTenant, py::arg("coordinator"), py::arg("admin_token"), py::arg("name"),
         py::arg("shared_namespaces") = std::vector<std::string>{}, py::arg("max_pinned_bytes") = 0,
-        py::arg("kv_encoding") = "");
+        py::arg("kv_encoding") = "", py::arg("tls_ca") = "");
 }

@@ -8,7 +8,8 @@ namespace kvring {
 
 CoordinatorLink::CoordinatorLink(CoordinatorLinkOptions options, TenantDirectory* tenants)
     : options_(std::move(options)), tenants_(tenants) {
-  stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials()));
+  stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(
+      options_.coordinator, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials()));
 }
 
 CoordinatorLink::~CoordinatorLink() {

@@ -13,6 +13,7 @@
 #include "kvring/common/logging.h"
 #include "kvring/common/process.h"
 #include "kvring/control/coordinator_service.h"
+#include "kvring/control/tls.h"
 
 using namespace kvring;
 
@@ -39,6 +40,8 @@ int main(int argc, char** argv) {
   flags.AddString("metrics_listen", &metrics_listen, "Prometheus /metrics address host:port (empty: off)");
   flags.AddString("port_file", &port_file, "write the bound port here once serving");
   flags.AddString("log_level", &log_level, "debug, info, warning or error");
+  TlsConfig tls;
+  AddTlsFlags(&flags, &tls, /*server=*/true);
   flags.AddBool("check_config", &check_config, "parse and check the flags and config file, then exit");
   if (absl::Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "kvring-coordinator: %s\n", std::string(s.message()).c_str());
@@ -105,7 +108,12 @@ int main(int argc, char** argv) {
   }
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  auto creds = MakeServerCredentials(tls);
+  if (!creds.ok()) {
+    KVRING_LOG(ERROR) << creds.status();
+    return 1;
+  }
+  builder.AddListeningPort(listen, *creds, &port);
   builder.RegisterService(service->get());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {

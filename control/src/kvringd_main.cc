@@ -16,6 +16,7 @@
 #include "kvring/common/logging.h"
 #include "kvring/common/process.h"
 #include "kvring/control/coordinator_link.h"
+#include "kvring/control/tls.h"
 #include "kvring/control/metadata_store.h"
 #include "kvring/control/node_core.h"
 #include "kvring/control/node_service.h"
@@ -81,6 +82,8 @@ int main(int argc, char** argv) {
   flags.AddString("ucx_listen", &ucx_listen, "UCX data-plane listen address host:port (empty: off; clients use gRPC payloads)");
   flags.AddString("port_file", &port_file, "write the bound gRPC port here once serving (for scripts and tests)");
   flags.AddString("log_level", &log_level, "debug, info, warning or error");
+  TlsConfig tls;
+  AddTlsFlags(&flags, &tls, /*server=*/true);
   flags.AddBool("check_config", &check_config, "parse and check the flags and config file, then exit");
   if (absl::Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "kvringd: %s\n", std::string(s.message()).c_str());
@@ -151,7 +154,17 @@ int main(int argc, char** argv) {
 
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  auto server_creds = MakeServerCredentials(tls);
+  if (!server_creds.ok()) return Fail(server_creds.status(), "TLS");
+  // Towards the coordinator: verify it with --tls_ca; present this node's
+  // certificate when the cluster runs mutual TLS.
+  const bool mtls = tls.require_client_cert;
+  auto link_creds = MakeChannelCredentials(TlsConfig{mtls ? tls.cert_file : "", mtls ? tls.key_file : "", tls.ca_file, false});
+  if (!link_creds.ok()) return Fail(link_creds.status(), "TLS");
+  if (tls.enabled() && !ucx_listen.empty()) {
+    KVRING_LOG(WARNING) << "TLS is on for gRPC; the UCX data plane (--ucx_listen) is not encrypted, and TLS clients do not use it";
+  }
+  builder.AddListeningPort(listen, *server_creds, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
   builder.SetMaxSendMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
   builder.RegisterService(&service);
@@ -198,6 +211,7 @@ int main(int argc, char** argv) {
 
   CoordinatorLinkOptions lo;
   lo.coordinator = coordinator;
+  lo.credentials = *link_creds;
   lo.cluster_token = cluster_token;
   lo.node.set_node_id(*id);
   lo.node.set_grpc_address(advertise);

@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "kvring.grpc.pb.h"
 #include "kvring/client/client.h"
+#include "kvring/control/tls.h"
 #include "kvring/layout/float_convert.h"
 
 #ifndef KVRING_BIN_DIR
@@ -95,6 +96,9 @@ struct ClusterOptions {
   std::string page_bytes = "2M";
   bool write_through = false;
   std::vector<std::string> extra_daemon_flags;
+  std::vector<std::string> extra_coordinator_flags;
+  // What the test's own clients and stubs use towards a TLS cluster.
+  TlsConfig client_tls;
 };
 
 class Cluster {
@@ -129,11 +133,12 @@ class Cluster {
     const std::string pf = (dir_ / "coordinator.port").string();
     std::filesystem::remove(pf);
     coordinator_ = std::make_unique<Process>();
-    coordinator_->Start({Bin("control/kvring-coordinator"), "--listen=127.0.0.1:" + std::to_string(coordinator_port_),
-                         "--data_dir=" + (dir_ / "coordinator").string(), "--admin_token=" + admin_token_,
-                         "--cluster_token=" + cluster_token_, "--replication=" + std::to_string(o_.replication),
-                         "--heartbeat_interval=100ms", "--heartbeat_timeout=600ms", "--port_file=" + pf},
-                        (dir_ / "coordinator.log").string());
+    std::vector<std::string> argv = {Bin("control/kvring-coordinator"), "--listen=127.0.0.1:" + std::to_string(coordinator_port_),
+                                     "--data_dir=" + (dir_ / "coordinator").string(), "--admin_token=" + admin_token_,
+                                     "--cluster_token=" + cluster_token_, "--replication=" + std::to_string(o_.replication),
+                                     "--heartbeat_interval=100ms", "--heartbeat_timeout=600ms", "--port_file=" + pf};
+    for (const auto& f : o_.extra_coordinator_flags) argv.push_back(f);
+    coordinator_->Start(argv, (dir_ / "coordinator.log").string());
     int port = WaitPort(pf);
     if (port <= 0) return ::testing::AssertionFailure() << "coordinator did not start: " << Log("coordinator.log");
     coordinator_port_ = port;  // reuse it across restarts
@@ -196,7 +201,9 @@ class Cluster {
   }
 
   std::unique_ptr<v1::Coordinator::Stub> CoordinatorStub() {
-    return v1::Coordinator::NewStub(grpc::CreateChannel(coordinator_address(), grpc::InsecureChannelCredentials()));
+    auto creds = MakeChannelCredentials(o_.client_tls);
+    return v1::Coordinator::NewStub(
+        grpc::CreateChannel(coordinator_address(), creds.ok() ? *creds : grpc::InsecureChannelCredentials()));
   }
 
   // Creates a tenant and returns its token (waits until every UP daemon knows it).
@@ -222,6 +229,7 @@ class Cluster {
                                                   const std::string& quantize = "") {
     ClientOptions co;
     co.quantize = quantize;
+    co.tls = o_.client_tls;
     co.coordinator = coordinator_address();
     co.token = token;
     co.ns = ns;

@@ -18,6 +18,7 @@
 #include "kvring/control/auth.h"
 #include "kvring/control/request_validation.h"
 #include "kvring/control/shard_ring.h"
+#include "kvring/control/tls.h"
 #include "kvring/control/ucx_data_plane.h"
 #include "kvring/transport/ucx_rpc.h"
 
@@ -49,7 +50,9 @@ class ClientImpl {
   explicit ClientImpl(const ClientOptions& o) : o_(o), pool_(o.threads ? o.threads : 16) {}
 
   absl::Status Init() {
-    coord_ = v1::Coordinator::NewStub(grpc::CreateChannel(o_.coordinator, grpc::InsecureChannelCredentials()));
+    KVRING_ASSIGN_OR_RETURN(creds_, MakeChannelCredentials(o_.tls));
+    if (o_.tls.enabled()) o_.use_ucx = false;  // UCX is not encrypted
+    coord_ = v1::Coordinator::NewStub(grpc::CreateChannel(o_.coordinator, creds_));
     v1::WhoAmIRequest req;
     req.set_version(1);
     auto ctx = Context(absl::Seconds(5));
@@ -93,7 +96,7 @@ class ClientImpl {
         grpc::ChannelArguments args;
         args.SetMaxReceiveMessageSize(-1);
         args.SetMaxSendMessageSize(-1);
-        conn->channel = grpc::CreateCustomChannel(n.grpc_address(), grpc::InsecureChannelCredentials(), args);
+        conn->channel = grpc::CreateCustomChannel(n.grpc_address(), creds_, args);
         conn->stub = v1::Node::NewStub(conn->channel);
       }
     }
@@ -710,6 +713,7 @@ class ClientImpl {
 
   std::atomic<size_t> last_block_bytes_{0};
   ClientOptions o_;
+  std::shared_ptr<grpc::ChannelCredentials> creds_;
   v1::Tenant tenant_;
   std::string ns_;
   NamespaceId ns_id_ = 0;

@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/notification.h"
+#include "grpcpp/security/credentials.h"
 #include "kvring.grpc.pb.h"
 #include "kvring/control/auth.h"
 
@@ -23,6 +24,8 @@ namespace kvring {
 
 struct CoordinatorLinkOptions {
   std::string coordinator;   // host:port
+  // Channel credentials towards the coordinator (null: plaintext).
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
   std::string cluster_token;
   v1::NodeInfo node;         // node_id, addresses, capacity
   absl::Duration start_timeout = absl::Seconds(30);

@@ -29,6 +29,7 @@
 #include "kvring/attention/tensors.h"
 #include "kvring/cache/block_key.h"
 #include "kvring/cache/block_meta.h"
+#include "kvring/common/tls_config.h"
 
 namespace kvring {
 
@@ -51,6 +52,10 @@ struct ClientOptions {
   // the tenant's kv_encoding. Get then returns the codes (meta.encoding says
   // which; DequantizeBlock restores the dtype) and Attend reads them directly.
   std::string quantize;
+  // TLS towards the coordinator and the nodes (common/tls_config.h): set
+  // tls.ca_file (and cert_file/key_file for mutual TLS). With TLS on,
+  // payloads go over gRPC: use_ucx is ignored (UCX is not encrypted).
+  TlsConfig tls;
 };
 
 struct BlockData {
