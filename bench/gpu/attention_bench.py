@@ -163,6 +163,78 @@ for B, L in decode_shapes:
     del kv, k, v, ws
     torch.cuda.empty_cache()
 
+# ------------------------------------------------------------------ decode over int8 / fp8 pages
+# Codes (1 byte) + fp32 scales per (K|V, kv head) of a page; the kernel
+# dequantizes in registers. Bytes read are half the bf16 rows', so the peer
+# row is the bf16 kernel and SDPA (cuDNN) on the bf16 cache of the same shape.
+qshapes = [(8, 32768), (64, 32768), (16, 131072)]
+if args.quick:
+    qshapes = [(8, 32768)]
+if args.profile_one:
+    qshapes = []
+results["decode_quant"] = []
+for B, L in qshapes:
+    for codec_name, codec in (("int8", 1), ("fp8", 2)):
+        ppseq = (L + BT - 1) // BT
+        n = B * ppseq
+        code_bytes = 2 * HKV * BT * D
+        stride = code_bytes + 4 * 2 * HKV
+        pool = torch.empty(n, stride, dtype=torch.uint8, device=dev)
+        if codec == 1:
+            codes = torch.randint(-127, 128, (n, 2, HKV, BT, D), dtype=torch.int8, device=dev)
+            vals = codes.float()
+        else:
+            codes8 = (torch.randn(n, 2, HKV, BT, D, device=dev) * 64).to(torch.float8_e4m3fn)
+            codes = codes8.view(torch.int8)
+            vals = codes8.float()
+        scales = torch.rand(n, 2, HKV, device=dev) * 0.02 + 0.005
+        pool[:, :code_bytes] = codes.view(n, -1).view(torch.uint8)
+        pool[:, code_bytes:] = scales.view(n, -1).contiguous().view(torch.uint8).view(n, -1)
+        perm = torch.randperm(n, device=dev).to(torch.int32)
+        page_pos = (torch.arange(ppseq, device=dev, dtype=torch.int32) * BT).repeat(B).contiguous()
+        spb = (torch.arange(B + 1, device=dev, dtype=torch.int32) * ppseq).contiguous()
+        stok = torch.full((B,), L, dtype=torch.int32, device=dev)
+        q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device=dev)
+        pos = torch.full((B,), L - 1, dtype=torch.int32, device=dev)
+        rows = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        out = torch.empty(B, HQ, D, dtype=torch.float32, device=dev)
+        lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
+        splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, SMS)
+        wsb = lib.kvring_cuda_decode_workspace(B, HQ, splits, D)
+        ws = torch.empty(max(1, wsb), dtype=torch.uint8, device=dev)
+        dtype_arg = 0 | (codec << 8) | (0 << 12)
+
+        def ours_q():
+            e = lib.kvring_cuda_decode(pool.data_ptr(), stride, BT, 1, HKV, D, dtype_arg, 0, perm.data_ptr(),
+                                       page_pos.data_ptr(), spb.data_ptr(), stok.data_ptr(), B, q.data_ptr(), pos.data_ptr(),
+                                       rows.data_ptr(), B, HQ, 1, 0.0, 1, 0, splits, ws.data_ptr(), wsb, out.data_ptr(),
+                                       lse.data_ptr(), stream())
+            assert e == 0, f"quantized decode error {e}"
+
+        ours_q()
+        # Reference: the dequantized values in float32, in position order.
+        deq = (vals * scales[:, :, :, None, None])[perm.long()].view(B, ppseq, 2, HKV, BT, D)
+        k = deq[:, :, 0].permute(0, 2, 1, 3, 4).reshape(B, HKV, -1, D)[:, :, :L]
+        v = deq[:, :, 1].permute(0, 2, 1, 3, 4).reshape(B, HKV, -1, D)[:, :, :L]
+        ref = sdpa(q.float().view(B, HQ, 1, D), k.contiguous(), v.contiguous(), False, SDPBackend.MATH).view(B, HQ, D)
+        err = rel(out, ref)
+        ms = timed(ours_q)
+        qbytes = B * ppseq * stride
+        kb, vb = k.to(torch.bfloat16).contiguous(), v.to(torch.bfloat16).contiguous()
+        del deq, k, v, ref, vals
+        try:
+            t_cudnn = timed(lambda: sdpa(q.view(B, HQ, 1, D), kb, vb, False, SDPBackend.CUDNN_ATTENTION))
+        except Exception:
+            t_cudnn = None
+        row = {"codec": codec_name, "batch": B, "kv_len": L, "ms": ms, "GBps": qbytes / (ms * 1e-3) / 1e9,
+               "frac_copy": qbytes / (ms * 1e-3) / copy_bw, "rel_err": err, "sdpa_cudnn_bf16_ms": t_cudnn,
+               "speedup_vs_sdpa_bf16": (t_cudnn / ms) if t_cudnn else None}
+        results["decode_quant"].append(row)
+        print(f"decode {codec_name} B={B:3d} L={L:6d}: {ms:.3f} ms, {row['GBps']:.0f} GB/s = {row['frac_copy']:.2f} of copy, "
+              f"err {err:.1e}; SDPA cuDNN on bf16 {t_cudnn}", flush=True)
+        del pool, codes, scales, kb, vb, ws
+        torch.cuda.empty_cache()
+
 # ------------------------------------------------------------------ prefill
 prefill_shapes = [(1, 4096), (1, 16384), (1, 32768), (4, 8192), (1, 131072)]
 if args.quick:
@@ -225,6 +297,13 @@ with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
         f.write(f"| {r['batch']} | {r['kv_len']} | {r['pages']} | {r['splits']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['frac_copy']:.2f} | "
                 f"{fmt(r.get('sdpa_cudnn_ms'))} | {frac(r.get('sdpa_cudnn_frac_copy'))} | {fmt(r.get('sdpa_flash_ms'))} | "
                 f"{frac(r.get('sdpa_flash_frac_copy'))} | {r['rel_err']:.1e} |\n")
+    f.write("\n| quantized decode | batch | kv len | kvring ms | GB/s of codes | of copy | SDPA cuDNN ms (bf16 cache) | kvring speedup | rel err |\n")
+    f.write("|---|---|---|---|---|---|---|---|---|\n")
+    for r in results.get("decode_quant", []):
+        c = "n/a" if r["sdpa_cudnn_bf16_ms"] is None else f"{r['sdpa_cudnn_bf16_ms']:.3f}"
+        sp = "n/a" if r["speedup_vs_sdpa_bf16"] is None else f"{r['speedup_vs_sdpa_bf16']:.2f}x"
+        f.write(f"| {r['codec']} | {r['batch']} | {r['kv_len']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['frac_copy']:.2f} | {c} | {sp} | "
+                f"{r['rel_err']:.1e} |\n")
     f.write("\n| prefill batch | len | kvring ms | kvring TFLOP/s | of GEMM | SDPA flash TFLOP/s | kvring/flash | SDPA cuDNN TFLOP/s | kvring/cuDNN | rel err |\n")
     f.write("|---|---|---|---|---|---|---|---|---|---|\n")
     for r in results["prefill"]:

@@ -8,6 +8,7 @@
 #include "gpu_test_util.h"
 #include "kvring/attention/cuda/gpu_ring.h"
 #include "kvring/attention/merge.h"
+#include "kvring/cache/quantize.h"
 #include "kvring/transport/nccl_transport.h"
 
 namespace kvring {
@@ -53,6 +54,82 @@ TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
           ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, bf16 ? 1e-2 : 3e-3,
                         absl::StrCat("decode D=", D, " ratio=", ratio, " bt=", bt, " splits=", splits));
         }
+}
+
+// Decode over int8 / fp8 pages (every scale mode), made by QuantizeBlock
+// from random bf16/f16 blocks: the kernel reads the codes and must match the
+// float64 reference over exactly the dequantized values (code * scale).
+TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
+  KVRING_REQUIRE_GPU();
+  uint64_t seed = 500;
+  for (int D : {64, 128})
+    for (const char* name : {"int8/per-head", "int8/per-token", "int8/kivi", "fp8/per-head", "fp8/per-token", "fp8/kivi"})
+      for (int splits : {1, 5}) {
+        std::mt19937_64 rng(seed++);
+        const int kv_heads = 2, q_heads = 8, bt = 16, layers = 2;
+        const bool bf16 = seed % 2;
+        KvEncoding enc;
+        ASSERT_TRUE(ParseKvEncoding(name, &enc).ok());
+        std::vector<int> toks = {1 + (int)(rng() % 600), 40, 16 * 5};
+        std::vector<int> starts = {0, 3, 64};
+        auto kvb = MakeBatch(rng, bt, layers, kv_heads, D, bf16, toks, starts, /*gap=*/false, /*layer=*/1);
+        // The same pages, quantized, in a pool of 16-byte aligned pages.
+        const BlockLayout L{static_cast<uint32_t>(bt), static_cast<uint32_t>(layers), static_cast<uint32_t>(kv_heads),
+                            static_cast<uint32_t>(D), bf16 ? DType::kBF16 : DType::kF16};
+        const uint64_t stride = (EncodedBytes(L, enc) + 15) / 16 * 16;
+        const size_t capacity = kvb.pool_host.size() / kvb.page_elems();
+        std::vector<uint8_t> qpool(capacity * stride, 0);
+        for (size_t pg = 0; pg < capacity; ++pg) {
+          std::vector<uint8_t> codes;
+          const auto* plain = reinterpret_cast<const uint8_t*>(kvb.pool_host.data() + pg * kvb.page_elems());
+          ASSERT_TRUE(QuantizeBlock(L, absl::MakeConstSpan(plain, L.bytes()), enc, &codes).ok());
+          std::memcpy(qpool.data() + pg * stride, codes.data(), codes.size());
+        }
+        // The reference reads the codes through the CPU path's dequantization.
+        std::vector<int32_t> ids, poss;
+        for (size_t s = 0, at = 0; s < toks.size(); ++s) {
+          const int np = (toks[s] + bt - 1) / bt;
+          std::vector<int32_t> hid(np), hpos(np);
+          CUDA_OK(cudaMemcpy(hid.data(), kvb.page_ids.p + at, np * 4, cudaMemcpyDeviceToHost));
+          CUDA_OK(cudaMemcpy(hpos.data(), kvb.page_pos.p + at, np * 4, cudaMemcpyDeviceToHost));
+          std::vector<KvBlockRef> refs;
+          for (int i = 0; i < np; ++i) {
+            refs.push_back(KvBlockRef{qpool.data() + (size_t)hid[i] * stride, hpos[i],
+                                      static_cast<uint32_t>(std::min(bt, toks[s] - i * bt))});
+          }
+          std::vector<uint32_t> begin{0, static_cast<uint32_t>(np)};
+          kvb.seqs[s].dense = reference::FromBlocks(PagedKv{L, enc, refs, begin}, 0, 1);
+          at += np;
+        }
+        Dev<uint8_t> dq(qpool);
+        cuda::PagedKvView view = kvb.View(1);
+        view.pool = dq.p;
+        view.page_stride = stride;
+        view.codec = static_cast<int32_t>(enc.codec);
+        view.scales = static_cast<int32_t>(enc.scales);
+        std::vector<std::vector<int32_t>> qpos;
+        for (size_t s = 0; s < toks.size(); ++s) {
+          const auto& kp = kvb.seqs[s].dense.positions;
+          std::vector<int32_t> rows;
+          const int nr = 1 + rng() % 4;
+          for (int r = 0; r < nr; ++r) rows.push_back(kp.back() - (int)(rng() % 20));
+          if (s == 1) rows[0] = 1;  // before every key of sequence 1
+          qpos.push_back(rows);
+        }
+        auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+        Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
+        out.Poison();
+        lse.Poison();
+        const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
+        Dev<uint8_t> work(ws);
+        CUDA_OK(cuda::PagedDecode(cuda::AttnParams{}, qb.View(), view, {out.p, lse.p}, splits, work.p, ws, nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        AttentionOptions o;
+        o.layer = 1;
+        // fp32 arithmetic over exact code * scale values: no 16-bit rounding of P.
+        ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-4, absl::StrCat("quantized decode ", name, " D=", D,
+                                                                             " splits=", splits));
+      }
 }
 
 TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {

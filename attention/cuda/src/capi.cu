@@ -16,7 +16,9 @@ PagedKvView Kv(const void* pool, uint64_t stride, int bt, int layers, int kv_hea
   v.layers = layers;
   v.kv_heads = kv_heads;
   v.head_dim = head_dim;
-  v.dtype = static_cast<KvType>(dtype);
+  v.dtype = static_cast<KvType>(dtype & 0xff);  // low byte: dtype; then codec << 8 and scale mode << 12
+  v.codec = (dtype >> 8) & 0xf;
+  v.scales = (dtype >> 12) & 0xf;
   v.layer = layer;
   v.page_ids = page_ids;
   v.page_pos = page_pos;

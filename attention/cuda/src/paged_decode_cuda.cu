@@ -16,6 +16,9 @@
 
 namespace kvring::cuda {
 namespace internal {
+// paged_decode_quant_cuda.cu: the same contract over int8/fp8 pages.
+cudaError_t QuantizedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
+                            float* po, float* pl, cudaStream_t stream);
 namespace {
 
 constexpr int kWarps = 4, kThreads = 128, kTile = 64, kStages = 3, kRows = 16;
@@ -302,8 +305,15 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
   if (kv.kv_heads <= 0 || q.q_heads <= 0 || q.q_heads % kv.kv_heads != 0) return "q_heads must be a multiple of kv_heads";
   if (kv.layer < 0 || kv.layer >= kv.layers) return "layer out of range";
   if (kv.block_tokens <= 0 || kv.block_tokens > 256) return "block_tokens must be in [1, 256]";
-  if (kv.page_stride < (uint64_t)kv.layers * 2 * kv.kv_heads * kv.block_tokens * kv.head_dim * 2) {
-    return "page_stride smaller than a block";
+  const uint64_t elems = (uint64_t)kv.layers * 2 * kv.kv_heads * kv.block_tokens * kv.head_dim;
+  if (kv.codec < 0 || kv.codec > 2 || kv.scales < 0 || kv.scales > 2) return "unknown KV encoding";
+  if (kv.codec == 0 && kv.page_stride < elems * 2) return "page_stride smaller than a block";
+  if (kv.codec != 0) {
+    const uint64_t nscales = kv.scales == 0   ? (uint64_t)kv.layers * 2 * kv.kv_heads
+                             : kv.scales == 1 ? (uint64_t)kv.layers * 2 * kv.kv_heads * kv.block_tokens
+                                              : (uint64_t)kv.layers * kv.kv_heads * (kv.head_dim + kv.block_tokens);
+    if (kv.page_stride < elems + 4 * nscales) return "page_stride smaller than a quantized block";
+    if (kv.page_stride % 16 != 0) return "quantized pages must be 16-byte aligned";
   }
   if (kv.num_seqs <= 0 || q.max_rows_per_seq <= 0) return "no sequences";
   return nullptr;
@@ -336,7 +346,9 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   float* po = static_cast<float*>(workspace);
   float* pl = po == nullptr ? nullptr : po + (size_t)num_splits * q.num_rows * q.q_heads * D;
   cudaError_t e;
-  if (kv.dtype == KvType::kBF16) {
+  if (kv.codec != 0) {
+    e = internal::QuantizedDecode(p, q, kv, out, num_splits, po, pl, stream);
+  } else if (kv.dtype == KvType::kBF16) {
     e = D == 128 ? internal::DispatchNV<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, stream)
                  : internal::DispatchNV<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, stream);
   } else {

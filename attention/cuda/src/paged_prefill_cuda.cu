@@ -297,6 +297,7 @@ cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& k
 
 cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                          cudaStream_t stream) {
+  if (kv.codec != 0) return cudaErrorNotSupported;  // quantized pages: decode only
   if (CheckViews(q, kv) != nullptr || out.out == nullptr || out.lse == nullptr) return cudaErrorInvalidValue;
   if (q.num_rows == 0) return cudaSuccess;
   if (kv.dtype == KvType::kBF16) {
