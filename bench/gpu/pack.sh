@@ -5,9 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${KVRING_BUILD_DIR:-build}
-ninja -C "$BUILD" gpu_test nccl_probe kvring_cuda_capi
+ninja -C "$BUILD" gpu_test nccl_probe ring_bench kvring_cuda_capi
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
-cp "$BUILD/tests/gpu/gpu_test" "$BUILD/bench/gpu/nccl_probe" .gpu/bin/
+cp "$BUILD/tests/gpu/gpu_test" "$BUILD/bench/gpu/nccl_probe" "$BUILD/bench/gpu/ring_bench" .gpu/bin/
 cp "$BUILD/attention/cuda/libkvring_cuda_capi.so" .gpu/lib/
 for b in .gpu/bin/*; do
   ldd "$b" | awk '/=> \//{print $3}' | while read -r lib; do

@@ -16,5 +16,7 @@ echo "== gpu tests"
 timeout 420 .gpu/bin/gpu_test --gtest_color=no 2>&1 | tee "$OUT/gpu_test.log" | grep -E "^\[ +(OK|FAILED|SKIPPED|PASSED) |Failure|error|Expected|Which|Value of|Actual" | head -80
 echo "== nccl probe"
 timeout 60 .gpu/bin/nccl_probe 2>&1 | tail -3 | tee "$OUT/nccl_probe.txt"
+echo "== ring, world size 1 (dry run of bench/gpu/multi_gpu.sh)"
+bash bench/gpu/multi_gpu.sh --quick 2>&1 | tail -6
 echo "== benchmark"
 PYTHONUNBUFFERED=1 timeout 600 python3 bench/gpu/attention_bench.py --lib .gpu/lib/libkvring_cuda_capi.so --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
