@@ -26,7 +26,7 @@ namespace kvring::cuda {
 namespace internal {
 namespace {
 
-constexpr int kWarps = 4, kThreads = 128, kRows = 16;
+constexpr int kWarps = 4, kThreads = 128, kRows = 8;  // 8 vectors a CTA keeps registers low
 
 template <int kCodec>
 __device__ __forceinline__ float Code(uint8_t c) {
@@ -57,7 +57,7 @@ template <>
 __device__ __forceinline__ float ToF<__half>(__half x) { return __half2float(x); }
 
 template <int D, int kCodec, int kMode, typename T>
-__global__ void __launch_bounds__(kThreads) QDecodeKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits,
+__global__ void __launch_bounds__(kThreads, 4) QDecodeKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits,
                                                           int row_groups, float* part_out, float* part_lse, float* out,
                                                           float* lse) {
   constexpr int kDpl = D / 32;  // V dims per lane
@@ -116,12 +116,17 @@ __global__ void __launch_bounds__(kThreads) QDecodeKernel(AttnParams p, QueryVie
 #pragma unroll
     for (int r = 0; r < kRows; ++r) sc[r] = 0.f;
     if (valid) {
+      // All of the row's loads first (D/16 independent 16-byte loads in
+      // flight), then the arithmetic.
       const uint8_t* krow = reinterpret_cast<const uint8_t*>(page) + koff + (uint64_t)off * D;
+      uint4 kr[D / 16];
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) kr[j] = LoadNc(krow + j * 16);
       const float ks_tok = kMode == 2 ? 1.f : scales[ScaleAt<kMode>(kv, 0, h, off, 0)];
-#pragma unroll 2
-      for (int d0 = 0; d0 < D; d0 += 16) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(krow + d0);
-        const uint8_t* cb = reinterpret_cast<const uint8_t*>(&raw);
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        const int d0 = j * 16;
+        const uint8_t* cb = reinterpret_cast<const uint8_t*>(&kr[j]);
         float k[16];
 #pragma unroll
         for (int e = 0; e < 16; ++e) {
@@ -174,24 +179,29 @@ __global__ void __launch_bounds__(kThreads) QDecodeKernel(AttnParams p, QueryVie
       for (int j = 0; j < kDpl; ++j) acc[r][j] *= corr[r];
     }
     const int nt = min(32, tok_hi - c0);
-    for (int t = 0; t < nt; ++t) {
+    // Every token's V codes of this lane's dims first (32 independent loads
+    // in flight), then the weighted sums.
+    uint32_t vraw[32];
+#pragma unroll
+    for (int t = 0; t < 32; ++t) {
       const uint64_t vb = __shfl_sync(0xffffffffu, vbase, t);
-      const float vs = __shfl_sync(0xffffffffu, vs_own, t);
       const uint8_t* vrow = reinterpret_cast<const uint8_t*>(pool) + vb + lane * kDpl;
-      float vv[kDpl];
       if constexpr (kDpl == 4) {
-        const uint32_t raw = *reinterpret_cast<const uint32_t*>(vrow);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) vv[j] = Code<kCodec>(static_cast<uint8_t>(raw >> (8 * j)));
+        vraw[t] = t < nt ? __ldg(reinterpret_cast<const unsigned int*>(vrow)) : 0u;
       } else {
-        const uint16_t raw = *reinterpret_cast<const uint16_t*>(vrow);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) vv[j] = Code<kCodec>(static_cast<uint8_t>(raw >> (8 * j)));
+        vraw[t] = t < nt ? __ldg(reinterpret_cast<const unsigned short*>(vrow)) : 0u;
       }
+    }
+#pragma unroll
+    for (int t = 0; t < 32; ++t) {
+      const float vs = __shfl_sync(0xffffffffu, vs_own, t);
+      float vv[kDpl];
+#pragma unroll
+      for (int j = 0; j < kDpl; ++j) vv[j] = Code<kCodec>(static_cast<uint8_t>(vraw[t] >> (8 * j)));
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
+        const float w = __shfl_sync(0xffffffffu, pw[r], t) * vs;  // 0 past nt and for r >= nv
         if (r < nv) {
-          const float w = __shfl_sync(0xffffffffu, pw[r], t) * vs;
 #pragma unroll
           for (int j = 0; j < kDpl; ++j) acc[r][j] += w * vv[j];
         }
