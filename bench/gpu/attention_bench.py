@@ -27,8 +27,11 @@ args = p.parse_args()
 lib = ctypes.CDLL(args.lib)
 I, U64, F32, VP = ctypes.c_int, ctypes.c_uint64, ctypes.c_float, ctypes.c_void_p
 lib.kvring_cuda_decode.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, I, VP, U64,
-                                   VP, VP, VP]
-lib.kvring_cuda_prefill.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, VP, VP, VP]
+                                   VP, VP, VP, I]
+lib.kvring_cuda_prefill.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, VP, VP, VP,
+                                    I]
+DECODE_KERNELS = {"tiled": 1, "pipelined": 2}     # kvring::cuda::DecodeKernel
+PREFILL_KERNELS = {"wgmma": 2, "mma.sync": 1}     # kvring::cuda::PrefillKernel
 lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
 lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
 lib.kvring_cuda_decode_workspace.restype = U64
@@ -40,7 +43,7 @@ HQ, HKV, D, BT = 32, 8, 128, 16
 torch.manual_seed(0)
 
 
-def timed(fn, reps=20, warmup=3):
+def timed_events(fn, reps=20, warmup=3):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -54,6 +57,40 @@ def timed(fn, reps=20, warmup=3):
         ts.append(a.elapsed_time(b))
     ts.sort()
     return ts[len(ts) // 2]  # median ms
+
+
+def timed(fn, reps=20, warmup=3):
+    """Median ms of one call, timed over CUDA-graph replays of n calls (so the
+    host's launch cost of small calls is not counted, for kvring and SDPA
+    alike); falls back to per-call events if the capture fails."""
+    one = timed_events(fn, reps=3, warmup=warmup)
+    n = max(1, min(50, int(2.0 / max(one, 1e-3))))  # ~2 ms of work per replay
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / n)
+        del g
+        ts.sort()
+        return ts[len(ts) // 2]
+    except Exception as ex:  # noqa: BLE001
+        print(f"  (graph capture failed: {str(ex)[:80]}; timing per call)", flush=True)
+        return timed_events(fn, reps=reps, warmup=0)
 
 
 def ceilings():
@@ -129,25 +166,37 @@ for B, L in decode_shapes:
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
     splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, kv.pages_per_seq, SMS)
-    wsb = lib.kvring_cuda_decode_workspace(B, HQ, splits, D)
+    wsb = lib.kvring_cuda_decode_workspace(B, HQ, max(splits, 2 * splits), D)
     ws = torch.empty(max(1, wsb), dtype=torch.uint8, device=dev)
 
-    def ours():
-        e = lib.kvring_cuda_decode(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B, HQ, 1, 0.0, 1, 0, splits,
-                                   ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(), stream())
+    def ours(kernel=DECODE_KERNELS["pipelined"], nsplits=splits):
+        e = lib.kvring_cuda_decode(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B, HQ, 1, 0.0, 1, 0,
+                                   nsplits, ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(), stream(), kernel)
         assert e == 0, f"decode error {e}"
 
     ours()
     if args.profile_one:
+        ours(DECODE_KERNELS["tiled"])
         torch.cuda.synchronize()
         continue
     k, v = kv.dense()
     ref = sdpa(q.view(B, HQ, 1, D), k, v, False, SDPBackend.MATH).view(B, HQ, D)
-    err = rel(out, ref)
-    ms = timed(ours)
     kv_bytes = B * L * HKV * D * 2 * 2
-    row = {"batch": B, "kv_len": L, "pages": "in order" if ordered else "shuffled", "splits": splits, "ms": ms, "rel_err": err, "GBps": kv_bytes / (ms * 1e-3) / 1e9,
-           "frac_copy": kv_bytes / (ms * 1e-3) / copy_bw}
+    row = {"batch": B, "kv_len": L, "pages": "in order" if ordered else "shuffled", "splits": splits}
+    for name, kern in DECODE_KERNELS.items():
+        out.fill_(float("nan"))
+        ours(kern)
+        err = rel(out, ref)
+        assert err < 2e-2, f"decode {name} wrong: rel err {err}"
+        t = timed(lambda: ours(kern))
+        row[f"{name}_ms"], row[f"{name}_rel_err"] = t, err
+        row[f"{name}_frac_copy"] = kv_bytes / (t * 1e-3) / copy_bw
+    # The split count for the pipelined kernel: the default and its neighbours.
+    for sp in sorted({max(1, splits // 2), 2 * splits}):
+        t = timed(lambda: ours(DECODE_KERNELS["pipelined"], sp))
+        row[f"pipelined_splits{sp}_frac_copy"] = kv_bytes / (t * 1e-3) / copy_bw
+    ms, err = row["pipelined_ms"], row["pipelined_rel_err"]
+    row.update({"ms": ms, "rel_err": err, "GBps": kv_bytes / (ms * 1e-3) / 1e9, "frac_copy": kv_bytes / (ms * 1e-3) / copy_bw})
     for name, be in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]:
         try:
             qq = q.view(B, HQ, 1, D)
@@ -158,8 +207,10 @@ for B, L in decode_shapes:
             row[f"sdpa_{name}_ms"] = None
             row[f"sdpa_{name}_error"] = str(ex)[:120]
     results["decode"].append(row)
-    print(f"decode B={B:3d} L={L:6d}: {ms:.3f} ms, {row['GBps']:.0f} GB/s = {row['frac_copy']:.2f} of copy, err {err:.1e}; "
-          f"sdpa cudnn {row.get('sdpa_cudnn_ms')} flash {row.get('sdpa_flash_ms')}", flush=True)
+    extra = " ".join(f"{k[len('pipelined_'):-len('_frac_copy')]}={v:.2f}" for k, v in row.items() if k.startswith("pipelined_splits"))
+    print(f"decode B={B:3d} L={L:6d}: pipelined {ms:.3f} ms = {row['frac_copy']:.2f} of copy (tiled "
+          f"{row['tiled_frac_copy']:.2f}; {extra}), err {err:.1e}; sdpa cudnn {row.get('sdpa_cudnn_frac_copy', 0):.2f} "
+          f"flash {row.get('sdpa_flash_frac_copy', 0):.2f}", flush=True)
     del kv, k, v, ws
     torch.cuda.empty_cache()
 
@@ -207,7 +258,7 @@ for B, L in qshapes:
             e = lib.kvring_cuda_decode(pool.data_ptr(), stride, BT, 1, HKV, D, dtype_arg, 0, perm.data_ptr(),
                                        page_pos.data_ptr(), spb.data_ptr(), stok.data_ptr(), B, q.data_ptr(), pos.data_ptr(),
                                        rows.data_ptr(), B, HQ, 1, 0.0, 1, 0, splits, ws.data_ptr(), wsb, out.data_ptr(),
-                                       lse.data_ptr(), stream())
+                                       lse.data_ptr(), stream(), 0)
             assert e == 0, f"quantized decode error {e}"
 
         ours_q()
@@ -261,24 +312,31 @@ for B, L in prefill_shapes:
     out = torch.empty(B * L, HQ, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B * L, HQ, dtype=torch.float32, device=dev)
 
-    def ours():
+    def ours(kernel=PREFILL_KERNELS["wgmma"]):
         e = lib.kvring_cuda_prefill(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B * L, HQ, L, 0.0, 1, 0,
-                                    out.data_ptr(), lse.data_ptr(), stream())
+                                    out.data_ptr(), lse.data_ptr(), stream(), kernel)
         assert e == 0, f"prefill error {e}"
 
     ours()
     if args.profile_one:
+        ours(PREFILL_KERNELS["mma.sync"])
         torch.cuda.synchronize()
         continue
     k, v = kv.dense()
     qt = q.permute(0, 2, 1, 3).contiguous()  # [B, HQ, L, D]
     ref = sdpa(qt, k, v, True, SDPBackend.FLASH_ATTENTION)
-    err = rel(out.view(B, L, HQ, D).permute(0, 2, 1, 3), ref)
     reps = 5 if L >= 65536 else 10
-    ms = timed(ours, reps=reps)
     flops = 4 * B * HQ * D * (L * (L + 1) / 2)
-    row = {"batch": B, "kv_len": L, "ms": ms, "rel_err": err, "TFLOPs": flops / (ms * 1e-3) / 1e12,
-           "frac_gemm": flops / (ms * 1e-3) / gemm}
+    row = {"batch": B, "kv_len": L}
+    for name, kern in PREFILL_KERNELS.items():
+        out.fill_(float("nan"))
+        ours(kern)
+        err = rel(out.view(B, L, HQ, D).permute(0, 2, 1, 3), ref)
+        assert err < 2e-2, f"prefill {name} wrong: rel err {err}"
+        t = timed(lambda: ours(kern), reps=reps)
+        row[f"{name}_ms"], row[f"{name}_rel_err"], row[f"{name}_TFLOPs"] = t, err, flops / (t * 1e-3) / 1e12
+    ms, err = row["wgmma_ms"], row["wgmma_rel_err"]
+    row.update({"ms": ms, "rel_err": err, "TFLOPs": flops / (ms * 1e-3) / 1e12, "frac_gemm": flops / (ms * 1e-3) / gemm})
     for name, be in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
         try:
             t = timed(lambda: sdpa(qt, k, v, True, be), reps=reps)
@@ -289,8 +347,9 @@ for B, L in prefill_shapes:
             row[f"sdpa_{name}_ms"] = None
             row[f"sdpa_{name}_error"] = str(ex)[:120]
     results["prefill"].append(row)
-    print(f"prefill B={B} L={L:6d}: {ms:.2f} ms, {row['TFLOPs']:.0f} TFLOP/s ({row['frac_gemm']:.2f} of GEMM), err {err:.1e}; "
-          f"vs flash {row.get('ratio_vs_flash')}, vs cudnn {row.get('ratio_vs_cudnn')}", flush=True)
+    print(f"prefill B={B} L={L:6d}: wgmma {ms:.2f} ms, {row['TFLOPs']:.0f} TFLOP/s ({row['frac_gemm']:.2f} of GEMM; "
+          f"mma.sync {row['mma.sync_TFLOPs']:.0f}), err {err:.1e}; vs flash {row.get('ratio_vs_flash', 0):.2f}, "
+          f"vs cudnn {row.get('ratio_vs_cudnn', 0):.2f}", flush=True)
     del kv, k, v, q, qt, out, ref
     torch.cuda.empty_cache()
 
@@ -300,12 +359,13 @@ with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
 with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
     f.write(f"{props.name} ({SMS} SMs), torch {torch.__version__}, {results['date']}: device copy "
             f"{copy_bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s\n\n")
-    f.write("| decode batch | kv len | pages | splits | kvring ms | kvring GB/s | of copy | SDPA cuDNN ms | of copy | SDPA flash ms | of copy | rel err |\n")
-    f.write("|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    f.write("| decode batch | kv len | pages | splits | kvring ms | kvring GB/s | of copy | tiled kernel, of copy | SDPA cuDNN ms | of copy | SDPA flash ms | of copy | rel err |\n")
+    f.write("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     for r in results["decode"]:
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"
         frac = lambda x: "n/a" if x is None else f"{x:.2f}"
         f.write(f"| {r['batch']} | {r['kv_len']} | {r['pages']} | {r['splits']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['frac_copy']:.2f} | "
+                f"{frac(r.get('tiled_frac_copy'))} | "
                 f"{fmt(r.get('sdpa_cudnn_ms'))} | {frac(r.get('sdpa_cudnn_frac_copy'))} | {fmt(r.get('sdpa_flash_ms'))} | "
                 f"{frac(r.get('sdpa_flash_frac_copy'))} | {r['rel_err']:.1e} |\n")
     f.write("\n| quantized decode | batch | kv len | kvring ms | GB/s of codes | of copy | SDPA cuDNN ms (bf16 cache) | kvring speedup | rel err |\n")
@@ -315,11 +375,11 @@ with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
         sp = "n/a" if r["speedup_vs_sdpa_bf16"] is None else f"{r['speedup_vs_sdpa_bf16']:.2f}x"
         f.write(f"| {r['codec']} | {r['batch']} | {r['kv_len']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['frac_copy']:.2f} | {c} | {sp} | "
                 f"{r['rel_err']:.1e} |\n")
-    f.write("\n| prefill batch | len | kvring ms | kvring TFLOP/s | of GEMM | SDPA flash TFLOP/s | kvring/flash | SDPA cuDNN TFLOP/s | kvring/cuDNN | rel err |\n")
-    f.write("|---|---|---|---|---|---|---|---|---|---|\n")
+    f.write("\n| prefill batch | len | kvring ms | kvring TFLOP/s | of GEMM | mma.sync kernel TFLOP/s | SDPA flash TFLOP/s | kvring/flash | SDPA cuDNN TFLOP/s | kvring/cuDNN | rel err |\n")
+    f.write("|---|---|---|---|---|---|---|---|---|---|---|\n")
     for r in results["prefill"]:
         g = lambda k: "n/a" if r.get(k) is None else f"{r[k]:.2f}" if "ratio" in k else f"{r[k]:.0f}"
-        f.write(f"| {r['batch']} | {r['kv_len']} | {r['ms']:.2f} | {r['TFLOPs']:.0f} | {r['frac_gemm']:.2f} | "
+        f.write(f"| {r['batch']} | {r['kv_len']} | {r['ms']:.2f} | {r['TFLOPs']:.0f} | {r['frac_gemm']:.2f} | {g('mma.sync_TFLOPs')} | "
                 f"{g('sdpa_flash_TFLOPs')} | {g('ratio_vs_flash')} | {g('sdpa_cudnn_TFLOPs')} | {g('ratio_vs_cudnn')} | "
                 f"{r['rel_err']:.1e} |\n")
 print(open(os.path.join(args.out, "gpu_bench.md")).read())

@@ -6,8 +6,8 @@ OUT=${OUT:-$PWD/gpu-out}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -z "$NCU" ] && { echo "no ncu"; exit 0; }
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-timeout 240 "$NCU" --clock-control none --target-processes all -k regex:"DecodeKernel|PrefillKernel" -c 2 \
+timeout 240 "$NCU" --clock-control none --target-processes all -k regex:"Decode.*Kernel|Prefill.*Kernel" -c 4 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
   python3 bench/gpu/attention_bench.py --lib .gpu/lib/libkvring_cuda_capi.so --out /tmp/ncu-bench --profile-one \
   > "$OUT/ncu.txt" 2>&1
-grep -E "Kernel|DecodeKernel|PrefillKernel|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Compute \(SM\)|Registers|Stall|L1/TEX Hit|L2 Hit|Issued Warp|No Eligible|Theoretical Occupancy|Block Limit" "$OUT/ncu.txt" | head -80
+grep -E "Kernel|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Compute \(SM\)|Registers|Stall|L1/TEX Hit|L2 Hit|Issued Warp|No Eligible|Theoretical Occupancy|Block Limit" "$OUT/ncu.txt" | head -80

@@ -2,7 +2,7 @@
 # Everything for one device call: GPU tests, the NCCL probe, and the
 # benchmark against torch SDPA. Run on the device machine from the repo root
 # after bench/gpu/pack.sh ran here:
-#   bash bench/gpu/run.sh [--quick]
+#   bash bench/gpu/run.sh [--quick] [--profile]
 # Logs and results go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -18,5 +18,14 @@ echo "== nccl probe"
 timeout 60 .gpu/bin/nccl_probe 2>&1 | tail -3 | tee "$OUT/nccl_probe.txt"
 echo "== ring, world size 1 (dry run of bench/gpu/multi_gpu.sh)"
 bash bench/gpu/multi_gpu.sh --quick 2>&1 | tail -6
+PROFILE=0
+BENCH_ARGS=()
+for a in "$@"; do
+  if [ "$a" = "--profile" ]; then PROFILE=1; else BENCH_ARGS+=("$a"); fi
+done
 echo "== benchmark"
-PYTHONUNBUFFERED=1 timeout 600 python3 bench/gpu/attention_bench.py --lib .gpu/lib/libkvring_cuda_capi.so --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
+PYTHONUNBUFFERED=1 timeout 420 python3 bench/gpu/attention_bench.py --lib .gpu/lib/libkvring_cuda_capi.so --out "$OUT" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v "^|"
+if [ "$PROFILE" = 1 ]; then
+  echo "== nsight compute (one launch of each kernel)"
+  bash bench/gpu/profile.sh
+fi

@@ -16,10 +16,14 @@ namespace {
 
 using namespace gpu_testing;
 
+const cuda::DecodeKernel kDecodeKernels[] = {cuda::DecodeKernel::kTiled, cuda::DecodeKernel::kPipelined};
+const char* KernelName(cuda::DecodeKernel k) { return k == cuda::DecodeKernel::kTiled ? "tiled" : "pipelined"; }
+
 // Decode: batches of sequences with 1..8 query rows each, GQA 1/4/8.
 TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 1;
+  for (cuda::DecodeKernel kernel : kDecodeKernels)
   for (int D : {64, 128})
     for (int ratio : {1, 4, 8})
       for (int bt : {16, 64})
@@ -46,14 +50,44 @@ TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
           const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
           Dev<uint8_t> work(ws);
           cuda::AttnParams p;
-          CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(1), {out.p, lse.p}, splits, work.p, ws, nullptr));
+          CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(1), {out.p, lse.p}, splits, work.p, ws, nullptr, kernel));
           CUDA_OK(cudaDeviceSynchronize());
           AttentionOptions o;
           o.layer = 1;
           // The tensor cores take P rounded to 16 bits for P V: the tolerance of 16-bit operands.
           ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, bf16 ? 1e-2 : 3e-3,
-                        absl::StrCat("decode D=", D, " ratio=", ratio, " bt=", bt, " splits=", splits));
+                        absl::StrCat("decode ", KernelName(kernel), " D=", D, " ratio=", ratio, " bt=", bt,
+                                     " splits=", splits));
         }
+}
+
+// Long KV streams: hundreds of pages a split (the pipelined kernel's stage
+// ring turns many times and its page-id window slides), page sizes smaller
+// than, equal to and not dividing a 16-token stage.
+TEST(GpuDecodeTest, LongSequencesMatchTheReference) {
+  KVRING_REQUIRE_GPU();
+  uint64_t seed = 500;
+  for (cuda::DecodeKernel kernel : kDecodeKernels)
+    for (int bt : {4, 16, 48})
+      for (int splits : {1, 3}) {
+        std::mt19937_64 rng(seed++);
+        const bool bf16 = seed % 2;
+        std::vector<int> toks = {5000 + (int)(rng() % 700), 2100};
+        auto kvb = MakeBatch(rng, bt, 1, 2, 128, bf16, toks, {0, 0}, /*gap=*/bt == 16, 0);
+        std::vector<std::vector<int32_t>> qpos;
+        for (const auto& sq : kvb.seqs) qpos.push_back({sq.dense.positions.back() + 1, sq.dense.positions.back() + 2});
+        auto qb = MakeQueries(rng, 8, 128, bf16, qpos);
+        Dev<float> out((size_t)qb.pos.size() * 8 * 128), lse((size_t)qb.pos.size() * 8);
+        out.Poison();
+        lse.Poison();
+        const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, 128);
+        Dev<uint8_t> work(ws);
+        cuda::AttnParams p;
+        CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr, kernel));
+        CUDA_OK(cudaDeviceSynchronize());
+        ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
+                      absl::StrCat("long decode ", KernelName(kernel), " bt=", bt, " splits=", splits));
+      }
 }
 
 // Decode over int8 / fp8 pages (every scale mode), made by QuantizeBlock
@@ -137,6 +171,7 @@ TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {
   std::mt19937_64 rng(77);
   auto kvb = MakeBatch(rng, 16, 1, 8, 128, true, {1000, 300}, {0, 0}, false, 0);
   auto qb = MakeQueries(rng, 32, 128, true, {{999}, {500, 250}});
+  for (cuda::DecodeKernel kernel : kDecodeKernels)
   for (int mode = 0; mode < 2; ++mode) {
     Dev<float> out((size_t)3 * 32 * 128), lse(3 * 32);
     out.Poison();
@@ -152,17 +187,32 @@ TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {
     }
     const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), 5, 128);
     Dev<uint8_t> work(ws);
-    CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, 5, work.p, ws, nullptr));
+    CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, 5, work.p, ws, nullptr, kernel));
     CUDA_OK(cudaDeviceSynchronize());
-    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2, mode == 0 ? "window" : "non-causal");
+    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2,
+                  absl::StrCat(KernelName(kernel), mode == 0 ? " window" : " non-causal"));
   }
 }
+
+// Both prefill kernels: the wgmma one where the device has it (sm_90), and
+// the mma.sync one everywhere.
+std::vector<cuda::PrefillKernel> PrefillKernels() {
+  std::vector<cuda::PrefillKernel> ks = {cuda::PrefillKernel::kMmaSync};
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (major == 9 && minor == 0) ks.push_back(cuda::PrefillKernel::kWgmma);
+  return ks;
+}
+const char* KernelName(cuda::PrefillKernel k) { return k == cuda::PrefillKernel::kWgmma ? "wgmma" : "mma.sync"; }
 
 // Prefill: causal chunks of new tokens over a cached prefix, row counts that
 // are not multiples of the 128-row tile, sharded (gapped) page lists.
 TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 100;
+  for (cuda::PrefillKernel kernel : PrefillKernels())
   for (int D : {64, 128})
     for (int ratio : {1, 4})
       for (int bt : {16, 64})
@@ -185,12 +235,43 @@ TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
           out.Poison();
           lse.Poison();
           cuda::AttnParams p;
-          CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr));
+          CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr, kernel));
           CUDA_OK(cudaDeviceSynchronize());
           // P is rounded to 16 bits for the second matmul: tolerance of bf16 operands.
           ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
-                        absl::StrCat("prefill D=", D, " ratio=", ratio, " bt=", bt, " gap=", gap));
+                        absl::StrCat("prefill ", KernelName(kernel), " D=", D, " ratio=", ratio, " bt=", bt,
+                                     " gap=", gap));
         }
+}
+
+// Long chunks: many 128-row tiles and KV streams that go round the wgmma
+// kernel's 4-stage ring many times (its barrier phases flip), a page size
+// that is not a power of two, several sequences of different lengths.
+TEST(GpuPrefillTest, LongChunksMatchTheReference) {
+  KVRING_REQUIRE_GPU();
+  uint64_t seed = 300;
+  for (cuda::PrefillKernel kernel : PrefillKernels())
+    for (int D : {64, 128})
+      for (int bt : {16, 48}) {
+        std::mt19937_64 rng(seed++);
+        const int kv_heads = 2, q_heads = 8;
+        const bool bf16 = seed % 2;
+        std::vector<int> toks = {1500 + (int)(rng() % 600), 700};
+        auto kvb = MakeBatch(rng, bt, 1, kv_heads, D, bf16, toks, {0, 0}, false, 0);
+        std::vector<std::vector<int32_t>> qpos(2);
+        const auto& kp0 = kvb.seqs[0].dense.positions;
+        for (size_t i = kp0.size() - 600; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);  // a chunk after a prefix hit
+        for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);                // a whole prompt
+        auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+        Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
+        out.Poison();
+        lse.Poison();
+        cuda::AttnParams p;
+        CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr, kernel));
+        CUDA_OK(cudaDeviceSynchronize());
+        ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
+                      absl::StrCat("long prefill ", KernelName(kernel), " D=", D, " bt=", bt));
+      }
 }
 
 TEST(GpuPrefillTest, SlidingWindowAndNonCausal) {
@@ -200,6 +281,7 @@ TEST(GpuPrefillTest, SlidingWindowAndNonCausal) {
   std::vector<int32_t> rows;
   for (int i = 0; i < 700; i += 3) rows.push_back(i);
   auto qb = MakeQueries(rng, 32, 128, true, {rows});
+  for (cuda::PrefillKernel kernel : PrefillKernels())
   for (int mode = 0; mode < 2; ++mode) {
     Dev<float> out((size_t)rows.size() * 32 * 128), lse(rows.size() * 32);
     out.Poison();
@@ -213,9 +295,10 @@ TEST(GpuPrefillTest, SlidingWindowAndNonCausal) {
       p.causal = false;
       o.causal = false;
     }
-    CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr));
+    CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr, kernel));
     CUDA_OK(cudaDeviceSynchronize());
-    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2, mode == 0 ? "prefill window" : "prefill non-causal");
+    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2,
+                  absl::StrCat(KernelName(kernel), mode == 0 ? " prefill window" : " prefill non-causal"));
   }
 }
 

@@ -46,12 +46,13 @@ int kvring_cuda_decode(const void* pool, uint64_t stride, int bt, int layers, in
                        const int32_t* seq_tokens, int num_seqs, const void* q, const int32_t* pos,
                        const int32_t* seq_row_begin, int num_rows, int q_heads, int max_rows, float scale, int causal,
                        int window, int num_splits, void* workspace, uint64_t workspace_bytes, float* out, float* lse,
-                       void* stream) {
+                       void* stream, int kernel) {
   AttnParams p{scale, causal != 0, window};
   return PagedDecode(p, Q(q, pos, seq_row_begin, num_rows, q_heads, max_rows),
                      Kv(pool, stride, bt, layers, kv_heads, head_dim, dtype, layer, page_ids, page_pos, seq_page_begin,
                         seq_tokens, num_seqs),
-                     OutputView{out, lse}, num_splits, workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
+                     OutputView{out, lse}, num_splits, workspace, workspace_bytes, static_cast<cudaStream_t>(stream),
+                     static_cast<DecodeKernel>(kernel));
 }
 
 int kvring_cuda_decode_splits(int num_seqs, int kv_heads, int q_heads, int max_rows, int max_pages, int sm_count) {
@@ -75,12 +76,12 @@ int kvring_cuda_prefill(const void* pool, uint64_t stride, int bt, int layers, i
                         int layer, const int32_t* page_ids, const int32_t* page_pos, const int32_t* seq_page_begin,
                         const int32_t* seq_tokens, int num_seqs, const void* q, const int32_t* pos,
                         const int32_t* seq_row_begin, int num_rows, int q_heads, int max_rows, float scale, int causal,
-                        int window, float* out, float* lse, void* stream) {
+                        int window, float* out, float* lse, void* stream, int kernel) {
   AttnParams p{scale, causal != 0, window};
   return PagedPrefill(p, Q(q, pos, seq_row_begin, num_rows, q_heads, max_rows),
                       Kv(pool, stride, bt, layers, kv_heads, head_dim, dtype, layer, page_ids, page_pos, seq_page_begin,
                          seq_tokens, num_seqs),
-                      OutputView{out, lse}, static_cast<cudaStream_t>(stream));
+                      OutputView{out, lse}, static_cast<cudaStream_t>(stream), static_cast<PrefillKernel>(kernel));
 }
 
 int kvring_cuda_merge(const float* out_parts, const float* lse_parts, int num_parts, int rows_heads, int head_dim,

@@ -24,7 +24,7 @@ namespace {
 constexpr int kWarps = 4, kThreads = 128, kTile = 64, kStages = 3, kRows = 16;
 
 template <int D, typename T>
-__global__ void __launch_bounds__(kThreads) DecodeKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits,
+__global__ void __launch_bounds__(kThreads) DecodeTiledKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits,
                                                          int row_groups, float* part_out, float* part_lse, float* out,
                                                          float* lse) {
   constexpr int kChunks = D / 8;      // 16-byte chunks per K/V row
@@ -273,23 +273,294 @@ __global__ void __launch_bounds__(kThreads) DecodeKernel(AttnParams p, QueryView
   }
 }
 
+// ---- Pipelined variant: one producer warp streams the split's KV in
+// 16-token stages through a deep ring of shared-memory stages (about 96 KB,
+// so two CTAs an SM keep ~190 KB of reads in flight); each stage's "full"
+// mbarrier completes when its cp.async copies land, and its "empty" one when
+// the consumer warp that took it is done. Four consumer warps take the stages
+// in turn (warp w: stages w, w+4, ...), each with its own online softmax,
+// merged exactly at the end. No CTA-wide barrier inside the stream: a warp
+// waits only for its own next stage.
+constexpr int kPStage = 16, kPConsumers = 4, kPThreads = (kPConsumers + 1) * 32;
+
+template <int D>
+struct PipeCfg {
+  static constexpr int kStageBytes = 2 * kPStage * D * 2;    // K, then V
+  static constexpr int kStages = (96 * 1024) / kStageBytes;  // 12 (D=128) or 24 (D=64)
+  static constexpr int kStagesOff = kRows * D * 2;           // after Q
+  static constexpr int kBarOff = kStagesOff + kStages * kStageBytes;
+  static constexpr int kBytes = kBarOff + 2 * kStages * 8;
+  static_assert(kPConsumers * kRows * D * 4 <= kStages * kStageBytes, "merge buffer reuses the stages");
+};
+
+template <int D, typename T>
+__global__ void __launch_bounds__(kPThreads, 2)
+    DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
+                          float* part_lse, float* out, float* lse) {
+  using C = PipeCfg<D>;
+  constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sq = smem;
+  uint8_t* stages = smem + C::kStagesOff;
+  const uint32_t full0 = SmemAddr(smem + C::kBarOff), empty0 = full0 + 8 * C::kStages;
+  __shared__ int s_qpos[kRows];
+  __shared__ int s_qmin, s_qmax;
+  __shared__ float s_m[kPConsumers][kRows], s_l[kPConsumers][kRows];
+
+  const int sp = blockIdx.x, h = blockIdx.y / row_groups, rg = blockIdx.y % row_groups, s = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
+  const int G = q.q_heads / kv.kv_heads;
+  const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
+  const int v0 = rg * kRows, nvec = (re - rb) * G;
+  if (v0 >= nvec) return;
+  const int nv = min(kRows, nvec - v0);
+  const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
+  const int bt = kv.block_tokens;
+  const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
+  const int ntok = kv.seq_tokens[s];
+  const int pps = (npages + num_splits - 1) / num_splits;
+  const int tok_lo = sp * pps * bt;
+  const int tok_hi = min(ntok, min(npages, sp * pps + pps) * bt);
+  const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
+
+  for (int c = tid; c < kRows * kChunks; c += kPThreads) {
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool valid = r < nv;
+    const int v = v0 + (valid ? r : 0);
+    const T* src = static_cast<const T*>(q.q) + ((size_t)(rb + v / G) * q.q_heads + h * G + v % G) * D + ch * 8;
+    CpAsync16(SmemAddr(sq + Swz<D>(r, ch)), src, valid);
+  }
+  CpAsyncCommit();
+  if (tid < kRows) s_qpos[tid] = tid < nv ? q.positions[rb + (v0 + tid) / G] : INT32_MIN;
+  if (tid == 0) {
+    int mn = INT32_MAX, mx = INT32_MIN;
+    for (int r = 0; r < nv; ++r) {
+      const int qp = q.positions[rb + (v0 + r) / G];
+      mn = min(mn, qp);
+      mx = max(mx, qp);
+    }
+    s_qmin = mn;
+    s_qmax = mx;
+    for (int i = 0; i < C::kStages; ++i) {
+      MbarInit(full0 + 8 * i, 32);    // the producer's 32 lanes (cp.async arrivals)
+      MbarInit(empty0 + 8 * i, 1);    // the consumer warp that took the stage
+    }
+  }
+  CpAsyncWait<0>();
+  __syncthreads();
+
+  float o[kDTiles][4];
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  if (warp == kPConsumers) {
+    // ---- producer. Page ids come from a sliding window of 64 listed pages
+    // held in registers (lane l: pages wb + l and wb + 32 + l), so issuing a
+    // stage never waits on a dependent global load.
+    const char* pool = static_cast<const char*>(kv.pool);
+    const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
+    int wb = tok_lo / bt;
+    int cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
+    int nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
+    constexpr int kPerLane = kPStage * kChunks / 32;
+    for (int t = 0; t < ntiles; ++t) {
+      const int st = t % C::kStages;
+      if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
+      uint8_t* sk = stages + st * C::kStageBytes;
+      uint8_t* sv = sk + kPStage * D * 2;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int id = k * 32 + lane, row = id / kChunks, ch = id % kChunks;
+        const int i = tok_lo + t * kPStage + row;
+        const bool valid = i < tok_hi;
+        const int pg = i / bt, local = pg - wb;  // local < 64: a stage spans at most 16 pages
+        const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
+        const char* src =
+            pool + (uint64_t)(local < 32 ? a : b) * kv.page_stride + (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
+        const uint32_t off = Swz<D>(row, ch);
+        CpAsync16(SmemAddr(sk + off), valid ? src + koff : pool, valid);
+        CpAsync16(SmemAddr(sv + off), valid ? src + voff : pool, valid);
+      }
+      CpAsyncArriveNoInc(full0 + 8 * st);
+      if ((tok_lo + (t + 1) * kPStage) / bt - wb >= 32) {  // the next stage starts past the first window
+        wb += 32;
+        cur = nxt;
+        nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
+      }
+    }
+    CpAsyncWait<0>();
+  } else {
+    // ---- consumers
+    uint32_t qa[kKSteps][4];
+    const int mi = lane >> 3, rr = lane & 7;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      LdMatrixX4(SmemAddr(sq + Swz<D>((mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[kk][0], qa[kk][1], qa[kk][2],
+                 qa[kk][3]);
+    }
+    const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8];
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > s_qmin) ||
+                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
+    for (int t = warp; t < ntiles; t += kPConsumers) {
+      const int st = t % C::kStages;
+      MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
+      const uint8_t* kt = stages + st * C::kStageBytes;
+      const uint8_t* vt = kt + kPStage * D * 2;
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        uint32_t b0, b1, b2, b3;
+        LdMatrixX4(SmemAddr(kt + Swz<D>((mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
+        Mma<T>(sc[0], qa[kk], b0, b1);
+        Mma<T>(sc[1], qa[kk], b2, b3);
+      }
+      const int tile_first = tok_lo + t * kPStage, tile_last = min(tile_first + kPStage, tok_hi) - 1;
+      const bool pos_mask = cta_pos_mask && ((p.causal && TokenPos(kv, pb, tile_last) > s_qmin) ||
+                                             (p.window > 0 && TokenPos(kv, pb, tile_first) <= s_qmax - p.window));
+      const bool tail = tile_first + kPStage > tok_hi;
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = tile_first + j * 8 + tig * 2 + (e & 1);
+          const int qp = e < 2 ? qpos0 : qpos1;
+          bool vis = (!tail || i < tok_hi) && qp != INT32_MIN;
+          if (vis && pos_mask) {
+            const int kp = TokenPos(kv, pb, i);
+            if (p.causal) vis = kp <= qp;
+            if (p.window > 0) vis = vis && kp > qp - p.window;
+          }
+          sc[j][e] = vis ? sc[j][e] * scale : -INFINITY;
+        }
+        mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
+      const float c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
+      const float c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
+      const float b0f = nm0 == -INFINITY ? 0.f : nm0, b1f = nm1 == -INFINITY ? 0.f : nm1;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        sc[j][0] = exp2f(sc[j][0] - b0f);
+        sc[j][1] = exp2f(sc[j][1] - b0f);
+        sc[j][2] = exp2f(sc[j][2] - b1f);
+        sc[j][3] = exp2f(sc[j][3] - b1f);
+      }
+      l0 = l0 * c0 + sc[0][0] + sc[0][1] + sc[1][0] + sc[1][1];
+      l1 = l1 * c1 + sc[0][2] + sc[0][3] + sc[1][2] + sc[1][3];
+      m0 = nm0;
+      m1 = nm1;
+      uint32_t pa[4] = {Pack<T>(sc[0][0], sc[0][1]), Pack<T>(sc[0][2], sc[0][3]), Pack<T>(sc[1][0], sc[1][1]),
+                        Pack<T>(sc[1][2], sc[1][3])};
+#pragma unroll
+      for (int dn = 0; dn < kDTiles; dn += 2) {
+        o[dn][0] *= c0;
+        o[dn][1] *= c0;
+        o[dn][2] *= c1;
+        o[dn][3] *= c1;
+        o[dn + 1][0] *= c0;
+        o[dn + 1][1] *= c0;
+        o[dn + 1][2] *= c1;
+        o[dn + 1][3] *= c1;
+        uint32_t b0, b1, b2, b3;
+        LdMatrixX4T(SmemAddr(vt + Swz<D>((mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
+        Mma<T>(o[dn], pa, b0, b1);
+        Mma<T>(o[dn + 1], pa, b2, b3);
+      }
+      __syncwarp();
+      if (lane == 0) MbarArrive(empty0 + 8 * st);
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  }
+  __syncthreads();  // every stage consumed: the ring is free for the consumers' (m, l, O)
+  float* so = reinterpret_cast<float*>(stages);  // kPConsumers x kRows x D
+  if (warp < kPConsumers) {
+    if (tig == 0) {
+      s_m[warp][g] = m0;
+      s_m[warp][g + 8] = m1;
+      s_l[warp][g] = l0;
+      s_l[warp][g + 8] = l1;
+    }
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) {
+      float* r0p = so + ((size_t)warp * kRows + g) * D + j * 8 + tig * 2;
+      float* r1p = so + ((size_t)warp * kRows + g + 8) * D + j * 8 + tig * 2;
+      r0p[0] = o[j][0];
+      r0p[1] = o[j][1];
+      r1p[0] = o[j][2];
+      r1p[1] = o[j][3];
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < nv * D; idx += kPThreads) {
+    const int r = idx / D, d = idx % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kPConsumers; ++w) M = fmaxf(M, s_m[w][r]);
+    float L = 0.f, acc = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kPConsumers; ++w) {
+        const float f = s_m[w][r] == -INFINITY ? 0.f : exp2f(s_m[w][r] - M);
+        L += s_l[w][r] * f;
+        acc += so[((size_t)w * kRows + r) * D + d] * f;
+      }
+    }
+    const int v = v0 + r;
+    const size_t rh = (size_t)(rb + v / G) * q.q_heads + h * G + v % G;
+    const float val = L > 0.f ? acc / L : 0.f;
+    const float ls = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+    if (num_splits == 1) {
+      out[rh * D + d] = val;
+      if (d == 0) lse[rh] = ls;
+    } else {
+      const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
+      part_out[((size_t)sp * rows_heads + rh) * D + d] = val;
+      if (d == 0) part_lse[(size_t)sp * rows_heads + rh] = ls;
+    }
+  }
+}
+
+template <int D, typename T>
+cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
+                            float* part_out, float* part_lse, cudaStream_t stream) {
+  const int G = q.q_heads / kv.kv_heads;
+  const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
+  const int smem = PipeCfg<D>::kBytes;
+  cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
+  DecodePipelinedKernel<D, T><<<grid, kPThreads, smem, stream>>>(p, q, kv, splits, row_groups, part_out, part_lse,
+                                                                 out.out, out.lse);
+  return cudaGetLastError();
+}
+
 template <int D, typename T>
 cudaError_t LaunchDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                          float* part_out, float* part_lse, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
   const size_t smem = (size_t)(kRows + 2 * kStages * kTile) * D * 2;
-  cudaError_t e = cudaFuncSetAttribute(DecodeKernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  cudaError_t e = cudaFuncSetAttribute(DecodeTiledKernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;
   dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
-  DecodeKernel<D, T><<<grid, kThreads, smem, stream>>>(p, q, kv, splits, row_groups, part_out, part_lse, out.out, out.lse);
+  DecodeTiledKernel<D, T><<<grid, kThreads, smem, stream>>>(p, q, kv, splits, row_groups, part_out, part_lse, out.out, out.lse);
   return cudaGetLastError();
 }
 
 template <int D, typename T>
 cudaError_t DispatchNV(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                       float* po, float* pl, cudaStream_t s) {
-  return LaunchDecode<D, T>(p, q, kv, out, splits, po, pl, s);
+                       float* po, float* pl, DecodeKernel kernel, cudaStream_t s) {
+  if (kernel == DecodeKernel::kTiled) return LaunchDecode<D, T>(p, q, kv, out, splits, po, pl, s);
+  return LaunchPipelined<D, T>(p, q, kv, out, splits, po, pl, s);
 }
 
 }  // namespace
@@ -336,7 +607,7 @@ size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim) {
 }
 
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream, DecodeKernel kernel) {
   if (CheckViews(q, kv) != nullptr || out.out == nullptr || out.lse == nullptr || num_splits < 1) {
     return cudaErrorInvalidValue;
   }
@@ -349,11 +620,11 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   if (kv.codec != 0) {
     e = internal::QuantizedDecode(p, q, kv, out, num_splits, po, pl, stream);
   } else if (kv.dtype == KvType::kBF16) {
-    e = D == 128 ? internal::DispatchNV<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, stream)
-                 : internal::DispatchNV<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, stream);
+    e = D == 128 ? internal::DispatchNV<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, kernel, stream)
+                 : internal::DispatchNV<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, kernel, stream);
   } else {
-    e = D == 128 ? internal::DispatchNV<128, __half>(p, q, kv, out, num_splits, po, pl, stream)
-                 : internal::DispatchNV<64, __half>(p, q, kv, out, num_splits, po, pl, stream);
+    e = D == 128 ? internal::DispatchNV<128, __half>(p, q, kv, out, num_splits, po, pl, kernel, stream)
+                 : internal::DispatchNV<64, __half>(p, q, kv, out, num_splits, po, pl, kernel, stream);
   }
   if (e != cudaSuccess || num_splits == 1) return e;
   return MergePartials(po, pl, num_splits, q.num_rows * q.q_heads, D, out, stream);

@@ -1,4 +1,6 @@
-// Paged prefill attention on tensor cores (FlashAttention-2 structure).
+// Paged prefill attention on tensor cores (FlashAttention-2 structure), with
+// mma.sync: the kernel for devices other than sm_90 (which runs the wgmma
+// kernel of paged_prefill_sm90_cuda.cu), and the dispatch between the two.
 //
 // CTA: 128 query rows of one (sequence, q head), 4 warps x 32 rows (two m16
 // tiles each, so every K/V fragment loaded from shared memory feeds four
@@ -293,13 +295,27 @@ cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& k
 }
 
 }  // namespace
+
+// paged_prefill_sm90_cuda.cu (built for sm_90a only).
+cudaError_t PagedPrefillSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
+                             cudaStream_t stream);
 }  // namespace internal
 
 cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, PrefillKernel kernel) {
   if (kv.codec != 0) return cudaErrorNotSupported;  // quantized pages: decode only
   if (CheckViews(q, kv) != nullptr || out.out == nullptr || out.lse == nullptr) return cudaErrorInvalidValue;
   if (q.num_rows == 0) return cudaSuccess;
+  if (kernel != PrefillKernel::kMmaSync) {
+    int dev = 0, major = 0, minor = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    if (e != cudaSuccess) return e;
+    const bool sm90 = major == 9 && minor == 0;
+    if (sm90) return internal::PagedPrefillSm90(p, q, kv, out, stream);
+    if (kernel == PrefillKernel::kWgmma) return cudaErrorNotSupported;
+  }
   if (kv.dtype == KvType::kBF16) {
     return kv.head_dim == 128 ? internal::Launch<128, __nv_bfloat16>(p, q, kv, out, stream)
                               : internal::Launch<64, __nv_bfloat16>(p, q, kv, out, stream);

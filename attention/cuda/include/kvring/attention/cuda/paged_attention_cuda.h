@@ -64,15 +64,27 @@ struct AttnParams {
 // ---- decode: few query rows per sequence, KV split across CTAs (flash-decoding)
 // Rows per sequence: 1..64 (any); q_heads % kv_heads == 0; head_dim 64 or 128.
 // Partials of the splits are merged by a second kernel into `out`.
+// Two kernels over plain (bf16/fp16) pages: kPipelined (a producer warp
+// streams 16-token stages through a deep mbarrier ring, four consumer warps
+// take them in turn) and kTiled (every warp loads and computes 64-token tiles
+// in lock step, 3 cp.async stages). kAuto takes kPipelined. Quantized pages
+// have one kernel of their own (the choice is ignored).
+enum class DecodeKernel : int32_t { kAuto = 0, kTiled = 1, kPipelined = 2 };
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count);
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim);
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                        DecodeKernel kernel = DecodeKernel::kAuto);
 
-// ---- prefill: many query rows per sequence, tensor cores (mma.sync bf16/fp16,
-// fp32 accumulate), causal by absolute position; head_dim 64 or 128.
+// ---- prefill: many query rows per sequence, on the tensor cores (bf16/fp16
+// operands, fp32 accumulate), causal by absolute position; head_dim 64 or 128.
+// Two kernels: kWgmma (Hopper warpgroup MMA, sm_90 only: 128-row tiles in two
+// warpgroups, a 4-stage mbarrier ring) and kMmaSync (mma.sync m16n8k16, any
+// sm_80+ device). kAuto takes kWgmma on a compute capability 9.0 device.
+// kWgmma on another device returns cudaErrorNotSupported.
+enum class PrefillKernel : int32_t { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
 cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
-                         cudaStream_t stream);
+                         cudaStream_t stream, PrefillKernel kernel = PrefillKernel::kAuto);
 
 // ---- merge: out = exact merge of `num_parts` stacked partials
 // (out_parts [num_parts][rows_heads][head_dim], lse_parts [num_parts][rows_heads]).

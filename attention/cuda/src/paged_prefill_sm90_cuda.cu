@@ -1,0 +1,340 @@
+// Paged prefill attention on Hopper's warpgroup MMA (wgmma, sm_90a).
+//
+// Same contract as the mma.sync kernel in paged_prefill_cuda.cu (which stays
+// the fallback for other devices): O fp32 and LSE (natural log) of each
+// (row, q head), causal/window by absolute position, GQA, any block_tokens.
+//
+// CTA: 128 query rows of one (sequence, q head) in two consumer warpgroups of
+// 64 rows; the KV stream of the sequence in 64-token tiles through a 4-stage
+// shared-memory ring. Every thread gathers its share of each tile with
+// cp.async (16-byte chunks, page by page; rows past the end zero-filled)
+// into the 128-byte-swizzled layout wgmma reads ([D/64][rows][128 B], chunk
+// c of row r at (c ^ r%8) within its 128 bytes), and hands completion to the
+// stage's "full" mbarrier (cp.async.mbarrier.arrive.noinc). A stage is
+// refilled two tiles later, once both warpgroups have arrived on its "empty"
+// mbarrier, so the warpgroups are not held in lock step: one can run its
+// softmax while the other keeps the tensor cores busy.
+// Per tile and warpgroup: S = Q K^T (wgmma m64n64k16, Q and K from shared
+// memory), the online softmax in registers (log2 domain), P converted to
+// 16-bit A fragments in registers, O += P V (wgmma m64nDk16, V read
+// transposed from the same swizzled layout). The PV of tile j completes
+// under the S of tile j+1 (one wait per tile).
+// Row tiles run heaviest first (causal: later rows see more keys).
+#include <cfloat>
+
+#include "cuda_common.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace kvring::cuda {
+namespace internal {
+namespace {
+
+constexpr int kBM = 128, kBN = 64, kStages = 4, kAhead = kStages - 2, kThreads = 256;
+
+template <int D>
+struct Sm90Smem {
+  static constexpr int kQBytes = kBM * D * 2;    // [D/64][kBM][128 B]
+  static constexpr int kTileBytes = kBN * D * 2; // one K or V tile: [D/64][kBN][128 B]
+  static constexpr int kK = kQBytes;
+  static constexpr int kV = kK + kStages * kTileBytes;
+  static constexpr int kBars = kV + kStages * kTileBytes;  // full[kStages], empty[kStages]
+  static constexpr int kBytes = kBars + 2 * kStages * 8;
+  static constexpr int kDynamic = kBytes + 1024;  // slack to align the base to 1024 (the swizzle period)
+};
+
+// Byte offset of 16-byte chunk c of row r in a [D/64][rows][128 B] tile.
+__device__ __forceinline__ uint32_t Sw128(int rows, int r, int c) {
+  return (uint32_t)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// Generic-proxy writes (cp.async) made visible to the async proxy (wgmma).
+__device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+template <int D, typename T>
+__global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = Sm90Smem<D>;
+  constexpr int kChunks = D / 8;                 // 16-byte chunks per row
+  constexpr int kKSteps = D / 16;                // k16 steps of S = Q K^T
+  constexpr int kLoads = kBN * kChunks / kThreads;  // chunks of K (and of V) per thread per tile
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int s_qmin, s_qmax;
+  const uint32_t raw = SmemAddr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+
+  const int tile = gridDim.x - 1 - blockIdx.x, hq = blockIdx.y, s = blockIdx.z;
+  const int G = q.q_heads / kv.kv_heads, hk = hq / G;
+  const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
+  const int r0 = rb + tile * kBM;
+  if (r0 >= re) return;
+  const int nrows = min(kBM, re - r0);
+  const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, tig = lane & 3;
+  const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
+
+  if (tid == 0) {
+    s_qmin = INT32_MAX;
+    s_qmax = INT32_MIN;
+  }
+  __syncthreads();
+  for (int r = tid; r < nrows; r += kThreads) {
+    atomicMin(&s_qmin, q.positions[r0 + r]);
+    atomicMax(&s_qmax, q.positions[r0 + r]);
+  }
+  // This thread's two rows (of its warpgroup's 64): local row wr and wr + 8.
+  const int wr = wg * 64 + (warp & 3) * 16 + g;
+  const int qpos0 = wr < nrows ? q.positions[r0 + wr] : INT32_MIN;
+  const int qpos1 = wr + 8 < nrows ? q.positions[r0 + wr + 8] : INT32_MIN;
+
+  const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
+  const int ntok = kv.seq_tokens[s];
+  __syncthreads();
+  const int qmin = s_qmin, qmax = s_qmax;
+  int n_end = ntok, n_begin = 0;
+  if (p.causal) n_end = CountUpTo(kv, pb, npages, ntok, qmax);
+  if (p.window > 0) n_begin = CountUpTo(kv, pb, npages, ntok, qmin - p.window);
+  n_begin = (n_begin / kBN) * kBN;
+  const int ntiles = n_end > n_begin ? (n_end - n_begin + kBN - 1) / kBN : 0;
+
+  if (ntiles == 0) {  // no row of this tile sees a key
+    for (int i = tid; i < nrows * D; i += kThreads) out.out[((size_t)(r0 + i / D) * q.q_heads + hq) * D + i % D] = 0.f;
+    for (int r = tid; r < nrows; r += kThreads) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = -INFINITY;
+    return;
+  }
+
+  const uint32_t full0 = base + S::kBars, empty0 = full0 + kStages * 8;
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(full0 + 8 * i, kThreads);
+      MbarInit(empty0 + 8 * i, kThreads);
+    }
+  }
+  __syncthreads();
+
+  // Q rows -> shared memory (rows past the end zero-filled); these copies
+  // complete before tile 0's "full" barrier does.
+  {
+    const T* qbase = static_cast<const T*>(q.q);
+    for (int c = tid; c < kBM * kChunks; c += kThreads) {
+      const int r = c / kChunks, ch = c % kChunks;
+      const bool valid = r < nrows;
+      CpAsync16(base + Sw128(kBM, r, ch), qbase + ((size_t)(r0 + (valid ? r : 0)) * q.q_heads + hq) * D + ch * 8, valid);
+    }
+  }
+
+  const char* pool = static_cast<const char*>(kv.pool);
+  const uint64_t koff = PlaneOffset(kv, 0, hk) * sizeof(T), voff = PlaneOffset(kv, 1, hk) * sizeof(T);
+  const int lch = tid % kChunks, lrow0 = tid / kChunks;
+  struct Bases {
+    const char* b[kLoads];
+  };
+  // Page addresses of this thread's rows of tile j (looked up a tile before
+  // they are needed, so issuing never waits on a dependent global load).
+  auto row_bases = [&](int j) {
+    Bases r;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int i = n_begin + j * kBN + k * kRowsPerPass + lrow0;
+      r.b[k] = nullptr;
+      if (j < ntiles && i < n_end) {
+        const int pg = i / kv.block_tokens, off = i - pg * kv.block_tokens;
+        r.b[k] = pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + (uint64_t)off * D * sizeof(T) + lch * 16;
+      }
+    }
+    return r;
+  };
+  auto load_tile = [&](int j, const Bases& bs) {
+    const int st = j % kStages;
+    const uint32_t kt = base + S::kK + st * S::kTileBytes, vt = base + S::kV + st * S::kTileBytes;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const uint32_t o = Sw128(kBN, k * kRowsPerPass + lrow0, lch);
+      const bool valid = bs.b[k] != nullptr;
+      CpAsync16(kt + o, valid ? bs.b[k] + koff : pool, valid);
+      CpAsync16(vt + o, valid ? bs.b[k] + voff : pool, valid);
+    }
+    CpAsyncArriveNoInc(full0 + 8 * st);
+  };
+  // Whether tile j needs per-element masks (it straddles the causal
+  // diagonal, the window edge or the end of the stream).
+  auto tile_edge = [&](int j) -> bool {
+    const int n0 = n_begin + j * kBN;
+    if (j >= ntiles) return false;
+    const int last = min(n0 + kBN, n_end) - 1;
+    return n0 + kBN > n_end || (p.causal && TokenPos(kv, pb, last) > qmin) ||
+           (p.window > 0 && TokenPos(kv, pb, n0) <= qmax - p.window);
+  };
+
+  for (int j = 0; j < kAhead; ++j) {
+    if (j < ntiles) load_tile(j, row_bases(j));
+  }
+  Bases next_bases = row_bases(kAhead);
+  bool edge_cur = tile_edge(0);
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  const uint32_t qa = base + wg * 64 * 128;  // this warpgroup's 64 rows of Q (D/64 column blocks of kBM rows)
+
+  int j = 0;
+  do {  // ntiles >= 1 here (a do-while leaves ptxas no path that skips the wgmmas)
+    // Refill: tile j + kAhead into the stage tile j - 2 used (both
+    // warpgroups are done with it once they are one tile on).
+    if (j + kAhead < ntiles) {
+      const int jj = j + kAhead;
+      if (jj >= kStages) MbarWait(empty0 + 8 * (jj % kStages), ((jj / kStages) - 1) & 1);
+      load_tile(jj, next_bases);
+    }
+    next_bases = row_bases(j + kAhead + 1);
+    const bool edge = edge_cur;
+    edge_cur = tile_edge(j + 1);
+
+    const int st = j % kStages;
+    MbarWait(full0 + 8 * st, (j / kStages) & 1);
+    FenceProxyAsync();
+    const uint32_t kt = base + S::kK + st * S::kTileBytes, vt = base + S::kV + st * S::kTileBytes;
+
+    // S = Q K^T (64 x 64 per warpgroup); the previous tile's P V finishes under it.
+    WgmmaFence();
+    float sc[32];
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      const uint64_t da = SmemDesc128(qa + (kk >> 2) * kBM * 128 + (kk & 3) * 32, 16, 1024);
+      const uint64_t db = SmemDesc128(kt + (kk >> 2) * kBN * 128 + (kk & 3) * 32, 16, 1024);
+      if (kk == 0) {
+        WgmmaSS0<64, T>(sc, da, db);
+      } else {
+        WgmmaSS<64, T>(sc, da, db, 1);
+      }
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceRegs<32>(sc);
+    FenceRegs<D / 2>(o);
+    if (j > 0) MbarArrive(empty0 + 8 * ((j - 1) % kStages));  // tile j-1's stage is read no more
+
+    // Online softmax over this tile (log2 domain); masks only on edge tiles.
+    const int n0 = n_begin + j * kBN;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int jn = 0; jn < 8; ++jn) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = sc[4 * jn + e] * scale;
+        if (edge) {
+          const int i = n0 + jn * 8 + tig * 2 + (e & 1);
+          const int qp = e < 2 ? qpos0 : qpos1;
+          bool vis = i < n_end;
+          if (vis && (p.causal || p.window > 0)) {
+            const int kp = TokenPos(kv, pb, i);
+            if (p.causal) vis = kp <= qp;
+            if (p.window > 0) vis = vis && kp > qp - p.window;
+          }
+          if (!vis) v = -INFINITY;
+        }
+        sc[4 * jn + e] = v;
+      }
+      mx0 = fmaxf(mx0, fmaxf(sc[4 * jn], sc[4 * jn + 1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[4 * jn + 2], sc[4 * jn + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
+    const float c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
+    const float c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
+    const float b0 = nm0 == -INFINITY ? 0.f : nm0, b1 = nm1 == -INFINITY ? 0.f : nm1;
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int jn = 0; jn < 8; ++jn) {
+      sc[4 * jn] = exp2f(sc[4 * jn] - b0);
+      sc[4 * jn + 1] = exp2f(sc[4 * jn + 1] - b0);
+      sc[4 * jn + 2] = exp2f(sc[4 * jn + 2] - b1);
+      sc[4 * jn + 3] = exp2f(sc[4 * jn + 3] - b1);
+      rs0 += sc[4 * jn] + sc[4 * jn + 1];
+      rs1 += sc[4 * jn + 2] + sc[4 * jn + 3];
+    }
+    l0 = l0 * c0 + rs0;
+    l1 = l1 * c1 + rs1;
+    m0 = nm0;
+    m1 = nm1;
+#pragma unroll
+    for (int jd = 0; jd < D / 8; ++jd) {
+      o[4 * jd] *= c0;
+      o[4 * jd + 1] *= c0;
+      o[4 * jd + 2] *= c1;
+      o[4 * jd + 3] *= c1;
+    }
+    // P as 16-bit A fragments (the accumulator layout of S is the A layout).
+    uint32_t pa[4][4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      pa[t][0] = Pack<T>(sc[8 * t], sc[8 * t + 1]);
+      pa[t][1] = Pack<T>(sc[8 * t + 2], sc[8 * t + 3]);
+      pa[t][2] = Pack<T>(sc[8 * t + 4], sc[8 * t + 5]);
+      pa[t][3] = Pack<T>(sc[8 * t + 6], sc[8 * t + 7]);
+    }
+    // O += P V: V tile read MN-major (transposed): leading offset = the
+    // stride between its 64-column blocks, stride offset = 8 token rows.
+    FenceRegs<D / 2>(o);
+    FenceRegs<16>(&pa[0][0]);
+    WgmmaFence();
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      WgmmaRS<D, T>(o, pa[t], SmemDesc128(vt + t * 16 * 128, kBN * 128, 1024), 1);
+    }
+    WgmmaCommit();
+  } while (++j < ntiles);
+  WgmmaWait<0>();
+  FenceRegs<D / 2>(o);
+
+  // Finish: row sums across the quad, normalize, write.
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = wr + hf * 8;
+    if (r >= nrows) continue;
+    const float lv = hf ? l1 : l0, mv = hf ? m1 : m0;
+    const float inv = lv > 0.f ? 1.f / lv : 0.f;
+    float* dst = out.out + ((size_t)(r0 + r) * q.q_heads + hq) * D;
+#pragma unroll
+    for (int jd = 0; jd < D / 8; ++jd) {
+      *reinterpret_cast<float2*>(dst + jd * 8 + tig * 2) = make_float2(o[4 * jd + 2 * hf] * inv, o[4 * jd + 2 * hf + 1] * inv);
+    }
+    if (tig == 0) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = lv > 0.f ? (mv + log2f(lv)) * kLn2 : -INFINITY;
+  }
+#else
+  __trap();  // built without sm_90a code: the launcher never selects this kernel then
+#endif
+}
+
+template <int D, typename T>
+cudaError_t LaunchSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, cudaStream_t stream) {
+  const int smem = Sm90Smem<D>::kDynamic;
+  cudaError_t e = cudaFuncSetAttribute(PrefillSm90Kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid((q.max_rows_per_seq + kBM - 1) / kBM, q.q_heads, kv.num_seqs);
+  PrefillSm90Kernel<D, T><<<grid, kThreads, smem, stream>>>(p, q, kv, out);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t PagedPrefillSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
+                             cudaStream_t stream) {
+  if (kv.dtype == KvType::kBF16) {
+    return kv.head_dim == 128 ? LaunchSm90<128, __nv_bfloat16>(p, q, kv, out, stream)
+                              : LaunchSm90<64, __nv_bfloat16>(p, q, kv, out, stream);
+  }
+  return kv.head_dim == 128 ? LaunchSm90<128, __half>(p, q, kv, out, stream)
+                            : LaunchSm90<64, __half>(p, q, kv, out, stream);
+}
+
+}  // namespace internal
+}  // namespace kvring::cuda
