@@ -95,8 +95,11 @@ struct PagedBatch {
   }
 };
 
+// The slots of a last page past its sequence's end hold `junk` (NaN by
+// default: a kernel must never read them into a result, not even as 0 x V).
 inline PagedBatch MakeBatch(std::mt19937_64& rng, int bt, int layers, int kv_heads, int D, bool bf16,
-                            const std::vector<int>& tokens, const std::vector<int>& pos_start, bool gap, int layer_for_dense) {
+                            const std::vector<int>& tokens, const std::vector<int>& pos_start, bool gap, int layer_for_dense,
+                            double junk = std::nan("")) {
   PagedBatch b{bt, layers, kv_heads, D, bf16};
   int total_pages = 0;
   for (int t : tokens) total_pages += (t + bt - 1) / bt;
@@ -127,7 +130,7 @@ inline PagedBatch MakeBatch(std::mt19937_64& rng, int bt, int layers, int kv_hea
             for (int t = 0; t < bt; ++t)
               for (int d = 0; d < D; ++d) {
                 const size_t e = (((size_t)(l * 2 + kv) * kv_heads + h) * bt + t) * D + d;
-                base[e] = ToBits(t < nt ? nd(rng) : 7.0, bf16);  // junk past the end must never be read
+                base[e] = ToBits(t < nt ? nd(rng) : junk, bf16);
               }
       for (int t = 0; t < nt; ++t) {
         q.dense.positions.push_back(start + t);

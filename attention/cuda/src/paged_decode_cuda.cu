@@ -10,6 +10,9 @@
 // lookup), so HBM reads stay in flight while the tensor cores work. Each warp
 // takes 16 tokens of every tile: S = Q K^T (ldmatrix + mma), an online
 // softmax for its tokens, O += P V. Warps and splits merge exactly by LSE.
+#include <cuda.h>  // CUtensorMap (a plain struct; the encoder comes through the runtime)
+#include <cudaTypedefs.h>
+
 #include <cfloat>
 
 #include "cuda_common.cuh"
@@ -276,32 +279,62 @@ __global__ void __launch_bounds__(kThreads) DecodeTiledKernel(AttnParams p, Quer
 // ---- Pipelined variant: one producer warp streams the split's KV in
 // 16-token stages through a deep ring of shared-memory stages (about 96 KB,
 // so two CTAs an SM keep ~190 KB of reads in flight); each stage's "full"
-// mbarrier completes when its cp.async copies land, and its "empty" one when
-// the consumer warp that took it is done. Four consumer warps take the stages
+// mbarrier completes when its copies land, and its "empty" one when the
+// consumer warp that took it is done. Four consumer warps take the stages
 // in turn (warp w: stages w, w+4, ...), each with its own online softmax,
 // merged exactly at the end. No CTA-wide barrier inside the stream: a warp
 // waits only for its own next stage.
+// Copies: with kTma, one lane issues the tensor-memory-accelerator copies of
+// a stage (a 16-token box of the K plane and of the V plane, per 64-column
+// block, 128-byte swizzled) against a tensor map of the page pool: a few
+// instructions per 8 KB instead of 512 16-byte cp.async; it needs pages of a
+// multiple of 16 tokens. Otherwise the 32 lanes gather the stage with
+// cp.async into the same swizzled layout (any page size).
 constexpr int kPStage = 16, kPConsumers = 4, kPThreads = (kPConsumers + 1) * 32;
 
 template <int D>
 struct PipeCfg {
-  static constexpr int kStageBytes = 2 * kPStage * D * 2;    // K, then V
+  static constexpr int kPlaneBytes = kPStage * D * 2;        // K (or V) of one stage: [D/64][16 rows][128 B]
+  static constexpr int kStageBytes = 2 * kPlaneBytes;        // K, then V
   static constexpr int kStages = (96 * 1024) / kStageBytes;  // 12 (D=128) or 24 (D=64)
-  static constexpr int kStagesOff = kRows * D * 2;           // after Q
-  static constexpr int kBarOff = kStagesOff + kStages * kStageBytes;
+  static constexpr int kQOff = kStages * kStageBytes;        // stages first: 1024-aligned for the swizzle
+  static constexpr int kBarOff = kQOff + kRows * D * 2;
   static constexpr int kBytes = kBarOff + 2 * kStages * 8;
+  static constexpr int kDynamic = kBytes + 1024;             // slack to align the base
   static_assert(kPConsumers * kRows * D * 4 <= kStages * kStageBytes, "merge buffer reuses the stages");
 };
 
-template <int D, typename T>
+// Byte offset of 16-byte chunk c of row r of a 16-row plane in the TMA
+// 128-byte swizzle ([D/64][16][128 B], chunk c%8 of a 128-byte row at
+// (c%8) ^ (r%8)).
+__device__ __forceinline__ uint32_t PlaneSwz(int r, int c) {
+  return (uint32_t)((c >> 3) * (kPStage * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void TmaLoad5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, int c4,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
+      "%6}], [%7];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+      : "memory");
+}
+
+template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
-                          float* part_lse, float* out, float* lse) {
+                          float* part_lse, float* out, float* lse, const __grid_constant__ CUtensorMap pool_map) {
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* sq = smem;
-  uint8_t* stages = smem + C::kStagesOff;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = SmemAddr(smem_raw);
+  uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  uint8_t* stages = smem;
+  uint8_t* sq = smem + C::kQOff;
   const uint32_t full0 = SmemAddr(smem + C::kBarOff), empty0 = full0 + 8 * C::kStages;
   __shared__ int s_qpos[kRows];
   __shared__ int s_qmin, s_qmax;
@@ -342,8 +375,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
     s_qmin = mn;
     s_qmax = mx;
     for (int i = 0; i < C::kStages; ++i) {
-      MbarInit(full0 + 8 * i, 32);    // the producer's 32 lanes (cp.async arrivals)
-      MbarInit(empty0 + 8 * i, 1);    // the consumer warp that took the stage
+      MbarInit(full0 + 8 * i, kTma ? 1 : 32);  // the TMA lane's expect-tx arrival, or the 32 lanes' cp.async ones
+      MbarInit(empty0 + 8 * i, 1);             // the consumer warp that took the stage
     }
   }
   CpAsyncWait<0>();
@@ -357,36 +390,51 @@ __global__ void __launch_bounds__(kPThreads, 2)
     // stage never waits on a dependent global load.
     const char* pool = static_cast<const char*>(kv.pool);
     const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
+    const int kplane = (kv.layer * 2) * kv.kv_heads + h, vplane = kplane + kv.kv_heads;
     int wb = tok_lo / bt;
     int cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
     int nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
-    constexpr int kPerLane = kPStage * kChunks / 32;
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % C::kStages;
       if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-      uint8_t* sk = stages + st * C::kStageBytes;
-      uint8_t* sv = sk + kPStage * D * 2;
-#pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        const int id = k * 32 + lane, row = id / kChunks, ch = id % kChunks;
-        const int i = tok_lo + t * kPStage + row;
-        const bool valid = i < tok_hi;
-        const int pg = i / bt, local = pg - wb;  // local < 64: a stage spans at most 16 pages
+      const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
+      if constexpr (kTma) {
+        // The stage lies in one page (block_tokens % 16 == 0).
+        const int i0 = tok_lo + t * kPStage, pg = i0 / bt, local = pg - wb;
         const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
-        const char* src =
-            pool + (uint64_t)(local < 32 ? a : b) * kv.page_stride + (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
-        const uint32_t off = Swz<D>(row, ch);
-        CpAsync16(SmemAddr(sk + off), valid ? src + koff : pool, valid);
-        CpAsync16(SmemAddr(sv + off), valid ? src + voff : pool, valid);
+        if (lane == 0) {
+          const int page = local < 32 ? a : b, off = i0 - pg * bt;
+          MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
+#pragma unroll
+          for (int dc = 0; dc < D / 64; ++dc) {
+            TmaLoad5d(sk + dc * kPStage * 128, &pool_map, 0, dc, off, kplane, page, full0 + 8 * st);
+            TmaLoad5d(sv + dc * kPStage * 128, &pool_map, 0, dc, off, vplane, page, full0 + 8 * st);
+          }
+        }
+      } else {
+        constexpr int kPerLane = kPStage * kChunks / 32;
+#pragma unroll
+        for (int k = 0; k < kPerLane; ++k) {
+          const int id = k * 32 + lane, row = id / kChunks, ch = id % kChunks;
+          const int i = tok_lo + t * kPStage + row;
+          const bool valid = i < tok_hi;
+          const int pg = i / bt, local = pg - wb;  // local < 64: a stage spans at most 16 pages
+          const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
+          const char* src =
+              pool + (uint64_t)(local < 32 ? a : b) * kv.page_stride + (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
+          const uint32_t off = PlaneSwz(row, ch);
+          CpAsync16(sk + off, valid ? src + koff : pool, valid);
+          CpAsync16(sv + off, valid ? src + voff : pool, valid);
+        }
+        CpAsyncArriveNoInc(full0 + 8 * st);
       }
-      CpAsyncArriveNoInc(full0 + 8 * st);
       if ((tok_lo + (t + 1) * kPStage) / bt - wb >= 32) {  // the next stage starts past the first window
         wb += 32;
         cur = nxt;
         nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
       }
     }
-    CpAsyncWait<0>();
+    if constexpr (!kTma) CpAsyncWait<0>();
   } else {
     // ---- consumers
     uint32_t qa[kKSteps][4];
@@ -404,20 +452,30 @@ __global__ void __launch_bounds__(kPThreads, 2)
     for (int t = warp; t < ntiles; t += kPConsumers) {
       const int st = t % C::kStages;
       MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
-      const uint8_t* kt = stages + st * C::kStageBytes;
-      const uint8_t* vt = kt + kPStage * D * 2;
+      uint8_t* kt = stages + st * C::kStageBytes;
+      uint8_t* vt = kt + C::kPlaneBytes;
+      const int tile_first = tok_lo + t * kPStage, tile_last = min(tile_first + kPStage, tok_hi) - 1;
+      const bool tail = tile_first + kPStage > tok_hi;
+      if (kTma && tail) {
+        // A TMA box copies whole pages: zero the V rows past the end (their
+        // weight is 0, but 0 x NaN junk would not be).
+        const int valid_rows = tok_hi - tile_first;
+        for (int c = lane; c < (kPStage - valid_rows) * kChunks; c += 32) {
+          const int r = valid_rows + c / kChunks, ch = c % kChunks;
+          *reinterpret_cast<uint4*>(vt + PlaneSwz(r, ch)) = make_uint4(0, 0, 0, 0);
+        }
+        __syncwarp();
+      }
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int kk = 0; kk < kKSteps; ++kk) {
         uint32_t b0, b1, b2, b3;
-        LdMatrixX4(SmemAddr(kt + Swz<D>((mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
+        LdMatrixX4(SmemAddr(kt + PlaneSwz((mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
         Mma<T>(sc[0], qa[kk], b0, b1);
         Mma<T>(sc[1], qa[kk], b2, b3);
       }
-      const int tile_first = tok_lo + t * kPStage, tile_last = min(tile_first + kPStage, tok_hi) - 1;
       const bool pos_mask = cta_pos_mask && ((p.causal && TokenPos(kv, pb, tile_last) > s_qmin) ||
                                              (p.window > 0 && TokenPos(kv, pb, tile_first) <= s_qmax - p.window));
-      const bool tail = tile_first + kPStage > tok_hi;
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -468,10 +526,11 @@ __global__ void __launch_bounds__(kPThreads, 2)
         o[dn + 1][2] *= c1;
         o[dn + 1][3] *= c1;
         uint32_t b0, b1, b2, b3;
-        LdMatrixX4T(SmemAddr(vt + Swz<D>((mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
+        LdMatrixX4T(SmemAddr(vt + PlaneSwz((mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
         Mma<T>(o[dn], pa, b0, b1);
         Mma<T>(o[dn + 1], pa, b2, b3);
       }
+      if (kTma && tail) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // our zeros before the next TMA write
       __syncwarp();
       if (lane == 0) MbarArrive(empty0 + 8 * st);
     }
@@ -529,17 +588,63 @@ __global__ void __launch_bounds__(kPThreads, 2)
   }
 }
 
+// The driver's cuTensorMapEncodeTiled, through the runtime (no libcuda link).
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A 5-d map of the pool: (64 columns, column block, token of page, plane =
+// (layer, K|V, head), page), boxes of 64 columns x 16 tokens, 128-byte
+// swizzle. False where TMA cannot serve this view (the device is not sm_90+,
+// the page size is not a multiple of 16 tokens, or the encoder refuses the
+// strides); the caller then gathers with cp.async.
+bool MakePoolMap(const PagedKvView& kv, CUtensorMap* map) {
+  int dev = 0, major = 0;
+  if (kv.block_tokens % kPStage != 0 || cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9) {
+    return false;
+  }
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return false;
+  const int D = kv.head_dim;
+  const cuuint64_t dims[5] = {64, (cuuint64_t)(D / 64), (cuuint64_t)kv.block_tokens,
+                              (cuuint64_t)kv.layers * 2 * kv.kv_heads, (cuuint64_t)INT32_MAX};
+  const cuuint64_t strides[4] = {128, (cuuint64_t)D * 2, (cuuint64_t)kv.block_tokens * D * 2, kv.page_stride};
+  const cuuint32_t box[5] = {64, 1, kPStage, 1, 1};
+  const cuuint32_t estrides[5] = {1, 1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 5, const_cast<void*>(kv.pool), dims, strides, box, estrides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 template <int D, typename T>
 cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                             float* part_out, float* part_lse, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
-  const int smem = PipeCfg<D>::kBytes;
-  cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) return e;
+  const int smem = PipeCfg<D>::kDynamic;
   dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
-  DecodePipelinedKernel<D, T><<<grid, kPThreads, smem, stream>>>(p, q, kv, splits, row_groups, part_out, part_lse,
-                                                                 out.out, out.lse);
+  alignas(64) CUtensorMap map{};
+  if (MakePoolMap(kv, &map)) {
+    cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    DecodePipelinedKernel<D, T, true><<<grid, kPThreads, smem, stream>>>(p, q, kv, splits, row_groups, part_out,
+                                                                         part_lse, out.out, out.lse, map);
+  } else {
+    cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    DecodePipelinedKernel<D, T, false><<<grid, kPThreads, smem, stream>>>(p, q, kv, splits, row_groups, part_out,
+                                                                          part_lse, out.out, out.lse, map);
+  }
   return cudaGetLastError();
 }
 
@@ -591,11 +696,13 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
 }
 
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count) {
+  // One full wave of the two CTAs an SM holds: on the H200, a wave and a bit
+  // (e.g. 2.4 waves) ran 15-40% slower than exactly one (bench/RESULTS.md).
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
   const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;
-  const long target = 2L * sm_count * 2;  // two waves of the two CTAs an SM holds
-  long splits = (target + ctas - 1) / ctas;
+  const long slots = 2L * sm_count;
+  long splits = std::max<long>(1, slots / ctas);
   splits = std::min<long>(splits, std::max(1, max_pages_per_seq / 4));  // >= 4 pages per split
   return (int)std::max<long>(1, std::min<long>(splits, 256));
 }

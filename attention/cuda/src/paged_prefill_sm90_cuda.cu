@@ -5,20 +5,21 @@
 // (row, q head), causal/window by absolute position, GQA, any block_tokens.
 //
 // CTA: 128 query rows of one (sequence, q head) in two consumer warpgroups of
-// 64 rows; the KV stream of the sequence in 64-token tiles through a 4-stage
+// 64 rows; the KV stream of the sequence in 64-token tiles through a 5-stage
 // shared-memory ring. Every thread gathers its share of each tile with
 // cp.async (16-byte chunks, page by page; rows past the end zero-filled)
 // into the 128-byte-swizzled layout wgmma reads ([D/64][rows][128 B], chunk
 // c of row r at (c ^ r%8) within its 128 bytes), and hands completion to the
-// stage's "full" mbarrier (cp.async.mbarrier.arrive.noinc). A stage is
-// refilled two tiles later, once both warpgroups have arrived on its "empty"
-// mbarrier, so the warpgroups are not held in lock step: one can run its
-// softmax while the other keeps the tensor cores busy.
+// stage's "full" mbarrier (cp.async.mbarrier.arrive.noinc). Tiles are loaded
+// three ahead; a stage is refilled once both warpgroups have arrived on its
+// "empty" mbarrier, which lets them drift a tile apart instead of running in
+// lock step: one runs its softmax while the other keeps the tensor cores busy.
 // Per tile and warpgroup: S = Q K^T (wgmma m64n64k16, Q and K from shared
 // memory), the online softmax in registers (log2 domain), P converted to
 // 16-bit A fragments in registers, O += P V (wgmma m64nDk16, V read
-// transposed from the same swizzled layout). The PV of tile j completes
-// under the S of tile j+1 (one wait per tile).
+// transposed from the same swizzled layout). Within a warpgroup the softmax
+// of tile j+1 runs while the tensor cores do P_j V_j, and the rescale of O is
+// skipped when no row's maximum moved.
 // Row tiles run heaviest first (causal: later rows see more keys).
 #include <cfloat>
 
@@ -29,7 +30,7 @@ namespace kvring::cuda {
 namespace internal {
 namespace {
 
-constexpr int kBM = 128, kBN = 64, kStages = 4, kAhead = kStages - 2, kThreads = 256;
+constexpr int kBM = 128, kBN = 64, kStages = 5, kAhead = kStages - 2, kThreads = 256;
 
 template <int D>
 struct Sm90Smem {
@@ -170,35 +171,22 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
     if (j < ntiles) load_tile(j, row_bases(j));
   }
   Bases next_bases = row_bases(kAhead);
-  bool edge_cur = tile_edge(0);
 
-  float o[D / 2];
+  float o[D / 2], sc[32];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  uint32_t pa[4][4];
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  float c0 = 1.f, c1 = 1.f;  // rescale of O before the next P V
   const uint32_t qa = base + wg * 64 * 128;  // this warpgroup's 64 rows of Q (D/64 column blocks of kBM rows)
 
-  int j = 0;
-  do {  // ntiles >= 1 here (a do-while leaves ptxas no path that skips the wgmmas)
-    // Refill: tile j + kAhead into the stage tile j - 2 used (both
-    // warpgroups are done with it once they are one tile on).
-    if (j + kAhead < ntiles) {
-      const int jj = j + kAhead;
-      if (jj >= kStages) MbarWait(empty0 + 8 * (jj % kStages), ((jj / kStages) - 1) & 1);
-      load_tile(jj, next_bases);
-    }
-    next_bases = row_bases(j + kAhead + 1);
-    const bool edge = edge_cur;
-    edge_cur = tile_edge(j + 1);
-
+  // S_j = Q K_j^T (64 x 64 per warpgroup), issued asynchronously.
+  auto issue_s = [&](int j) {
     const int st = j % kStages;
     MbarWait(full0 + 8 * st, (j / kStages) & 1);
     FenceProxyAsync();
-    const uint32_t kt = base + S::kK + st * S::kTileBytes, vt = base + S::kV + st * S::kTileBytes;
-
-    // S = Q K^T (64 x 64 per warpgroup); the previous tile's P V finishes under it.
+    const uint32_t kt = base + S::kK + st * S::kTileBytes;
     WgmmaFence();
-    float sc[32];
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
       const uint64_t da = SmemDesc128(qa + (kk >> 2) * kBM * 128 + (kk & 3) * 32, 16, 1024);
@@ -210,20 +198,17 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
       }
     }
     WgmmaCommit();
-    WgmmaWait<0>();
-    FenceRegs<32>(sc);
-    FenceRegs<D / 2>(o);
-    if (j > 0) MbarArrive(empty0 + 8 * ((j - 1) % kStages));  // tile j-1's stage is read no more
-
-    // Online softmax over this tile (log2 domain); masks only on edge tiles.
+  };
+  // Online softmax of S_j in place (log2 domain; masks only on edge tiles):
+  // sc becomes P_j, (m, l) move on, (c0, c1) is the rescale O needs.
+  auto softmax = [&](int j, bool edge) {
     const int n0 = n_begin + j * kBN;
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int jn = 0; jn < 8; ++jn) {
+      if (edge) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = sc[4 * jn + e] * scale;
-        if (edge) {
+        for (int e = 0; e < 4; ++e) {
           const int i = n0 + jn * 8 + tig * 2 + (e & 1);
           const int qp = e < 2 ? qpos0 : qpos1;
           bool vis = i < n_end;
@@ -232,9 +217,8 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
             if (p.causal) vis = kp <= qp;
             if (p.window > 0) vis = vis && kp > qp - p.window;
           }
-          if (!vis) v = -INFINITY;
+          if (!vis) sc[4 * jn + e] = -INFINITY;
         }
-        sc[4 * jn + e] = v;
       }
       mx0 = fmaxf(mx0, fmaxf(sc[4 * jn], sc[4 * jn + 1]));
       mx1 = fmaxf(mx1, fmaxf(sc[4 * jn + 2], sc[4 * jn + 3]));
@@ -243,17 +227,17 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
-    const float c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
-    const float c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
+    const float nm0 = fmaxf(m0, mx0 * scale), nm1 = fmaxf(m1, mx1 * scale);  // scale > 0 keeps the order
+    c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
+    c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
     const float b0 = nm0 == -INFINITY ? 0.f : nm0, b1 = nm1 == -INFINITY ? 0.f : nm1;
     float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
     for (int jn = 0; jn < 8; ++jn) {
-      sc[4 * jn] = exp2f(sc[4 * jn] - b0);
-      sc[4 * jn + 1] = exp2f(sc[4 * jn + 1] - b0);
-      sc[4 * jn + 2] = exp2f(sc[4 * jn + 2] - b1);
-      sc[4 * jn + 3] = exp2f(sc[4 * jn + 3] - b1);
+      sc[4 * jn] = exp2f(fmaf(sc[4 * jn], scale, -b0));
+      sc[4 * jn + 1] = exp2f(fmaf(sc[4 * jn + 1], scale, -b0));
+      sc[4 * jn + 2] = exp2f(fmaf(sc[4 * jn + 2], scale, -b1));
+      sc[4 * jn + 3] = exp2f(fmaf(sc[4 * jn + 3], scale, -b1));
       rs0 += sc[4 * jn] + sc[4 * jn + 1];
       rs1 += sc[4 * jn + 2] + sc[4 * jn + 3];
     }
@@ -261,15 +245,9 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
     l1 = l1 * c1 + rs1;
     m0 = nm0;
     m1 = nm1;
-#pragma unroll
-    for (int jd = 0; jd < D / 8; ++jd) {
-      o[4 * jd] *= c0;
-      o[4 * jd + 1] *= c0;
-      o[4 * jd + 2] *= c1;
-      o[4 * jd + 3] *= c1;
-    }
-    // P as 16-bit A fragments (the accumulator layout of S is the A layout).
-    uint32_t pa[4][4];
+  };
+  // P as 16-bit A fragments (the accumulator layout of S is the A layout).
+  auto pack = [&]() {
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
       pa[t][0] = Pack<T>(sc[8 * t], sc[8 * t + 1]);
@@ -277,9 +255,33 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
       pa[t][2] = Pack<T>(sc[8 * t + 4], sc[8 * t + 5]);
       pa[t][3] = Pack<T>(sc[8 * t + 6], sc[8 * t + 7]);
     }
-    // O += P V: V tile read MN-major (transposed): leading offset = the
-    // stride between its 64-column blocks, stride offset = 8 token rows.
+  };
+
+  issue_s(0);
+  WgmmaWait<0>();
+  FenceRegs<32>(sc);
+  softmax(0, tile_edge(0));
+  pack();
+  bool edge_next = tile_edge(1);
+
+  // O = O * c + P_j V_j (the rescale comes before any wgmma of a round:
+  // ptxas serializes wgmmas around accumulator reads inside a round). V is
+  // read MN-major (transposed): leading offset = the stride between its
+  // 64-column blocks, stride offset = 8 token rows.
+  auto rescale_o = [&]() {
+    if (c0 != 1.f || c1 != 1.f) {
+#pragma unroll
+      for (int jd = 0; jd < D / 8; ++jd) {
+        o[4 * jd] *= c0;
+        o[4 * jd + 1] *= c0;
+        o[4 * jd + 2] *= c1;
+        o[4 * jd + 3] *= c1;
+      }
+    }
     FenceRegs<D / 2>(o);
+  };
+  auto issue_pv = [&](int j) {
+    const uint32_t vt = base + S::kV + (j % kStages) * S::kTileBytes;
     FenceRegs<16>(&pa[0][0]);
     WgmmaFence();
 #pragma unroll
@@ -287,7 +289,36 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
       WgmmaRS<D, T>(o, pa[t], SmemDesc128(vt + t * 16 * 128, kBN * 128, 1024), 1);
     }
     WgmmaCommit();
-  } while (++j < ntiles);
+  };
+
+  // Round j: S_{j+1} and P_j V_j go to the tensor cores back to back, and
+  // the softmax of S_{j+1} runs while P_j V_j does (FlashAttention-3's
+  // intra-warpgroup overlap). The last tile's P V is a round of its own.
+  int j = 0;
+  for (; j + 1 < ntiles; ++j) {
+    // Refill: tile j + kAhead into the stage tile j - 2 used (both
+    // warpgroups are done with it once they are one tile on).
+    if (j + kAhead < ntiles) {
+      const int jj = j + kAhead;
+      if (jj >= kStages) MbarWait(empty0 + 8 * (jj % kStages), ((jj / kStages) - 1) & 1);
+      load_tile(jj, next_bases);
+    }
+    next_bases = row_bases(j + kAhead + 1);
+    const bool edge = edge_next;
+    edge_next = tile_edge(j + 2);
+    rescale_o();
+    issue_s(j + 1);
+    issue_pv(j);
+    WgmmaWait<1>();  // S_{j+1} is done; P_j V_j may still run
+    FenceRegs<32>(sc);
+    softmax(j + 1, edge);
+    WgmmaWait<0>();
+    FenceRegs<D / 2>(o);
+    MbarArrive(empty0 + 8 * (j % kStages));  // tile j's stage is read no more
+    pack();
+  }
+  rescale_o();
+  issue_pv(j);
   WgmmaWait<0>();
   FenceRegs<D / 2>(o);
 

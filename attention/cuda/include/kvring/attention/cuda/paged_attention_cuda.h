@@ -79,7 +79,7 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
 // ---- prefill: many query rows per sequence, on the tensor cores (bf16/fp16
 // operands, fp32 accumulate), causal by absolute position; head_dim 64 or 128.
 // Two kernels: kWgmma (Hopper warpgroup MMA, sm_90 only: 128-row tiles in two
-// warpgroups, a 4-stage mbarrier ring) and kMmaSync (mma.sync m16n8k16, any
+// warpgroups, a 5-stage mbarrier ring) and kMmaSync (mma.sync m16n8k16, any
 // sm_80+ device). kAuto takes kWgmma on a compute capability 9.0 device.
 // kWgmma on another device returns cudaErrorNotSupported.
 enum class PrefillKernel : int32_t { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
