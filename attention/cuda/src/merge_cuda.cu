@@ -1,38 +1,35 @@
-// Exact LSE merge of attention partials on the GPU: one warp per (row, head).
+// Exact LSE merge of attention partials on the GPU.
 #include "cuda_common.cuh"
 
 namespace kvring::cuda {
 namespace internal {
 namespace {
 
+// One thread per output element (row-head, d): the parts' loads are
+// independent and coalesced across d, so a merge of many splits of few rows
+// (a batch-1 decode) is not one warp walking every part in turn.
 __global__ void MergeKernel(const float* __restrict__ out_parts, const float* __restrict__ lse_parts, int num_parts,
                             int rows_heads, int head_dim, float* __restrict__ out, float* __restrict__ lse) {
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (warp >= rows_heads) return;
+  const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (size_t)rows_heads * head_dim) return;
+  const int rh = (int)(idx / head_dim), d = (int)(idx % head_dim);
   float M = -INFINITY;
-  for (int s = 0; s < num_parts; ++s) M = fmaxf(M, lse_parts[(size_t)s * rows_heads + warp]);
-  float* o = out + (size_t)warp * head_dim;
+  for (int s = 0; s < num_parts; ++s) M = fmaxf(M, lse_parts[(size_t)s * rows_heads + rh]);
   if (M == -INFINITY) {
-    for (int d = lane; d < head_dim; d += 32) o[d] = 0.f;
-    if (lane == 0) lse[warp] = -INFINITY;
+    out[idx] = 0.f;
+    if (d == 0) lse[rh] = -INFINITY;
     return;
   }
-  float L = 0.f;
+  float L = 0.f, acc = 0.f;
+#pragma unroll 4
   for (int s = 0; s < num_parts; ++s) {
-    const float x = lse_parts[(size_t)s * rows_heads + warp];
-    L += x == -INFINITY ? 0.f : __expf(x - M);
+    const float x = lse_parts[(size_t)s * rows_heads + rh];
+    const float w = x == -INFINITY ? 0.f : __expf(x - M);
+    L += w;
+    acc += w * out_parts[((size_t)s * rows_heads + rh) * head_dim + d];
   }
-  const float inv = 1.f / L;
-  for (int d = lane; d < head_dim; d += 32) {
-    float acc = 0.f;
-    for (int s = 0; s < num_parts; ++s) {
-      const float x = lse_parts[(size_t)s * rows_heads + warp];
-      if (x != -INFINITY) acc += __expf(x - M) * out_parts[((size_t)s * rows_heads + warp) * head_dim + d];
-    }
-    o[d] = acc * inv;
-  }
-  if (lane == 0) lse[warp] = M + __logf(L);
+  out[idx] = acc / L;
+  if (d == 0) lse[rh] = M + __logf(L);
 }
 
 __global__ void MergeIntoKernel(float* __restrict__ acc_out, float* __restrict__ acc_lse, const float* __restrict__ other_out,
@@ -62,8 +59,9 @@ cudaError_t MergePartials(const float* out_parts, const float* lse_parts, int nu
     return cudaErrorInvalidValue;
   }
   if (rows_heads == 0) return cudaSuccess;
-  const int threads = 256, warps_per_block = threads / 32;
-  internal::MergeKernel<<<(rows_heads + warps_per_block - 1) / warps_per_block, threads, 0, stream>>>(
+  const int threads = 256;
+  const size_t total = (size_t)rows_heads * head_dim;
+  internal::MergeKernel<<<(unsigned)((total + threads - 1) / threads), threads, 0, stream>>>(
       out_parts, lse_parts, num_parts, rows_heads, head_dim, out.out, out.lse);
   return cudaGetLastError();
 }

@@ -14,8 +14,8 @@
 // three ahead; a stage is refilled once both warpgroups have arrived on its
 // "empty" mbarrier, which lets them drift a tile apart instead of running in
 // lock step: one runs its softmax while the other keeps the tensor cores busy.
-// Per tile and warpgroup: S = Q K^T (wgmma m64n64k16, Q and K from shared
-// memory), the online softmax in registers (log2 domain), P converted to
+// Per tile and warpgroup: S = Q K^T (wgmma m64n64k16, Q as register
+// fragments, K from shared memory), the online softmax in registers (log2 domain), P converted to
 // 16-bit A fragments in registers, O += P V (wgmma m64nDk16, V read
 // transposed from the same swizzled layout). Within a warpgroup the softmax
 // of tile j+1 runs while the tensor cores do P_j V_j, and the rescale of O is
@@ -178,8 +178,19 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
   uint32_t pa[4][4];
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   float c0 = 1.f, c1 = 1.f;  // rescale of O before the next P V
-  const uint32_t qa = base + wg * 64 * 128;  // this warpgroup's 64 rows of Q (D/64 column blocks of kBM rows)
 
+  // Q as A fragments in registers, for the whole stream: S = Q K^T then
+  // reads only K from shared memory (with both operands there, a 64 x 64
+  // wgmma needs the SM's whole shared-memory bandwidth). Q landed with tile 0.
+  uint32_t qf[kKSteps][4];
+  MbarWait(full0, 0);
+  {
+    const int mi = lane >> 3, rr = lane & 7, r = wg * 64 + (warp & 3) * 16 + (mi & 1) * 8 + rr;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      LdMatrixX4(base + Sw128(kBM, r, 2 * kk + (mi >> 1)), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+    }
+  }
   // S_j = Q K_j^T (64 x 64 per warpgroup), issued asynchronously.
   auto issue_s = [&](int j) {
     const int st = j % kStages;
@@ -189,12 +200,11 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
-      const uint64_t da = SmemDesc128(qa + (kk >> 2) * kBM * 128 + (kk & 3) * 32, 16, 1024);
       const uint64_t db = SmemDesc128(kt + (kk >> 2) * kBN * 128 + (kk & 3) * 32, 16, 1024);
       if (kk == 0) {
-        WgmmaSS0<64, T>(sc, da, db);
+        WgmmaRSK0<64, T>(sc, qf[kk], db);
       } else {
-        WgmmaSS<64, T>(sc, da, db, 1);
+        WgmmaRSK<64, T>(sc, qf[kk], db, 1);
       }
     }
     WgmmaCommit();

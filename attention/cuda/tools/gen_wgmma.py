@@ -44,16 +44,22 @@ __device__ __forceinline__ void WgmmaSS0<{n}, {cxx_t}>(float* d, uint64_t desc_a
 '''
 
 
-def rs(n, ptx_t, cxx_t):
+def rs(n, ptx_t, cxx_t, trans_b, zero):
     nd = n // 2
-    return f'''// D[64 x {n}] += A[64 x 16] (registers) * B[16 x {n}]; B MN-major in shared memory (transposed).
+    name = ("WgmmaRS" if trans_b else "WgmmaRSK") + ("0" if zero else "")
+    outs_ = ", ".join(f'"{"=" if zero else "+"}f"(d[{i}])' for i in range(nd))
+    what = "B MN-major in shared memory (transposed)" if trans_b else "B K-major in shared memory"
+    op = "=" if zero else "+="
+    scale_arg = "" if zero else ", int scale_d"
+    scale_in = '"r"(0)' if zero else '"r"(scale_d)'
+    return f'''// D[64 x {n}] {op} A[64 x 16] (registers) * B[16 x {n}]; {what}.
 template <>
-__device__ __forceinline__ void WgmmaRS<{n}, {cxx_t}>(float* d, const uint32_t* a, uint64_t desc_b, int scale_d) {{
+__device__ __forceinline__ void {name}<{n}, {cxx_t}>(float* d, const uint32_t* a, uint64_t desc_b{scale_arg}) {{
   asm volatile(
       "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} {{{regs(nd)}}}, {{{regs(4, nd)}}}, %{nd + 4}, p, 1, 1, 1;\\n}}\\n"
-      : {outs(nd)}
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} {{{regs(nd)}}}, {{{regs(4, nd)}}}, %{nd + 4}, p, 1, 1, {trans_b};\\n}}\\n"
+      : {outs_}
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), {scale_in});
 }}
 '''
 
@@ -78,12 +84,18 @@ template <int N, typename T>
 __device__ __forceinline__ void WgmmaSS0(float* d, uint64_t desc_a, uint64_t desc_b);
 template <int N, typename T>
 __device__ __forceinline__ void WgmmaRS(float* d, const uint32_t* a, uint64_t desc_b, int scale_d);
+template <int N, typename T>
+__device__ __forceinline__ void WgmmaRSK(float* d, const uint32_t* a, uint64_t desc_b, int scale_d);
+template <int N, typename T>
+__device__ __forceinline__ void WgmmaRSK0(float* d, const uint32_t* a, uint64_t desc_b);
 ''')
 for t, c in TYPES.items():
     print(ss(64, t, c))
     print(ss0(64, t, c))
     for n in (64, 128):
-        print(rs(n, t, c))
+        print(rs(n, t, c, 1, False))
+    print(rs(64, t, c, 0, False))
+    print(rs(64, t, c, 0, True))
 print('''__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory"); }
 __device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory"); }
 template <int N>
