@@ -206,7 +206,9 @@ std::vector<cuda::PrefillKernel> PrefillKernels() {
   if (major == 9 && minor == 0) ks.push_back(cuda::PrefillKernel::kWgmma);
   return ks;
 }
-const char* KernelName(cuda::PrefillKernel k) { return k == cuda::PrefillKernel::kWgmma ? "wgmma" : "mma.sync"; }
+const char* KernelName(cuda::PrefillKernel k) {
+  return k == cuda::PrefillKernel::kWgmma ? "wgmma" : k == cuda::PrefillKernel::kAuto ? "auto" : "mma.sync";
+}
 
 // Prefill: causal chunks of new tokens over a cached prefix, row counts that
 // are not multiples of the 128-row tile, sharded (gapped) page lists.
@@ -246,14 +248,18 @@ TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
 }
 
 // Long chunks: many 128-row tiles and KV streams that go round the wgmma
-// kernel's 4-stage ring many times (its barrier phases flip), a page size
-// that is not a power of two, several sequences of different lengths.
+// kernel's stage ring many times (its barrier phases flip), page sizes that
+// are not a power of two (48: TMA boxes at offsets inside a page; 24: not a
+// multiple of 16, where kAuto must fall back to the mma.sync kernel),
+// several sequences of different lengths.
 TEST(GpuPrefillTest, LongChunksMatchTheReference) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 300;
-  for (cuda::PrefillKernel kernel : PrefillKernels())
+  for (cuda::PrefillKernel requested : PrefillKernels())
     for (int D : {64, 128})
-      for (int bt : {16, 48}) {
+      for (int bt : {16, 24, 48}) {
+        const cuda::PrefillKernel kernel =
+            requested == cuda::PrefillKernel::kWgmma && bt % 16 != 0 ? cuda::PrefillKernel::kAuto : requested;
         std::mt19937_64 rng(seed++);
         const int kv_heads = 2, q_heads = 8;
         const bool bf16 = seed % 2;

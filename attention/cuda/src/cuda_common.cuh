@@ -1,6 +1,7 @@
 // Device helpers shared by the attention kernels (internal).
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a plain struct; nothing links libcuda)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -133,6 +134,22 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   }
+}
+
+// Arrive on a barrier and expect `bytes` of asynchronous (TMA) copies in
+// this phase.
+__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// One box of a 5-d tensor map into shared memory; completes on `bar`.
+__device__ __forceinline__ void TmaLoad5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, int c4,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
+      "%6}], [%7];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+      : "memory");
 }
 
 // Position of stream token i of a sequence (pages full but the last).

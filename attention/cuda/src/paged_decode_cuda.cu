@@ -10,12 +10,10 @@
 // lookup), so HBM reads stay in flight while the tensor cores work. Each warp
 // takes 16 tokens of every tile: S = Q K^T (ldmatrix + mma), an online
 // softmax for its tokens, O += P V. Warps and splits merge exactly by LSE.
-#include <cuda.h>  // CUtensorMap (a plain struct; the encoder comes through the runtime)
-#include <cudaTypedefs.h>
-
 #include <cfloat>
 
 #include "cuda_common.cuh"
+#include "tma_cuda.h"
 
 namespace kvring::cuda {
 namespace internal {
@@ -311,19 +309,6 @@ __device__ __forceinline__ uint32_t PlaneSwz(int r, int c) {
   return (uint32_t)((c >> 3) * (kPStage * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
-__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void TmaLoad5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, int c4,
-                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
-      "%6}], [%7];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
-      : "memory");
-}
-
 template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
@@ -588,44 +573,6 @@ __global__ void __launch_bounds__(kPThreads, 2)
   }
 }
 
-// The driver's cuTensorMapEncodeTiled, through the runtime (no libcuda link).
-PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      f = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-// A 5-d map of the pool: (64 columns, column block, token of page, plane =
-// (layer, K|V, head), page), boxes of 64 columns x 16 tokens, 128-byte
-// swizzle. False where TMA cannot serve this view (the device is not sm_90+,
-// the page size is not a multiple of 16 tokens, or the encoder refuses the
-// strides); the caller then gathers with cp.async.
-bool MakePoolMap(const PagedKvView& kv, CUtensorMap* map) {
-  int dev = 0, major = 0;
-  if (kv.block_tokens % kPStage != 0 || cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9) {
-    return false;
-  }
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
-  if (encode == nullptr) return false;
-  const int D = kv.head_dim;
-  const cuuint64_t dims[5] = {64, (cuuint64_t)(D / 64), (cuuint64_t)kv.block_tokens,
-                              (cuuint64_t)kv.layers * 2 * kv.kv_heads, (cuuint64_t)INT32_MAX};
-  const cuuint64_t strides[4] = {128, (cuuint64_t)D * 2, (cuuint64_t)kv.block_tokens * D * 2, kv.page_stride};
-  const cuuint32_t box[5] = {64, 1, kPStage, 1, 1};
-  const cuuint32_t estrides[5] = {1, 1, 1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 5, const_cast<void*>(kv.pool), dims, strides, box, estrides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 template <int D, typename T>
 cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                             float* part_out, float* part_lse, cudaStream_t stream) {
@@ -634,7 +581,7 @@ cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const Paged
   const int smem = PipeCfg<D>::kDynamic;
   dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
   alignas(64) CUtensorMap map{};
-  if (MakePoolMap(kv, &map)) {
+  if (MakePoolMap(kv, kPStage, &map)) {
     cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     DecodePipelinedKernel<D, T, true><<<grid, kPThreads, smem, stream>>>(p, q, kv, splits, row_groups, part_out,
@@ -696,13 +643,16 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
 }
 
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count) {
-  // One full wave of the two CTAs an SM holds: on the H200, a wave and a bit
-  // (e.g. 2.4 waves) ran 15-40% slower than exactly one (bench/RESULTS.md).
+  // At least one full wave of the two CTAs an SM holds, and splits of at
+  // most ~8K tokens: on the H200 (bench/RESULTS.md, split sweep) a batch of 1
+  // ran best at exactly one wave and long streams ran best cut to 4-16K
+  // tokens a CTA (64 x 32K: 0.93 of copy with 1 split, 0.97 with 4).
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
   const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;
   const long slots = 2L * sm_count;
-  long splits = std::max<long>(1, slots / ctas);
+  const long tokens = (long)max_pages_per_seq * std::max(1, kv.block_tokens);
+  long splits = std::max<long>(std::max<long>(1, slots / ctas), (tokens + 8191) / 8192);
   splits = std::min<long>(splits, std::max(1, max_pages_per_seq / 4));  // >= 4 pages per split
   return (int)std::max<long>(1, std::min<long>(splits, 256));
 }

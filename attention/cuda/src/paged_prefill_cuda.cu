@@ -312,9 +312,13 @@ cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvV
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
     if (e != cudaSuccess) return e;
-    const bool sm90 = major == 9 && minor == 0;
-    if (sm90) return internal::PagedPrefillSm90(p, q, kv, out, stream);
-    if (kernel == PrefillKernel::kWgmma) return cudaErrorNotSupported;
+    if (major == 9 && minor == 0) {
+      e = internal::PagedPrefillSm90(p, q, kv, out, stream);
+      if (e != cudaErrorNotSupported || kernel == PrefillKernel::kWgmma) return e;
+      (void)cudaGetLastError();  // (nothing was launched) kAuto: the mma.sync kernel serves this view
+    } else if (kernel == PrefillKernel::kWgmma) {
+      return cudaErrorNotSupported;
+    }
   }
   if (kv.dtype == KvType::kBF16) {
     return kv.head_dim == 128 ? internal::Launch<128, __nv_bfloat16>(p, q, kv, out, stream)

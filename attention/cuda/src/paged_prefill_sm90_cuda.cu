@@ -1,36 +1,44 @@
-// Paged prefill attention on Hopper's warpgroup MMA (wgmma, sm_90a).
+// Paged prefill attention on Hopper's warpgroup MMA (wgmma, sm_90a) with
+// tensor-memory-accelerator loads.
 //
 // Same contract as the mma.sync kernel in paged_prefill_cuda.cu (which stays
-// the fallback for other devices): O fp32 and LSE (natural log) of each
-// (row, q head), causal/window by absolute position, GQA, any block_tokens.
+// the kernel for other devices and for page sizes that are not a multiple of
+// 16 tokens): O fp32 and LSE (natural log) of each (row, q head),
+// causal/window by absolute position, GQA.
 //
-// CTA: 128 query rows of one (sequence, q head) in two consumer warpgroups of
-// 64 rows; the KV stream of the sequence in 64-token tiles through a 5-stage
-// shared-memory ring. Every thread gathers its share of each tile with
-// cp.async (16-byte chunks, page by page; rows past the end zero-filled)
-// into the 128-byte-swizzled layout wgmma reads ([D/64][rows][128 B], chunk
-// c of row r at (c ^ r%8) within its 128 bytes), and hands completion to the
-// stage's "full" mbarrier (cp.async.mbarrier.arrive.noinc). Tiles are loaded
-// three ahead; a stage is refilled once both warpgroups have arrived on its
-// "empty" mbarrier, which lets them drift a tile apart instead of running in
-// lock step: one runs its softmax while the other keeps the tensor cores busy.
+// CTA: 128 query rows of one (sequence, q head) in two warpgroups of 64 rows.
+// The sequence's KV streams in 64-token tiles through a 5-stage shared-memory
+// ring, three tiles ahead: for each tile, four lanes of warp 0 issue TMA
+// copies of 16-token boxes of the K and V planes of the kv head against a
+// tensor map of the page pool, landing in the 128-byte-swizzled layout wgmma
+// reads ([D/64][64 rows][128 B]); the stage's "full" mbarrier completes when
+// the bytes have landed, its "empty" one when every thread is done with it.
+// Loads thus cost a handful of instructions a tile (cp.async gathers took a
+// third of the issue slots), and the warpgroups drift up to a tile apart: one
+// runs its softmax while the other keeps the tensor cores busy. (A separate
+// producer warp would cap the consumers at 168 registers: a 9th warp shares a
+// sub-partition's register file.)
 // Per tile and warpgroup: S = Q K^T (wgmma m64n64k16, Q as register
-// fragments, K from shared memory), the online softmax in registers (log2 domain), P converted to
-// 16-bit A fragments in registers, O += P V (wgmma m64nDk16, V read
-// transposed from the same swizzled layout). Within a warpgroup the softmax
-// of tile j+1 runs while the tensor cores do P_j V_j, and the rescale of O is
-// skipped when no row's maximum moved.
+// fragments, K from shared memory), the online softmax in registers (log2
+// domain), P as 16-bit A fragments in registers, O += P V (wgmma m64nDk16, V
+// read transposed from the same swizzled layout). Within a warpgroup the
+// softmax of tile j+1 runs while the tensor cores do P_j V_j, and the rescale
+// of O is skipped when no row's maximum moved.
+// A TMA box copies whole 16-token slices of a page: the slots of a last page
+// past the sequence's end are junk, so their V rows are zeroed (P is 0 there,
+// but 0 x NaN is not); K junk is masked to -inf before the softmax.
 // Row tiles run heaviest first (causal: later rows see more keys).
 #include <cfloat>
 
 #include "cuda_common.cuh"
+#include "tma_cuda.h"
 #include "wgmma_sm90.cuh"
 
 namespace kvring::cuda {
 namespace internal {
 namespace {
 
-constexpr int kBM = 128, kBN = 64, kStages = 5, kAhead = kStages - 2, kThreads = 256;
+constexpr int kBM = 128, kBN = 64, kStages = 5, kAhead = 3, kBox = 16, kThreads = 256;
 
 template <int D>
 struct Sm90Smem {
@@ -48,17 +56,20 @@ __device__ __forceinline__ uint32_t Sw128(int rows, int r, int c) {
   return (uint32_t)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
+__device__ __forceinline__ void NamedBarrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Generic-proxy writes (cp.async) made visible to the async proxy (wgmma).
 __device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 template <int D, typename T>
-__global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out) {
+__global__ void __launch_bounds__(kThreads, 1)
+    PrefillSm90Kernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out, const __grid_constant__ CUtensorMap pool_map) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = Sm90Smem<D>;
   constexpr int kChunks = D / 8;                 // 16-byte chunks per row
   constexpr int kKSteps = D / 16;                // k16 steps of S = Q K^T
-  constexpr int kLoads = kBN * kChunks / kThreads;  // chunks of K (and of V) per thread per tile
-  constexpr int kRowsPerPass = kThreads / kChunks;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_qmin, s_qmax;
   const uint32_t raw = SmemAddr(smem_raw);
@@ -83,11 +94,6 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
     atomicMin(&s_qmin, q.positions[r0 + r]);
     atomicMax(&s_qmax, q.positions[r0 + r]);
   }
-  // This thread's two rows (of its warpgroup's 64): local row wr and wr + 8.
-  const int wr = wg * 64 + (warp & 3) * 16 + g;
-  const int qpos0 = wr < nrows ? q.positions[r0 + wr] : INT32_MIN;
-  const int qpos1 = wr + 8 < nrows ? q.positions[r0 + wr + 8] : INT32_MIN;
-
   const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
   const int ntok = kv.seq_tokens[s];
   __syncthreads();
@@ -107,14 +113,52 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
   const uint32_t full0 = base + S::kBars, empty0 = full0 + kStages * 8;
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
-      MbarInit(full0 + 8 * i, kThreads);
-      MbarInit(empty0 + 8 * i, kThreads);
+      MbarInit(full0 + 8 * i, 1);          // the loader's expect-tx arrival (+ the tile's bytes)
+      MbarInit(empty0 + 8 * i, kThreads);  // every thread, once done with the tile
     }
   }
   __syncthreads();
 
-  // Q rows -> shared memory (rows past the end zero-filled); these copies
-  // complete before tile 0's "full" barrier does.
+  // Loads: lanes 0..3 of warp 0 (box b = 16 tokens of a 64-token tile each)
+  // issue the TMA copies of tile j + kAhead at the start of round j, into the
+  // stage tile j - 2 used, once both warpgroups have arrived on its "empty"
+  // barrier; the page ids are read a round earlier.
+  const int kplane = (kv.layer * 2) * kv.kv_heads + hk, vplane = kplane + kv.kv_heads;
+  const bool loader = warp == 0 && lane < kBN / kBox;
+  auto box_page = [&](int j) {  // this lane's box of tile j: (page, token offset); page -1 past the list (zeros)
+    const int i0 = n_begin + j * kBN + lane * kBox, pg = i0 / kv.block_tokens;
+    return make_int2(pg < npages ? kv.page_ids[pb + pg] : -1, i0 - pg * kv.block_tokens);
+  };
+  auto load_tile = [&](int j, int2 pg) {  // warp 0 only
+    const int st = j % kStages;
+    if (lane == 0) {
+      if (j >= kStages) MbarWait(empty0 + 8 * st, ((j / kStages) - 1) & 1);
+      MbarArriveExpectTx(full0 + 8 * st, 2 * S::kTileBytes);
+    }
+    __syncwarp();
+    if (loader) {
+      const uint32_t kt = base + S::kK + st * S::kTileBytes, vt = base + S::kV + st * S::kTileBytes;
+#pragma unroll
+      for (int dc = 0; dc < D / 64; ++dc) {
+        const uint32_t o = dc * kBN * 128 + lane * kBox * 128;
+        TmaLoad5d(kt + o, &pool_map, 0, dc, pg.y, kplane, pg.x, full0 + 8 * st);
+        TmaLoad5d(vt + o, &pool_map, 0, dc, pg.y, vplane, pg.x, full0 + 8 * st);
+      }
+    }
+  };
+  int2 next_page = make_int2(-1, 0);
+  if (warp == 0) {
+    for (int j = 0; j < kAhead && j < ntiles; ++j) load_tile(j, loader ? box_page(j) : make_int2(-1, 0));
+    if (loader && kAhead < ntiles) next_page = box_page(kAhead);
+  }
+
+  // This thread's two rows (of its warpgroup's 64): wr, wr + 8.
+  const int wr = wg * 64 + (warp & 3) * 16 + g;
+  const int qpos0 = wr < nrows ? q.positions[r0 + wr] : INT32_MIN;
+  const int qpos1 = wr + 8 < nrows ? q.positions[r0 + wr + 8] : INT32_MIN;
+  // Q rows -> shared memory (rows past the end zero-filled) -> A fragments
+  // in registers, for the whole stream: S = Q K^T then reads only K from
+  // shared memory.
   {
     const T* qbase = static_cast<const T*>(q.q);
     for (int c = tid; c < kBM * kChunks; c += kThreads) {
@@ -122,41 +166,19 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
       const bool valid = r < nrows;
       CpAsync16(base + Sw128(kBM, r, ch), qbase + ((size_t)(r0 + (valid ? r : 0)) * q.q_heads + hq) * D + ch * 8, valid);
     }
+    CpAsyncCommit();
+    CpAsyncWait<0>();
+    NamedBarrier(1, kThreads);
+  }
+  uint32_t qf[kKSteps][4];
+  {
+    const int mi = lane >> 3, rr = lane & 7, r = wg * 64 + (warp & 3) * 16 + (mi & 1) * 8 + rr;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      LdMatrixX4(base + Sw128(kBM, r, 2 * kk + (mi >> 1)), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+    }
   }
 
-  const char* pool = static_cast<const char*>(kv.pool);
-  const uint64_t koff = PlaneOffset(kv, 0, hk) * sizeof(T), voff = PlaneOffset(kv, 1, hk) * sizeof(T);
-  const int lch = tid % kChunks, lrow0 = tid / kChunks;
-  struct Bases {
-    const char* b[kLoads];
-  };
-  // Page addresses of this thread's rows of tile j (looked up a tile before
-  // they are needed, so issuing never waits on a dependent global load).
-  auto row_bases = [&](int j) {
-    Bases r;
-#pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      const int i = n_begin + j * kBN + k * kRowsPerPass + lrow0;
-      r.b[k] = nullptr;
-      if (j < ntiles && i < n_end) {
-        const int pg = i / kv.block_tokens, off = i - pg * kv.block_tokens;
-        r.b[k] = pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + (uint64_t)off * D * sizeof(T) + lch * 16;
-      }
-    }
-    return r;
-  };
-  auto load_tile = [&](int j, const Bases& bs) {
-    const int st = j % kStages;
-    const uint32_t kt = base + S::kK + st * S::kTileBytes, vt = base + S::kV + st * S::kTileBytes;
-#pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      const uint32_t o = Sw128(kBN, k * kRowsPerPass + lrow0, lch);
-      const bool valid = bs.b[k] != nullptr;
-      CpAsync16(kt + o, valid ? bs.b[k] + koff : pool, valid);
-      CpAsync16(vt + o, valid ? bs.b[k] + voff : pool, valid);
-    }
-    CpAsyncArriveNoInc(full0 + 8 * st);
-  };
   // Whether tile j needs per-element masks (it straddles the causal
   // diagonal, the window edge or the end of the stream).
   auto tile_edge = [&](int j) -> bool {
@@ -167,11 +189,6 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
            (p.window > 0 && TokenPos(kv, pb, n0) <= qmax - p.window);
   };
 
-  for (int j = 0; j < kAhead; ++j) {
-    if (j < ntiles) load_tile(j, row_bases(j));
-  }
-  Bases next_bases = row_bases(kAhead);
-
   float o[D / 2], sc[32];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
@@ -179,23 +196,22 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   float c0 = 1.f, c1 = 1.f;  // rescale of O before the next P V
 
-  // Q as A fragments in registers, for the whole stream: S = Q K^T then
-  // reads only K from shared memory (with both operands there, a 64 x 64
-  // wgmma needs the SM's whole shared-memory bandwidth). Q landed with tile 0.
-  uint32_t qf[kKSteps][4];
-  MbarWait(full0, 0);
-  {
-    const int mi = lane >> 3, rr = lane & 7, r = wg * 64 + (warp & 3) * 16 + (mi & 1) * 8 + rr;
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      LdMatrixX4(base + Sw128(kBM, r, 2 * kk + (mi >> 1)), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
-    }
-  }
-  // S_j = Q K_j^T (64 x 64 per warpgroup), issued asynchronously.
+  // Waits for tile j; zeroes its V rows past the sequence's end (junk slots
+  // of the last page); issues S_j = Q K_j^T (64 x 64 per warpgroup) async.
   auto issue_s = [&](int j) {
     const int st = j % kStages;
     MbarWait(full0 + 8 * st, (j / kStages) & 1);
-    FenceProxyAsync();
+    const int n0 = n_begin + j * kBN;
+    if (n0 + kBN > ntok) {
+      const uint32_t vt = base + S::kV + st * S::kTileBytes;
+      const int first = ntok - n0;  // rows [first, kBN) are past the end
+      for (int c = tid & 127; c < (kBN - first) * kChunks; c += 128) {
+        const int r = first + c / kChunks, ch = c % kChunks;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(vt + Sw128(kBN, r, ch)), "r"(0) : "memory");
+      }
+      FenceProxyAsync();  // the zeros, before wgmma reads and before the next TMA write
+      NamedBarrier(2 + wg, 128);
+    }
     const uint32_t kt = base + S::kK + st * S::kTileBytes;
     WgmmaFence();
 #pragma unroll
@@ -306,14 +322,10 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
   // intra-warpgroup overlap). The last tile's P V is a round of its own.
   int j = 0;
   for (; j + 1 < ntiles; ++j) {
-    // Refill: tile j + kAhead into the stage tile j - 2 used (both
-    // warpgroups are done with it once they are one tile on).
-    if (j + kAhead < ntiles) {
-      const int jj = j + kAhead;
-      if (jj >= kStages) MbarWait(empty0 + 8 * (jj % kStages), ((jj / kStages) - 1) & 1);
-      load_tile(jj, next_bases);
+    if (warp == 0 && j + kAhead < ntiles) {
+      load_tile(j + kAhead, next_page);
+      if (loader && j + kAhead + 1 < ntiles) next_page = box_page(j + kAhead + 1);
     }
-    next_bases = row_bases(j + kAhead + 1);
     const bool edge = edge_next;
     edge_next = tile_edge(j + 2);
     rescale_o();
@@ -356,12 +368,13 @@ __global__ void __launch_bounds__(kThreads, 1) PrefillSm90Kernel(AttnParams p, Q
 }
 
 template <int D, typename T>
-cudaError_t LaunchSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, cudaStream_t stream) {
+cudaError_t LaunchSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
+                       const CUtensorMap& map, cudaStream_t stream) {
   const int smem = Sm90Smem<D>::kDynamic;
   cudaError_t e = cudaFuncSetAttribute(PrefillSm90Kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   dim3 grid((q.max_rows_per_seq + kBM - 1) / kBM, q.q_heads, kv.num_seqs);
-  PrefillSm90Kernel<D, T><<<grid, kThreads, smem, stream>>>(p, q, kv, out);
+  PrefillSm90Kernel<D, T><<<grid, kThreads, smem, stream>>>(p, q, kv, out, map);
   return cudaGetLastError();
 }
 
@@ -369,12 +382,14 @@ cudaError_t LaunchSm90(const AttnParams& p, const QueryView& q, const PagedKvVie
 
 cudaError_t PagedPrefillSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                              cudaStream_t stream) {
+  alignas(64) CUtensorMap map{};
+  if (!MakePoolMap(kv, kBox, &map)) return cudaErrorNotSupported;  // e.g. pages not a multiple of 16 tokens
   if (kv.dtype == KvType::kBF16) {
-    return kv.head_dim == 128 ? LaunchSm90<128, __nv_bfloat16>(p, q, kv, out, stream)
-                              : LaunchSm90<64, __nv_bfloat16>(p, q, kv, out, stream);
+    return kv.head_dim == 128 ? LaunchSm90<128, __nv_bfloat16>(p, q, kv, out, map, stream)
+                              : LaunchSm90<64, __nv_bfloat16>(p, q, kv, out, map, stream);
   }
-  return kv.head_dim == 128 ? LaunchSm90<128, __half>(p, q, kv, out, stream)
-                            : LaunchSm90<64, __half>(p, q, kv, out, stream);
+  return kv.head_dim == 128 ? LaunchSm90<128, __half>(p, q, kv, out, map, stream)
+                            : LaunchSm90<64, __half>(p, q, kv, out, map, stream);
 }
 
 }  // namespace internal

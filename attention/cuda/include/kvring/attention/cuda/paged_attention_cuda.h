@@ -78,10 +78,11 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
 
 // ---- prefill: many query rows per sequence, on the tensor cores (bf16/fp16
 // operands, fp32 accumulate), causal by absolute position; head_dim 64 or 128.
-// Two kernels: kWgmma (Hopper warpgroup MMA, sm_90 only: 128-row tiles in two
-// warpgroups, a 5-stage mbarrier ring) and kMmaSync (mma.sync m16n8k16, any
-// sm_80+ device). kAuto takes kWgmma on a compute capability 9.0 device.
-// kWgmma on another device returns cudaErrorNotSupported.
+// Two kernels: kWgmma (Hopper warpgroup MMA fed by TMA, sm_90 only, pages of a
+// multiple of 16 tokens: 128-row tiles in two warpgroups and a producer warp,
+// a 5-stage mbarrier ring) and kMmaSync (mma.sync m16n8k16, any sm_80+
+// device, any page size). kAuto takes kWgmma where it can serve the view.
+// kWgmma where it cannot returns cudaErrorNotSupported.
 enum class PrefillKernel : int32_t { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
 cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                          cudaStream_t stream, PrefillKernel kernel = PrefillKernel::kAuto);

@@ -1,0 +1,47 @@
+// Tensor maps of the page pool (tma_cuda.h).
+#include "tma_cuda.h"
+
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+
+namespace kvring::cuda::internal {
+namespace {
+
+// The driver's cuTensorMapEncodeTiled, through the runtime (no libcuda link).
+// Looked up once per process: a function pointer of the loaded driver.
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map) {
+  int dev = 0, major = 0;
+  if (box_tokens <= 0 || kv.block_tokens % box_tokens != 0 || kv.codec != 0 || cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9) {
+    return false;
+  }
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return false;
+  const int D = kv.head_dim;
+  const cuuint64_t dims[5] = {64, (cuuint64_t)(D / 64), (cuuint64_t)kv.block_tokens,
+                              (cuuint64_t)kv.layers * 2 * kv.kv_heads, (cuuint64_t)INT32_MAX};
+  const cuuint64_t strides[4] = {128, (cuuint64_t)D * 2, (cuuint64_t)kv.block_tokens * D * 2, kv.page_stride};
+  const cuuint32_t box[5] = {64, 1, (cuuint32_t)box_tokens, 1, 1};
+  const cuuint32_t estrides[5] = {1, 1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 5, const_cast<void*>(kv.pool), dims, strides, box, estrides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace kvring::cuda::internal

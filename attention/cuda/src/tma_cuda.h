@@ -1,0 +1,20 @@
+// Tensor maps of the page pool for the Hopper tensor memory accelerator
+// (internal to the attention kernels).
+#pragma once
+
+#include <cuda.h>
+
+#include "kvring/attention/cuda/paged_attention_cuda.h"
+
+namespace kvring::cuda::internal {
+
+// A 5-d map of kv's pool: (64 columns, 64-column block, token of the page,
+// plane = (layer, K|V, kv head), page), boxes of 64 columns x `box_tokens`
+// tokens, 128-byte swizzle (16-byte chunk c of box row r lands at chunk
+// c ^ (r % 8) of its 128-byte row). Page coordinates outside [0, 2^31) read
+// as zeros. Returns false where TMA cannot serve the view (the device is not
+// sm_90+, block_tokens is not a multiple of box_tokens, or the driver refuses
+// the strides); the caller then gathers with cp.async. Host only; thread-safe.
+bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map);
+
+}  // namespace kvring::cuda::internal
