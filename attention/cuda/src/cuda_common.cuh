@@ -160,6 +160,13 @@ __device__ __forceinline__ int TokenPos(const PagedKvView& kv, int pb, int i) {
 
 // Number of stream tokens with position <= p (pages in increasing position order).
 __device__ __forceinline__ int CountUpTo(const PagedKvView& kv, int pb, int npages, int ntok, int p) {
+  if (npages == 0) return 0;
+  // Contiguous positions (the first and last pages exactly (npages-1) pages
+  // apart: every page follows the one before): two loads, no search.
+  const int p0 = kv.page_pos[pb];
+  if (kv.page_pos[pb + npages - 1] == p0 + (npages - 1) * kv.block_tokens) {
+    return (int)max(0ll, min((long long)ntok, (long long)p - p0 + 1));
+  }
   int lo = 0, hi = npages;  // first page whose token 0 is > p
   while (lo < hi) {
     const int mid = (lo + hi) / 2;

@@ -27,7 +27,8 @@
 // A TMA box copies whole 16-token slices of a page: the slots of a last page
 // past the sequence's end are junk, so their V rows are zeroed (P is 0 there,
 // but 0 x NaN is not); K junk is masked to -inf before the softmax.
-// Row tiles run heaviest first (causal: later rows see more keys).
+// Row tiles run heaviest first across all heads and sequences (causal:
+// later rows see more keys).
 #include <cfloat>
 
 #include "cuda_common.cuh"
@@ -75,7 +76,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw = SmemAddr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
 
-  const int tile = gridDim.x - 1 - blockIdx.x, hq = blockIdx.y, s = blockIdx.z;
+  // Grid: x = (q head, sequence), y = row tile from the last: the launch
+  // order is heaviest-first over the whole grid (longest-processing-time
+  // order, so no heavy causal tile of the last head is left for the tail).
+  const int tile = gridDim.y - 1 - blockIdx.y, hq = blockIdx.x % q.q_heads, s = blockIdx.x / q.q_heads;
   const int G = q.q_heads / kv.kv_heads, hk = hq / G;
   const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
   const int r0 = rb + tile * kBM;
@@ -229,7 +233,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // sc becomes P_j, (m, l) move on, (c0, c1) is the rescale O needs.
   auto softmax = [&](int j, bool edge) {
     const int n0 = n_begin + j * kBN;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int jn = 0; jn < 8; ++jn) {
       if (edge) {
@@ -246,9 +249,23 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (!vis) sc[4 * jn + e] = -INFINITY;
         }
       }
-      mx0 = fmaxf(mx0, fmaxf(sc[4 * jn], sc[4 * jn + 1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[4 * jn + 2], sc[4 * jn + 3]));
     }
+    // Row maxima and sums as trees (independent operations, not one chain).
+    float t0[8], t1[8];
+#pragma unroll
+    for (int jn = 0; jn < 8; ++jn) {
+      t0[jn] = fmaxf(sc[4 * jn], sc[4 * jn + 1]);
+      t1[jn] = fmaxf(sc[4 * jn + 2], sc[4 * jn + 3]);
+    }
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1) {
+#pragma unroll
+      for (int k = 0; k < w; ++k) {
+        t0[k] = fmaxf(t0[k], t0[k + w]);
+        t1[k] = fmaxf(t1[k], t1[k + w]);
+      }
+    }
+    float mx0 = t0[0], mx1 = t1[0];
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
@@ -257,18 +274,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
     c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
     const float b0 = nm0 == -INFINITY ? 0.f : nm0, b1 = nm1 == -INFINITY ? 0.f : nm1;
-    float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
     for (int jn = 0; jn < 8; ++jn) {
       sc[4 * jn] = exp2f(fmaf(sc[4 * jn], scale, -b0));
       sc[4 * jn + 1] = exp2f(fmaf(sc[4 * jn + 1], scale, -b0));
       sc[4 * jn + 2] = exp2f(fmaf(sc[4 * jn + 2], scale, -b1));
       sc[4 * jn + 3] = exp2f(fmaf(sc[4 * jn + 3], scale, -b1));
-      rs0 += sc[4 * jn] + sc[4 * jn + 1];
-      rs1 += sc[4 * jn + 2] + sc[4 * jn + 3];
+      t0[jn] = sc[4 * jn] + sc[4 * jn + 1];
+      t1[jn] = sc[4 * jn + 2] + sc[4 * jn + 3];
     }
-    l0 = l0 * c0 + rs0;
-    l1 = l1 * c1 + rs1;
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1) {
+#pragma unroll
+      for (int k = 0; k < w; ++k) {
+        t0[k] += t0[k + w];
+        t1[k] += t1[k + w];
+      }
+    }
+    l0 = l0 * c0 + t0[0];
+    l1 = l1 * c1 + t1[0];
     m0 = nm0;
     m1 = nm1;
   };
@@ -373,7 +397,9 @@ cudaError_t LaunchSm90(const AttnParams& p, const QueryView& q, const PagedKvVie
   const int smem = Sm90Smem<D>::kDynamic;
   cudaError_t e = cudaFuncSetAttribute(PrefillSm90Kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
-  dim3 grid((q.max_rows_per_seq + kBM - 1) / kBM, q.q_heads, kv.num_seqs);
+  const int row_tiles = (q.max_rows_per_seq + kBM - 1) / kBM;
+  if (row_tiles > 65535) return cudaErrorInvalidValue;
+  dim3 grid(q.q_heads * kv.num_seqs, row_tiles);
   PrefillSm90Kernel<D, T><<<grid, kThreads, smem, stream>>>(p, q, kv, out, map);
   return cudaGetLastError();
 }
