@@ -60,6 +60,12 @@ __device__ __forceinline__ uint32_t Sw128(int rows, int r, int c) {
 __device__ __forceinline__ void NamedBarrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Named barriers: 1 all threads (Q staged), 2 + wg a warpgroup (junk rows
+// zeroed), kTurn + wg the warpgroups' alternation of their tensor-core work.
+constexpr int kTurn = 4;
 
 // Generic-proxy writes (cp.async) made visible to the async proxy (wgmma).
 __device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -344,6 +350,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Round j: S_{j+1} and P_j V_j go to the tensor cores back to back, and
   // the softmax of S_{j+1} runs while P_j V_j does (FlashAttention-3's
   // intra-warpgroup overlap). The last tile's P V is a round of its own.
+  // The two warpgroups take turns to issue their round's wgmmas ("ping-pong",
+  // as FlashAttention-3 does): while one computes its softmax the other's
+  // matrix products run, instead of both competing and then both idling the
+  // tensor cores. Warpgroup 1 hands warpgroup 0 the first turn.
+  if (wg == 1) NamedBarrierArrive(kTurn + 0, kThreads);
   int j = 0;
   for (; j + 1 < ntiles; ++j) {
     if (warp == 0 && j + kAhead < ntiles) {
@@ -353,8 +364,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool edge = edge_next;
     edge_next = tile_edge(j + 2);
     rescale_o();
+    NamedBarrier(kTurn + wg, kThreads);
     issue_s(j + 1);
     issue_pv(j);
+    NamedBarrierArrive(kTurn + (1 - wg), kThreads);
     WgmmaWait<1>();  // S_{j+1} is done; P_j V_j may still run
     FenceRegs<32>(sc);
     softmax(j + 1, edge);
@@ -364,7 +377,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     pack();
   }
   rescale_o();
+  NamedBarrier(kTurn + wg, kThreads);
   issue_pv(j);
+  if (wg == 0) NamedBarrierArrive(kTurn + 1, kThreads);  // (warpgroup 1 has no turn to hand on: 0 is done)
   WgmmaWait<0>();
   FenceRegs<D / 2>(o);
 
