@@ -189,14 +189,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+  // Key positions: with contiguous pages (the usual case) a token's position
+  // is p0 + its index, no load; else from the page's start position.
+  const int p0 = kv.page_pos[pb];
+  const bool contiguous = kv.page_pos[pb + npages - 1] == p0 + (npages - 1) * kv.block_tokens;
+  auto key_pos = [&](int i) { return contiguous ? p0 + i : TokenPos(kv, pb, i); };
   // Whether tile j needs per-element masks (it straddles the causal
   // diagonal, the window edge or the end of the stream).
   auto tile_edge = [&](int j) -> bool {
     const int n0 = n_begin + j * kBN;
     if (j >= ntiles) return false;
     const int last = min(n0 + kBN, n_end) - 1;
-    return n0 + kBN > n_end || (p.causal && TokenPos(kv, pb, last) > qmin) ||
-           (p.window > 0 && TokenPos(kv, pb, n0) <= qmax - p.window);
+    return n0 + kBN > n_end || (p.causal && key_pos(last) > qmin) || (p.window > 0 && key_pos(n0) <= qmax - p.window);
   };
 
   float o[D / 2], sc[32];
@@ -248,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int qp = e < 2 ? qpos0 : qpos1;
           bool vis = i < n_end;
           if (vis && (p.causal || p.window > 0)) {
-            const int kp = TokenPos(kv, pb, i);
+            const int kp = key_pos(i);
             if (p.causal) vis = kp <= qp;
             if (p.window > 0) vis = vis && kp > qp - p.window;
           }
