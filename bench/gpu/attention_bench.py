@@ -27,10 +27,9 @@ args = p.parse_args()
 lib = ctypes.CDLL(args.lib)
 I, U64, F32, VP = ctypes.c_int, ctypes.c_uint64, ctypes.c_float, ctypes.c_void_p
 lib.kvring_cuda_decode.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, I, VP, U64,
-                                   VP, VP, VP, I]
+                                   VP, VP, VP]
 lib.kvring_cuda_prefill.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, VP, VP, VP,
                                     I]
-DECODE_KERNELS = {"tiled": 1, "pipelined": 2}     # kvring::cuda::DecodeKernel
 PREFILL_KERNELS = {"wgmma": 2, "mma.sync": 1}     # kvring::cuda::PrefillKernel
 lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
 lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
@@ -172,35 +171,29 @@ for B, L in decode_shapes:
     wsb = lib.kvring_cuda_decode_workspace(B, HQ, max(sweep), D)
     ws = torch.empty(max(1, wsb), dtype=torch.uint8, device=dev)
 
-    def ours(kernel=DECODE_KERNELS["pipelined"], nsplits=splits):
+    def ours(nsplits=splits):
         e = lib.kvring_cuda_decode(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B, HQ, 1, 0.0, 1, 0,
-                                   nsplits, ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(), stream(), kernel)
+                                   nsplits, ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(), stream())
         assert e == 0, f"decode error {e}"
 
+    out.fill_(float("nan"))
     ours()
     if args.profile_one:
-        ours(DECODE_KERNELS["tiled"])
         torch.cuda.synchronize()
         continue
     k, v = kv.dense()
     ref = sdpa(q.view(B, HQ, 1, D), k, v, False, SDPBackend.MATH).view(B, HQ, D)
+    err = rel(out, ref)
+    assert err < 2e-2, f"decode wrong: rel err {err}"
+    ms = timed(ours)
     kv_bytes = B * L * HKV * D * 2 * 2
-    row = {"batch": B, "kv_len": L, "pages": "in order" if ordered else "shuffled", "splits": splits}
-    for name, kern in DECODE_KERNELS.items():
-        out.fill_(float("nan"))
-        ours(kern)
-        err = rel(out, ref)
-        assert err < 2e-2, f"decode {name} wrong: rel err {err}"
-        t = timed(lambda: ours(kern))
-        row[f"{name}_ms"], row[f"{name}_rel_err"] = t, err
-        row[f"{name}_frac_copy"] = kv_bytes / (t * 1e-3) / copy_bw
-    # The split count for the pipelined kernel: a sweep (the default is marked).
+    row = {"batch": B, "kv_len": L, "pages": "in order" if ordered else "shuffled", "splits": splits, "ms": ms,
+           "rel_err": err, "GBps": kv_bytes / (ms * 1e-3) / 1e9, "frac_copy": kv_bytes / (ms * 1e-3) / copy_bw}
+    # The split count: a sweep (the default is marked).
     row["splits_sweep"] = {}
     for sp in sweep:
-        t = row["pipelined_ms"] if sp == splits else timed(lambda: ours(DECODE_KERNELS["pipelined"], sp))
+        t = ms if sp == splits else timed(lambda: ours(sp))
         row["splits_sweep"][sp] = kv_bytes / (t * 1e-3) / copy_bw
-    ms, err = row["pipelined_ms"], row["pipelined_rel_err"]
-    row.update({"ms": ms, "rel_err": err, "GBps": kv_bytes / (ms * 1e-3) / 1e9, "frac_copy": kv_bytes / (ms * 1e-3) / copy_bw})
     for name, be in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]:
         try:
             qq = q.view(B, HQ, 1, D)
@@ -212,9 +205,8 @@ for B, L in decode_shapes:
             row[f"sdpa_{name}_error"] = str(ex)[:120]
     results["decode"].append(row)
     extra = "splits " + " ".join(f"{k}{'*' if k == splits else ''}={v:.2f}" for k, v in row["splits_sweep"].items())
-    print(f"decode B={B:3d} L={L:6d}: pipelined {ms:.3f} ms = {row['frac_copy']:.2f} of copy (tiled "
-          f"{row['tiled_frac_copy']:.2f}; {extra}), err {err:.1e}; sdpa cudnn {row.get('sdpa_cudnn_frac_copy', 0):.2f} "
-          f"flash {row.get('sdpa_flash_frac_copy', 0):.2f}", flush=True)
+    print(f"decode B={B:3d} L={L:6d}: {ms:.3f} ms = {row['frac_copy']:.2f} of copy ({extra}), err {err:.1e}; "
+          f"sdpa cudnn {row.get('sdpa_cudnn_frac_copy', 0):.2f} flash {row.get('sdpa_flash_frac_copy', 0):.2f}", flush=True)
     del kv, k, v, ws
     torch.cuda.empty_cache()
 
@@ -262,7 +254,7 @@ for B, L in qshapes:
             e = lib.kvring_cuda_decode(pool.data_ptr(), stride, BT, 1, HKV, D, dtype_arg, 0, perm.data_ptr(),
                                        page_pos.data_ptr(), spb.data_ptr(), stok.data_ptr(), B, q.data_ptr(), pos.data_ptr(),
                                        rows.data_ptr(), B, HQ, 1, 0.0, 1, 0, splits, ws.data_ptr(), wsb, out.data_ptr(),
-                                       lse.data_ptr(), stream(), 0)
+                                       lse.data_ptr(), stream())
             assert e == 0, f"quantized decode error {e}"
 
         ours_q()
@@ -363,13 +355,12 @@ with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
 with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
     f.write(f"{props.name} ({SMS} SMs), torch {torch.__version__}, {results['date']}: device copy "
             f"{copy_bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s\n\n")
-    f.write("| decode batch | kv len | pages | splits | kvring ms | kvring GB/s | of copy | tiled kernel, of copy | SDPA cuDNN ms | of copy | SDPA flash ms | of copy | rel err |\n")
-    f.write("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    f.write("| decode batch | kv len | pages | splits | kvring ms | kvring GB/s | of copy | SDPA cuDNN ms | of copy | SDPA flash ms | of copy | rel err |\n")
+    f.write("|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     for r in results["decode"]:
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"
         frac = lambda x: "n/a" if x is None else f"{x:.2f}"
         f.write(f"| {r['batch']} | {r['kv_len']} | {r['pages']} | {r['splits']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['frac_copy']:.2f} | "
-                f"{frac(r.get('tiled_frac_copy'))} | "
                 f"{fmt(r.get('sdpa_cudnn_ms'))} | {frac(r.get('sdpa_cudnn_frac_copy'))} | {fmt(r.get('sdpa_flash_ms'))} | "
                 f"{frac(r.get('sdpa_flash_frac_copy'))} | {r['rel_err']:.1e} |\n")
     f.write("\n| quantized decode | batch | kv len | kvring ms | GB/s of codes | of copy | SDPA cuDNN ms (bf16 cache) | kvring speedup | rel err |\n")

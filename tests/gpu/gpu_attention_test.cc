@@ -16,14 +16,10 @@ namespace {
 
 using namespace gpu_testing;
 
-const cuda::DecodeKernel kDecodeKernels[] = {cuda::DecodeKernel::kTiled, cuda::DecodeKernel::kPipelined};
-const char* KernelName(cuda::DecodeKernel k) { return k == cuda::DecodeKernel::kTiled ? "tiled" : "pipelined"; }
-
 // Decode: batches of sequences with 1..8 query rows each, GQA 1/4/8.
 TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 1;
-  for (cuda::DecodeKernel kernel : kDecodeKernels)
   for (int D : {64, 128})
     for (int ratio : {1, 4, 8})
       for (int bt : {16, 64})
@@ -50,24 +46,23 @@ TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
           const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
           Dev<uint8_t> work(ws);
           cuda::AttnParams p;
-          CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(1), {out.p, lse.p}, splits, work.p, ws, nullptr, kernel));
+          CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(1), {out.p, lse.p}, splits, work.p, ws, nullptr));
           CUDA_OK(cudaDeviceSynchronize());
           AttentionOptions o;
           o.layer = 1;
           // The tensor cores take P rounded to 16 bits for P V: the tolerance of 16-bit operands.
           ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, bf16 ? 1e-2 : 3e-3,
-                        absl::StrCat("decode ", KernelName(kernel), " D=", D, " ratio=", ratio, " bt=", bt,
-                                     " splits=", splits));
+                        absl::StrCat("decode D=", D, " ratio=", ratio, " bt=", bt, " splits=", splits));
         }
 }
 
-// Long KV streams: hundreds of pages a split (the pipelined kernel's stage
-// ring turns many times and its page-id window slides), page sizes smaller
-// than, equal to and not dividing a 16-token stage.
+// Long KV streams: hundreds of pages a split (the stage ring turns many
+// times and the producer's page-id window slides), page sizes smaller than
+// a 16-token stage (cp.async gathers), equal to it and a multiple of it (TMA
+// boxes).
 TEST(GpuDecodeTest, LongSequencesMatchTheReference) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 500;
-  for (cuda::DecodeKernel kernel : kDecodeKernels)
     for (int bt : {4, 16, 48})
       for (int splits : {1, 3}) {
         std::mt19937_64 rng(seed++);
@@ -83,10 +78,10 @@ TEST(GpuDecodeTest, LongSequencesMatchTheReference) {
         const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, 128);
         Dev<uint8_t> work(ws);
         cuda::AttnParams p;
-        CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr, kernel));
+        CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
         CUDA_OK(cudaDeviceSynchronize());
         ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
-                      absl::StrCat("long decode ", KernelName(kernel), " bt=", bt, " splits=", splits));
+                      absl::StrCat("long decode bt=", bt, " splits=", splits));
       }
 }
 
@@ -172,7 +167,6 @@ TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {
   std::mt19937_64 rng(77);
   auto kvb = MakeBatch(rng, 16, 1, 8, 128, true, {1000, 300}, {0, 0}, false, 0);
   auto qb = MakeQueries(rng, 32, 128, true, {{999}, {500, 250}});
-  for (cuda::DecodeKernel kernel : kDecodeKernels)
   for (int mode = 0; mode < 2; ++mode) {
     Dev<float> out((size_t)3 * 32 * 128), lse(3 * 32);
     out.Poison();
@@ -188,10 +182,9 @@ TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {
     }
     const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), 5, 128);
     Dev<uint8_t> work(ws);
-    CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, 5, work.p, ws, nullptr, kernel));
+    CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, 5, work.p, ws, nullptr));
     CUDA_OK(cudaDeviceSynchronize());
-    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2,
-                  absl::StrCat(KernelName(kernel), mode == 0 ? " window" : " non-causal"));
+    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2, mode == 0 ? "window" : "non-causal");
   }
 }
 

@@ -178,4 +178,102 @@ __device__ __forceinline__ int CountUpTo(const PagedKvView& kv, int pb, int npag
   return min(ntok, page * kv.block_tokens + in_page);
 }
 
+// ---- prefill CTAs (paged_prefill_cuda.cu, paged_prefill_sm90_cuda.cu)
+
+// Min and max of positions[0, n) over the CTA: every thread calls it (it
+// holds two __syncthreads); s_min / s_max are two shared ints of the caller.
+__device__ __forceinline__ int2 BlockMinMax(const int32_t* positions, int n, int* s_min, int* s_max) {
+  if (threadIdx.x == 0) {
+    *s_min = INT32_MAX;
+    *s_max = INT32_MIN;
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < n; r += blockDim.x) {
+    atomicMin(s_min, positions[r]);
+    atomicMax(s_max, positions[r]);
+  }
+  __syncthreads();
+  return make_int2(*s_min, *s_max);
+}
+// The stream tokens that rows with positions in [qmin, qmax] can see (causal
+// and window masks): [x, y), x rounded down to a multiple of `tile`.
+__device__ __forceinline__ int2 VisibleKeys(const AttnParams& p, const PagedKvView& kv, int pb, int npages, int ntok,
+                                            int qmin, int qmax, int tile) {
+  int n_end = ntok, n_begin = 0;
+  if (p.causal) n_end = CountUpTo(kv, pb, npages, ntok, qmax);
+  if (p.window > 0) n_begin = CountUpTo(kv, pb, npages, ntok, qmin - p.window);
+  return make_int2((n_begin / tile) * tile, n_end);
+}
+
+// ---- decode CTAs (paged_decode_cuda.cu, paged_decode_quant_cuda.cu)
+
+// The work of one decode CTA of grid (splits, kv_heads x row groups,
+// sequences): kv head h of sequence s, the "vectors" v0 .. v0+nv-1 of its
+// GQA group (vector v: query row rb + v / G, q head h * G + v % G) and the
+// stream tokens [tok_lo, tok_hi) of split sp.
+struct DecodeWork {
+  int sp, h, s, G, rb, v0, nv, pb, npages, ntok, tok_lo, tok_hi;
+};
+// False when this CTA's row group is past the sequence's rows (no work).
+__device__ __forceinline__ bool DecodeWorkOf(const QueryView& q, const PagedKvView& kv, int num_splits, int row_groups,
+                                             int rows_per_cta, DecodeWork* w) {
+  w->sp = blockIdx.x;
+  w->h = blockIdx.y / row_groups;
+  w->s = blockIdx.z;
+  w->G = q.q_heads / kv.kv_heads;
+  w->rb = q.seq_row_begin[w->s];
+  w->v0 = (blockIdx.y % row_groups) * rows_per_cta;
+  const int nvec = (q.seq_row_begin[w->s + 1] - w->rb) * w->G;
+  if (w->v0 >= nvec) return false;
+  w->nv = min(rows_per_cta, nvec - w->v0);
+  const int bt = kv.block_tokens;
+  w->pb = kv.seq_page_begin[w->s];
+  w->npages = kv.seq_page_begin[w->s + 1] - w->pb;
+  w->ntok = kv.seq_tokens[w->s];
+  const int pps = (w->npages + num_splits - 1) / num_splits;
+  w->tok_lo = w->sp * pps * bt;
+  w->tok_hi = min(w->ntok, min(w->npages, w->sp * pps + pps) * bt);
+  return true;
+}
+// (row, q head) index of vector v.
+__device__ __forceinline__ size_t DecodeRowHead(const DecodeWork& w, const QueryView& q, int v) {
+  return (size_t)(w.rb + v / w.G) * q.q_heads + w.h * w.G + v % w.G;
+}
+// The exact merge of the CTA's warps' partials (log2-domain maxima m and sums
+// l in m[w * rows + r], l[...]; O in o[(w * rows + r) * D + d], shared
+// memory) and its store: to out/lse with one split, else to the split's
+// partial slot. NaN propagates. Called by every thread of the CTA.
+template <int kWarpsMerged>
+__device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const QueryView& q, int D, int rows, int num_splits,
+                                                const float* m, const float* l, const float* o, float* part_out,
+                                                float* part_lse, float* out, float* lse) {
+  for (int idx = threadIdx.x; idx < w.nv * D; idx += blockDim.x) {
+    const int r = idx / D, d = idx % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < kWarpsMerged; ++k) M = fmaxf(M, m[k * rows + r]);
+    float L = 0.f, acc = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int k = 0; k < kWarpsMerged; ++k) {
+        const float f = m[k * rows + r] == -INFINITY ? 0.f : exp2f(m[k * rows + r] - M);
+        L += l[k * rows + r] * f;
+        acc += o[((size_t)k * rows + r) * D + d] * f;
+      }
+    }
+    const size_t rh = DecodeRowHead(w, q, w.v0 + r);
+    const bool some = L > 0.f || L != L;
+    const float val = some ? acc / L : 0.f;
+    const float ls = some ? (M + log2f(L)) * kLn2 : -INFINITY;
+    if (num_splits == 1) {
+      out[rh * D + d] = val;
+      if (d == 0) lse[rh] = ls;
+    } else {
+      const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
+      part_out[((size_t)w.sp * rows_heads + rh) * D + d] = val;
+      if (d == 0) part_lse[(size_t)w.sp * rows_heads + rh] = ls;
+    }
+  }
+}
+
 }  // namespace kvring::cuda::internal

@@ -1,15 +1,10 @@
 // Paged decode attention (flash-decoding) on tensor cores.
 //
-// Grid (splits, kv_heads x row groups, sequences), 4 warps. A CTA owns one kv
-// head of one sequence, a contiguous range of its pages (the split), and up
-// to 16 "rows": the (query row, q head) pairs of that kv head's GQA group,
-// packed as the 16 rows of an m16n8k16 tile (GQA packing: a Llama-3 decode
-// step, 1 query x 4 heads, fills 4 of them). The CTA streams the KV of its
-// range in 64-token tiles through a 3-stage cp.async pipeline (each thread
-// gathers 8 16-byte chunks of K and of V of one token per tile, one page
-// lookup), so HBM reads stay in flight while the tensor cores work. Each warp
-// takes 16 tokens of every tile: S = Q K^T (ldmatrix + mma), an online
-// softmax for its tokens, O += P V. Warps and splits merge exactly by LSE.
+// Grid (splits, kv_heads x row groups, sequences). A CTA owns one kv head of
+// one sequence, a contiguous range of its pages (the split), and up to 16
+// "rows": the (query row, q head) pairs of that kv head's GQA group, packed
+// as the 16 rows of an m16n8k16 tile (GQA packing: a Llama-3 decode step,
+// 1 query x 4 heads, fills 4 of them). Warps and splits merge exactly by LSE.
 #include <cfloat>
 
 #include "cuda_common.cuh"
@@ -22,257 +17,7 @@ cudaError_t QuantizedDecode(const AttnParams& p, const QueryView& q, const Paged
                             float* po, float* pl, cudaStream_t stream);
 namespace {
 
-constexpr int kWarps = 4, kThreads = 128, kTile = 64, kStages = 3, kRows = 16;
-
-template <int D, typename T>
-__global__ void __launch_bounds__(kThreads) DecodeTiledKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits,
-                                                         int row_groups, float* part_out, float* part_lse, float* out,
-                                                         float* lse) {
-  constexpr int kChunks = D / 8;      // 16-byte chunks per K/V row
-  constexpr int kKSteps = D / 16;     // k16 steps of S
-  constexpr int kDTiles = D / 8;      // n8 tiles of O
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* sq = smem;                                   // kRows x D
-  uint8_t* sk = smem + kRows * D * 2;                   // kStages x kTile x D
-  uint8_t* sv = sk + kStages * kTile * D * 2;           // kStages x kTile x D
-  __shared__ int s_qpos[kRows];
-  __shared__ int s_qmin, s_qmax;
-  __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
-
-  const int sp = blockIdx.x, h = blockIdx.y / row_groups, rg = blockIdx.y % row_groups, s = blockIdx.z;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
-  const int G = q.q_heads / kv.kv_heads;
-  const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
-  const int v0 = rg * kRows, nvec = (re - rb) * G;
-  if (v0 >= nvec) return;
-  const int nv = min(kRows, nvec - v0);
-  const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
-
-  const int bt = kv.block_tokens;
-  const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
-  const int ntok = kv.seq_tokens[s];
-  const int pps = (npages + num_splits - 1) / num_splits;
-  const int tok_lo = sp * pps * bt;
-  const int tok_hi = min(ntok, min(npages, sp * pps + pps) * bt);
-
-  // Q rows (vector v0 + r = query row rb + v / G, head h * G + v % G) -> smem.
-  for (int c = tid; c < kRows * kChunks; c += kThreads) {
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool valid = r < nv;
-    const int v = v0 + (valid ? r : 0);
-    const T* src = static_cast<const T*>(q.q) + ((size_t)(rb + v / G) * q.q_heads + h * G + v % G) * D + ch * 8;
-    CpAsync16(SmemAddr(sq + Swz<D>(r, ch)), src, valid);
-  }
-  CpAsyncCommit();
-  if (tid < kRows) s_qpos[tid] = tid < nv ? q.positions[rb + (v0 + tid) / G] : INT32_MIN;
-  if (tid == 0) {
-    int mn = INT32_MAX, mx = INT32_MIN;
-    for (int r = 0; r < nv; ++r) {
-      const int qp = q.positions[rb + (v0 + r) / G];
-      mn = min(mn, qp);
-      mx = max(mx, qp);
-    }
-    s_qmin = mn;
-    s_qmax = mx;
-  }
-
-  const char* pool = static_cast<const char*>(kv.pool);
-  const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
-  const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kTile - 1) / kTile : 0;
-  // Tile loads are coalesced: in each of its kLoads copy instructions a warp
-  // covers 32 consecutive 16-byte chunks (whole 32-byte sectors, two token
-  // rows of D=128), so L2 serves each sector once. A thread's rows are fixed
-  // (row k*kRowsPerPass + tid / kChunks); their page addresses are looked up
-  // a tile ahead so issuing never waits on a dependent global load.
-  constexpr int kLoads = kTile * kChunks / kThreads;   // copies per thread per tile (K and V each)
-  constexpr int kRowsPerPass = kThreads / kChunks;
-  const int lch = tid % kChunks, lrow0 = tid / kChunks;
-  struct Bases {
-    const char* b[kLoads];
-  };
-  auto page_bases = [&](int it) {
-    Bases r;
-#pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      const int i = tok_lo + it * kTile + k * kRowsPerPass + lrow0;
-      r.b[k] = nullptr;
-      if (it < ntiles && i < tok_hi) {
-        const int pg = i / bt, off = i - pg * bt;
-        r.b[k] = pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride + (uint64_t)off * D * sizeof(T) + lch * 16;
-      }
-    }
-    return r;
-  };
-  auto load_tile = [&](int it, const Bases& bs) {
-    if (it < ntiles) {
-      const int stage = it % kStages;
-#pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
-        const uint32_t o = Swz<D>(k * kRowsPerPass + lrow0, lch);
-        const bool valid = bs.b[k] != nullptr;
-        CpAsync16(SmemAddr(sk + stage * kTile * D * 2 + o), valid ? bs.b[k] + koff : pool, valid);
-        CpAsync16(SmemAddr(sv + stage * kTile * D * 2 + o), valid ? bs.b[k] + voff : pool, valid);
-      }
-    }
-    CpAsyncCommit();  // (an empty group keeps the wait counts uniform)
-  };
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) load_tile(i, page_bases(i));
-  Bases next_bases = page_bases(kStages - 1);
-
-  CpAsyncWait<kStages - 1>();  // Q has landed (it was committed first)
-  __syncthreads();
-  uint32_t qa[kKSteps][4];
-#pragma unroll
-  for (int kk = 0; kk < kKSteps; ++kk) {
-    const int mi = lane >> 3, rr = lane & 7;
-    LdMatrixX4(SmemAddr(sq + Swz<D>((mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3]);
-  }
-  const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8];
-
-  float o[kDTiles][4];
-#pragma unroll
-  for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-
-  // Does any key of this CTA's range need a position check? (Decode usually
-  // not: the queries come after every key.) Decided once, so tiles do not
-  // wait on position loads.
-  const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > s_qmin) ||
-                                           (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
-  for (int it = 0; it < ntiles; ++it) {
-    CpAsyncWait<kStages - 2>();
-    __syncthreads();
-    load_tile(it + kStages - 1, next_bases);
-    next_bases = page_bases(it + kStages);
-    const int stage = it % kStages;
-    const uint8_t* kt = sk + stage * kTile * D * 2;
-    const uint8_t* vt = sv + stage * kTile * D * 2;
-    const int t0 = warp * 16;  // this warp's 16 tokens of the tile
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      const int mi = lane >> 3, rr = lane & 7;
-      uint32_t b0, b1, b2, b3;
-      LdMatrixX4(SmemAddr(kt + Swz<D>(t0 + (mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
-      Mma<T>(sc[0], qa[kk], b0, b1);
-      Mma<T>(sc[1], qa[kk], b2, b3);
-    }
-    // Masks: rows past nv always; keys past the range, and positions
-    // (causal / window), only on tiles that need them (positions increase
-    // along the stream, so the tile's last key bounds the causal check).
-    const int tile_first = tok_lo + it * kTile, tile_last = min(tile_first + kTile, tok_hi) - 1;
-    const bool pos_mask = cta_pos_mask && ((p.causal && TokenPos(kv, pb, tile_last) > s_qmin) ||
-                                           (p.window > 0 && TokenPos(kv, pb, tile_first) <= s_qmax - p.window));
-    const bool tail = tile_first + kTile > tok_hi;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = tok_lo + it * kTile + t0 + j * 8 + tig * 2 + (e & 1);
-        const int qp = e < 2 ? qpos0 : qpos1;
-        bool vis = (!tail || i < tok_hi) && qp != INT32_MIN;
-        if (vis && pos_mask) {
-          const int kp = TokenPos(kv, pb, i);
-          if (p.causal) vis = kp <= qp;
-          if (p.window > 0) vis = vis && kp > qp - p.window;
-        }
-        sc[j][e] = vis ? sc[j][e] * scale : -INFINITY;
-      }
-      mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
-    const float c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
-    const float c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
-    const float b0f = nm0 == -INFINITY ? 0.f : nm0, b1f = nm1 == -INFINITY ? 0.f : nm1;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      sc[j][0] = exp2f(sc[j][0] - b0f);
-      sc[j][1] = exp2f(sc[j][1] - b0f);
-      sc[j][2] = exp2f(sc[j][2] - b1f);
-      sc[j][3] = exp2f(sc[j][3] - b1f);
-    }
-    l0 = l0 * c0 + sc[0][0] + sc[0][1] + sc[1][0] + sc[1][1];
-    l1 = l1 * c1 + sc[0][2] + sc[0][3] + sc[1][2] + sc[1][3];
-    m0 = nm0;
-    m1 = nm1;
-    uint32_t pa[4] = {Pack<T>(sc[0][0], sc[0][1]), Pack<T>(sc[0][2], sc[0][3]), Pack<T>(sc[1][0], sc[1][1]),
-                      Pack<T>(sc[1][2], sc[1][3])};
-#pragma unroll
-    for (int dn = 0; dn < kDTiles; dn += 2) {
-      o[dn][0] *= c0;
-      o[dn][1] *= c0;
-      o[dn][2] *= c1;
-      o[dn][3] *= c1;
-      o[dn + 1][0] *= c0;
-      o[dn + 1][1] *= c0;
-      o[dn + 1][2] *= c1;
-      o[dn + 1][3] *= c1;
-      const int mi = lane >> 3, rr = lane & 7;
-      uint32_t b0, b1, b2, b3;
-      LdMatrixX4T(SmemAddr(vt + Swz<D>(t0 + (mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
-      Mma<T>(o[dn], pa, b0, b1);
-      Mma<T>(o[dn + 1], pa, b2, b3);
-    }
-  }
-  CpAsyncWait<0>();
-  // Merge the warps: full row sums, then (m, l, O) through shared memory.
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  __syncthreads();  // the K/V stages are free: reuse them for the warps' O
-  float* so = reinterpret_cast<float*>(sk);  // kWarps x kRows x D
-  if (tig == 0) {
-    s_m[warp][g] = m0;
-    s_m[warp][g + 8] = m1;
-    s_l[warp][g] = l0;
-    s_l[warp][g + 8] = l1;
-  }
-#pragma unroll
-  for (int j = 0; j < kDTiles; ++j) {
-    float* r0p = so + ((size_t)warp * kRows + g) * D + j * 8 + tig * 2;
-    float* r1p = so + ((size_t)warp * kRows + g + 8) * D + j * 8 + tig * 2;
-    r0p[0] = o[j][0];
-    r0p[1] = o[j][1];
-    r1p[0] = o[j][2];
-    r1p[1] = o[j][3];
-  }
-  __syncthreads();
-  for (int idx = tid; idx < nv * D; idx += kThreads) {
-    const int r = idx / D, d = idx % D;
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w][r]);
-    float L = 0.f, acc = 0.f;
-    if (M != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = s_m[w][r] == -INFINITY ? 0.f : exp2f(s_m[w][r] - M);
-        L += s_l[w][r] * f;
-        acc += so[((size_t)w * kRows + r) * D + d] * f;
-      }
-    }
-    const int v = v0 + r;
-    const size_t rh = (size_t)(rb + v / G) * q.q_heads + h * G + v % G;
-    const float val = L > 0.f ? acc / L : 0.f;
-    const float ls = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
-    if (num_splits == 1) {
-      out[rh * D + d] = val;
-      if (d == 0) lse[rh] = ls;
-    } else {
-      const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
-      part_out[((size_t)sp * rows_heads + rh) * D + d] = val;
-      if (d == 0) part_lse[(size_t)sp * rows_heads + rh] = ls;
-    }
-  }
-}
+constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16n8k16 tile
 
 // ---- Pipelined variant: one producer warp streams the split's KV in
 // 16-token stages through a deep ring of shared-memory stages (about 96 KB,
@@ -325,20 +70,12 @@ __global__ void __launch_bounds__(kPThreads, 2)
   __shared__ int s_qmin, s_qmax;
   __shared__ float s_m[kPConsumers][kRows], s_l[kPConsumers][kRows];
 
-  const int sp = blockIdx.x, h = blockIdx.y / row_groups, rg = blockIdx.y % row_groups, s = blockIdx.z;
+  DecodeWork w;
+  if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w)) return;
+  const int h = w.h, G = w.G, rb = w.rb, v0 = w.v0, nv = w.nv, pb = w.pb, npages = w.npages;
+  const int tok_lo = w.tok_lo, tok_hi = w.tok_hi, bt = kv.block_tokens;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
-  const int G = q.q_heads / kv.kv_heads;
-  const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
-  const int v0 = rg * kRows, nvec = (re - rb) * G;
-  if (v0 >= nvec) return;
-  const int nv = min(kRows, nvec - v0);
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
-  const int bt = kv.block_tokens;
-  const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
-  const int ntok = kv.seq_tokens[s];
-  const int pps = (npages + num_splits - 1) / num_splits;
-  const int tok_lo = sp * pps * bt;
-  const int tok_hi = min(ntok, min(npages, sp * pps + pps) * bt);
   const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
 
   for (int c = tid; c < kRows * kChunks; c += kPThreads) {
@@ -544,33 +281,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
     }
   }
   __syncthreads();
-  for (int idx = tid; idx < nv * D; idx += kPThreads) {
-    const int r = idx / D, d = idx % D;
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kPConsumers; ++w) M = fmaxf(M, s_m[w][r]);
-    float L = 0.f, acc = 0.f;
-    if (M != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kPConsumers; ++w) {
-        const float f = s_m[w][r] == -INFINITY ? 0.f : exp2f(s_m[w][r] - M);
-        L += s_l[w][r] * f;
-        acc += so[((size_t)w * kRows + r) * D + d] * f;
-      }
-    }
-    const int v = v0 + r;
-    const size_t rh = (size_t)(rb + v / G) * q.q_heads + h * G + v % G;
-    const float val = L > 0.f ? acc / L : 0.f;
-    const float ls = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
-    if (num_splits == 1) {
-      out[rh * D + d] = val;
-      if (d == 0) lse[rh] = ls;
-    } else {
-      const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
-      part_out[((size_t)sp * rows_heads + rh) * D + d] = val;
-      if (d == 0) part_lse[(size_t)sp * rows_heads + rh] = ls;
-    }
-  }
+  StoreDecodeRows<kPConsumers>(w, q, D, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, part_out, part_lse, out, lse);
 }
 
 template <int D, typename T>
@@ -593,26 +304,6 @@ cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const Paged
                                                                           part_lse, out.out, out.lse, map);
   }
   return cudaGetLastError();
-}
-
-template <int D, typename T>
-cudaError_t LaunchDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                         float* part_out, float* part_lse, cudaStream_t stream) {
-  const int G = q.q_heads / kv.kv_heads;
-  const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
-  const size_t smem = (size_t)(kRows + 2 * kStages * kTile) * D * 2;
-  cudaError_t e = cudaFuncSetAttribute(DecodeTiledKernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (e != cudaSuccess) return e;
-  dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
-  DecodeTiledKernel<D, T><<<grid, kThreads, smem, stream>>>(p, q, kv, splits, row_groups, part_out, part_lse, out.out, out.lse);
-  return cudaGetLastError();
-}
-
-template <int D, typename T>
-cudaError_t DispatchNV(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                       float* po, float* pl, DecodeKernel kernel, cudaStream_t s) {
-  if (kernel == DecodeKernel::kTiled) return LaunchDecode<D, T>(p, q, kv, out, splits, po, pl, s);
-  return LaunchPipelined<D, T>(p, q, kv, out, splits, po, pl, s);
 }
 
 }  // namespace
@@ -664,7 +355,7 @@ size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim) {
 }
 
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream, DecodeKernel kernel) {
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (CheckViews(q, kv) != nullptr || out.out == nullptr || out.lse == nullptr || num_splits < 1) {
     return cudaErrorInvalidValue;
   }
@@ -677,11 +368,11 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   if (kv.codec != 0) {
     e = internal::QuantizedDecode(p, q, kv, out, num_splits, po, pl, stream);
   } else if (kv.dtype == KvType::kBF16) {
-    e = D == 128 ? internal::DispatchNV<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, kernel, stream)
-                 : internal::DispatchNV<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, kernel, stream);
+    e = D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, stream)
+                 : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, stream);
   } else {
-    e = D == 128 ? internal::DispatchNV<128, __half>(p, q, kv, out, num_splits, po, pl, kernel, stream)
-                 : internal::DispatchNV<64, __half>(p, q, kv, out, num_splits, po, pl, kernel, stream);
+    e = D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, stream)
+                 : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, stream);
   }
   if (e != cudaSuccess || num_splits == 1) return e;
   return MergePartials(po, pl, num_splits, q.num_rows * q.q_heads, D, out, stream);

@@ -66,20 +66,12 @@ __global__ void __launch_bounds__(kThreads, 4) QDecodeKernel(AttnParams p, Query
   __shared__ int s_qpos[kRows];
   __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
 
-  const int sp = blockIdx.x, h = blockIdx.y / row_groups, rg = blockIdx.y % row_groups, s = blockIdx.z;
+  DecodeWork w;
+  if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w)) return;
+  const int h = w.h, G = w.G, rb = w.rb, v0 = w.v0, nv = w.nv, pb = w.pb;
+  const int tok_lo = w.tok_lo, tok_hi = w.tok_hi, bt = kv.block_tokens;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int G = q.q_heads / kv.kv_heads;
-  const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
-  const int v0 = rg * kRows, nvec = (re - rb) * G;
-  if (v0 >= nvec) return;
-  const int nv = min(kRows, nvec - v0);
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
-  const int bt = kv.block_tokens;
-  const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
-  const int ntok = kv.seq_tokens[s];
-  const int pps = (npages + num_splits - 1) / num_splits;
-  const int tok_lo = sp * pps * bt;
-  const int tok_hi = min(ntok, min(npages, sp * pps + pps) * bt);
 
   for (int i = tid; i < kRows * D; i += kThreads) {
     const int r = i / D, d = i % D;
@@ -227,33 +219,7 @@ __global__ void __launch_bounds__(kThreads, 4) QDecodeKernel(AttnParams p, Query
     for (int j = 0; j < kDpl; ++j) so[warp][r][lane * kDpl + j] = acc[r][j];
   }
   __syncthreads();
-  for (int idx = tid; idx < nv * D; idx += kThreads) {
-    const int r = idx / D, d = idx % D;
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w][r]);
-    float L = 0.f, a = 0.f;
-    if (M != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = s_m[w][r] == -INFINITY ? 0.f : exp2f(s_m[w][r] - M);
-        L += s_l[w][r] * f;
-        a += so[w][r][d] * f;
-      }
-    }
-    const int v = v0 + r;
-    const size_t rh = (size_t)(rb + v / G) * q.q_heads + h * G + v % G;
-    const float val = (L > 0.f || L != L) ? a / L : 0.f;
-    const float ls = (L > 0.f || L != L) ? (M + log2f(L)) * kLn2 : -INFINITY;
-    if (num_splits == 1) {
-      out[rh * D + d] = val;
-      if (d == 0) lse[rh] = ls;
-    } else {
-      const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
-      part_out[((size_t)sp * rows_heads + rh) * D + d] = val;
-      if (d == 0) part_lse[(size_t)sp * rows_heads + rh] = ls;
-    }
-  }
+  StoreDecodeRows<kWarps>(w, q, D, kRows, num_splits, &s_m[0][0], &s_l[0][0], &so[0][0][0], part_out, part_lse, out, lse);
 }
 
 template <int D, int kCodec, int kMode, typename T>

@@ -56,15 +56,8 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
     }
     CpAsyncCommit();
   }
-  if (tid == 0) {
-    s_qmin = INT32_MAX;
-    s_qmax = INT32_MIN;
-  }
-  __syncthreads();
-  for (int r = tid; r < nrows; r += kThreads) {
-    atomicMin(&s_qmin, q.positions[r0 + r]);
-    atomicMax(&s_qmax, q.positions[r0 + r]);
-  }
+  const int2 qrange = BlockMinMax(q.positions + r0, nrows, &s_qmin, &s_qmax);
+  const int qmin = qrange.x, qmax = qrange.y;
   int qpos[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
@@ -76,12 +69,8 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
   // The stream tokens this tile can see: [n_begin, n_end).
   const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
   const int ntok = kv.seq_tokens[s];
-  __syncthreads();
-  const int qmin = s_qmin, qmax = s_qmax;
-  int n_end = ntok, n_begin = 0;
-  if (p.causal) n_end = CountUpTo(kv, pb, npages, ntok, qmax);
-  if (p.window > 0) n_begin = CountUpTo(kv, pb, npages, ntok, qmin - p.window);
-  n_begin = (n_begin / kBN) * kBN;
+  const int2 keys = VisibleKeys(p, kv, pb, npages, ntok, qmin, qmax, kBN);
+  const int n_begin = keys.x, n_end = keys.y;
 
   const char* pool = static_cast<const char*>(kv.pool);
   const uint64_t koff = PlaneOffset(kv, 0, hk) * sizeof(T), voff = PlaneOffset(kv, 1, hk) * sizeof(T);

@@ -95,23 +95,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
 
-  if (tid == 0) {
-    s_qmin = INT32_MAX;
-    s_qmax = INT32_MIN;
-  }
-  __syncthreads();
-  for (int r = tid; r < nrows; r += kThreads) {
-    atomicMin(&s_qmin, q.positions[r0 + r]);
-    atomicMax(&s_qmax, q.positions[r0 + r]);
-  }
+  const int2 qrange = BlockMinMax(q.positions + r0, nrows, &s_qmin, &s_qmax);
+  const int qmin = qrange.x, qmax = qrange.y;
   const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
   const int ntok = kv.seq_tokens[s];
-  __syncthreads();
-  const int qmin = s_qmin, qmax = s_qmax;
-  int n_end = ntok, n_begin = 0;
-  if (p.causal) n_end = CountUpTo(kv, pb, npages, ntok, qmax);
-  if (p.window > 0) n_begin = CountUpTo(kv, pb, npages, ntok, qmin - p.window);
-  n_begin = (n_begin / kBN) * kBN;
+  const int2 keys = VisibleKeys(p, kv, pb, npages, ntok, qmin, qmax, kBN);
+  const int n_begin = keys.x, n_end = keys.y;
   const int ntiles = n_end > n_begin ? (n_end - n_begin + kBN - 1) / kBN : 0;
 
   if (ntiles == 0) {  // no row of this tile sees a key

@@ -64,17 +64,14 @@ struct AttnParams {
 // ---- decode: few query rows per sequence, KV split across CTAs (flash-decoding)
 // Rows per sequence: 1..64 (any); q_heads % kv_heads == 0; head_dim 64 or 128.
 // Partials of the splits are merged by a second kernel into `out`.
-// Two kernels over plain (bf16/fp16) pages: kPipelined (a producer warp
-// streams 16-token stages through a deep mbarrier ring, four consumer warps
-// take them in turn) and kTiled (every warp loads and computes 64-token tiles
-// in lock step, 3 cp.async stages). kAuto takes kPipelined. Quantized pages
-// have one kernel of their own (the choice is ignored).
-enum class DecodeKernel : int32_t { kAuto = 0, kTiled = 1, kPipelined = 2 };
+// Plain (bf16/fp16) pages: a producer warp streams 16-token stages through a
+// deep mbarrier ring (TMA boxes for pages of a multiple of 16 tokens on
+// sm_90, cp.async gathers otherwise), four consumer warps take them in turn.
+// Quantized pages have a kernel of their own (paged_decode_quant_cuda.cu).
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count);
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim);
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                        DecodeKernel kernel = DecodeKernel::kAuto);
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // ---- prefill: many query rows per sequence, on the tensor cores (bf16/fp16
 // operands, fp32 accumulate), causal by absolute position; head_dim 64 or 128.
