@@ -67,7 +67,7 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
 // zeroed), kTurn + wg the warpgroups' alternation of their tensor-core work.
 constexpr int kTurn = 4;
 
-// Generic-proxy writes (cp.async) made visible to the async proxy (wgmma).
+// Generic-proxy writes (the zeroed junk rows) ordered with the async proxy (wgmma reads, TMA writes).
 __device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 template <int D, typename T>
