@@ -76,8 +76,8 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
 // ---- prefill: many query rows per sequence, on the tensor cores (bf16/fp16
 // operands, fp32 accumulate), causal by absolute position; head_dim 64 or 128.
 // Two kernels: kWgmma (Hopper warpgroup MMA fed by TMA, sm_90 only, pages of a
-// multiple of 16 tokens: 128-row tiles in two warpgroups and a producer warp,
-// a 5-stage mbarrier ring) and kMmaSync (mma.sync m16n8k16, any sm_80+
+// multiple of 16 tokens: 128-row tiles in two warpgroups, KV tiles issued by
+// four lanes of warp 0 into a 5-stage mbarrier ring) and kMmaSync (mma.sync m16n8k16, any sm_80+
 // device, any page size). kAuto takes kWgmma where it can serve the view.
 // kWgmma where it cannot returns cudaErrorNotSupported.
 enum class PrefillKernel : int32_t { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
