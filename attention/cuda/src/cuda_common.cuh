@@ -113,6 +113,18 @@ __device__ __forceinline__ uint32_t Swz(int r, int c) {
   return (uint32_t)(r * kChunks + (c ^ (r & 7))) * 16u;
 }
 
+// Byte offset of 16-byte chunk c of row r in a [D/64][rows][128 B] tile with
+// the 128-byte swizzle that TMA writes and wgmma reads (chunk c % 8 of a
+// 128-byte row at (c % 8) ^ (r % 8)); the tile must start 1024-aligned.
+__device__ __forceinline__ uint32_t Sw128(int rows, int r, int c) {
+  return (uint32_t)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+// The shared address of dynamic shared memory rounded up to 1024 bytes (the
+// 128-byte swizzle's period; kernels ask for 1024 bytes of slack).
+__device__ __forceinline__ uint32_t SmemBase1024(const void* dynamic_smem) {
+  return (SmemAddr(dynamic_smem) + 1023u) & ~1023u;
+}
+
 // mbarrier (shared memory, CTA scope) and its cp.async hook.
 __device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -158,15 +170,19 @@ __device__ __forceinline__ int TokenPos(const PagedKvView& kv, int pb, int i) {
   return kv.page_pos[pb + pg] + (i - pg * kv.block_tokens);
 }
 
+// Whether a sequence's listed pages have contiguous positions (the first and
+// last pages exactly npages - 1 pages apart: every page follows the one
+// before, so token i sits at *p0 + i); *p0 is the first page's position.
+__device__ __forceinline__ bool PagesContiguous(const PagedKvView& kv, int pb, int npages, int* p0) {
+  *p0 = kv.page_pos[pb];
+  return kv.page_pos[pb + npages - 1] == *p0 + (npages - 1) * kv.block_tokens;
+}
+
 // Number of stream tokens with position <= p (pages in increasing position order).
 __device__ __forceinline__ int CountUpTo(const PagedKvView& kv, int pb, int npages, int ntok, int p) {
   if (npages == 0) return 0;
-  // Contiguous positions (the first and last pages exactly (npages-1) pages
-  // apart: every page follows the one before): two loads, no search.
-  const int p0 = kv.page_pos[pb];
-  if (kv.page_pos[pb + npages - 1] == p0 + (npages - 1) * kv.block_tokens) {
-    return (int)max(0ll, min((long long)ntok, (long long)p - p0 + 1));
-  }
+  int p0;
+  if (PagesContiguous(kv, pb, npages, &p0)) return (int)max(0ll, min((long long)ntok, (long long)p - p0 + 1));
   int lo = 0, hi = npages;  // first page whose token 0 is > p
   while (lo < hi) {
     const int mid = (lo + hi) / 2;

@@ -47,13 +47,6 @@ struct PipeCfg {
   static_assert(kPConsumers * kRows * D * 4 <= kStages * kStageBytes, "merge buffer reuses the stages");
 };
 
-// Byte offset of 16-byte chunk c of row r of a 16-row plane in the TMA
-// 128-byte swizzle ([D/64][16][128 B], chunk c%8 of a 128-byte row at
-// (c%8) ^ (r%8)).
-__device__ __forceinline__ uint32_t PlaneSwz(int r, int c) {
-  return (uint32_t)((c >> 3) * (kPStage * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-
 template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
@@ -61,8 +54,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw = SmemAddr(smem_raw);
-  uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  uint8_t* smem = smem_raw + (SmemBase1024(smem_raw) - SmemAddr(smem_raw));
   uint8_t* stages = smem;
   uint8_t* sq = smem + C::kQOff;
   const uint32_t full0 = SmemAddr(smem + C::kBarOff), empty0 = full0 + 8 * C::kStages;
@@ -144,7 +136,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
           const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
           const char* src =
               pool + (uint64_t)(local < 32 ? a : b) * kv.page_stride + (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
-          const uint32_t off = PlaneSwz(row, ch);
+          const uint32_t off = Sw128(kPStage, row, ch);
           CpAsync16(sk + off, valid ? src + koff : pool, valid);
           CpAsync16(sv + off, valid ? src + voff : pool, valid);
         }
@@ -184,7 +176,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
         const int valid_rows = tok_hi - tile_first;
         for (int c = lane; c < (kPStage - valid_rows) * kChunks; c += 32) {
           const int r = valid_rows + c / kChunks, ch = c % kChunks;
-          *reinterpret_cast<uint4*>(vt + PlaneSwz(r, ch)) = make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(vt + Sw128(kPStage, r, ch)) = make_uint4(0, 0, 0, 0);
         }
         __syncwarp();
       }
@@ -192,7 +184,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
 #pragma unroll
       for (int kk = 0; kk < kKSteps; ++kk) {
         uint32_t b0, b1, b2, b3;
-        LdMatrixX4(SmemAddr(kt + PlaneSwz((mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
+        LdMatrixX4(SmemAddr(kt + Sw128(kPStage, (mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
         Mma<T>(sc[0], qa[kk], b0, b1);
         Mma<T>(sc[1], qa[kk], b2, b3);
       }
@@ -248,7 +240,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
         o[dn + 1][2] *= c1;
         o[dn + 1][3] *= c1;
         uint32_t b0, b1, b2, b3;
-        LdMatrixX4T(SmemAddr(vt + PlaneSwz((mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
+        LdMatrixX4T(SmemAddr(vt + Sw128(kPStage, (mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
         Mma<T>(o[dn], pa, b0, b1);
         Mma<T>(o[dn + 1], pa, b2, b3);
       }

@@ -52,11 +52,6 @@ struct Sm90Smem {
   static constexpr int kDynamic = kBytes + 1024;  // slack to align the base to 1024 (the swizzle period)
 };
 
-// Byte offset of 16-byte chunk c of row r in a [D/64][rows][128 B] tile.
-__device__ __forceinline__ uint32_t Sw128(int rows, int r, int c) {
-  return (uint32_t)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-
 __device__ __forceinline__ void NamedBarrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -79,8 +74,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kKSteps = D / 16;                // k16 steps of S = Q K^T
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_qmin, s_qmax;
-  const uint32_t raw = SmemAddr(smem_raw);
-  const uint32_t base = (raw + 1023u) & ~1023u;
+  const uint32_t base = SmemBase1024(smem_raw);
 
   // Grid: x = (q head, sequence), y = row tile from the last: the launch
   // order is heaviest-first over the whole grid (longest-processing-time
@@ -180,8 +174,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Key positions: with contiguous pages (the usual case) a token's position
   // is p0 + its index, no load; else from the page's start position.
-  const int p0 = kv.page_pos[pb];
-  const bool contiguous = kv.page_pos[pb + npages - 1] == p0 + (npages - 1) * kv.block_tokens;
+  int p0;
+  const bool contiguous = PagesContiguous(kv, pb, npages, &p0);
   auto key_pos = [&](int i) { return contiguous ? p0 + i : TokenPos(kv, pb, i); };
   // Whether tile j needs per-element masks (it straddles the causal
   // diagonal, the window edge or the end of the stream).
