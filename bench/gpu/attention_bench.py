@@ -169,7 +169,7 @@ for B, L in decode_shapes:
     splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, kv.pages_per_seq, SMS)
     sweep = sorted({sp for sp in (1, 2, 4, 8, 16, 33, 66) if sp <= max(1, kv.pages_per_seq // 4)} | {splits})
     wsb = lib.kvring_cuda_decode_workspace(B, HQ, max(sweep), D)
-    ws = torch.empty(max(1, wsb), dtype=torch.uint8, device=dev)
+    ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)  # zeroed once: the split-merge counters
 
     def ours(nsplits=splits):
         e = lib.kvring_cuda_decode(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B, HQ, 1, 0.0, 1, 0,
@@ -247,7 +247,7 @@ for B, L in qshapes:
         lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
         splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, SMS)
         wsb = lib.kvring_cuda_decode_workspace(B, HQ, splits, D)
-        ws = torch.empty(max(1, wsb), dtype=torch.uint8, device=dev)
+        ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)  # zeroed once: the split-merge counters
         dtype_arg = 0 | (codec << 8) | (0 << 12)
 
         def ours_q():

@@ -316,6 +316,15 @@ std::vector<bool> BlockStore::Contains(NamespaceId ns, absl::Span<const BlockKey
   return out;
 }
 
+bool BlockStore::InMemoryOrAbsent(NamespaceId ns, absl::Span<const BlockKey> keys) {
+  absl::MutexLock lock(&mu_);
+  for (const BlockKey& k : keys) {
+    const BlockIndex::Entry* e = index_.Find(ScopedKey{ns, k});
+    if (e != nullptr && e->page == kNoPage) return false;
+  }
+  return true;
+}
+
 absl::StatusOr<PinnedBlock> BlockStore::Acquire(NamespaceId ns, const BlockKey& key) {
   const ScopedKey sk{ns, key};
   absl::MutexLock lock(&mu_);

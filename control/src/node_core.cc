@@ -186,6 +186,15 @@ absl::Status NodeCore::Get(const v1::Tenant& t, const v1::GetRequest& req, v1::G
   return op.Done(absl::OkStatus());
 }
 
+bool NodeCore::GetStaysInMemory(const v1::Tenant& t, const v1::GetRequest& req) {
+  auto ns = Namespace(t, req.header());
+  if (!ns.ok() || !ValidateKeys(req.keys(), options_.limits).ok()) return true;
+  std::vector<BlockKey> keys;
+  keys.reserve(req.keys_size());
+  for (const auto& k : req.keys()) keys.push_back(KeyFromProto(k));
+  return store_->InMemoryOrAbsent(*ns, keys);
+}
+
 absl::Status NodeCore::Pin(const v1::Tenant& t, const v1::PinRequest& req, v1::PinResponse* resp) {
   OpScope op(pin_);
   auto ns = Namespace(t, req.header());

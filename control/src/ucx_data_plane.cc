@@ -12,7 +12,7 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(NodeCore* core
   UcxDataPlane* raw = p.get();
   auto server = UcxRpcServer::Start(
       listen, [raw](UcxRequest&& req, UcxReplier reply) { raw->Handle(std::move(req), std::move(reply)); }, p->pool_.get(),
-      max_message_bytes);
+      max_message_bytes, [raw](UcxRequest& req, UcxReplier& reply) { return raw->HandleFast(req, reply); });
   if (!server.ok()) return server.status();
   p->server_ = std::move(*server);
   return p;
@@ -21,6 +21,29 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(NodeCore* core
 UcxDataPlane::~UcxDataPlane() {
   server_.reset();  // stops replies before the handler pool goes
   pool_.reset();
+}
+
+bool UcxDataPlane::HandleFast(UcxRequest& req, UcxReplier& reply) {
+  if (req.method == kUcxMethodPing) {
+    reply.Send(absl::OkStatus(), "");
+    return true;
+  }
+  if (req.method != kUcxMethodGet) return false;
+  absl::StatusOr<v1::Tenant> tenant = core_->Authenticate(req.token);
+  if (!tenant.ok()) return false;  // the pool path answers with the error
+  v1::GetRequest r;
+  if (!r.ParseFromString(req.meta) || !core_->GetStaysInMemory(*tenant, r)) return false;
+  ServeGet(*tenant, r, reply);
+  return true;
+}
+
+void UcxDataPlane::ServeGet(const v1::Tenant& tenant, const v1::GetRequest& r, UcxReplier& reply) {
+  auto held = std::make_shared<std::vector<PinnedBlock>>();
+  v1::GetResponse resp;
+  absl::Status s = core_->Get(tenant, r, &resp, held.get());
+  std::vector<absl::Span<const uint8_t>> parts;
+  for (const PinnedBlock& b : *held) parts.push_back(b.payload());
+  reply.Send(s, s.ok() ? resp.SerializeAsString() : "", std::move(parts), held);
 }
 
 void UcxDataPlane::Handle(UcxRequest&& req, UcxReplier reply) {
@@ -69,12 +92,7 @@ void UcxDataPlane::Handle(UcxRequest&& req, UcxReplier reply) {
         reply.Send(absl::InvalidArgumentError("UCX Get: request does not parse"), "");
         return;
       }
-      auto held = std::make_shared<std::vector<PinnedBlock>>();
-      v1::GetResponse resp;
-      absl::Status s = core_->Get(*tenant, r, &resp, held.get());
-      std::vector<absl::Span<const uint8_t>> parts;
-      for (const PinnedBlock& b : *held) parts.push_back(b.payload());
-      reply.Send(s, s.ok() ? resp.SerializeAsString() : "", std::move(parts), held);
+      ServeGet(*tenant, r, reply);
       return;
     }
     case kUcxMethodAttend: {

@@ -48,6 +48,7 @@ struct Dev {
     return h;
   }
   void Poison() { cudaMemset(p, 0xff, n * sizeof(T)); }  // NaN for floats
+  void Zero() { cudaMemset(p, 0, n * sizeof(T)); }
 };
 
 inline uint16_t ToBits(double v, bool bf16) {

@@ -197,6 +197,7 @@ struct ServerState : std::enable_shared_from_this<ServerState> {
   std::shared_ptr<BufferPool> buffers = std::make_shared<BufferPool>();
   UcxWorkerLoop* loop = nullptr;
   UcxHandler handler;
+  UcxFastHandler fast_handler;  // optional, runs on the loop thread
   ThreadPool* pool = nullptr;
   uint64_t max_bytes = 0;
   std::mutex mu;
@@ -251,6 +252,7 @@ struct ServerState : std::enable_shared_from_this<ServerState> {
     rep->ep_ = ep;
     rep->request_id_ = h.request_id;
     rep->ep_generation_ = gen;
+    if (fast_handler && fast_handler(*req, *rep)) return;
     UcxHandler* handler_ptr = &handler;
     pool->Submit([handler_ptr, req, rep]() mutable { (*handler_ptr)(std::move(*req), std::move(*rep)); });
   }
@@ -509,7 +511,8 @@ void UcxReplier::Send(const absl::Status& status, std::string meta, std::vector<
 }
 
 absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::string& listen, UcxHandler handler,
-                                                                  ThreadPool* pool, uint64_t max_message_bytes) {
+                                                                  ThreadPool* pool, uint64_t max_message_bytes,
+                                                                  UcxFastHandler fast_handler) {
   (void)listen;
   auto loop = UcxWorkerLoop::Create(UCP_FEATURE_AM, "kvring-ucx-server");
   if (!loop.ok()) return loop.status();
@@ -519,6 +522,7 @@ absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::str
   ServerState* st = srv->state_.get();
   st->loop = srv->loop_.get();
   st->handler = std::move(handler);
+  st->fast_handler = std::move(fast_handler);
   st->pool = pool;
   st->max_bytes = max_message_bytes;
   absl::StatusOr<std::string> addr = srv->loop_->Run([&]() -> absl::StatusOr<std::string> {

@@ -116,7 +116,10 @@ absl::Status AttendLocal(const AttnParams& p, const QueryView& q, const PagedKvV
     const int splits = DefaultDecodeSplits(q, kv, max_pages, sms);
     const size_t ws = DecodeWorkspaceBytes(q, splits, kv.head_dim);
     void* w = nullptr;
-    if (ws) KVRING_CUDA_OK(cudaMallocAsync(&w, ws, stream), "workspace");
+    if (ws) {
+      KVRING_CUDA_OK(cudaMallocAsync(&w, ws, stream), "workspace");
+      KVRING_CUDA_OK(cudaMemsetAsync(w, 0, ws, stream), "workspace");  // the split-merge counters start at 0
+    }
     const cudaError_t e = PagedDecode(p, q, kv, out, splits, w, ws, stream);
     if (w) cudaFreeAsync(w, stream);
     return Cuda(e, "PagedDecode");

@@ -50,7 +50,8 @@ struct PipeCfg {
 template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
-                          float* part_lse, float* out, float* lse, const __grid_constant__ CUtensorMap pool_map) {
+                          float* part_lse, int* counters, float* out, float* lse,
+                          const __grid_constant__ CUtensorMap pool_map) {
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
   extern __shared__ uint8_t smem_raw[];
@@ -62,6 +63,19 @@ __global__ void __launch_bounds__(kPThreads, 2)
   __shared__ int s_qmin, s_qmax;
   __shared__ float s_m[kPConsumers][kRows], s_l[kPConsumers][kRows];
 
+  // Programmatic dependent launch: the next kernel in the stream may start
+  // its launch now (its CTAs land as ours leave and wait in GridDepWait for
+  // our completion); we wait for the previous kernel's before reading global
+  // memory. The barrier setup and the tensor map's prefetch come first.
+  GridDepLaunchDependents();
+  if (threadIdx.x == 0) {
+    if constexpr (kTma) TmaPrefetchMap(&pool_map);
+    for (int i = 0; i < C::kStages; ++i) {
+      MbarInit(full0 + 8 * i, kTma ? 1 : 32);  // the TMA lane's expect-tx arrival, or the 32 lanes' cp.async ones
+      MbarInit(empty0 + 8 * i, 1);             // the consumer warp that took the stage
+    }
+  }
+  GridDepWait();
   DecodeWork w;
   if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w)) return;
   const int h = w.h, G = w.G, rb = w.rb, v0 = w.v0, nv = w.nv, pb = w.pb, npages = w.npages;
@@ -88,10 +102,15 @@ __global__ void __launch_bounds__(kPThreads, 2)
     }
     s_qmin = mn;
     s_qmax = mx;
-    for (int i = 0; i < C::kStages; ++i) {
-      MbarInit(full0 + 8 * i, kTma ? 1 : 32);  // the TMA lane's expect-tx arrival, or the 32 lanes' cp.async ones
-      MbarInit(empty0 + 8 * i, 1);             // the consumer warp that took the stage
-    }
+  }
+  // The producer's first window of page ids is read now, its latency hidden
+  // under the Q loads' (page ids: a sliding window of 64 listed pages held
+  // in registers, lane l: pages wb + l and wb + 32 + l, so issuing a stage
+  // never waits on a dependent global load).
+  int wb = tok_lo / bt, cur = 0, nxt = 0;
+  if (warp == kPConsumers) {
+    cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
+    nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
   }
   CpAsyncWait<0>();
   __syncthreads();
@@ -99,15 +118,10 @@ __global__ void __launch_bounds__(kPThreads, 2)
   float o[kDTiles][4];
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   if (warp == kPConsumers) {
-    // ---- producer. Page ids come from a sliding window of 64 listed pages
-    // held in registers (lane l: pages wb + l and wb + 32 + l), so issuing a
-    // stage never waits on a dependent global load.
+    // ---- producer
     const char* pool = static_cast<const char*>(kv.pool);
     const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
     const int kplane = (kv.layer * 2) * kv.kv_heads + h, vplane = kplane + kv.kv_heads;
-    int wb = tok_lo / bt;
-    int cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
-    int nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % C::kStages;
       if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
@@ -274,28 +288,46 @@ __global__ void __launch_bounds__(kPThreads, 2)
   }
   __syncthreads();
   StoreDecodeRows<kPConsumers>(w, q, D, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, part_out, part_lse, out, lse);
+  if (num_splits > 1) {
+    MergeSplitsIfLast(w, q, D, kRows, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse, so, out, lse);
+  }
+}
+
+// Launched with programmatic stream serialization (PDL): a kernel that
+// follows in the stream is launched while this one drains, and this one's
+// launch overlaps its predecessor's tail (the kernel waits for it before it
+// reads global memory).
+template <int D, typename T, bool kTma>
+cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
+                              int row_groups, float* part_out, float* part_lse, int* counters, const CUtensorMap& map,
+                              cudaStream_t stream) {
+  const int smem = PipeCfg<D>::kDynamic;
+  cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(splits, kv.kv_heads * row_groups, kv.num_seqs);
+  cfg.blockDim = dim3(kPThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, part_out, part_lse,
+                            counters, out.out, out.lse, map);
 }
 
 template <int D, typename T>
 cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                            float* part_out, float* part_lse, cudaStream_t stream) {
+                            float* part_out, float* part_lse, int* counters, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
-  const int smem = PipeCfg<D>::kDynamic;
-  dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
   alignas(64) CUtensorMap map{};
   if (MakePoolMap(kv, kPStage, &map)) {
-    cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    DecodePipelinedKernel<D, T, true><<<grid, kPThreads, smem, stream>>>(p, q, kv, splits, row_groups, part_out,
-                                                                         part_lse, out.out, out.lse, map);
-  } else {
-    cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    DecodePipelinedKernel<D, T, false><<<grid, kPThreads, smem, stream>>>(p, q, kv, splits, row_groups, part_out,
-                                                                          part_lse, out.out, out.lse, map);
+    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
   }
-  return cudaGetLastError();
+  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
 }
 
 }  // namespace
@@ -340,10 +372,19 @@ int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages
   return (int)std::max<long>(1, std::min<long>(splits, 256));
 }
 
+namespace {
+// Workspace layout: the split-merge counters first (one int per (row, q
+// head), at the same place whatever the split count, so partials of a call
+// with more splits never land on them), then the partial O and LSE.
+size_t CounterBytes(const QueryView& q) {
+  return ((size_t)q.num_rows * q.q_heads * sizeof(int) + 255) / 256 * 256;
+}
+}  // namespace
+
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim) {
   if (num_splits <= 1) return 0;
   const size_t rh = (size_t)q.num_rows * q.q_heads;
-  return (size_t)num_splits * rh * (head_dim + 1) * sizeof(float);
+  return CounterBytes(q) + (size_t)num_splits * rh * (head_dim + 1) * sizeof(float);
 }
 
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
@@ -354,20 +395,25 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   if (q.num_rows == 0) return cudaSuccess;
   const int D = kv.head_dim;
   if (workspace_bytes < DecodeWorkspaceBytes(q, num_splits, D)) return cudaErrorInvalidValue;
-  float* po = static_cast<float*>(workspace);
-  float* pl = po == nullptr ? nullptr : po + (size_t)num_splits * q.num_rows * q.q_heads * D;
-  cudaError_t e;
-  if (kv.codec != 0) {
-    e = internal::QuantizedDecode(p, q, kv, out, num_splits, po, pl, stream);
-  } else if (kv.dtype == KvType::kBF16) {
-    e = D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, stream)
-                 : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, stream);
-  } else {
-    e = D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, stream)
-                 : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, stream);
+  if (reinterpret_cast<uintptr_t>(out.out) % 16 != 0) return cudaErrorInvalidValue;  // the merge stores float4
+  int* counters = nullptr;
+  float *po = nullptr, *pl = nullptr;
+  if (num_splits > 1) {
+    counters = static_cast<int*>(workspace);
+    po = reinterpret_cast<float*>(static_cast<char*>(workspace) + CounterBytes(q));
+    pl = po + (size_t)num_splits * q.num_rows * q.q_heads * D;
   }
-  if (e != cudaSuccess || num_splits == 1) return e;
-  return MergePartials(po, pl, num_splits, q.num_rows * q.q_heads, D, out, stream);
+  if (kv.codec != 0) {  // quantized pages: the splits' partials are merged by a second kernel
+    const cudaError_t e = internal::QuantizedDecode(p, q, kv, out, num_splits, po, pl, stream);
+    if (e != cudaSuccess || num_splits == 1) return e;
+    return MergePartials(po, pl, num_splits, q.num_rows * q.q_heads, D, out, stream);
+  }
+  if (kv.dtype == KvType::kBF16) {
+    return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream)
+                    : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream);
+  }
+  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, stream)
+                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, stream);
 }
 
 }  // namespace kvring::cuda

@@ -89,20 +89,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
 
-  const int2 qrange = BlockMinMax(q.positions + r0, nrows, &s_qmin, &s_qmax);
-  const int qmin = qrange.x, qmax = qrange.y;
+  // Prologue, ordered to overlap its global-memory round trips: the Q rows'
+  // copies (into shared memory, rows past the end zero-filled) and the
+  // sequence's page range go out first, then the positions' min/max (whose
+  // barriers also publish the mbarriers' init), then the visible key range.
   const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
   const int ntok = kv.seq_tokens[s];
-  const int2 keys = VisibleKeys(p, kv, pb, npages, ntok, qmin, qmax, kBN);
-  const int n_begin = keys.x, n_end = keys.y;
-  const int ntiles = n_end > n_begin ? (n_end - n_begin + kBN - 1) / kBN : 0;
-
-  if (ntiles == 0) {  // no row of this tile sees a key
-    for (int i = tid; i < nrows * D; i += kThreads) out.out[((size_t)(r0 + i / D) * q.q_heads + hq) * D + i % D] = 0.f;
-    for (int r = tid; r < nrows; r += kThreads) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = -INFINITY;
-    return;
+  {
+    const T* qbase = static_cast<const T*>(q.q);
+    for (int c = tid; c < kBM * kChunks; c += kThreads) {
+      const int r = c / kChunks, ch = c % kChunks;
+      const bool valid = r < nrows;
+      CpAsync16(base + Sw128(kBM, r, ch), qbase + ((size_t)(r0 + (valid ? r : 0)) * q.q_heads + hq) * D + ch * 8, valid);
+    }
+    CpAsyncCommit();
   }
-
   const uint32_t full0 = base + S::kBars, empty0 = full0 + kStages * 8;
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
@@ -110,7 +111,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       MbarInit(empty0 + 8 * i, kThreads);  // every thread, once done with the tile
     }
   }
-  __syncthreads();
+  const int2 qrange = BlockMinMax(q.positions + r0, nrows, &s_qmin, &s_qmax);  // (its __syncthreads publish the inits)
+  const int qmin = qrange.x, qmax = qrange.y;
+  const int2 keys = VisibleKeys(p, kv, pb, npages, ntok, qmin, qmax, kBN);
+  const int n_begin = keys.x, n_end = keys.y;
+  const int ntiles = n_end > n_begin ? (n_end - n_begin + kBN - 1) / kBN : 0;
+
+  if (ntiles == 0) {  // no row of this tile sees a key
+    CpAsyncWait<0>();  // (no copy may land in shared memory after the CTA is gone)
+    for (int i = tid; i < nrows * D; i += kThreads) out.out[((size_t)(r0 + i / D) * q.q_heads + hq) * D + i % D] = 0.f;
+    for (int r = tid; r < nrows; r += kThreads) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = -INFINITY;
+    return;
+  }
+
 
   // Loads: lanes 0..3 of warp 0 (box b = 16 tokens of a 64-token tile each)
   // issue the TMA copies of tile j + kAhead at the start of round j, into the
@@ -149,20 +162,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wr = wg * 64 + (warp & 3) * 16 + g;
   const int qpos0 = wr < nrows ? q.positions[r0 + wr] : INT32_MIN;
   const int qpos1 = wr + 8 < nrows ? q.positions[r0 + wr + 8] : INT32_MIN;
-  // Q rows -> shared memory (rows past the end zero-filled) -> A fragments
-  // in registers, for the whole stream: S = Q K^T then reads only K from
+  // Q rows (shared memory, copies issued in the prologue) -> A fragments in
+  // registers, for the whole stream: S = Q K^T then reads only K from
   // shared memory.
-  {
-    const T* qbase = static_cast<const T*>(q.q);
-    for (int c = tid; c < kBM * kChunks; c += kThreads) {
-      const int r = c / kChunks, ch = c % kChunks;
-      const bool valid = r < nrows;
-      CpAsync16(base + Sw128(kBM, r, ch), qbase + ((size_t)(r0 + (valid ? r : 0)) * q.q_heads + hq) * D + ch * 8, valid);
-    }
-    CpAsyncCommit();
-    CpAsyncWait<0>();
-    NamedBarrier(1, kThreads);
-  }
+  CpAsyncWait<0>();
+  NamedBarrier(1, kThreads);
   uint32_t qf[kKSteps][4];
   {
     const int mi = lane >> 3, rr = lane & 7, r = wg * 64 + (warp & 3) * 16 + (mi & 1) * 8 + rr;

@@ -139,6 +139,10 @@ class BlockStore {
   size_t LookupPrefix(NamespaceId ns, absl::Span<const BlockKey> keys) ABSL_LOCKS_EXCLUDED(mu_);
   // Whether each key is held (any order, any chains).
   std::vector<bool> Contains(NamespaceId ns, absl::Span<const BlockKey> keys) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether Acquire of every key would stay in host memory: each is in the
+  // host tier or not held at all (none needs a read from the cold tier). A
+  // hint: a block may be demoted right after.
+  bool InMemoryOrAbsent(NamespaceId ns, absl::Span<const BlockKey> keys) ABSL_LOCKS_EXCLUDED(mu_);
   // A read hold on the block, promoting it from the cold tier if needed.
   absl::StatusOr<PinnedBlock> Acquire(NamespaceId ns, const BlockKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // Copies the payload into `dst` (INVALID_ARGUMENT if too small).

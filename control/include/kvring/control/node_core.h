@@ -49,6 +49,9 @@ class NodeCore {
   // for a zero-copy send) instead of being copied into `resp`.
   absl::Status Get(const v1::Tenant& t, const v1::GetRequest& req, v1::GetResponse* resp,
                    std::vector<PinnedBlock>* held = nullptr);
+  // Whether Get(t, req) would not touch the disk tier (every block in host
+  // memory or not held; a request that fails validation counts as staying).
+  bool GetStaysInMemory(const v1::Tenant& t, const v1::GetRequest& req);
   absl::Status Pin(const v1::Tenant& t, const v1::PinRequest& req, v1::PinResponse* resp);
   absl::Status Attend(const v1::Tenant& t, const v1::AttendRequest& req, v1::AttendResponse* resp);
   absl::Status Stats(const v1::Tenant& t, const v1::StatsRequest& req, v1::StatsResponse* resp);

@@ -34,6 +34,11 @@ class UcxDataPlane {
  private:
   UcxDataPlane() = default;
   void Handle(UcxRequest&& req, UcxReplier reply);
+  // On the UCX thread: a Get whose blocks are all in host memory (or
+  // absent) is served there, without the pool's two thread hand-offs; anything
+  // that could touch the disk tier or compute goes to the pool.
+  bool HandleFast(UcxRequest& req, UcxReplier& reply);
+  void ServeGet(const v1::Tenant& tenant, const v1::GetRequest& r, UcxReplier& reply);
   NodeCore* core_ = nullptr;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<UcxRpcServer> server_;

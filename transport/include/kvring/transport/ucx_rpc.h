@@ -23,7 +23,10 @@
 //
 // UcxRpcServer: serves requests; each request runs the handler on the
 // given ThreadPool; the handler replies exactly once through its UcxReplier
-// (from any thread). Payload spans given to Send() must stay valid until the
+// (from any thread). An optional fast handler sees each request first, on
+// the UCX worker's own thread (no hand-off to the pool and back): it either
+// replies and returns true, or leaves request and replier untouched and
+// returns false (the request then goes to the pool). It must not block. Payload spans given to Send() must stay valid until the
 // reply is sent: pass their owner as `keepalive`.
 // UcxRpcClient: one endpoint to a server; Call() is thread-safe and may be
 // issued from many threads at once. A connection failure fails every
@@ -74,13 +77,15 @@ class UcxReplier {
 };
 
 using UcxHandler = std::function<void(UcxRequest&&, UcxReplier)>;
+using UcxFastHandler = std::function<bool(UcxRequest&, UcxReplier&)>;
 
 class UcxRpcServer {
  public:
   // `pool` runs the handlers and must outlive the server. `listen` is kept
   // for logs only (peers use the worker address).
   static absl::StatusOr<std::unique_ptr<UcxRpcServer>> Start(const std::string& listen, UcxHandler handler,
-                                                             ThreadPool* pool, uint64_t max_message_bytes);
+                                                             ThreadPool* pool, uint64_t max_message_bytes,
+                                                             UcxFastHandler fast_handler = nullptr);
   ~UcxRpcServer();
   // "ucxw:<hex worker address>": what clients pass to Connect().
   const std::string& address() const { return address_; }

@@ -63,7 +63,14 @@ struct AttnParams {
 
 // ---- decode: few query rows per sequence, KV split across CTAs (flash-decoding)
 // Rows per sequence: 1..64 (any); q_heads % kv_heads == 0; head_dim 64 or 128.
-// Partials of the splits are merged by a second kernel into `out`.
+// With num_splits > 1 the splits' partials go to `workspace` and the last
+// CTA of each (sequence, kv head) to finish merges them into `out` (quantized
+// pages: a second kernel merges). The workspace (DecodeWorkspaceBytes; none
+// for one split) must be zeroed once before its first use (cudaMemset): it
+// holds the merge's counters, which every call leaves at zero. One call at a
+// time per workspace. `out.out` must be 16-byte aligned.
+// The kernel is launched with programmatic dependent launch (it overlaps its
+// launch with the previous kernel's tail, and the next kernel's with its own).
 // Plain (bf16/fp16) pages: a producer warp streams 16-token stages through a
 // deep mbarrier ring (TMA boxes for pages of a multiple of 16 tokens on
 // sm_90, cp.async gathers otherwise), four consumer warps take them in turn.
