@@ -29,38 +29,31 @@ TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
           const bool bf16 = seed % 2;
           std::vector<int> toks = {1 + (int)(rng() % 700), 33, 16 * 9, 1};
           std::vector<int> starts = {0, 5, 100, 0};
-          auto kvb = MakeBatch(rng, bt, 2, kv_heads, D, bf16, toks, starts,
-                               /*gap=*/seed % 3 == 0, /*layer=*/1);
+          auto kvb = MakeBatch(rng, bt, 2, kv_heads, D, bf16, toks, starts, /*gap=*/seed % 3 == 0, /*layer=*/1);
           std::vector<std::vector<int32_t>> qpos;
           for (size_t s = 0; s < toks.size(); ++s) {
-            const auto &kp = kvb.seqs[s].dense.positions;
+            const auto& kp = kvb.seqs[s].dense.positions;
             std::vector<int32_t> rows;
             const int nr = 1 + rng() % 8;
-            for (int r = 0; r < nr; ++r)
-              rows.push_back(kp.back() - (int)(rng() % 3));
-            if (s == 1)
-              rows[0] = 2; // before every key of sequence 1: sees nothing
+            for (int r = 0; r < nr; ++r) rows.push_back(kp.back() - (int)(rng() % 3));
+            if (s == 1) rows[0] = 2;  // before every key of sequence 1: sees nothing
             qpos.push_back(rows);
           }
           auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-          Dev<float> out((size_t)qb.pos.size() * q_heads * D),
-              lse((size_t)qb.pos.size() * q_heads);
+          Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
           out.Poison();
           lse.Poison();
           const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
           Dev<uint8_t> work(ws);
-          work.Zero();
+          work.Zero();  // the split merge's counters start at 0
           cuda::AttnParams p;
-          CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(1), {out.p, lse.p},
-                                    splits, work.p, ws, nullptr));
+          CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(1), {out.p, lse.p}, splits, work.p, ws, nullptr));
           CUDA_OK(cudaDeviceSynchronize());
           AttentionOptions o;
           o.layer = 1;
-          // The tensor cores take P rounded to 16 bits for P V: the tolerance
-          // of 16-bit operands.
+          // The tensor cores take P rounded to 16 bits for P V: the tolerance of 16-bit operands.
           ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, bf16 ? 1e-2 : 3e-3,
-                        absl::StrCat("decode D=", D, " ratio=", ratio,
-                                     " bt=", bt, " splits=", splits));
+                        absl::StrCat("decode D=", D, " ratio=", ratio, " bt=", bt, " splits=", splits));
         }
 }
 
@@ -71,39 +64,33 @@ TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
 TEST(GpuDecodeTest, LongSequencesMatchTheReference) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 500;
-  for (int bt : {4, 16, 48})
-    for (int splits : {1, 3, 40}) {
-      std::mt19937_64 rng(seed++);
-      const bool bf16 = seed % 2;
-      std::vector<int> toks = {5000 + (int)(rng() % 700), 2100};
-      auto kvb = MakeBatch(rng, bt, 1, 2, 128, bf16, toks, {0, 0},
-                           /*gap=*/bt == 16, 0);
-      std::vector<std::vector<int32_t>> qpos;
-      for (const auto &sq : kvb.seqs)
-        qpos.push_back(
-            {sq.dense.positions.back() + 1, sq.dense.positions.back() + 2});
-      auto qb = MakeQueries(rng, 8, 128, bf16, qpos);
-      Dev<float> out((size_t)qb.pos.size() * 8 * 128),
-          lse((size_t)qb.pos.size() * 8);
-      out.Poison();
-      lse.Poison();
-      const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, 128);
-      Dev<uint8_t> work(ws);
-      work.Zero();
-      cuda::AttnParams p;
-      // Twice on one workspace: the fused split merge's counters must be
-      // back at zero after a call (else the second merges too early or never).
-      for (int call = 0; call < 2; ++call) {
+    for (int bt : {4, 16, 48})
+      for (int splits : {1, 3, 40}) {
+        std::mt19937_64 rng(seed++);
+        const bool bf16 = seed % 2;
+        std::vector<int> toks = {5000 + (int)(rng() % 700), 2100};
+        auto kvb = MakeBatch(rng, bt, 1, 2, 128, bf16, toks, {0, 0}, /*gap=*/bt == 16, 0);
+        std::vector<std::vector<int32_t>> qpos;
+        for (const auto& sq : kvb.seqs) qpos.push_back({sq.dense.positions.back() + 1, sq.dense.positions.back() + 2});
+        auto qb = MakeQueries(rng, 8, 128, bf16, qpos);
+        Dev<float> out((size_t)qb.pos.size() * 8 * 128), lse((size_t)qb.pos.size() * 8);
         out.Poison();
         lse.Poison();
-        CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p},
-                                  splits, work.p, ws, nullptr));
-        CUDA_OK(cudaDeviceSynchronize());
-        ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
-                      absl::StrCat("long decode bt=", bt, " splits=", splits,
-                                   " call ", call));
+        const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, 128);
+        Dev<uint8_t> work(ws);
+        work.Zero();  // the split merge's counters start at 0
+        cuda::AttnParams p;
+        // Twice on one workspace: the fused split merge's counters must be
+        // back at zero after a call (else the second merges too early or never).
+        for (int call = 0; call < 2; ++call) {
+          out.Poison();
+          lse.Poison();
+          CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
+          CUDA_OK(cudaDeviceSynchronize());
+          ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
+                        absl::StrCat("long decode bt=", bt, " splits=", splits, " call ", call));
+        }
       }
-    }
 }
 
 // Decode over int8 / fp8 pages (every scale mode), made by QuantizeBlock
@@ -113,8 +100,7 @@ TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 500;
   for (int D : {64, 128})
-    for (const char *name : {"int8/per-head", "int8/per-token", "int8/kivi",
-                             "fp8/per-head", "fp8/per-token", "fp8/kivi"})
+    for (const char* name : {"int8/per-head", "int8/per-token", "int8/kivi", "fp8/per-head", "fp8/per-token", "fp8/kivi"})
       for (int splits : {1, 5}) {
         std::mt19937_64 rng(seed++);
         const int kv_heads = 2, q_heads = 8, bt = 16, layers = 2;
@@ -124,23 +110,17 @@ TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
         std::vector<int> toks = {1 + (int)(rng() % 600), 40, 16 * 5};
         std::vector<int> starts = {0, 3, 64};
         // (QuantizeBlock refuses NaN: finite junk past the ends here.)
-        auto kvb = MakeBatch(rng, bt, layers, kv_heads, D, bf16, toks, starts,
-                             /*gap=*/false, /*layer=*/1, /*junk=*/7.0);
+        auto kvb = MakeBatch(rng, bt, layers, kv_heads, D, bf16, toks, starts, /*gap=*/false, /*layer=*/1, /*junk=*/7.0);
         // The same pages, quantized, in a pool of 16-byte aligned pages.
-        const BlockLayout L{
-            static_cast<uint32_t>(bt), static_cast<uint32_t>(layers),
-            static_cast<uint32_t>(kv_heads), static_cast<uint32_t>(D),
-            bf16 ? DType::kBF16 : DType::kF16};
+        const BlockLayout L{static_cast<uint32_t>(bt), static_cast<uint32_t>(layers), static_cast<uint32_t>(kv_heads),
+                            static_cast<uint32_t>(D), bf16 ? DType::kBF16 : DType::kF16};
         const uint64_t stride = (EncodedBytes(L, enc) + 15) / 16 * 16;
         const size_t capacity = kvb.pool_host.size() / kvb.page_elems();
         std::vector<uint8_t> qpool(capacity * stride, 0);
         for (size_t pg = 0; pg < capacity; ++pg) {
           std::vector<uint8_t> codes;
-          const auto *plain = reinterpret_cast<const uint8_t *>(
-              kvb.pool_host.data() + pg * kvb.page_elems());
-          ASSERT_TRUE(QuantizeBlock(L, absl::MakeConstSpan(plain, L.bytes()),
-                                    enc, &codes)
-                          .ok());
+          const auto* plain = reinterpret_cast<const uint8_t*>(kvb.pool_host.data() + pg * kvb.page_elems());
+          ASSERT_TRUE(QuantizeBlock(L, absl::MakeConstSpan(plain, L.bytes()), enc, &codes).ok());
           std::memcpy(qpool.data() + pg * stride, codes.data(), codes.size());
         }
         // The reference reads the codes through the CPU path's dequantization.
@@ -148,19 +128,15 @@ TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
         for (size_t s = 0, at = 0; s < toks.size(); ++s) {
           const int np = (toks[s] + bt - 1) / bt;
           std::vector<int32_t> hid(np), hpos(np);
-          CUDA_OK(cudaMemcpy(hid.data(), kvb.page_ids.p + at, np * 4,
-                             cudaMemcpyDeviceToHost));
-          CUDA_OK(cudaMemcpy(hpos.data(), kvb.page_pos.p + at, np * 4,
-                             cudaMemcpyDeviceToHost));
+          CUDA_OK(cudaMemcpy(hid.data(), kvb.page_ids.p + at, np * 4, cudaMemcpyDeviceToHost));
+          CUDA_OK(cudaMemcpy(hpos.data(), kvb.page_pos.p + at, np * 4, cudaMemcpyDeviceToHost));
           std::vector<KvBlockRef> refs;
           for (int i = 0; i < np; ++i) {
-            refs.push_back(KvBlockRef{
-                qpool.data() + (size_t)hid[i] * stride, hpos[i],
-                static_cast<uint32_t>(std::min(bt, toks[s] - i * bt))});
+            refs.push_back(KvBlockRef{qpool.data() + (size_t)hid[i] * stride, hpos[i],
+                                      static_cast<uint32_t>(std::min(bt, toks[s] - i * bt))});
           }
           std::vector<uint32_t> begin{0, static_cast<uint32_t>(np)};
-          kvb.seqs[s].dense =
-              reference::FromBlocks(PagedKv{L, enc, refs, begin}, 0, 1);
+          kvb.seqs[s].dense = reference::FromBlocks(PagedKv{L, enc, refs, begin}, 0, 1);
           at += np;
         }
         Dev<uint8_t> dq(qpool);
@@ -171,33 +147,27 @@ TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
         view.scales = static_cast<int32_t>(enc.scales);
         std::vector<std::vector<int32_t>> qpos;
         for (size_t s = 0; s < toks.size(); ++s) {
-          const auto &kp = kvb.seqs[s].dense.positions;
+          const auto& kp = kvb.seqs[s].dense.positions;
           std::vector<int32_t> rows;
           const int nr = 1 + rng() % 4;
-          for (int r = 0; r < nr; ++r)
-            rows.push_back(kp.back() - (int)(rng() % 20));
-          if (s == 1)
-            rows[0] = 1; // before every key of sequence 1
+          for (int r = 0; r < nr; ++r) rows.push_back(kp.back() - (int)(rng() % 20));
+          if (s == 1) rows[0] = 1;  // before every key of sequence 1
           qpos.push_back(rows);
         }
         auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-        Dev<float> out((size_t)qb.pos.size() * q_heads * D),
-            lse((size_t)qb.pos.size() * q_heads);
+        Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
         out.Poison();
         lse.Poison();
         const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
         Dev<uint8_t> work(ws);
-        work.Zero();
-        CUDA_OK(cuda::PagedDecode(cuda::AttnParams{}, qb.View(), view,
-                                  {out.p, lse.p}, splits, work.p, ws, nullptr));
+        work.Zero();  // the split merge's counters start at 0
+        CUDA_OK(cuda::PagedDecode(cuda::AttnParams{}, qb.View(), view, {out.p, lse.p}, splits, work.p, ws, nullptr));
         CUDA_OK(cudaDeviceSynchronize());
         AttentionOptions o;
         o.layer = 1;
-        // fp32 arithmetic over exact code * scale values: no 16-bit rounding of
-        // P.
-        ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-4,
-                      absl::StrCat("quantized decode ", name, " D=", D,
-                                   " splits=", splits));
+        // fp32 arithmetic over exact code * scale values: no 16-bit rounding of P.
+        ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-4, absl::StrCat("quantized decode ", name, " D=", D,
+                                                                             " splits=", splits));
       }
 }
 
@@ -221,12 +191,10 @@ TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {
     }
     const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), 5, 128);
     Dev<uint8_t> work(ws);
-    work.Zero();
-    CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, 5,
-                              work.p, ws, nullptr));
+    work.Zero();  // the split merge's counters start at 0
+    CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, 5, work.p, ws, nullptr));
     CUDA_OK(cudaDeviceSynchronize());
-    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2,
-                  mode == 0 ? "window" : "non-causal");
+    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2, mode == 0 ? "window" : "non-causal");
   }
 }
 
@@ -238,14 +206,11 @@ std::vector<cuda::PrefillKernel> PrefillKernels() {
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  if (major == 9 && minor == 0)
-    ks.push_back(cuda::PrefillKernel::kWgmma);
+  if (major == 9 && minor == 0) ks.push_back(cuda::PrefillKernel::kWgmma);
   return ks;
 }
-const char *KernelName(cuda::PrefillKernel k) {
-  return k == cuda::PrefillKernel::kWgmma  ? "wgmma"
-         : k == cuda::PrefillKernel::kAuto ? "auto"
-                                           : "mma.sync";
+const char* KernelName(cuda::PrefillKernel k) {
+  return k == cuda::PrefillKernel::kWgmma ? "wgmma" : k == cuda::PrefillKernel::kAuto ? "auto" : "mma.sync";
 }
 
 // Prefill: causal chunks of new tokens over a cached prefix, row counts that
@@ -254,44 +219,35 @@ TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 100;
   for (cuda::PrefillKernel kernel : PrefillKernels())
-    for (int D : {64, 128})
-      for (int ratio : {1, 4})
-        for (int bt : {16, 64})
-          for (bool gap : {false, true}) {
-            std::mt19937_64 rng(seed++);
-            const int kv_heads = 2, q_heads = kv_heads * ratio;
-            const bool bf16 = seed % 2;
-            std::vector<int> toks = {300 + (int)(rng() % 200), 129};
-            auto kvb =
-                MakeBatch(rng, bt, 1, kv_heads, D, bf16, toks, {0, 40}, gap, 0);
-            std::vector<std::vector<int32_t>> qpos(2);
-            // Sequence 0: the last 200 tokens as a chunk (prefix hit before
-            // them).
-            const auto &kp0 = kvb.seqs[0].dense.positions;
-            for (size_t i = kp0.size() - 200; i < kp0.size(); ++i)
-              qpos[0].push_back(kp0[i]);
-            // Sequence 1: every key position, plus rows that see nothing
-            // (before position 40).
-            for (int32_t x : kvb.seqs[1].dense.positions)
-              qpos[1].push_back(x);
-            qpos[1].push_back(3);
-            qpos[1].push_back(39);
-            auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-            Dev<float> out((size_t)qb.pos.size() * q_heads * D),
-                lse((size_t)qb.pos.size() * q_heads);
-            out.Poison();
-            lse.Poison();
-            cuda::AttnParams p;
-            CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0),
-                                       {out.p, lse.p}, nullptr, kernel));
-            CUDA_OK(cudaDeviceSynchronize());
-            // P is rounded to 16 bits for the second matmul: tolerance of bf16
-            // operands.
-            ExpectMatches(
-                out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
-                absl::StrCat("prefill ", KernelName(kernel), " D=", D,
-                             " ratio=", ratio, " bt=", bt, " gap=", gap));
-          }
+  for (int D : {64, 128})
+    for (int ratio : {1, 4})
+      for (int bt : {16, 64})
+        for (bool gap : {false, true}) {
+          std::mt19937_64 rng(seed++);
+          const int kv_heads = 2, q_heads = kv_heads * ratio;
+          const bool bf16 = seed % 2;
+          std::vector<int> toks = {300 + (int)(rng() % 200), 129};
+          auto kvb = MakeBatch(rng, bt, 1, kv_heads, D, bf16, toks, {0, 40}, gap, 0);
+          std::vector<std::vector<int32_t>> qpos(2);
+          // Sequence 0: the last 200 tokens as a chunk (prefix hit before them).
+          const auto& kp0 = kvb.seqs[0].dense.positions;
+          for (size_t i = kp0.size() - 200; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);
+          // Sequence 1: every key position, plus rows that see nothing (before position 40).
+          for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);
+          qpos[1].push_back(3);
+          qpos[1].push_back(39);
+          auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+          Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
+          out.Poison();
+          lse.Poison();
+          cuda::AttnParams p;
+          CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr, kernel));
+          CUDA_OK(cudaDeviceSynchronize());
+          // P is rounded to 16 bits for the second matmul: tolerance of bf16 operands.
+          ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
+                        absl::StrCat("prefill ", KernelName(kernel), " D=", D, " ratio=", ratio, " bt=", bt,
+                                     " gap=", gap));
+        }
 }
 
 // Long chunks: many 128-row tiles and KV streams that go round the wgmma
@@ -306,33 +262,25 @@ TEST(GpuPrefillTest, LongChunksMatchTheReference) {
     for (int D : {64, 128})
       for (int bt : {16, 24, 48}) {
         const cuda::PrefillKernel kernel =
-            requested == cuda::PrefillKernel::kWgmma && bt % 16 != 0
-                ? cuda::PrefillKernel::kAuto
-                : requested;
+            requested == cuda::PrefillKernel::kWgmma && bt % 16 != 0 ? cuda::PrefillKernel::kAuto : requested;
         std::mt19937_64 rng(seed++);
         const int kv_heads = 2, q_heads = 8;
         const bool bf16 = seed % 2;
         std::vector<int> toks = {1500 + (int)(rng() % 600), 700};
-        auto kvb =
-            MakeBatch(rng, bt, 1, kv_heads, D, bf16, toks, {0, 0}, false, 0);
+        auto kvb = MakeBatch(rng, bt, 1, kv_heads, D, bf16, toks, {0, 0}, false, 0);
         std::vector<std::vector<int32_t>> qpos(2);
-        const auto &kp0 = kvb.seqs[0].dense.positions;
-        for (size_t i = kp0.size() - 600; i < kp0.size(); ++i)
-          qpos[0].push_back(kp0[i]); // a chunk after a prefix hit
-        for (int32_t x : kvb.seqs[1].dense.positions)
-          qpos[1].push_back(x); // a whole prompt
+        const auto& kp0 = kvb.seqs[0].dense.positions;
+        for (size_t i = kp0.size() - 600; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);  // a chunk after a prefix hit
+        for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);                // a whole prompt
         auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-        Dev<float> out((size_t)qb.pos.size() * q_heads * D),
-            lse((size_t)qb.pos.size() * q_heads);
+        Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
         out.Poison();
         lse.Poison();
         cuda::AttnParams p;
-        CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p},
-                                   nullptr, kernel));
+        CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr, kernel));
         CUDA_OK(cudaDeviceSynchronize());
         ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
-                      absl::StrCat("long prefill ", KernelName(kernel),
-                                   " D=", D, " bt=", bt));
+                      absl::StrCat("long prefill ", KernelName(kernel), " D=", D, " bt=", bt));
       }
 }
 
@@ -341,31 +289,27 @@ TEST(GpuPrefillTest, SlidingWindowAndNonCausal) {
   std::mt19937_64 rng(5);
   auto kvb = MakeBatch(rng, 16, 1, 8, 128, true, {700}, {0}, false, 0);
   std::vector<int32_t> rows;
-  for (int i = 0; i < 700; i += 3)
-    rows.push_back(i);
+  for (int i = 0; i < 700; i += 3) rows.push_back(i);
   auto qb = MakeQueries(rng, 32, 128, true, {rows});
   for (cuda::PrefillKernel kernel : PrefillKernels())
-    for (int mode = 0; mode < 2; ++mode) {
-      Dev<float> out((size_t)rows.size() * 32 * 128), lse(rows.size() * 32);
-      out.Poison();
-      lse.Poison();
-      cuda::AttnParams p;
-      AttentionOptions o;
-      if (mode == 0) {
-        p.window = 150;
-        o.window = 150;
-      } else {
-        p.causal = false;
-        o.causal = false;
-      }
-      CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p},
-                                 nullptr, kernel));
-      CUDA_OK(cudaDeviceSynchronize());
-      ExpectMatches(
-          out.Host(), lse.Host(), qb, kvb, o, 1e-2,
-          absl::StrCat(KernelName(kernel),
-                       mode == 0 ? " prefill window" : " prefill non-causal"));
+  for (int mode = 0; mode < 2; ++mode) {
+    Dev<float> out((size_t)rows.size() * 32 * 128), lse(rows.size() * 32);
+    out.Poison();
+    lse.Poison();
+    cuda::AttnParams p;
+    AttentionOptions o;
+    if (mode == 0) {
+      p.window = 150;
+      o.window = 150;
+    } else {
+      p.causal = false;
+      o.causal = false;
     }
+    CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr, kernel));
+    CUDA_OK(cudaDeviceSynchronize());
+    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2,
+                  absl::StrCat(KernelName(kernel), mode == 0 ? " prefill window" : " prefill non-causal"));
+  }
 }
 
 TEST(GpuMergeTest, MatchesCpuMerge) {
@@ -374,13 +318,10 @@ TEST(GpuMergeTest, MatchesCpuMerge) {
   std::normal_distribution<float> nd;
   const int P = 5, RH = 77, D = 128;
   std::vector<float> outs((size_t)P * RH * D), lses((size_t)P * RH);
-  for (auto &x : outs)
-    x = nd(rng);
-  for (size_t i = 0; i < lses.size(); ++i)
-    lses[i] = (i % 7 == 0) ? -INFINITY : nd(rng) * 5;
+  for (auto& x : outs) x = nd(rng);
+  for (size_t i = 0; i < lses.size(); ++i) lses[i] = (i % 7 == 0) ? -INFINITY : nd(rng) * 5;
   for (int r = 0; r < RH; r += 11) {
-    for (int s = 0; s < P; ++s)
-      lses[(size_t)s * RH + r] = -INFINITY; // rows no partial saw anything for
+    for (int s = 0; s < P; ++s) lses[(size_t)s * RH + r] = -INFINITY;  // rows no partial saw anything for
   }
   Dev<float> dout(outs), dlse(lses), mo((size_t)RH * D), ml(RH);
   mo.Poison();
@@ -388,20 +329,16 @@ TEST(GpuMergeTest, MatchesCpuMerge) {
   CUDA_OK(cuda::MergePartials(dout.p, dlse.p, P, RH, D, {mo.p, ml.p}, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<ConstPartial> parts;
-  for (int s = 0; s < P; ++s)
-    parts.push_back(
-        {outs.data() + (size_t)s * RH * D, lses.data() + (size_t)s * RH});
+  for (int s = 0; s < P; ++s) parts.push_back({outs.data() + (size_t)s * RH * D, lses.data() + (size_t)s * RH});
   PartialResult ref(RH, 1, D);
   ASSERT_TRUE(MergePartials(parts, RH, 1, D, ref.view()).ok());
   auto go = mo.Host(), gl = ml.Host();
-  for (size_t i = 0; i < go.size(); ++i)
-    ASSERT_NEAR(go[i], ref.out[i], 1e-5 + 1e-5 * std::abs(ref.out[i])) << i;
+  for (size_t i = 0; i < go.size(); ++i) ASSERT_NEAR(go[i], ref.out[i], 1e-5 + 1e-5 * std::abs(ref.out[i])) << i;
   for (int r = 0; r < RH; ++r) {
     if (std::isinf(ref.lse[r])) {
       EXPECT_TRUE(std::isinf(gl[r]) && gl[r] < 0);
     } else {
-      EXPECT_NEAR(gl[r], ref.lse[r],
-                  1e-5 * std::max(1.f, std::abs(ref.lse[r])));
+      EXPECT_NEAR(gl[r], ref.lse[r], 1e-5 * std::max(1.f, std::abs(ref.lse[r])));
     }
   }
 }
@@ -414,10 +351,8 @@ TEST(GpuRingTest, PassKvAndPassQOnSeveralRanksEqualOneGpu) {
     std::mt19937_64 rng(200 + n);
     const int bt = 16, D = 128, kv_heads = 8, q_heads = 32;
     const int chunk_blocks = 3, nblocks = 2 * n * chunk_blocks;
-    auto whole =
-        MakeBatch(rng, bt, 1, kv_heads, D, true, {nblocks * bt}, {0}, false, 0);
-    // Every rank gets chunks i and 2N-1-i of the pages, and the queries of
-    // those tokens.
+    auto whole = MakeBatch(rng, bt, 1, kv_heads, D, true, {nblocks * bt}, {0}, false, 0);
+    // Every rank gets chunks i and 2N-1-i of the pages, and the queries of those tokens.
     std::vector<std::vector<int32_t>> ids_h(n), pos_h(n), qrows(n);
     auto ids_all = whole.page_ids.Host();
     auto pos_all = whole.page_pos.Host();
@@ -426,22 +361,16 @@ TEST(GpuRingTest, PassKvAndPassQOnSeveralRanksEqualOneGpu) {
       const int owner = c < n ? c : 2 * n - 1 - c;
       ids_h[owner].push_back(ids_all[b]);
       pos_h[owner].push_back(pos_all[b]);
-      for (int t = 0; t < bt; ++t)
-        qrows[owner].push_back(pos_all[b] + t);
+      for (int t = 0; t < bt; ++t) qrows[owner].push_back(pos_all[b] + t);
     }
-    auto all_q =
-        MakeQueries(rng, q_heads, D, true, {[&] {
-                      std::vector<int32_t> v;
-                      for (int r = 0; r < n; ++r)
-                        v.insert(v.end(), qrows[r].begin(), qrows[r].end());
-                      return v;
-                    }()});
+    auto all_q = MakeQueries(rng, q_heads, D, true, {[&] {
+                               std::vector<int32_t> v;
+                               for (int r = 0; r < n; ++r) v.insert(v.end(), qrows[r].begin(), qrows[r].end());
+                               return v;
+                             }()});
     // Reference: one GPU, all queries over all pages.
-    Dev<float> ref_out((size_t)all_q.pos.size() * q_heads * D),
-        ref_lse(all_q.pos.size() * q_heads);
-    ASSERT_TRUE(cuda::AttendLocal({}, all_q.View(), whole.View(0),
-                                  {ref_out.p, ref_lse.p}, nblocks, nullptr)
-                    .ok());
+    Dev<float> ref_out((size_t)all_q.pos.size() * q_heads * D), ref_lse(all_q.pos.size() * q_heads);
+    ASSERT_TRUE(cuda::AttendLocal({}, all_q.View(), whole.View(0), {ref_out.p, ref_lse.p}, nblocks, nullptr).ok());
     CUDA_OK(cudaDeviceSynchronize());
     auto ro = ref_out.Host(), rl = ref_lse.Host();
     for (int algo = 0; algo < 2; ++algo) {
@@ -453,8 +382,7 @@ TEST(GpuRingTest, PassKvAndPassQOnSeveralRanksEqualOneGpu) {
         ts.emplace_back([&, r] {
           cudaSetDevice(0);
           // This rank's view: its pages of the shared pool, its queries.
-          Dev<int32_t> ids(ids_h[r]), pos(pos_h[r]),
-              begin(std::vector<int32_t>{0, (int32_t)ids_h[r].size()}),
+          Dev<int32_t> ids(ids_h[r]), pos(pos_h[r]), begin(std::vector<int32_t>{0, (int32_t)ids_h[r].size()}),
               ntok(std::vector<int32_t>{(int32_t)ids_h[r].size() * bt});
           cuda::PagedKvView kv = whole.View(0);
           kv.page_ids = ids.p;
@@ -462,10 +390,8 @@ TEST(GpuRingTest, PassKvAndPassQOnSeveralRanksEqualOneGpu) {
           kv.seq_page_begin = begin.p;
           kv.seq_tokens = ntok.p;
           size_t off = 0;
-          for (int k = 0; k < r; ++k)
-            off += qrows[k].size();
-          Dev<int32_t> qpos(qrows[r]),
-              qbeg(std::vector<int32_t>{0, (int32_t)qrows[r].size()});
+          for (int k = 0; k < r; ++k) off += qrows[k].size();
+          Dev<int32_t> qpos(qrows[r]), qbeg(std::vector<int32_t>{0, (int32_t)qrows[r].size()});
           cuda::QueryView q;
           q.q = all_q.q.p + off * q_heads * D;
           q.positions = qpos.p;
@@ -473,8 +399,7 @@ TEST(GpuRingTest, PassKvAndPassQOnSeveralRanksEqualOneGpu) {
           q.num_rows = (int)qrows[r].size();
           q.q_heads = q_heads;
           q.max_rows_per_seq = q.num_rows;
-          Dev<float> o((size_t)q.num_rows * q_heads * D),
-              l((size_t)q.num_rows * q_heads);
+          Dev<float> o((size_t)q.num_rows * q_heads * D), l((size_t)q.num_rows * q_heads);
           o.Poison();
           l.Poison();
           cudaStream_t s;
@@ -482,22 +407,18 @@ TEST(GpuRingTest, PassKvAndPassQOnSeveralRanksEqualOneGpu) {
           cuda::GpuRingOptions ro_opts;
           ro_opts.stream = s;
           ro_opts.timeout = absl::Seconds(60);
-          st[r] = algo == 0 ? cuda::GpuRingPassKv(*group[r], {}, q, kv,
-                                                  {o.p, l.p}, ro_opts)
-                            : cuda::GpuRingPassQ(*group[r], {}, q, kv,
-                                                 {o.p, l.p}, ro_opts);
+          st[r] = algo == 0 ? cuda::GpuRingPassKv(*group[r], {}, q, kv, {o.p, l.p}, ro_opts)
+                            : cuda::GpuRingPassQ(*group[r], {}, q, kv, {o.p, l.p}, ro_opts);
           cudaStreamSynchronize(s);
           cudaStreamDestroy(s);
           got_o[r] = o.Host();
           got_l[r] = l.Host();
         });
       }
-      for (auto &t : ts)
-        t.join();
+      for (auto& t : ts) t.join();
       size_t off = 0;
       for (int r = 0; r < n; ++r) {
-        ASSERT_TRUE(st[r].ok())
-            << "algo " << algo << " n=" << n << " rank " << r << ": " << st[r];
+        ASSERT_TRUE(st[r].ok()) << "algo " << algo << " n=" << n << " rank " << r << ": " << st[r];
         double num = 0, den = 0;
         for (size_t i = 0; i < got_o[r].size(); ++i) {
           ASSERT_FALSE(std::isnan(got_o[r][i]));
@@ -505,11 +426,9 @@ TEST(GpuRingTest, PassKvAndPassQOnSeveralRanksEqualOneGpu) {
           num += d * d;
           den += ro[off * q_heads * D + i] * ro[off * q_heads * D + i];
         }
-        EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-2)
-            << (algo ? "pass-Q" : "pass-KV") << " n=" << n << " rank " << r;
+        EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-2) << (algo ? "pass-Q" : "pass-KV") << " n=" << n << " rank " << r;
         for (size_t i = 0; i < got_l[r].size(); ++i) {
-          EXPECT_NEAR(got_l[r][i], rl[off * q_heads + i],
-                      2e-2 * std::max(1.f, std::abs(rl[off * q_heads + i])));
+          EXPECT_NEAR(got_l[r][i], rl[off * q_heads + i], 2e-2 * std::max(1.f, std::abs(rl[off * q_heads + i])));
         }
         off += qrows[r].size();
       }
@@ -527,19 +446,16 @@ TEST(GpuRingTest, NcclTransportWorldSizeOne) {
   std::mt19937_64 rng(3);
   auto kvb = MakeBatch(rng, 16, 1, 8, 128, true, {512}, {0}, false, 0);
   std::vector<int32_t> rows;
-  for (int i = 0; i < 512; i += 2)
-    rows.push_back(i);
+  for (int i = 0; i < 512; i += 2) rows.push_back(i);
   auto qb = MakeQueries(rng, 32, 128, true, {rows});
   Dev<float> o((size_t)rows.size() * 32 * 128), l(rows.size() * 32);
   o.Poison();
   l.Poison();
   cuda::GpuRingOptions ro;
-  ASSERT_TRUE(
-      cuda::GpuRingPassKv(**t, {}, qb.View(), kvb.View(0), {o.p, l.p}, ro)
-          .ok());
+  ASSERT_TRUE(cuda::GpuRingPassKv(**t, {}, qb.View(), kvb.View(0), {o.p, l.p}, ro).ok());
   CUDA_OK(cudaDeviceSynchronize());
   ExpectMatches(o.Host(), l.Host(), qb, kvb, {}, 1e-2, "nccl n=1");
 }
 
-} // namespace
-} // namespace kvring
+}  // namespace
+}  // namespace kvring

@@ -1,7 +1,7 @@
 // Device helpers shared by the attention kernels (internal).
 #pragma once
 
-#include <cuda.h> // CUtensorMap (a plain struct; nothing links libcuda)
+#include <cuda.h>  // CUtensorMap (a plain struct; nothing links libcuda)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -14,10 +14,12 @@ namespace kvring::cuda::internal {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <typename T> struct Vec8; // 8 elements = 16 bytes
-template <> struct Vec8<__nv_bfloat16> {
-  static __device__ __forceinline__ void ToFloat(const uint4 &r, float *f) {
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&r);
+template <typename T>
+struct Vec8;  // 8 elements = 16 bytes
+template <>
+struct Vec8<__nv_bfloat16> {
+  static __device__ __forceinline__ void ToFloat(const uint4& r, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float2 v = __bfloat1622float2(h[i]);
@@ -26,9 +28,10 @@ template <> struct Vec8<__nv_bfloat16> {
     }
   }
 };
-template <> struct Vec8<__half> {
-  static __device__ __forceinline__ void ToFloat(const uint4 &r, float *f) {
-    const __half2 *h = reinterpret_cast<const __half2 *>(&r);
+template <>
+struct Vec8<__half> {
+  static __device__ __forceinline__ void ToFloat(const uint4& r, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&r);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float2 v = __half22float2(h[i]);
@@ -38,7 +41,7 @@ template <> struct Vec8<__half> {
   }
 };
 
-__device__ __forceinline__ uint4 LoadNc(const void *p) {
+__device__ __forceinline__ uint4 LoadNc(const void* p) {
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
@@ -47,77 +50,65 @@ __device__ __forceinline__ uint4 LoadNc(const void *p) {
 }
 
 // Element offset of the (layer, kv, head) plane inside a page.
-__device__ __forceinline__ uint64_t PlaneOffset(const PagedKvView &kv,
-                                                int which, int head) {
-  return (((uint64_t)kv.layer * 2 + which) * kv.kv_heads + head) *
-         (uint64_t)kv.block_tokens * kv.head_dim;
+__device__ __forceinline__ uint64_t PlaneOffset(const PagedKvView& kv, int which, int head) {
+  return (((uint64_t)kv.layer * 2 + which) * kv.kv_heads + head) * (uint64_t)kv.block_tokens * kv.head_dim;
 }
 
-__device__ __forceinline__ uint32_t SmemAddr(const void *p) {
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void *src,
-                                          bool valid) {
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
   const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-               "l"(src), "r"(n));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N> __device__ __forceinline__ void CpAsyncWait() {
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
-__device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t &r0,
-                                           uint32_t &r1, uint32_t &r2,
-                                           uint32_t &r3) {
+__device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
 }
-__device__ __forceinline__ void LdMatrixX4T(uint32_t addr, uint32_t &r0,
-                                            uint32_t &r1, uint32_t &r2,
-                                            uint32_t &r3) {
-  asm volatile(
-      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-      : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-      : "r"(addr));
+__device__ __forceinline__ void LdMatrixX4T(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
 }
 
 template <typename T>
-__device__ __forceinline__ void Mma(float *c, const uint32_t *a, uint32_t b0,
-                                    uint32_t b1);
+__device__ __forceinline__ void Mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1);
 template <>
-__device__ __forceinline__ void Mma<__nv_bfloat16>(float *c, const uint32_t *a,
-                                                   uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+__device__ __forceinline__ void Mma<__nv_bfloat16>(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 template <>
-__device__ __forceinline__ void Mma<__half>(float *c, const uint32_t *a,
-                                            uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+__device__ __forceinline__ void Mma<__half>(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 template <typename T>
 __device__ __forceinline__ uint32_t Pack(float lo, float hi);
 template <>
 __device__ __forceinline__ uint32_t Pack<__nv_bfloat16>(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
+  return *reinterpret_cast<uint32_t*>(&v);
 }
 template <>
 __device__ __forceinline__ uint32_t Pack<__half>(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
+  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 // Byte offset of 16-byte chunk `c` of row `r` in a swizzled tile of D dims.
-template <int D> __device__ __forceinline__ uint32_t Swz(int r, int c) {
+template <int D>
+__device__ __forceinline__ uint32_t Swz(int r, int c) {
   constexpr int kChunks = D / 8;
   return (uint32_t)(r * kChunks + (c ^ (r & 7))) * 16u;
 }
@@ -126,64 +117,51 @@ template <int D> __device__ __forceinline__ uint32_t Swz(int r, int c) {
 // the 128-byte swizzle that TMA writes and wgmma reads (chunk c % 8 of a
 // 128-byte row at (c % 8) ^ (r % 8)); the tile must start 1024-aligned.
 __device__ __forceinline__ uint32_t Sw128(int rows, int r, int c) {
-  return (uint32_t)((c >> 3) * rows * 128 + r * 128 +
-                    (((c & 7) ^ (r & 7)) << 4));
+  return (uint32_t)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 // The shared address of dynamic shared memory rounded up to 1024 bytes (the
 // 128-byte swizzle's period; kernels ask for 1024 bytes of slack).
-__device__ __forceinline__ uint32_t SmemBase1024(const void *dynamic_smem) {
+__device__ __forceinline__ uint32_t SmemBase1024(const void* dynamic_smem) {
   return (SmemAddr(dynamic_smem) + 1023u) & ~1023u;
 }
 
 // mbarrier (shared memory, CTA scope) and its cp.async hook.
 __device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar),
-               "r"(count)
-               : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void MbarArrive(uint32_t bar) {
-  asm volatile(
-      "{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(
-          bar)
-      : "memory");
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
 // The barrier's pending count drops by one when all of this thread's earlier
 // cp.async copies have landed (the count set at init includes this arrival).
 __device__ __forceinline__ void CpAsyncArriveNoInc(uint32_t bar) {
-  asm volatile(
-      "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar)
-      : "memory");
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 "
-                 "p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
   }
 }
 
 // Arrive on a barrier and expect `bytes` of asynchronous (TMA) copies in
 // this phase.
-__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar,
-                                                   uint32_t bytes) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 "
-               "st, [%0], %1;\n}\n" ::"r"(bar),
-               "r"(bytes)
+__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
                : "memory");
 }
 // One box of a 5-d tensor map into shared memory; completes on `bar`.
-__device__ __forceinline__ void TmaLoad5d(uint32_t dst, const CUtensorMap *map,
-                                          int c0, int c1, int c2, int c3,
-                                          int c4, uint32_t bar) {
-  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::"
-               "complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
-               "%6}], [%7];\n" ::"r"(dst),
-               "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2),
-               "r"(c3), "r"(c4), "r"(bar)
-               : "memory");
+__device__ __forceinline__ void TmaLoad5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, int c4,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
+      "%6}], [%7];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+      : "memory");
 }
 
 // Programmatic dependent launch (sm_90; no-ops before, and when the kernel
@@ -203,16 +181,14 @@ __device__ __forceinline__ void GridDepWait() {
 }
 // Fetch a (__grid_constant__ parameter) tensor map into the TMA unit's cache
 // ahead of its first use.
-__device__ __forceinline__ void TmaPrefetchMap(const CUtensorMap *map) {
+__device__ __forceinline__ void TmaPrefetchMap(const CUtensorMap* map) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map))
-      : "memory");
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 #endif
 }
 
 // Position of stream token i of a sequence (pages full but the last).
-__device__ __forceinline__ int TokenPos(const PagedKvView &kv, int pb, int i) {
+__device__ __forceinline__ int TokenPos(const PagedKvView& kv, int pb, int i) {
   const int pg = i / kv.block_tokens;
   return kv.page_pos[pb + pg] + (i - pg * kv.block_tokens);
 }
@@ -220,31 +196,22 @@ __device__ __forceinline__ int TokenPos(const PagedKvView &kv, int pb, int i) {
 // Whether a sequence's listed pages have contiguous positions (the first and
 // last pages exactly npages - 1 pages apart: every page follows the one
 // before, so token i sits at *p0 + i); *p0 is the first page's position.
-__device__ __forceinline__ bool PagesContiguous(const PagedKvView &kv, int pb,
-                                                int npages, int *p0) {
+__device__ __forceinline__ bool PagesContiguous(const PagedKvView& kv, int pb, int npages, int* p0) {
   *p0 = kv.page_pos[pb];
   return kv.page_pos[pb + npages - 1] == *p0 + (npages - 1) * kv.block_tokens;
 }
 
-// Number of stream tokens with position <= p (pages in increasing position
-// order).
-__device__ __forceinline__ int CountUpTo(const PagedKvView &kv, int pb,
-                                         int npages, int ntok, int p) {
-  if (npages == 0)
-    return 0;
+// Number of stream tokens with position <= p (pages in increasing position order).
+__device__ __forceinline__ int CountUpTo(const PagedKvView& kv, int pb, int npages, int ntok, int p) {
+  if (npages == 0) return 0;
   int p0;
-  if (PagesContiguous(kv, pb, npages, &p0))
-    return (int)max(0ll, min((long long)ntok, (long long)p - p0 + 1));
-  int lo = 0, hi = npages; // first page whose token 0 is > p
+  if (PagesContiguous(kv, pb, npages, &p0)) return (int)max(0ll, min((long long)ntok, (long long)p - p0 + 1));
+  int lo = 0, hi = npages;  // first page whose token 0 is > p
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
-    if (kv.page_pos[pb + mid] > p)
-      hi = mid;
-    else
-      lo = mid + 1;
+    if (kv.page_pos[pb + mid] > p) hi = mid; else lo = mid + 1;
   }
-  if (lo == 0)
-    return 0;
+  if (lo == 0) return 0;
   const int page = lo - 1;
   const int in_page = min(kv.block_tokens, p - kv.page_pos[pb + page] + 1);
   return min(ntok, page * kv.block_tokens + in_page);
@@ -254,8 +221,7 @@ __device__ __forceinline__ int CountUpTo(const PagedKvView &kv, int pb,
 
 // Min and max of positions[0, n) over the CTA: every thread calls it (it
 // holds two __syncthreads); s_min / s_max are two shared ints of the caller.
-__device__ __forceinline__ int2 BlockMinMax(const int32_t *positions, int n,
-                                            int *s_min, int *s_max) {
+__device__ __forceinline__ int2 BlockMinMax(const int32_t* positions, int n, int* s_min, int* s_max) {
   if (threadIdx.x == 0) {
     *s_min = INT32_MAX;
     *s_max = INT32_MIN;
@@ -270,15 +236,11 @@ __device__ __forceinline__ int2 BlockMinMax(const int32_t *positions, int n,
 }
 // The stream tokens that rows with positions in [qmin, qmax] can see (causal
 // and window masks): [x, y), x rounded down to a multiple of `tile`.
-__device__ __forceinline__ int2 VisibleKeys(const AttnParams &p,
-                                            const PagedKvView &kv, int pb,
-                                            int npages, int ntok, int qmin,
-                                            int qmax, int tile) {
+__device__ __forceinline__ int2 VisibleKeys(const AttnParams& p, const PagedKvView& kv, int pb, int npages, int ntok,
+                                            int qmin, int qmax, int tile) {
   int n_end = ntok, n_begin = 0;
-  if (p.causal)
-    n_end = CountUpTo(kv, pb, npages, ntok, qmax);
-  if (p.window > 0)
-    n_begin = CountUpTo(kv, pb, npages, ntok, qmin - p.window);
+  if (p.causal) n_end = CountUpTo(kv, pb, npages, ntok, qmax);
+  if (p.window > 0) n_begin = CountUpTo(kv, pb, npages, ntok, qmin - p.window);
   return make_int2((n_begin / tile) * tile, n_end);
 }
 
@@ -292,10 +254,8 @@ struct DecodeWork {
   int sp, h, s, G, rb, v0, nv, pb, npages, ntok, tok_lo, tok_hi;
 };
 // False when this CTA's row group is past the sequence's rows (no work).
-__device__ __forceinline__ bool DecodeWorkOf(const QueryView &q,
-                                             const PagedKvView &kv,
-                                             int num_splits, int row_groups,
-                                             int rows_per_cta, DecodeWork *w) {
+__device__ __forceinline__ bool DecodeWorkOf(const QueryView& q, const PagedKvView& kv, int num_splits, int row_groups,
+                                             int rows_per_cta, DecodeWork* w) {
   w->sp = blockIdx.x;
   w->h = blockIdx.y / row_groups;
   w->s = blockIdx.z;
@@ -303,8 +263,7 @@ __device__ __forceinline__ bool DecodeWorkOf(const QueryView &q,
   w->rb = q.seq_row_begin[w->s];
   w->v0 = (blockIdx.y % row_groups) * rows_per_cta;
   const int nvec = (q.seq_row_begin[w->s + 1] - w->rb) * w->G;
-  if (w->v0 >= nvec)
-    return false;
+  if (w->v0 >= nvec) return false;
   w->nv = min(rows_per_cta, nvec - w->v0);
   const int bt = kv.block_tokens;
   w->pb = kv.seq_page_begin[w->s];
@@ -316,8 +275,7 @@ __device__ __forceinline__ bool DecodeWorkOf(const QueryView &q,
   return true;
 }
 // (row, q head) index of vector v.
-__device__ __forceinline__ size_t DecodeRowHead(const DecodeWork &w,
-                                                const QueryView &q, int v) {
+__device__ __forceinline__ size_t DecodeRowHead(const DecodeWork& w, const QueryView& q, int v) {
   return (size_t)(w.rb + v / w.G) * q.q_heads + w.h * w.G + v % w.G;
 }
 // The exact merge of the CTA's warps' partials (log2-domain maxima m and sums
@@ -325,22 +283,19 @@ __device__ __forceinline__ size_t DecodeRowHead(const DecodeWork &w,
 // memory) and its store: to out/lse with one split, else to the split's
 // partial slot. NaN propagates. Called by every thread of the CTA.
 template <int kWarpsMerged>
-__device__ __forceinline__ void
-StoreDecodeRows(const DecodeWork &w, const QueryView &q, int D, int rows,
-                int num_splits, const float *m, const float *l, const float *o,
-                float *part_out, float *part_lse, float *out, float *lse) {
+__device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const QueryView& q, int D, int rows, int num_splits,
+                                                const float* m, const float* l, const float* o, float* part_out,
+                                                float* part_lse, float* out, float* lse) {
   for (int idx = threadIdx.x; idx < w.nv * D; idx += blockDim.x) {
     const int r = idx / D, d = idx % D;
     float M = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < kWarpsMerged; ++k)
-      M = fmaxf(M, m[k * rows + r]);
+    for (int k = 0; k < kWarpsMerged; ++k) M = fmaxf(M, m[k * rows + r]);
     float L = 0.f, acc = 0.f;
     if (M != -INFINITY) {
 #pragma unroll
       for (int k = 0; k < kWarpsMerged; ++k) {
-        const float f =
-            m[k * rows + r] == -INFINITY ? 0.f : exp2f(m[k * rows + r] - M);
+        const float f = m[k * rows + r] == -INFINITY ? 0.f : exp2f(m[k * rows + r] - M);
         L += l[k * rows + r] * f;
         acc += o[((size_t)k * rows + r) * D + d] * f;
       }
@@ -351,13 +306,11 @@ StoreDecodeRows(const DecodeWork &w, const QueryView &q, int D, int rows,
     const float ls = some ? (M + log2f(L)) * kLn2 : -INFINITY;
     if (num_splits == 1) {
       out[rh * D + d] = val;
-      if (d == 0)
-        lse[rh] = ls;
+      if (d == 0) lse[rh] = ls;
     } else {
       const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
       part_out[((size_t)w.sp * rows_heads + rh) * D + d] = val;
-      if (d == 0)
-        part_lse[(size_t)w.sp * rows_heads + rh] = ls;
+      if (d == 0) part_lse[(size_t)w.sp * rows_heads + rh] = ls;
     }
   }
 }
@@ -368,44 +321,37 @@ StoreDecodeRows(const DecodeWork &w, const QueryView &q, int D, int rows,
 // into out/lse (exact LSE merge, NaN propagates as in MergePartials) and
 // resets the group's counter to 0. `counter` is the group's int in the
 // workspace (zero before the first call; each call leaves it zero), `scratch`
-// shared memory of at least num_splits * rows floats. Called by every thread
-// of the CTA.
-__device__ __forceinline__ void
-MergeSplitsIfLast(const DecodeWork &w, const QueryView &q, int D, int rows,
-                  int num_splits, int *counter, const float *part_out,
-                  const float *part_lse, float *scratch, float *out,
-                  float *lse) {
+// shared memory of at least (num_splits + 1) * rows floats; `out` 16-byte
+// aligned. Called by every thread of the CTA.
+__device__ __forceinline__ void MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int D, int rows, int num_splits,
+                                                  int* counter, const float* part_out, const float* part_lse,
+                                                  float* scratch, float* out, float* lse) {
   __shared__ int s_last;
-  __threadfence(); // this CTA's partial stores, before its arrival on the
-                   // counter
+  __threadfence();  // this CTA's partial stores, before its arrival on the counter
   __syncthreads();
   if (threadIdx.x == 0) {
     const int prev = atomicAdd(counter, 1);
     s_last = prev == num_splits - 1;
-    if (s_last)
-      *counter = 0; // every split has arrived: ready for the next call
+    if (s_last) *counter = 0;  // every split has arrived: ready for the next call
   }
   __syncthreads();
-  if (!s_last)
-    return;
-  __threadfence(); // the other CTAs' partials, after their arrivals
+  if (!s_last) return;
+  __threadfence();  // the other CTAs' partials, after their arrivals
   const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
   // Every load round below is issued by many threads at once (an L2 round
   // trip each, not one per split): the LSEs of all (split, row) pairs, then
   // per row the maximum, the weights exp(lse - M) and their sum in shared
   // memory, then each output float4 reads its num_splits partials.
-  float *wgt = scratch; // [num_splits][rows]: lse, then weight
-  float *s_sum = scratch + num_splits * rows; // [rows]
+  float* wgt = scratch;                        // [num_splits][rows]: lse, then weight
+  float* s_sum = scratch + num_splits * rows;  // [rows]
   for (int i = threadIdx.x; i < num_splits * w.nv; i += blockDim.x) {
     const int sp = i / w.nv, r = i % w.nv;
-    wgt[sp * rows + r] =
-        __ldcg(part_lse + sp * rows_heads + DecodeRowHead(w, q, w.v0 + r));
+    wgt[sp * rows + r] = __ldcg(part_lse + sp * rows_heads + DecodeRowHead(w, q, w.v0 + r));
   }
   __syncthreads();
   for (int r = threadIdx.x; r < w.nv; r += blockDim.x) {
     float M = -INFINITY;
-    for (int sp = 0; sp < num_splits; ++sp)
-      M = fmaxf(M, wgt[sp * rows + r]);
+    for (int sp = 0; sp < num_splits; ++sp) M = fmaxf(M, wgt[sp * rows + r]);
     float L = 0.f;
     for (int sp = 0; sp < num_splits; ++sp) {
       const float x = wgt[sp * rows + r];
@@ -414,22 +360,19 @@ MergeSplitsIfLast(const DecodeWork &w, const QueryView &q, int D, int rows,
       L += f;
     }
     s_sum[r] = L;
-    lse[DecodeRowHead(w, q, w.v0 + r)] =
-        M == -INFINITY ? -INFINITY : M + __logf(L);
+    lse[DecodeRowHead(w, q, w.v0 + r)] = M == -INFINITY ? -INFINITY : M + __logf(L);
   }
   __syncthreads();
   const int d4 = D / 4;
   for (int idx = threadIdx.x; idx < w.nv * d4; idx += blockDim.x) {
     const int r = idx / d4, d = (idx % d4) * 4;
     const size_t rh = DecodeRowHead(w, q, w.v0 + r);
-    const float4 *src = reinterpret_cast<const float4 *>(part_out + rh * D + d);
-    const size_t stride4 =
-        rows_heads * D / 4; // one split's partials, in float4
+    const float4* src = reinterpret_cast<const float4*>(part_out + rh * D + d);
+    const size_t stride4 = rows_heads * D / 4;  // one split's partials, in float4
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
     for (int sp = 0; sp < num_splits; ++sp) {
-      const float f =
-          wgt[sp * rows + r]; // 0 for an empty split, whose partial is 0
+      const float f = wgt[sp * rows + r];  // 0 for an empty split, whose partial is 0
       const float4 x = __ldcg(src + sp * stride4);
       acc.x += f * x.x;
       acc.y += f * x.y;
@@ -437,9 +380,8 @@ MergeSplitsIfLast(const DecodeWork &w, const QueryView &q, int D, int rows,
       acc.w += f * x.w;
     }
     const float L = s_sum[r], inv = L == 0.f ? 0.f : 1.f / L;
-    *reinterpret_cast<float4 *>(out + rh * D + d) =
-        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    *reinterpret_cast<float4*>(out + rh * D + d) = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
   }
 }
 
-} // namespace kvring::cuda::internal
+}  // namespace kvring::cuda::internal
