@@ -175,7 +175,8 @@ int main(int argc, char** argv) {
   std::string coordinator = "127.0.0.1:7400", token_file = "/tmp/kvring-cluster/tenant.token", redis = "127.0.0.1:6390";
   std::string sizes = "256K,512K,1M,2M";
   uint64_t total = 256ull << 20;
-  int64_t threads = 4;
+  int64_t threads = 4, get_passes = 1;
+  std::string systems = "ucx,grpc,redis";
   FlagSet f("cluster_bench", "block put/get GB/s and latency: kvring vs redis-server vs memcpy");
   f.AddString("coordinator", &coordinator, "kvring coordinator");
   f.AddString("token_file", &token_file, "tenant token file");
@@ -183,6 +184,8 @@ int main(int argc, char** argv) {
   f.AddString("sizes", &sizes, "block sizes");
   f.AddBytes("bytes_per_size", &total, "bytes moved per size and system (blocks = this / size)");
   f.AddInt("threads", &threads, "client threads");
+  f.AddString("systems", &systems, "which to run: any of ucx (kvring over UCX), grpc (kvring over gRPC), redis");
+  f.AddInt("get_passes", &get_passes, "get every block this many times (one row per pass; for profiling)");
   if (auto s = f.Parse(argc, argv); !s.ok() || f.help_requested()) {
     std::printf("%s", f.Usage().c_str());
     return f.help_requested() ? 0 : 2;
@@ -192,8 +195,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", tok.status().ToString().c_str());
     return 1;
   }
+  const std::vector<std::string> run_systems = absl::StrSplit(systems, ',', absl::SkipEmpty());
+  auto runs = [&](const char* name) { return std::find(run_systems.begin(), run_systems.end(), name) != run_systems.end(); };
   std::unique_ptr<Client> ucx_client, grpc_client;
   for (bool ucx : {true, false}) {
+    if (!runs(ucx ? "ucx" : "grpc")) continue;
     ClientOptions co;
     co.coordinator = coordinator;
     co.token = *tok;
@@ -206,7 +212,7 @@ int main(int argc, char** argv) {
     (ucx ? ucx_client : grpc_client) = std::move(*c);
   }
   std::vector<std::unique_ptr<Redis>> rc;
-  for (int t = 0; t < threads; ++t) {
+  for (int t = 0; t < threads && runs("redis"); ++t) {
     rc.push_back(Redis::Connect(redis));
     if (!rc.back()) {
       std::fprintf(stderr, "cannot connect to redis at %s\n", redis.c_str());
@@ -241,6 +247,7 @@ int main(int argc, char** argv) {
           return true;
         }));
     for (int which = 0; which < 2; ++which) {
+      if (!(which == 0 ? ucx_client : grpc_client)) continue;
       Client& c = which == 0 ? *ucx_client : *grpc_client;
       const std::string name = which == 0 ? "kvring (UCX)" : "kvring (gRPC)";
       std::vector<BlockKey> ks(n);
@@ -250,12 +257,15 @@ int main(int argc, char** argv) {
             return c.Put(absl::MakeConstSpan(&b, 1)).ok();
           }));
       std::vector<std::vector<uint8_t>> into(threads, std::vector<uint8_t>(bytes));
-      Row(label, name, "get", Run(static_cast<int>(threads), n, bytes, [&](int t, size_t i) {
-            absl::Span<uint8_t> d[1] = {absl::MakeSpan(into[t])};
-            auto r = c.GetInto(absl::MakeConstSpan(&ks[i], 1), d);
-            return r[0].status.ok() && r[0].meta.payload_bytes == bytes;
-          }));
+      for (int64_t pass = 0; pass < std::max<int64_t>(1, get_passes); ++pass) {
+        Row(label, name, "get", Run(static_cast<int>(threads), n, bytes, [&](int t, size_t i) {
+              absl::Span<uint8_t> d[1] = {absl::MakeSpan(into[t])};
+              auto r = c.GetInto(absl::MakeConstSpan(&ks[i], 1), d);
+              return r[0].status.ok() && r[0].meta.payload_bytes == bytes;
+            }));
+      }
     }
+    if (rc.empty()) continue;
     Row(label, "redis-server", "put", Run(static_cast<int>(threads), n, bytes, [&](int t, size_t i) {
           return rc[t]->Set(keys[i].ToHex(), payloads[i].data(), bytes);
         }));

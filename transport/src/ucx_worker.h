@@ -64,7 +64,7 @@ class UcxWorkerLoop {
   ucp_worker_h worker_ = nullptr;
   int worker_fd_ = -1;
   int wake_fd_ = -1;
-  int spin_us_ = 20;
+  int spin_us_ = 0;  // Create(): 20 with 8+ cores, else 0; KVRING_UCX_SPIN_US overrides
   size_t max_am_header_ = 0;
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
