@@ -22,6 +22,7 @@ p.add_argument("--lib", required=True)
 p.add_argument("--out", default=".")
 p.add_argument("--quick", action="store_true")
 p.add_argument("--profile-one", action="store_true", help="one decode and one prefill launch (for ncu), no timing")
+p.add_argument("--prefill-only", default="", help="only prefill, these shapes: B:L[:nc][,...] (nc: not causal)")
 args = p.parse_args()
 
 lib = ctypes.CDLL(args.lib)
@@ -152,6 +153,8 @@ print(f"{props.name}: device copy {copy_bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1
 
 # ------------------------------------------------------------------ decode
 decode_shapes = [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (16, 131072), (64, 4096), (64, 32768), (64, -32768)]
+if args.prefill_only:
+    decode_shapes = []
 if args.quick:
     decode_shapes = [(1, 32768), (8, 32768)]
 if args.profile_one:
@@ -214,7 +217,7 @@ for B, L in decode_shapes:
 # Codes (1 byte) + fp32 scales per (K|V, kv head) of a page; the kernel
 # dequantizes in registers. Bytes read are half the bf16 rows', so the peer
 # row is the bf16 kernel and SDPA (cuDNN) on the bf16 cache of the same shape.
-qshapes = [(8, 32768), (64, 32768), (16, 131072)]
+qshapes = [] if args.prefill_only else [(8, 32768), (64, 32768), (16, 131072)]
 if args.quick:
     qshapes = [(8, 32768)]
 if args.profile_one:
@@ -295,12 +298,16 @@ for B, L in qshapes:
 
 # ------------------------------------------------------------------ prefill
 prefill_shapes = [(1, 4096), (1, 16384), (1, 32768), (4, 8192), (1, 131072)]
+if args.prefill_only:
+    prefill_shapes = [tuple(int(x) if x != "nc" else x for x in sh.split(":")) for sh in args.prefill_only.split(",")]
 if args.quick:
     prefill_shapes = [(1, 8192)]
 if args.profile_one:
     prefill_shapes = [(1, 16384)]
 results["prefill"] = []
-for B, L in prefill_shapes:
+for shape in prefill_shapes:
+    B, L = shape[0], shape[1]
+    causal = not (len(shape) > 2 and shape[2] == "nc")
     kv = Paged(B, L)
     q = torch.randn(B, L, HQ, D, dtype=torch.bfloat16, device=dev)  # rows grouped by sequence
     pos = torch.arange(L, dtype=torch.int32, device=dev).repeat(B).contiguous()
@@ -309,7 +316,8 @@ for B, L in prefill_shapes:
     lse = torch.empty(B * L, HQ, dtype=torch.float32, device=dev)
 
     def ours(kernel=PREFILL_KERNELS["wgmma"]):
-        e = lib.kvring_cuda_prefill(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B * L, HQ, L, 0.0, 1, 0,
+        e = lib.kvring_cuda_prefill(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B * L, HQ, L, 0.0,
+                                    int(causal), 0,
                                     out.data_ptr(), lse.data_ptr(), stream(), kernel)
         assert e == 0, f"prefill error {e}"
 
@@ -320,10 +328,10 @@ for B, L in prefill_shapes:
         continue
     k, v = kv.dense()
     qt = q.permute(0, 2, 1, 3).contiguous()  # [B, HQ, L, D]
-    ref = sdpa(qt, k, v, True, SDPBackend.FLASH_ATTENTION)
+    ref = sdpa(qt, k, v, causal, SDPBackend.FLASH_ATTENTION)
     reps = 5 if L >= 65536 else 10
-    flops = 4 * B * HQ * D * (L * (L + 1) / 2)
-    row = {"batch": B, "kv_len": L}
+    flops = 4 * B * HQ * D * (L * (L + 1) / 2 if causal else L * L)
+    row = {"batch": B, "kv_len": L, "causal": causal}
     for name, kern in PREFILL_KERNELS.items():
         out.fill_(float("nan"))
         ours(kern)
@@ -335,7 +343,7 @@ for B, L in prefill_shapes:
     row.update({"ms": ms, "rel_err": err, "TFLOPs": flops / (ms * 1e-3) / 1e12, "frac_gemm": flops / (ms * 1e-3) / gemm})
     for name, be in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
         try:
-            t = timed(lambda: sdpa(qt, k, v, True, be), reps=reps)
+            t = timed(lambda: sdpa(qt, k, v, causal, be), reps=reps)
             row[f"sdpa_{name}_ms"] = t
             row[f"sdpa_{name}_TFLOPs"] = flops / (t * 1e-3) / 1e12
             row[f"ratio_vs_{name}"] = t / ms
@@ -343,7 +351,7 @@ for B, L in prefill_shapes:
             row[f"sdpa_{name}_ms"] = None
             row[f"sdpa_{name}_error"] = str(ex)[:120]
     results["prefill"].append(row)
-    print(f"prefill B={B} L={L:6d}: wgmma {ms:.2f} ms, {row['TFLOPs']:.0f} TFLOP/s ({row['frac_gemm']:.2f} of GEMM; "
+    print(f"prefill B={B} L={L:6d}{'' if causal else ' (not causal)'}: wgmma {ms:.2f} ms, {row['TFLOPs']:.0f} TFLOP/s ({row['frac_gemm']:.2f} of GEMM; "
           f"mma.sync {row['mma.sync_TFLOPs']:.0f}), err {err:.1e}; vs flash {row.get('ratio_vs_flash', 0):.2f}, "
           f"vs cudnn {row.get('ratio_vs_cudnn', 0):.2f}", flush=True)
     del kv, k, v, q, qt, out, ref
