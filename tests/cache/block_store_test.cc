@@ -232,6 +232,23 @@ TEST(BlockStoreTest, EvictionDemotesToTheColdTierAndHitsPromote) {
   EXPECT_TRUE(s->CheckInvariants().ok());
 }
 
+// InMemoryOrAbsent: what lets the UCX data plane serve a Get on its own
+// thread (no disk read there).
+TEST(BlockStoreTest, InMemoryOrAbsentSeesColdBlocks) {
+  auto s = MakeStore(2, std::make_unique<MapColdTier>());
+  for (uint64_t i = 0; i < 3; ++i) ASSERT_TRUE(PutBlock(*s, i).ok());  // 0 demoted; 1, 2 in memory
+  const BlockKey cold = KeyOf(0), hot = KeyOf(2), absent = KeyOf(99);
+  EXPECT_TRUE(s->InMemoryOrAbsent(1, {hot}));
+  EXPECT_TRUE(s->InMemoryOrAbsent(1, {hot, absent}));
+  EXPECT_FALSE(s->InMemoryOrAbsent(1, {cold}));
+  EXPECT_FALSE(s->InMemoryOrAbsent(1, {hot, cold}));
+  EXPECT_TRUE(s->InMemoryOrAbsent(2, {cold}));  // another namespace does not hold it
+  std::vector<uint8_t> out(kBlock);
+  ASSERT_TRUE(s->Read(1, cold, absl::MakeSpan(out), nullptr).ok());  // promoted (1 demoted in its place)
+  EXPECT_TRUE(s->InMemoryOrAbsent(1, {cold}));
+  EXPECT_FALSE(s->InMemoryOrAbsent(1, {KeyOf(1)}));
+}
+
 TEST(BlockStoreTest, ColdWriteFailureReachesTheCallerAndLosesNothing) {
   auto cold = std::make_unique<MapColdTier>();
   MapColdTier* c = cold.get();
