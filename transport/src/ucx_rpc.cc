@@ -718,8 +718,16 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
   SendCtx* c = BuildMessage(h, {token, meta}, std::vector<absl::Span<const uint8_t>>(payload.begin(), payload.end()),
                             loop_->max_am_header(), /*stage=*/same_host_);
   auto send_done = std::make_shared<std::promise<ucs_status_t>>();
-  std::future<ucs_status_t> sent = send_done->get_future();
-  c->done = [send_done](ucs_status_t s) { send_done->set_value(s); };
+  std::shared_future<ucs_status_t> sent = send_done->get_future().share();
+  // A failed send also completes the call (the reply will never come), so
+  // the caller below sleeps once, on the reply, not first on the send.
+  std::shared_ptr<ClientState> state = state_;
+  c->done = [send_done, state, id](ucs_status_t s) {
+    send_done->set_value(s);
+    if (s != UCS_OK) {
+      if (auto p = state->Take(id)) p->promise.set_value(UcxReply{});
+    }
+  };
   loop_->Post([st, c] {
     if (st->ep == nullptr) {
       OnSendDone(nullptr, UCS_ERR_NOT_CONNECTED, c);
@@ -727,32 +735,44 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
     }
     SendAm(st->ep, kRequestAm, c);
   });
-  // The payload must stay untouched until the send completes, whatever else
-  // happens: if the peer stops taking it, close the endpoint (which cancels
-  // the send) before returning.
-  if (!WaitFor(sent, timeout)) {
-    const absl::Status why =
-        absl::UnavailableError(absl::StrCat("UCX send to ", address_, " stalled for ", absl::FormatDuration(timeout)));
-    Break(why);
-    if (same_host_) {  // staged: nothing of the caller's is referenced (the context is freed if the send ever ends)
+  // One wait, for the reply (or the send's failure): a reply means the
+  // request was taken, so the send's completion is in or about to be.
+  if (!WaitFor(fut, timeout)) {
+    if (sent.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+      // The send itself stalled. The payload must stay untouched until the
+      // send completes: if the peer stops taking it, close the endpoint
+      // (which cancels the send) before returning.
+      const absl::Status why =
+          absl::UnavailableError(absl::StrCat("UCX send to ", address_, " stalled for ", absl::FormatDuration(timeout)));
+      Break(why);
       st->Take(id);
+      if (same_host_) return why;  // staged: nothing of the caller's is referenced (the context is freed if the send ever ends)
+      sent.wait();  // peer-failure mode: closing the endpoint cancels the send
       return why;
     }
-    sent.wait();  // peer-failure mode: closing the endpoint cancels the send
-  }
-  const ucs_status_t ss = sent.get();
-  if (ss != UCS_OK) {
-    st->Take(id);
-    return UcsError(ss, absl::StrCat("UCX send to ", address_));
-  }
-  if (!WaitFor(fut, timeout)) {
-    if (st->Take(id) != nullptr) {
+    if (sent.get() == UCS_OK && st->Take(id) != nullptr) {
       // Without peer-failure detection a dead peer looks like silence: treat
       // it as a broken connection (the next call reconnects).
-      Break(absl::UnavailableError(absl::StrCat("no UCX reply from ", address_, " within ", absl::FormatDuration(timeout))));
-      return absl::UnavailableError(absl::StrCat("no UCX reply from ", address_, " within ", absl::FormatDuration(timeout)));
+      const absl::Status why =
+          absl::UnavailableError(absl::StrCat("no UCX reply from ", address_, " within ", absl::FormatDuration(timeout)));
+      Break(why);
+      return why;
     }
-    // The reply is landing right now (perhaps into reply_buffer): wait for it.
+    // The reply (or the send's failure) is landing right now: wait for it.
+    fut.wait();
+  }
+  // The call has its answer (a reply, or the connection's or the send's
+  // failure). A zero-copy payload (across hosts) must not be returned to the
+  // caller while the send may still read it; a staged one (same host) may:
+  // there a send to a dead peer may never end.
+  if (sent.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    if (!same_host_ && !WaitFor(sent, timeout)) {
+      Break(absl::UnavailableError(absl::StrCat("UCX send to ", address_, " did not end")));
+      sent.wait();  // peer-failure mode: closing the endpoint cancels the send
+    }
+  } else if (const ucs_status_t ss = sent.get(); ss != UCS_OK) {
+    st->Take(id);
+    return UcsError(ss, absl::StrCat("UCX send to ", address_));
   }
   return fut.get();
 }
