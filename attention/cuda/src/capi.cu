@@ -1,6 +1,8 @@
 // C ABI over the CUDA launchers (for ctypes). Pointers are device pointers;
 // integer arrays are int32 on the device; the stream is a cudaStream_t
 // (torch.cuda.current_stream().cuda_stream). Returns cudaError_t as int.
+// kvring_cuda_decode's workspace (kvring_cuda_decode_workspace bytes) must be
+// zeroed once before its first use (torch.zeros); each call leaves it so.
 #include "kvring/attention/cuda/paged_attention_cuda.h"
 
 using namespace kvring::cuda;
