@@ -198,6 +198,32 @@ TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {
   }
 }
 
+// The split merge's limits: at most kMaxDecodeSplits splits (its weights live
+// in shared memory), and a 16-byte aligned output when splits are merged; one
+// split takes any output alignment.
+TEST(GpuDecodeTest, SplitLimitsAreCheckedAtTheBoundary) {
+  KVRING_REQUIRE_GPU();
+  std::mt19937_64 rng(91);
+  auto kvb = MakeBatch(rng, 16, 1, 8, 128, true, {300}, {0}, false, 0);
+  auto qb = MakeQueries(rng, 32, 128, true, {{299}});
+  Dev<float> out(32 * 128 + 4), lse(32);
+  const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), cuda::kMaxDecodeSplits + 1, 128);
+  Dev<uint8_t> work(ws);
+  work.Zero();
+  const cuda::AttnParams p;
+  EXPECT_EQ(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, cuda::kMaxDecodeSplits + 1, work.p, ws, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p + 1, lse.p}, 3, work.p, ws, nullptr),
+            cudaErrorInvalidValue);
+  out.Poison();
+  CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p + 1, lse.p}, 1, nullptr, 0, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> o = out.Host();
+  o.erase(o.begin());
+  o.resize(32 * 128);
+  ExpectMatches(o, lse.Host(), qb, kvb, {}, 1e-2, "one split, unaligned output");
+}
+
 // Both prefill kernels: the wgmma one where the device has it (sm_90), and
 // the mma.sync one everywhere.
 std::vector<cuda::PrefillKernel> PrefillKernels() {

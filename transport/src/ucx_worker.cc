@@ -85,7 +85,7 @@ absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t fe
   // Busy-poll a little after activity (saves a sleep/wake round trip per
   // message) only where there are cores to spare: on a small machine every
   // process's loop spinning takes the cores from the work itself (2 cores,
-  // 2 daemons + a client: 256 KiB gets 1.2 GB/s spinning, 2.0 without).
+  // 2 daemons + a client: 256 KiB gets 1.2 GB/s spinning, 1.7 without).
   l->spin_us_ = std::thread::hardware_concurrency() >= 8 ? 20 : 0;
   if (const char* e = std::getenv("KVRING_UCX_SPIN_US")) l->spin_us_ = std::atoi(e);
   if (l->wake_fd_ < 0) return absl::InternalError("eventfd failed");

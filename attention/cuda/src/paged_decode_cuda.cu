@@ -45,6 +45,7 @@ struct PipeCfg {
   static constexpr int kBytes = kBarOff + 2 * kStages * 8;
   static constexpr int kDynamic = kBytes + 1024;             // slack to align the base
   static_assert(kPConsumers * kRows * D * 4 <= kStages * kStageBytes, "merge buffer reuses the stages");
+  static_assert((kMaxDecodeSplits + 1) * kRows * 4 <= kStages * kStageBytes, "split-merge weights reuse the stages");
 };
 
 template <int D, typename T, bool kTma>
@@ -389,13 +390,13 @@ size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim) {
 
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
                         void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (CheckViews(q, kv) != nullptr || out.out == nullptr || out.lse == nullptr || num_splits < 1) {
+  if (CheckViews(q, kv) != nullptr || out.out == nullptr || out.lse == nullptr || num_splits < 1 ||
+      num_splits > kMaxDecodeSplits) {
     return cudaErrorInvalidValue;
   }
   if (q.num_rows == 0) return cudaSuccess;
   const int D = kv.head_dim;
   if (workspace_bytes < DecodeWorkspaceBytes(q, num_splits, D)) return cudaErrorInvalidValue;
-  if (reinterpret_cast<uintptr_t>(out.out) % 16 != 0) return cudaErrorInvalidValue;  // the merge stores float4
   int* counters = nullptr;
   float *po = nullptr, *pl = nullptr;
   if (num_splits > 1) {
@@ -408,6 +409,7 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
     if (e != cudaSuccess || num_splits == 1) return e;
     return MergePartials(po, pl, num_splits, q.num_rows * q.q_heads, D, out, stream);
   }
+  if (num_splits > 1 && reinterpret_cast<uintptr_t>(out.out) % 16 != 0) return cudaErrorInvalidValue;  // float4 merge
   if (kv.dtype == KvType::kBF16) {
     return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream)
                     : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream);

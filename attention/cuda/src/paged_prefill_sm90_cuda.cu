@@ -124,7 +124,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-
   // Loads: lanes 0..3 of warp 0 (box b = 16 tokens of a 64-token tile each)
   // issue the TMA copies of tile j + kAhead at the start of round j, into the
   // stage tile j - 2 used, once both warpgroups have arrived on its "empty"

@@ -68,13 +68,16 @@ struct AttnParams {
 // pages: a second kernel merges). The workspace (DecodeWorkspaceBytes; none
 // for one split) must be zeroed once before its first use (cudaMemset): it
 // holds the merge's counters, which every call leaves at zero. One call at a
-// time per workspace. `out.out` must be 16-byte aligned.
+// time per workspace. num_splits: 1..kMaxDecodeSplits; with more than one
+// split on plain pages `out.out` must be 16-byte aligned (the merge stores
+// float4).
 // The kernel is launched with programmatic dependent launch (it overlaps its
 // launch with the previous kernel's tail, and the next kernel's with its own).
 // Plain (bf16/fp16) pages: a producer warp streams 16-token stages through a
 // deep mbarrier ring (TMA boxes for pages of a multiple of 16 tokens on
 // sm_90, cp.async gathers otherwise), four consumer warps take them in turn.
 // Quantized pages have a kernel of their own (paged_decode_quant_cuda.cu).
+inline constexpr int kMaxDecodeSplits = 1024;  // the fused merge keeps (splits + 1) x 16 weights in shared memory
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count);
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim);
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
