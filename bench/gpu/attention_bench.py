@@ -23,6 +23,7 @@ p.add_argument("--out", default=".")
 p.add_argument("--quick", action="store_true")
 p.add_argument("--profile-one", action="store_true", help="one decode and one prefill launch (for ncu), no timing")
 p.add_argument("--prefill-only", default="", help="only prefill, these shapes: B:L[:nc][,...] (nc: not causal)")
+p.add_argument("--decode-only", default="", help="only bf16 decode, these shapes: B:L[,...]")
 args = p.parse_args()
 
 lib = ctypes.CDLL(args.lib)
@@ -35,6 +36,9 @@ PREFILL_KERNELS = {"wgmma": 2, "mma.sync": 1}     # kvring::cuda::PrefillKernel
 lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
 lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
 lib.kvring_cuda_decode_workspace.restype = U64
+if hasattr(lib, "kvring_cuda_decode_stolen_offset"):  # (absent from libraries before work stealing)
+    lib.kvring_cuda_decode_stolen_offset.argtypes = [I, I]
+    lib.kvring_cuda_decode_stolen_offset.restype = U64
 
 dev = torch.device("cuda")
 props = torch.cuda.get_device_properties(0)
@@ -157,6 +161,8 @@ if args.prefill_only:
     decode_shapes = []
 if args.quick:
     decode_shapes = [(1, 32768), (8, 32768)]
+if args.decode_only:
+    decode_shapes = [tuple(int(x) for x in sh.split(":")) for sh in args.decode_only.split(",")]
 if args.profile_one:
     decode_shapes = [(64, 32768)]
 results["decode"] = []
@@ -179,8 +185,15 @@ for B, L in decode_shapes:
                                    nsplits, ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(), stream())
         assert e == 0, f"decode error {e}"
 
+    def stolen():  # the workspace's count of chunks stolen since it was zeroed
+        if wsb == 0 or not hasattr(lib, "kvring_cuda_decode_stolen_offset"):
+            return 0
+        off = lib.kvring_cuda_decode_stolen_offset(B, HQ)
+        return int(ws[off:off + 8].cpu().view(torch.int64).item())
+
     out.fill_(float("nan"))
     ours()
+    stolen_one_call = stolen()
     if args.profile_one:
         torch.cuda.synchronize()
         continue
@@ -191,7 +204,8 @@ for B, L in decode_shapes:
     ms = timed(ours)
     kv_bytes = B * L * HKV * D * 2 * 2
     row = {"batch": B, "kv_len": L, "pages": "in order" if ordered else "shuffled", "splits": splits, "ms": ms,
-           "rel_err": err, "GBps": kv_bytes / (ms * 1e-3) / 1e9, "frac_copy": kv_bytes / (ms * 1e-3) / copy_bw}
+           "rel_err": err, "GBps": kv_bytes / (ms * 1e-3) / 1e9, "frac_copy": kv_bytes / (ms * 1e-3) / copy_bw,
+           "stolen_chunks_one_call": stolen_one_call, "chunks": B * HKV * ((L + 63) // 64)}
     # The split count: a sweep (the default is marked).
     row["splits_sweep"] = {}
     for sp in sweep:
@@ -208,7 +222,8 @@ for B, L in decode_shapes:
             row[f"sdpa_{name}_error"] = str(ex)[:120]
     results["decode"].append(row)
     extra = "splits " + " ".join(f"{k}{'*' if k == splits else ''}={v:.2f}" for k, v in row["splits_sweep"].items())
-    print(f"decode B={B:3d} L={L:6d}: {ms:.3f} ms = {row['frac_copy']:.2f} of copy ({extra}), err {err:.1e}; "
+    print(f"decode B={B:3d} L={L:6d}: {ms:.3f} ms = {row['frac_copy']:.2f} of copy ({extra}), err {err:.1e}, "
+          f"stolen {stolen_one_call}/{row['chunks']} chunks; "
           f"sdpa cudnn {row.get('sdpa_cudnn_frac_copy', 0):.2f} flash {row.get('sdpa_flash_frac_copy', 0):.2f}", flush=True)
     del kv, k, v, ws
     torch.cuda.empty_cache()
@@ -217,7 +232,7 @@ for B, L in decode_shapes:
 # Codes (1 byte) + fp32 scales per (K|V, kv head) of a page; the kernel
 # dequantizes in registers. Bytes read are half the bf16 rows', so the peer
 # row is the bf16 kernel and SDPA (cuDNN) on the bf16 cache of the same shape.
-qshapes = [] if args.prefill_only else [(8, 32768), (64, 32768), (16, 131072)]
+qshapes = [] if args.prefill_only or args.decode_only else [(8, 32768), (64, 32768), (16, 131072)]
 if args.quick:
     qshapes = [(8, 32768)]
 if args.profile_one:
@@ -304,6 +319,8 @@ if args.quick:
     prefill_shapes = [(1, 8192)]
 if args.profile_one:
     prefill_shapes = [(1, 16384)]
+if args.decode_only:
+    prefill_shapes = []
 results["prefill"] = []
 for shape in prefill_shapes:
     B, L = shape[0], shape[1]
