@@ -36,9 +36,6 @@ PREFILL_KERNELS = {"wgmma": 2, "mma.sync": 1}     # kvring::cuda::PrefillKernel
 lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
 lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
 lib.kvring_cuda_decode_workspace.restype = U64
-if hasattr(lib, "kvring_cuda_decode_stolen_offset"):  # (absent from libraries before work stealing)
-    lib.kvring_cuda_decode_stolen_offset.argtypes = [I, I]
-    lib.kvring_cuda_decode_stolen_offset.restype = U64
 
 dev = torch.device("cuda")
 props = torch.cuda.get_device_properties(0)
@@ -185,15 +182,8 @@ for B, L in decode_shapes:
                                    nsplits, ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(), stream())
         assert e == 0, f"decode error {e}"
 
-    def stolen():  # the workspace's count of chunks stolen since it was zeroed
-        if wsb == 0 or not hasattr(lib, "kvring_cuda_decode_stolen_offset"):
-            return 0
-        off = lib.kvring_cuda_decode_stolen_offset(B, HQ)
-        return int(ws[off:off + 8].cpu().view(torch.int64).item())
-
     out.fill_(float("nan"))
     ours()
-    stolen_one_call = stolen()
     if args.profile_one:
         torch.cuda.synchronize()
         continue
@@ -204,8 +194,7 @@ for B, L in decode_shapes:
     ms = timed(ours)
     kv_bytes = B * L * HKV * D * 2 * 2
     row = {"batch": B, "kv_len": L, "pages": "in order" if ordered else "shuffled", "splits": splits, "ms": ms,
-           "rel_err": err, "GBps": kv_bytes / (ms * 1e-3) / 1e9, "frac_copy": kv_bytes / (ms * 1e-3) / copy_bw,
-           "stolen_chunks_one_call": stolen_one_call, "chunks": B * HKV * ((L + 63) // 64)}
+           "rel_err": err, "GBps": kv_bytes / (ms * 1e-3) / 1e9, "frac_copy": kv_bytes / (ms * 1e-3) / copy_bw}
     # The split count: a sweep (the default is marked).
     row["splits_sweep"] = {}
     for sp in sweep:
@@ -222,8 +211,7 @@ for B, L in decode_shapes:
             row[f"sdpa_{name}_error"] = str(ex)[:120]
     results["decode"].append(row)
     extra = "splits " + " ".join(f"{k}{'*' if k == splits else ''}={v:.2f}" for k, v in row["splits_sweep"].items())
-    print(f"decode B={B:3d} L={L:6d}: {ms:.3f} ms = {row['frac_copy']:.2f} of copy ({extra}), err {err:.1e}, "
-          f"stolen {stolen_one_call}/{row['chunks']} chunks; "
+    print(f"decode B={B:3d} L={L:6d}: {ms:.3f} ms = {row['frac_copy']:.2f} of copy ({extra}), err {err:.1e}; "
           f"sdpa cudnn {row.get('sdpa_cudnn_frac_copy', 0):.2f} flash {row.get('sdpa_flash_frac_copy', 0):.2f}", flush=True)
     del kv, k, v, ws
     torch.cuda.empty_cache()

@@ -2,7 +2,6 @@
 // decode (split-KV), prefill (tensor cores), merge; shapes that are not
 // tile multiples, causal edges, rows that see no key, sharded page lists.
 // Label gpu: skipped where there is no device.
-#include <cstdio>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -170,37 +169,6 @@ TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
         ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-4, absl::StrCat("quantized decode ", name, " D=", D,
                                                                              " splits=", splits));
       }
-}
-
-// Work stealing: 40 splits of a sequence, the last one page long, so its CTA
-// is done at once and takes chunks from the back of the others' splits (a
-// CTA's partial then covers tokens of other splits, with causal masks: one
-// query row sits mid-sequence). The result must be the exact merge; twice
-// on one workspace (the claim counters must be back at zero); the workspace's
-// statistic must show stolen chunks.
-TEST(GpuDecodeTest, StolenChunksKeepTheMergeExact) {
-  KVRING_REQUIRE_GPU();
-  std::mt19937_64 rng(4242);
-  const int splits = 40, bt = 16, pages = 39 * 40 + 1;  // 40 pages a split, the last one 1
-  auto kvb = MakeBatch(rng, bt, 1, 2, 128, true, {(pages - 1) * bt + 5}, {0}, false, 0);
-  const int last = kvb.seqs[0].dense.positions.back();
-  auto qb = MakeQueries(rng, 8, 128, true, {{last, last / 2}});
-  const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, 128);
-  Dev<uint8_t> work(ws);
-  work.Zero();
-  for (int call = 0; call < 3; ++call) {
-    Dev<float> out((size_t)2 * 8 * 128), lse(2 * 8);
-    out.Poison();
-    lse.Poison();
-    CUDA_OK(cuda::PagedDecode(cuda::AttnParams{}, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
-    CUDA_OK(cudaDeviceSynchronize());
-    ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, 1e-2, absl::StrCat("stealing decode, call ", call));
-  }
-  uint64_t stolen = 0;
-  CUDA_OK(cudaMemcpy(&stolen, work.p + cuda::DecodeStolenChunksOffset(qb.View()), sizeof(stolen),
-                     cudaMemcpyDeviceToHost));
-  std::printf("chunks stolen over 3 calls: %llu\n", (unsigned long long)stolen);
-  EXPECT_GT(stolen, 0u) << "the one-page split's CTA should have taken chunks from the others";
 }
 
 TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {

@@ -73,13 +73,6 @@ uint64_t kvring_cuda_decode_workspace(int num_rows, int q_heads, int num_splits,
   return DecodeWorkspaceBytes(q, num_splits, head_dim);
 }
 
-uint64_t kvring_cuda_decode_stolen_offset(int num_rows, int q_heads) {
-  QueryView q;
-  q.num_rows = num_rows;
-  q.q_heads = q_heads;
-  return DecodeStolenChunksOffset(q);
-}
-
 int kvring_cuda_prefill(const void* pool, uint64_t stride, int bt, int layers, int kv_heads, int head_dim, int dtype,
                         int layer, const int32_t* page_ids, const int32_t* page_pos, const int32_t* seq_page_begin,
                         const int32_t* seq_tokens, int num_seqs, const void* q, const int32_t* pos,

@@ -187,13 +187,6 @@ __device__ __forceinline__ void TmaPrefetchMap(const CUtensorMap* map) {
 #endif
 }
 
-// A relaxed load at GPU scope (a value other CTAs change with atomics).
-__device__ __forceinline__ unsigned long long LdRelaxedGpu(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Position of stream token i of a sequence (pages full but the last).
 __device__ __forceinline__ int TokenPos(const PagedKvView& kv, int pb, int i) {
   const int pg = i / kv.block_tokens;
@@ -260,13 +253,6 @@ __device__ __forceinline__ int2 VisibleKeys(const AttnParams& p, const PagedKvVi
 struct DecodeWork {
   int sp, h, s, G, rb, v0, nv, pb, npages, ntok, tok_lo, tok_hi;
 };
-// The stream tokens [x, y) of split sp of the sequence (npages, ntok set):
-// ceil(npages / num_splits) pages a split, the last ones shorter or empty.
-__device__ __forceinline__ int2 SplitTokens(const DecodeWork& w, int num_splits, int sp, int bt) {
-  const int pps = (w.npages + num_splits - 1) / num_splits;
-  const int lo = sp * pps * bt;
-  return make_int2(lo, max(lo, min(w.ntok, min(w.npages, sp * pps + pps) * bt)));
-}
 // False when this CTA's row group is past the sequence's rows (no work).
 __device__ __forceinline__ bool DecodeWorkOf(const QueryView& q, const PagedKvView& kv, int num_splits, int row_groups,
                                              int rows_per_cta, DecodeWork* w) {
@@ -283,9 +269,9 @@ __device__ __forceinline__ bool DecodeWorkOf(const QueryView& q, const PagedKvVi
   w->pb = kv.seq_page_begin[w->s];
   w->npages = kv.seq_page_begin[w->s + 1] - w->pb;
   w->ntok = kv.seq_tokens[w->s];
-  const int2 r = SplitTokens(*w, num_splits, w->sp, bt);
-  w->tok_lo = r.x;
-  w->tok_hi = r.y;
+  const int pps = (w->npages + num_splits - 1) / num_splits;
+  w->tok_lo = w->sp * pps * bt;
+  w->tok_hi = min(w->ntok, min(w->npages, w->sp * pps + pps) * bt);
   return true;
 }
 // (row, q head) index of vector v.
@@ -333,14 +319,13 @@ __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const Query
 // stored its split's partial rows (StoreDecodeRows with num_splits > 1), the
 // last of the group's num_splits CTAs to finish merges every split's partial
 // into out/lse (exact LSE merge, NaN propagates as in MergePartials) and
-// resets the group's counter, and its num_splits work-stealing claim
-// counters (`claims`, when not null), to 0. `counter` is the group's int in
-// the workspace (zero before the first call; each call leaves it zero),
-// `scratch` shared memory of at least (num_splits + 1) * rows floats; `out`
-// 16-byte aligned. Called by every thread of the CTA.
+// resets the group's counter to 0. `counter` is the group's int in the
+// workspace (zero before the first call; each call leaves it zero), `scratch`
+// shared memory of at least (num_splits + 1) * rows floats; `out` 16-byte
+// aligned. Called by every thread of the CTA.
 __device__ __forceinline__ void MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int D, int rows, int num_splits,
-                                                  int* counter, unsigned long long* claims, const float* part_out,
-                                                  const float* part_lse, float* scratch, float* out, float* lse) {
+                                                  int* counter, const float* part_out, const float* part_lse,
+                                                  float* scratch, float* out, float* lse) {
   __shared__ int s_last;
   __threadfence();  // this CTA's partial stores, before its arrival on the counter
   __syncthreads();
@@ -351,9 +336,6 @@ __device__ __forceinline__ void MergeSplitsIfLast(const DecodeWork& w, const Que
   }
   __syncthreads();
   if (!s_last) return;
-  if (claims != nullptr) {  // every CTA of the group is past its last claim
-    for (int i = threadIdx.x; i < num_splits; i += blockDim.x) claims[i] = 0;
-  }
   __threadfence();  // the other CTAs' partials, after their arrivals
   const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
   // Every load round below is issued by many threads at once (an L2 round

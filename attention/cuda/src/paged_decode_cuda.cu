@@ -18,7 +18,6 @@ cudaError_t QuantizedDecode(const AttnParams& p, const QueryView& q, const Paged
 namespace {
 
 constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16n8k16 tile
-constexpr long kMaxStealCtas = 4096;  // grids up to this many CTAs steal work (one claim counter each)
 
 // ---- Pipelined variant: one producer warp streams the split's KV in
 // 16-token stages through a deep ring of shared-memory stages (about 96 KB,
@@ -35,7 +34,6 @@ constexpr long kMaxStealCtas = 4096;  // grids up to this many CTAs steal work (
 // multiple of 16 tokens. Otherwise the 32 lanes gather the stage with
 // cp.async into the same swizzled layout (any page size).
 constexpr int kPStage = 16, kPConsumers = 4, kPThreads = (kPConsumers + 1) * 32;
-constexpr int kChunk = 4 * kPStage;  // tokens a work-stealing claim takes
 
 template <int D>
 struct PipeCfg {
@@ -53,8 +51,8 @@ struct PipeCfg {
 template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
-                          float* part_lse, int* counters, unsigned long long* claims, unsigned long long* stolen,
-                          float* out, float* lse, const __grid_constant__ CUtensorMap pool_map) {
+                          float* part_lse, int* counters, float* out, float* lse,
+                          const __grid_constant__ CUtensorMap pool_map) {
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
   extern __shared__ uint8_t smem_raw[];
@@ -65,7 +63,6 @@ __global__ void __launch_bounds__(kPThreads, 2)
   __shared__ int s_qpos[kRows];
   __shared__ int s_qmin, s_qmax;
   __shared__ float s_m[kPConsumers][kRows], s_l[kPConsumers][kRows];
-  __shared__ int s_first[C::kStages], s_valid[C::kStages];  // TMA: each stage's first stream token (-1: end) and count
 
   // Programmatic dependent launch: the next kernel in the stream may start
   // its launch now (its CTAs land as ours leave and wait in GridDepWait for
@@ -112,145 +109,61 @@ __global__ void __launch_bounds__(kPThreads, 2)
   // in registers, lane l: pages wb + l and wb + 32 + l, so issuing a stage
   // never waits on a dependent global load).
   int wb = tok_lo / bt, cur = 0, nxt = 0;
-  // Work stealing (TMA producer, claims != nullptr): the split is cut into
-  // kChunk-token chunks. Chunk 0 is always the CTA's own; the others are
-  // claimed on its counter in `claims` (low 32 bits: chunks taken from the
-  // front by the owner, high 32: taken from the back by thieves; a claim is
-  // good while front + back < chunks - 1 before it). The owner's next claim
-  // is in flight while it issues the current chunk. A CTA done with its own
-  // chunks steals, one chunk at a time, from the back of the split of its
-  // group (sequence, kv head, row group) with the most unclaimed chunks: the
-  // partial (m, l, O) of a CTA may cover any set of the group's tokens, and
-  // the merge is exact whatever the set. This evens out the SMs' different
-  // memory rates in a one-wave grid (bench/RESULTS.md).
-  unsigned long long* const group =
-      claims != nullptr ? claims + ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * num_splits : nullptr;
-  const int n_own = (tok_hi - tok_lo + kChunk - 1) / kChunk;
-  unsigned long long pend = 0;  // the owner's claim in flight (lane 0 of the producer)
   if (warp == kPConsumers) {
     cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
     nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
-    if (group != nullptr && lane == 0 && n_own > 1) pend = atomicAdd(group + w.sp, 1ull);
   }
   CpAsyncWait<0>();
   __syncthreads();
 
   float o[kDTiles][4];
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  if (warp == kPConsumers && kTma) {
-    // ---- producer, TMA: stage t holds tokens [s_first, s_first + s_valid)
-    // of one page; after the last, one end marker (s_first = -1, no copy)
-    // per consumer warp.
+  if (warp == kPConsumers) {
+    // ---- producer
+    const char* pool = static_cast<const char*>(kv.pool);
+    const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
     const int kplane = (kv.layer * 2) * kv.kv_heads + h, vplane = kplane + kv.kv_heads;
-    int t = 0;
-    auto post = [&](int i0, int n, int page) {
+    for (int t = 0; t < ntiles; ++t) {
       const int st = t % C::kStages;
       if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-      if (lane == 0) {
-        s_first[st] = page >= 0 ? i0 : -1;
-        s_valid[st] = n;
-        if (page >= 0) {
-          // The stage lies in one page (block_tokens % 16 == 0).
-          const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
-          const int off = i0 - (i0 / bt) * bt;
+      const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
+      if constexpr (kTma) {
+        // The stage lies in one page (block_tokens % 16 == 0).
+        const int i0 = tok_lo + t * kPStage, pg = i0 / bt, local = pg - wb;
+        const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
+        if (lane == 0) {
+          const int page = local < 32 ? a : b, off = i0 - pg * bt;
           MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
 #pragma unroll
           for (int dc = 0; dc < D / 64; ++dc) {
             TmaLoad5d(sk + dc * kPStage * 128, &pool_map, 0, dc, off, kplane, page, full0 + 8 * st);
             TmaLoad5d(sv + dc * kPStage * 128, &pool_map, 0, dc, off, vplane, page, full0 + 8 * st);
           }
-        } else {
-          MbarArrive(full0 + 8 * st);
         }
-      }
-      ++t;
-    };
-    auto own_chunk = [&](int c) {
-      const int lo = tok_lo + c * kChunk, hi = min(lo + kChunk, tok_hi);
-      for (int i0 = lo; i0 < hi; i0 += kPStage) {
-        const int local = i0 / bt - wb;
-        const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
-        post(i0, min(kPStage, hi - i0), local < 32 ? a : b);
-        if ((i0 + kPStage) / bt - wb >= 32) {  // the next stage starts past the first window
-          wb += 32;
-          cur = nxt;
-          nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
-        }
-      }
-    };
-    if (n_own > 0) own_chunk(0);
-    for (int c = 1; c < n_own; ++c) {
-      if (group != nullptr) {
-        const unsigned long long old = __shfl_sync(0xffffffffu, pend, 0);
-        if ((int)(uint32_t)old + (int)(old >> 32) >= n_own - 1) break;  // the rest went to thieves
-        if (lane == 0 && c + 1 < n_own) pend = atomicAdd(group + w.sp, 1ull);
-      }
-      own_chunk(c);  // (claims are in order: this one's front count is c - 1)
-    }
-    while (group != nullptr) {
-      int best = -1, best_rem = 0;
-      for (int v = lane; v < num_splits; v += 32) {
-        const int2 r = SplitTokens(w, num_splits, v, bt);
-        const unsigned long long x = LdRelaxedGpu(group + v);
-        const int rem = (r.y - r.x + kChunk - 1) / kChunk - 1 - (int)(uint32_t)x - (int)(x >> 32);
-        if (v != w.sp && rem > best_rem) {
-          best_rem = rem;
-          best = v;
-        }
-      }
+      } else {
+        constexpr int kPerLane = kPStage * kChunks / 32;
 #pragma unroll
-      for (int sh = 16; sh > 0; sh >>= 1) {
-        const int orem = __shfl_xor_sync(0xffffffffu, best_rem, sh), ob = __shfl_xor_sync(0xffffffffu, best, sh);
-        if (orem > best_rem || (orem == best_rem && ob > best)) {
-          best_rem = orem;
-          best = ob;
+        for (int k = 0; k < kPerLane; ++k) {
+          const int id = k * 32 + lane, row = id / kChunks, ch = id % kChunks;
+          const int i = tok_lo + t * kPStage + row;
+          const bool valid = i < tok_hi;
+          const int pg = i / bt, local = pg - wb;  // local < 64: a stage spans at most 16 pages
+          const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
+          const char* src =
+              pool + (uint64_t)(local < 32 ? a : b) * kv.page_stride + (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
+          const uint32_t off = Sw128(kPStage, row, ch);
+          CpAsync16(sk + off, valid ? src + koff : pool, valid);
+          CpAsync16(sv + off, valid ? src + voff : pool, valid);
         }
+        CpAsyncArriveNoInc(full0 + 8 * st);
       }
-      if (best < 0) break;  // nothing left to take in the group
-      unsigned long long old = 0;
-      if (lane == 0) old = atomicAdd(group + best, 1ull << 32);
-      old = __shfl_sync(0xffffffffu, old, 0);
-      const int2 r = SplitTokens(w, num_splits, best, bt);
-      const int nc = (r.y - r.x + kChunk - 1) / kChunk;
-      if ((int)(uint32_t)old + (int)(old >> 32) >= nc - 1) continue;  // lost the race for it: look again
-      const int lo = r.x + (nc - 1 - (int)(old >> 32)) * kChunk, hi = min(lo + kChunk, r.y), p0 = lo / bt;
-      const int pid = p0 + lane <= (hi - 1) / bt ? kv.page_ids[pb + p0 + lane] : 0;
-      for (int i0 = lo; i0 < hi; i0 += kPStage) {
-        post(i0, min(kPStage, hi - i0), __shfl_sync(0xffffffffu, pid, i0 / bt - p0));
-      }
-      if (lane == 0) atomicAdd(stolen, 1ull);
-    }
-    for (int k = 0; k < kPConsumers; ++k) post(0, 0, -1);
-  } else if (warp == kPConsumers) {
-    // ---- producer, cp.async gathers: the split's tokens, in order
-    const char* pool = static_cast<const char*>(kv.pool);
-    const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
-    for (int t = 0; t < ntiles; ++t) {
-      const int st = t % C::kStages;
-      if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-      const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
-      constexpr int kPerLane = kPStage * kChunks / 32;
-#pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        const int id = k * 32 + lane, row = id / kChunks, ch = id % kChunks;
-        const int i = tok_lo + t * kPStage + row;
-        const bool valid = i < tok_hi;
-        const int pg = i / bt, local = pg - wb;  // local < 64: a stage spans at most 16 pages
-        const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
-        const char* src =
-            pool + (uint64_t)(local < 32 ? a : b) * kv.page_stride + (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
-        const uint32_t off = Sw128(kPStage, row, ch);
-        CpAsync16(sk + off, valid ? src + koff : pool, valid);
-        CpAsync16(sv + off, valid ? src + voff : pool, valid);
-      }
-      CpAsyncArriveNoInc(full0 + 8 * st);
       if ((tok_lo + (t + 1) * kPStage) / bt - wb >= 32) {  // the next stage starts past the first window
         wb += 32;
         cur = nxt;
         nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
       }
     }
-    CpAsyncWait<0>();
+    if constexpr (!kTma) CpAsyncWait<0>();
   } else {
     // ---- consumers
     uint32_t qa[kKSteps][4];
@@ -263,32 +176,19 @@ __global__ void __launch_bounds__(kPThreads, 2)
     const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8];
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    // Whether any stage may need the position masks: over the CTA's split,
-    // or with stealing over the whole sequence.
-    const int mlo = group != nullptr ? 0 : tok_lo, mhi = group != nullptr ? w.ntok : tok_hi;
-    const bool cta_pos_mask = mhi > mlo && ((p.causal && TokenPos(kv, pb, mhi - 1) > s_qmin) ||
-                                            (p.window > 0 && TokenPos(kv, pb, mlo) <= s_qmax - p.window));
-    for (int t = warp;; t += kPConsumers) {
-      if (!kTma && t >= ntiles) break;
+    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > s_qmin) ||
+                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
+    for (int t = warp; t < ntiles; t += kPConsumers) {
       const int st = t % C::kStages;
       MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
       uint8_t* kt = stages + st * C::kStageBytes;
       uint8_t* vt = kt + C::kPlaneBytes;
-      int tile_first, tile_end;
-      if constexpr (kTma) {
-        tile_first = s_first[st];
-        if (tile_first < 0) break;  // the producer's end marker
-        tile_end = tile_first + s_valid[st];
-      } else {
-        tile_first = tok_lo + t * kPStage;
-        tile_end = min(tile_first + kPStage, tok_hi);
-      }
-      const int tile_last = tile_end - 1;
-      const bool tail = tile_first + kPStage > tile_end;
+      const int tile_first = tok_lo + t * kPStage, tile_last = min(tile_first + kPStage, tok_hi) - 1;
+      const bool tail = tile_first + kPStage > tok_hi;
       if (kTma && tail) {
         // A TMA box copies whole pages: zero the V rows past the end (their
         // weight is 0, but 0 x NaN junk would not be).
-        const int valid_rows = tile_end - tile_first;
+        const int valid_rows = tok_hi - tile_first;
         for (int c = lane; c < (kPStage - valid_rows) * kChunks; c += 32) {
           const int r = valid_rows + c / kChunks, ch = c % kChunks;
           *reinterpret_cast<uint4*>(vt + Sw128(kPStage, r, ch)) = make_uint4(0, 0, 0, 0);
@@ -312,7 +212,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
         for (int e = 0; e < 4; ++e) {
           const int i = tile_first + j * 8 + tig * 2 + (e & 1);
           const int qp = e < 2 ? qpos0 : qpos1;
-          bool vis = (!tail || i < tile_end) && qp != INT32_MIN;
+          bool vis = (!tail || i < tok_hi) && qp != INT32_MIN;
           if (vis && pos_mask) {
             const int kp = TokenPos(kv, pb, i);
             if (p.causal) vis = kp <= qp;
@@ -390,8 +290,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
   __syncthreads();
   StoreDecodeRows<kPConsumers>(w, q, D, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, part_out, part_lse, out, lse);
   if (num_splits > 1) {
-    MergeSplitsIfLast(w, q, D, kRows, num_splits, counters + DecodeRowHead(w, q, w.v0), group, part_out, part_lse, so,
-                      out, lse);
+    MergeSplitsIfLast(w, q, D, kRows, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse, so, out, lse);
   }
 }
 
@@ -401,8 +300,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
 // reads global memory).
 template <int D, typename T, bool kTma>
 cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                              int row_groups, float* part_out, float* part_lse, int* counters,
-                              unsigned long long* claims, unsigned long long* stolen, const CUtensorMap& map,
+                              int row_groups, float* part_out, float* part_lse, int* counters, const CUtensorMap& map,
                               cudaStream_t stream) {
   const int smem = PipeCfg<D>::kDynamic;
   cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -418,28 +316,19 @@ cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const Pag
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, part_out, part_lse,
-                            counters, claims, stolen, out.out, out.lse, map);
+                            counters, out.out, out.lse, map);
 }
 
-// `claims`/`stolen`: the workspace's work-stealing counters (null with one
-// split); stealing runs with TMA stages and a grid of at most
-// kMaxStealCtas CTAs (larger grids run in waves, which the block scheduler
-// balances by itself).
 template <int D, typename T>
 cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                            float* part_out, float* part_lse, int* counters, unsigned long long* claims,
-                            unsigned long long* stolen, cudaStream_t stream) {
+                            float* part_out, float* part_lse, int* counters, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
   alignas(64) CUtensorMap map{};
   if (MakePoolMap(kv, kPStage, &map)) {
-    const long ctas = (long)splits * kv.kv_heads * row_groups * kv.num_seqs;
-    if (splits == 1 || ctas > kMaxStealCtas) claims = nullptr;
-    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, claims,
-                                         stolen, map, stream);
+    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
   }
-  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, nullptr,
-                                        nullptr, map, stream);
+  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
 }
 
 }  // namespace
@@ -486,23 +375,18 @@ int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages
 
 namespace {
 // Workspace layout: the split-merge counters first (one int per (row, q
-// head)), then the work-stealing ones (the stolen-chunk count, then one
-// claim counter per CTA, kMaxStealCtas at most), both at the same place
-// whatever the split count (so partials of a call with more splits never
-// land on them), then the partial O and LSE.
+// head), at the same place whatever the split count, so partials of a call
+// with more splits never land on them), then the partial O and LSE.
 size_t CounterBytes(const QueryView& q) {
   return ((size_t)q.num_rows * q.q_heads * sizeof(int) + 255) / 256 * 256;
 }
-constexpr size_t kStealBytes = ((1 + internal::kMaxStealCtas) * sizeof(unsigned long long) + 255) / 256 * 256;
 }  // namespace
 
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim) {
   if (num_splits <= 1) return 0;
   const size_t rh = (size_t)q.num_rows * q.q_heads;
-  return CounterBytes(q) + kStealBytes + (size_t)num_splits * rh * (head_dim + 1) * sizeof(float);
+  return CounterBytes(q) + (size_t)num_splits * rh * (head_dim + 1) * sizeof(float);
 }
-
-size_t DecodeStolenChunksOffset(const QueryView& q) { return CounterBytes(q); }
 
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
                         void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -514,13 +398,10 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   const int D = kv.head_dim;
   if (workspace_bytes < DecodeWorkspaceBytes(q, num_splits, D)) return cudaErrorInvalidValue;
   int* counters = nullptr;
-  unsigned long long *stolen = nullptr, *claims = nullptr;
   float *po = nullptr, *pl = nullptr;
   if (num_splits > 1) {
     counters = static_cast<int*>(workspace);
-    stolen = reinterpret_cast<unsigned long long*>(static_cast<char*>(workspace) + CounterBytes(q));
-    claims = stolen + 1;
-    po = reinterpret_cast<float*>(static_cast<char*>(workspace) + CounterBytes(q) + kStealBytes);
+    po = reinterpret_cast<float*>(static_cast<char*>(workspace) + CounterBytes(q));
     pl = po + (size_t)num_splits * q.num_rows * q.q_heads * D;
   }
   if (kv.codec != 0) {  // quantized pages: the splits' partials are merged by a second kernel
@@ -530,11 +411,11 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   }
   if (num_splits > 1 && reinterpret_cast<uintptr_t>(out.out) % 16 != 0) return cudaErrorInvalidValue;  // float4 merge
   if (kv.dtype == KvType::kBF16) {
-    return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, claims, stolen, stream)
-                    : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, claims, stolen, stream);
+    return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream)
+                    : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream);
   }
-  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, claims, stolen, stream)
-                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, claims, stolen, stream);
+  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, stream)
+                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, stream);
 }
 
 }  // namespace kvring::cuda

@@ -81,23 +81,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   // order, so no heavy causal tile of the last head is left for the tail).
   const int tile = gridDim.y - 1 - blockIdx.y, hq = blockIdx.x % q.q_heads, s = blockIdx.x / q.q_heads;
   const int G = q.q_heads / kv.kv_heads, hk = hq / G;
-  // Prologue, ordered so that the first KV tile lands after three dependent
-  // global round trips (it took five): (1) the sequence's row, page and token
-  // ranges, all at once; (2) the Q rows' copies, the rows' positions, the
-  // first and last pages' positions (contiguity) and, without a window (the
-  // stream then starts at token 0), the page ids of the first kAhead tiles,
-  // whose TMA copies go out at once; (3) the tiles' bytes, while the
-  // positions' min/max gives the visible key range.
-  if (threadIdx.x == 0) TmaPrefetchMap(&pool_map);
   const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
-  const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
-  const int ntok = kv.seq_tokens[s];
   const int r0 = rb + tile * kBM;
   if (r0 >= re) return;
   const int nrows = min(kBM, re - r0);
   const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
+
+  // Prologue, ordered to overlap its global-memory round trips: the Q rows'
+  // copies (into shared memory, rows past the end zero-filled) and the
+  // sequence's page range go out first, then the positions' min/max (whose
+  // barriers also publish the mbarriers' init), then the visible key range.
+  const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
+  const int ntok = kv.seq_tokens[s];
   {
     const T* qbase = static_cast<const T*>(q.q);
     for (int c = tid; c < kBM * kChunks; c += kThreads) {
@@ -107,20 +104,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     CpAsyncCommit();
   }
-  // Key positions: with contiguous pages (the usual case) a token's position
-  // is p0 + its index, no load; else from the page's start position.
-  int p0 = 0;
-  const bool contiguous = npages > 0 && PagesContiguous(kv, pb, npages, &p0);
-  auto key_pos = [&](int i) { return contiguous ? p0 + i : TokenPos(kv, pb, i); };
-
   const uint32_t full0 = base + S::kBars, empty0 = full0 + kStages * 8;
-  const int kplane = (kv.layer * 2) * kv.kv_heads + hk, vplane = kplane + kv.kv_heads;
-  const bool loader = warp == 0 && lane < kBN / kBox;
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(full0 + 8 * i, 1);          // the loader's expect-tx arrival (+ the tile's bytes)
+      MbarInit(empty0 + 8 * i, kThreads);  // every thread, once done with the tile
+    }
+  }
+  const int2 qrange = BlockMinMax(q.positions + r0, nrows, &s_qmin, &s_qmax);  // (its __syncthreads publish the inits)
+  const int qmin = qrange.x, qmax = qrange.y;
+  const int2 keys = VisibleKeys(p, kv, pb, npages, ntok, qmin, qmax, kBN);
+  const int n_begin = keys.x, n_end = keys.y;
+  const int ntiles = n_end > n_begin ? (n_end - n_begin + kBN - 1) / kBN : 0;
+
+  if (ntiles == 0) {  // no row of this tile sees a key
+    CpAsyncWait<0>();  // (no copy may land in shared memory after the CTA is gone)
+    for (int i = tid; i < nrows * D; i += kThreads) out.out[((size_t)(r0 + i / D) * q.q_heads + hq) * D + i % D] = 0.f;
+    for (int r = tid; r < nrows; r += kThreads) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = -INFINITY;
+    return;
+  }
+
   // Loads: lanes 0..3 of warp 0 (box b = 16 tokens of a 64-token tile each)
   // issue the TMA copies of tile j + kAhead at the start of round j, into the
   // stage tile j - 2 used, once both warpgroups have arrived on its "empty"
   // barrier; the page ids are read a round earlier.
-  auto box_page = [&](int n_begin, int j) {  // this lane's box of tile j: (page, token offset); page -1 past the list (zeros)
+  const int kplane = (kv.layer * 2) * kv.kv_heads + hk, vplane = kplane + kv.kv_heads;
+  const bool loader = warp == 0 && lane < kBN / kBox;
+  auto box_page = [&](int j) {  // this lane's box of tile j: (page, token offset); page -1 past the list (zeros)
     const int i0 = n_begin + j * kBN + lane * kBox, pg = i0 / kv.block_tokens;
     return make_int2(pg < npages ? kv.page_ids[pb + pg] : -1, i0 - pg * kv.block_tokens);
   };
@@ -141,57 +151,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   };
-  // Tiles loaded before the key range is known (no window: it starts at 0);
-  // any the rows turn out not to see are waited for before the CTA leaves.
-  const int early = p.window > 0 ? 0 : min(kAhead, (ntok + kBN - 1) / kBN);
-  if (warp == 0) {
-    if (lane == 0) {
-      for (int i = 0; i < kStages; ++i) {
-        MbarInit(full0 + 8 * i, 1);          // the loader's expect-tx arrival (+ the tile's bytes)
-        MbarInit(empty0 + 8 * i, kThreads);  // every thread, once done with the tile
-      }
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // the inits, before TMA completes on them
-    }
-    __syncwarp();
-    int2 pg[kAhead];
-#pragma unroll
-    for (int j = 0; j < kAhead; ++j) pg[j] = loader && j < early ? box_page(0, j) : make_int2(-1, 0);
-#pragma unroll
-    for (int j = 0; j < kAhead; ++j) {
-      if (j < early) load_tile(j, pg[j]);
-    }
-  }
-  const int2 qrange = BlockMinMax(q.positions + r0, nrows, &s_qmin, &s_qmax);  // (its __syncthreads publish the inits)
-  const int qmin = qrange.x, qmax = qrange.y;
-  int n_begin = 0, n_end = ntok;
-  if (contiguous) {  // CountUpTo without its loads
-    if (p.causal) n_end = (int)max(0ll, min((long long)ntok, (long long)qmax - p0 + 1));
-    if (p.window > 0) n_begin = (int)max(0ll, min((long long)ntok, (long long)qmin - p.window - p0 + 1)) / kBN * kBN;
-  } else {
-    const int2 keys = VisibleKeys(p, kv, pb, npages, ntok, qmin, qmax, kBN);
-    n_begin = keys.x;
-    n_end = keys.y;
-  }
-  const int ntiles = n_end > n_begin ? (n_end - n_begin + kBN - 1) / kBN : 0;
-  // Early tiles the rows do not see: their copies must land before the CTA
-  // leaves (they are never read).
-  auto drain_early = [&]() {
-    if (warp == 0) {
-      for (int j = ntiles; j < early; ++j) MbarWait(full0 + 8 * j, 0);
-    }
-  };
-
-  if (ntiles == 0) {  // no row of this tile sees a key
-    CpAsyncWait<0>();  // (no copy may land in shared memory after the CTA is gone)
-    drain_early();
-    for (int i = tid; i < nrows * D; i += kThreads) out.out[((size_t)(r0 + i / D) * q.q_heads + hq) * D + i % D] = 0.f;
-    for (int r = tid; r < nrows; r += kThreads) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = -INFINITY;
-    return;
-  }
   int2 next_page = make_int2(-1, 0);
   if (warp == 0) {
-    for (int j = early; j < kAhead && j < ntiles; ++j) load_tile(j, loader ? box_page(n_begin, j) : make_int2(-1, 0));
-    if (loader && kAhead < ntiles) next_page = box_page(n_begin, kAhead);
+    for (int j = 0; j < kAhead && j < ntiles; ++j) load_tile(j, loader ? box_page(j) : make_int2(-1, 0));
+    if (loader && kAhead < ntiles) next_page = box_page(kAhead);
   }
 
   // This thread's two rows (of its warpgroup's 64): wr, wr + 8.
@@ -212,6 +175,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+  // Key positions: with contiguous pages (the usual case) a token's position
+  // is p0 + its index, no load; else from the page's start position.
+  int p0;
+  const bool contiguous = PagesContiguous(kv, pb, npages, &p0);
+  auto key_pos = [&](int i) { return contiguous ? p0 + i : TokenPos(kv, pb, i); };
   // Whether tile j needs per-element masks (it straddles the causal
   // diagonal, the window edge or the end of the stream).
   auto tile_edge = [&](int j) -> bool {
@@ -381,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (; j + 1 < ntiles; ++j) {
     if (warp == 0 && j + kAhead < ntiles) {
       load_tile(j + kAhead, next_page);
-      if (loader && j + kAhead + 1 < ntiles) next_page = box_page(n_begin, j + kAhead + 1);
+      if (loader && j + kAhead + 1 < ntiles) next_page = box_page(j + kAhead + 1);
     }
     const bool edge = edge_next;
     edge_next = tile_edge(j + 2);
@@ -423,7 +391,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (tig == 0) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = lv > 0.f ? (mv + log2f(lv)) * kLn2 : -INFINITY;
   }
-  drain_early();
 #else
   __trap();  // built without sm_90a code: the launcher never selects this kernel then
 #endif

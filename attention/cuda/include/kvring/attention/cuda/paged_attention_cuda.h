@@ -76,18 +76,10 @@ struct AttnParams {
 // Plain (bf16/fp16) pages: a producer warp streams 16-token stages through a
 // deep mbarrier ring (TMA boxes for pages of a multiple of 16 tokens on
 // sm_90, cp.async gathers otherwise), four consumer warps take them in turn.
-// With TMA stages, more than one split and at most 4096 CTAs, the CTAs of a
-// (sequence, kv head) steal 64-token chunks from each other's splits once
-// done with their own (claims are atomics on counters in the workspace), so
-// SMs that stream slower do less; the result is the same exact merge.
 // Quantized pages have a kernel of their own (paged_decode_quant_cuda.cu).
 inline constexpr int kMaxDecodeSplits = 1024;  // the fused merge keeps (splits + 1) x 16 weights in shared memory
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count);
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim);
-// Byte offset in the workspace of a uint64 statistic: the chunks stolen by
-// all calls since the workspace was zeroed (the one counter calls do not
-// reset; nothing reads it but callers who want the figure).
-size_t DecodeStolenChunksOffset(const QueryView& q);
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
                         void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
