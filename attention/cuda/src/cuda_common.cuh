@@ -187,6 +187,11 @@ __device__ __forceinline__ void TmaPrefetchMap(const CUtensorMap* map) {
 #endif
 }
 
+// Brings the line holding *p into L1 (a later load of it hits there).
+__device__ __forceinline__ void PrefetchL1(const void* p) {
+  asm volatile("prefetch.L1 [%0];\n" ::"l"(p));
+}
+
 // Position of stream token i of a sequence (pages full but the last).
 __device__ __forceinline__ int TokenPos(const PagedKvView& kv, int pb, int i) {
   const int pg = i / kv.block_tokens;
@@ -338,12 +343,27 @@ __device__ __forceinline__ void MergeSplitsIfLast(const DecodeWork& w, const Que
   if (!s_last) return;
   __threadfence();  // the other CTAs' partials, after their arrivals
   const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
-  // Every load round below is issued by many threads at once (an L2 round
-  // trip each, not one per split): the LSEs of all (split, row) pairs, then
-  // per row the maximum, the weights exp(lse - M) and their sum in shared
-  // memory, then each output float4 reads its num_splits partials.
+  // Few dependent L2 round trips on the kernel's critical path: the first
+  // batch of each output float4's partials is loaded together with the
+  // LSEs of all (split, row) pairs (the weights exp(lse - M) come after),
+  // then the rest in batches of up to kBatch splits, all of a batch in
+  // flight at once (33 splits: two batches).
+  constexpr int kBatch = 20;
   float* wgt = scratch;                        // [num_splits][rows]: lse, then weight
   float* s_sum = scratch + num_splits * rows;  // [rows]
+  const int d4 = D / 4, nout = w.nv * d4;
+  const size_t stride4 = rows_heads * D / 4;  // one split's partials, in float4
+  const int nbatch = (num_splits + kBatch - 1) / kBatch, per = (num_splits + nbatch - 1) / nbatch;
+  const int idx = threadIdx.x;  // the output float4 whose first batch goes out with the LSE loads
+  float4 buf[kBatch];
+  const float4* src = nullptr;
+  if (idx < nout) {
+    src = reinterpret_cast<const float4*>(part_out + DecodeRowHead(w, q, w.v0 + idx / d4) * D + (idx % d4) * 4);
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (i < per) buf[i] = __ldcg(src + i * stride4);
+    }
+  }
   for (int i = threadIdx.x; i < num_splits * w.nv; i += blockDim.x) {
     const int sp = i / w.nv, r = i % w.nv;
     wgt[sp * rows + r] = __ldcg(part_lse + sp * rows_heads + DecodeRowHead(w, q, w.v0 + r));
@@ -363,21 +383,30 @@ __device__ __forceinline__ void MergeSplitsIfLast(const DecodeWork& w, const Que
     lse[DecodeRowHead(w, q, w.v0 + r)] = M == -INFINITY ? -INFINITY : M + __logf(L);
   }
   __syncthreads();
-  const int d4 = D / 4;
-  for (int idx = threadIdx.x; idx < w.nv * d4; idx += blockDim.x) {
-    const int r = idx / d4, d = (idx % d4) * 4;
+  // Threads past the first blockDim.x outputs (more than 16 rows x D / 4)
+  // take the slow path: every batch loaded after the weights.
+  for (int o = idx; o < nout; o += blockDim.x) {
+    const int r = o / d4, d = (o % d4) * 4;
     const size_t rh = DecodeRowHead(w, q, w.v0 + r);
-    const float4* src = reinterpret_cast<const float4*>(part_out + rh * D + d);
-    const size_t stride4 = rows_heads * D / 4;  // one split's partials, in float4
+    const float4* p = reinterpret_cast<const float4*>(part_out + rh * D + d);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int sp = 0; sp < num_splits; ++sp) {
-      const float f = wgt[sp * rows + r];  // 0 for an empty split, whose partial is 0
-      const float4 x = __ldcg(src + sp * stride4);
-      acc.x += f * x.x;
-      acc.y += f * x.y;
-      acc.z += f * x.z;
-      acc.w += f * x.w;
+    for (int b0 = 0; b0 < num_splits; b0 += per) {
+      if (b0 > 0 || o != idx) {
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          if (i < per && b0 + i < num_splits) buf[i] = __ldcg(p + (b0 + i) * stride4);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (i < per && b0 + i < num_splits) {
+          const float f = wgt[(b0 + i) * rows + r];  // 0 for an empty split, whose partial is 0
+          acc.x += f * buf[i].x;
+          acc.y += f * buf[i].y;
+          acc.z += f * buf[i].z;
+          acc.w += f * buf[i].w;
+        }
+      }
     }
     const float L = s_sum[r], inv = L == 0.f ? 0.f : 1.f / L;
     *reinterpret_cast<float4*>(out + rh * D + d) = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);

@@ -81,20 +81,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   // order, so no heavy causal tile of the last head is left for the tail).
   const int tile = gridDim.y - 1 - blockIdx.y, hq = blockIdx.x % q.q_heads, s = blockIdx.x / q.q_heads;
   const int G = q.q_heads / kv.kv_heads, hk = hq / G;
+  // Prologue, ordered to overlap its global-memory round trips: the
+  // sequence's row and page ranges at once; then the Q rows' copies (into
+  // shared memory, rows past the end zero-filled), and L1 prefetches of what
+  // the key range and the first tiles' page ids read next (the first and
+  // last pages' positions, the first pages' ids) under the positions'
+  // min/max (whose barriers also publish the mbarriers' init).
   const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
+  const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
+  const int ntok = kv.seq_tokens[s];
   const int r0 = rb + tile * kBM;
   if (r0 >= re) return;
   const int nrows = min(kBM, re - r0);
   const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
-
-  // Prologue, ordered to overlap its global-memory round trips: the Q rows'
-  // copies (into shared memory, rows past the end zero-filled) and the
-  // sequence's page range go out first, then the positions' min/max (whose
-  // barriers also publish the mbarriers' init), then the visible key range.
-  const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
-  const int ntok = kv.seq_tokens[s];
+  if (npages > 0 && tid < 2) PrefetchL1(kv.page_pos + pb + (tid == 0 ? 0 : npages - 1));
+  if (tid >= 32 && tid < 32 + kAhead * kBN / kBox) {  // without a window the stream starts at page 0
+    const int pg = (tid - 32) * kBox / kv.block_tokens;
+    if (pg < npages) PrefetchL1(kv.page_ids + pb + pg);
+  }
   {
     const T* qbase = static_cast<const T*>(q.q);
     for (int c = tid; c < kBM * kChunks; c += kThreads) {
@@ -228,20 +234,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Online softmax of S_j in place (log2 domain; masks only on edge tiles):
   // sc becomes P_j, (m, l) move on, (c0, c1) is the rescale O needs.
   auto softmax = [&](int j, bool edge) {
-    const int n0 = n_begin + j * kBN;
+    if (edge) {
+      // Key positions by 16-token box (a TMA box lies in one page): four
+      // lookups a tile, not one per element (this path is rare: keeping it
+      // small keeps the loop's code small).
+      const int n0 = n_begin + j * kBN;
+      int bpos[kBN / kBox];
 #pragma unroll
-    for (int jn = 0; jn < 8; ++jn) {
-      if (edge) {
+      for (int b = 0; b < kBN / kBox; ++b) {
+        bpos[b] = (p.causal || p.window > 0) && n0 + b * kBox < n_end ? key_pos(n0 + b * kBox) : 0;
+      }
+#pragma unroll
+      for (int jn = 0; jn < 8; ++jn) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int i = n0 + jn * 8 + tig * 2 + (e & 1);
-          const int qp = e < 2 ? qpos0 : qpos1;
-          bool vis = i < n_end;
-          if (vis && (p.causal || p.window > 0)) {
-            const int kp = key_pos(i);
-            if (p.causal) vis = kp <= qp;
-            if (p.window > 0) vis = vis && kp > qp - p.window;
-          }
+          const int c = (jn & 1) * 8 + tig * 2 + (e & 1);  // column within box jn / 2
+          const int qp = e < 2 ? qpos0 : qpos1, kp = bpos[jn >> 1] + c;
+          bool vis = n0 + (jn >> 1) * kBox + c < n_end;
+          if (p.causal) vis = vis && kp <= qp;
+          if (p.window > 0) vis = vis && kp > qp - p.window;
           if (!vis) sc[4 * jn + e] = -INFINITY;
         }
       }
