@@ -28,9 +28,10 @@ constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16
 // merged exactly at the end. No CTA-wide barrier inside the stream: a warp
 // waits only for its own next stage.
 // Copies: with kTma, one lane issues the tensor-memory-accelerator copies of
-// a stage (a 16-token box of the K plane and of the V plane, per 64-column
-// block, 128-byte swizzled) against a tensor map of the page pool: a few
-// instructions per 8 KB instead of 512 16-byte cp.async; it needs pages of a
+// a stage (a 16-token box of the K plane and one of the V plane, each
+// holding every 64-column block, 128-byte swizzled) against a tensor map of
+// the page pool: two copies per 8 KB instead of 512 16-byte cp.async (and
+// half the boxes of one box per column block); it needs pages of a
 // multiple of 16 tokens. Otherwise the 32 lanes gather the stage with
 // cp.async into the same swizzled layout (any page size).
 constexpr int kPStage = 16, kPConsumers = 4, kPThreads = (kPConsumers + 1) * 32;
@@ -134,11 +135,9 @@ __global__ void __launch_bounds__(kPThreads, 2)
         if (lane == 0) {
           const int page = local < 32 ? a : b, off = i0 - pg * bt;
           MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
-#pragma unroll
-          for (int dc = 0; dc < D / 64; ++dc) {
-            TmaLoad5d(sk + dc * kPStage * 128, &pool_map, 0, dc, off, kplane, page, full0 + 8 * st);
-            TmaLoad5d(sv + dc * kPStage * 128, &pool_map, 0, dc, off, vplane, page, full0 + 8 * st);
-          }
+          // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
+          TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
+          TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
         }
       } else {
         constexpr int kPerLane = kPStage * kChunks / 32;
@@ -244,16 +243,19 @@ __global__ void __launch_bounds__(kPThreads, 2)
       m1 = nm1;
       uint32_t pa[4] = {Pack<T>(sc[0][0], sc[0][1]), Pack<T>(sc[0][2], sc[0][3]), Pack<T>(sc[1][0], sc[1][1]),
                         Pack<T>(sc[1][2], sc[1][3])};
+      // O's rescale, skipped when no row's maximum moved (the usual case
+      // once a long stream's first stages are in).
+      if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+        for (int dn = 0; dn < kDTiles; ++dn) {
+          o[dn][0] *= c0;
+          o[dn][1] *= c0;
+          o[dn][2] *= c1;
+          o[dn][3] *= c1;
+        }
+      }
 #pragma unroll
       for (int dn = 0; dn < kDTiles; dn += 2) {
-        o[dn][0] *= c0;
-        o[dn][1] *= c0;
-        o[dn][2] *= c1;
-        o[dn][3] *= c1;
-        o[dn + 1][0] *= c0;
-        o[dn + 1][1] *= c0;
-        o[dn + 1][2] *= c1;
-        o[dn + 1][3] *= c1;
         uint32_t b0, b1, b2, b3;
         LdMatrixX4T(SmemAddr(vt + Sw128(kPStage, (mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
         Mma<T>(o[dn], pa, b0, b1);
@@ -325,7 +327,7 @@ cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const Paged
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
   alignas(64) CUtensorMap map{};
-  if (MakePoolMap(kv, kPStage, &map)) {
+  if (MakePoolMap(kv, kPStage, &map, /*all_column_blocks=*/true)) {
     return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
   }
   return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
@@ -361,8 +363,10 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count) {
   // At least one full wave of the two CTAs an SM holds, and splits of at
   // most ~16K tokens: on the H200 (bench/RESULTS.md, split sweep) a batch of
-  // 1 ran best at exactly one wave and long streams ran best cut to 4-16K
-  // tokens a CTA (64 x 32K: 0.94 of copy with 1 split, 1.00 with 2).
+  // 1 ran best at exactly one wave (1 x 32K: 0.74 of copy with 33 splits,
+  // 0.55 with 66; 8 x 32K: 0.91 with 4, 0.88 with 8) and long streams ran
+  // best cut to 4-16K tokens a CTA (64 x 32K: 0.94 of copy with 1 split,
+  // 1.00 with 2).
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
   const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;

@@ -25,7 +25,7 @@ PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
 
 }  // namespace
 
-bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map) {
+bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool all_column_blocks) {
   int dev = 0, major = 0;
   if (box_tokens <= 0 || kv.block_tokens % box_tokens != 0 || kv.codec != 0 || cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9) {
@@ -34,10 +34,18 @@ bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
   if (encode == nullptr) return false;
   const int D = kv.head_dim;
-  const cuuint64_t dims[5] = {64, (cuuint64_t)(D / 64), (cuuint64_t)kv.block_tokens,
-                              (cuuint64_t)kv.layers * 2 * kv.kv_heads, (cuuint64_t)INT32_MAX};
-  const cuuint64_t strides[4] = {128, (cuuint64_t)D * 2, (cuuint64_t)kv.block_tokens * D * 2, kv.page_stride};
-  const cuuint32_t box[5] = {64, 1, (cuuint32_t)box_tokens, 1, 1};
+  const cuuint64_t planes = (cuuint64_t)kv.layers * 2 * kv.kv_heads, plane_bytes = (cuuint64_t)kv.block_tokens * D * 2;
+  cuuint64_t dims[5] = {64, (cuuint64_t)(D / 64), (cuuint64_t)kv.block_tokens, planes, (cuuint64_t)INT32_MAX};
+  cuuint64_t strides[4] = {128, (cuuint64_t)D * 2, plane_bytes, kv.page_stride};
+  cuuint32_t box[5] = {64, 1, (cuuint32_t)box_tokens, 1, 1};
+  if (all_column_blocks) {  // (columns, token, column block, plane, page): one box holds every column block
+    dims[1] = (cuuint64_t)kv.block_tokens;
+    dims[2] = (cuuint64_t)(D / 64);
+    strides[0] = (cuuint64_t)D * 2;
+    strides[1] = 128;
+    box[1] = (cuuint32_t)box_tokens;
+    box[2] = (cuuint32_t)(D / 64);
+  }
   const cuuint32_t estrides[5] = {1, 1, 1, 1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 5, const_cast<void*>(kv.pool), dims, strides, box, estrides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

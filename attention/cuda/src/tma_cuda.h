@@ -15,6 +15,10 @@ namespace kvring::cuda::internal {
 // as zeros. Returns false where TMA cannot serve the view (the device is not
 // sm_90+, block_tokens is not a multiple of box_tokens, or the driver refuses
 // the strides); the caller then gathers with cp.async. Host only; thread-safe.
-bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map);
+// all_column_blocks: the map's dimensions are (64 columns, token, 64-column
+// block, plane, page) and a box holds `box_tokens` tokens of every column
+// block, landing as [D/64][box_tokens][128 B] (one copy where the other
+// layout takes D/64).
+bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool all_column_blocks = false);
 
 }  // namespace kvring::cuda::internal
