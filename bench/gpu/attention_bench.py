@@ -76,10 +76,8 @@ def timed(fn, reps=20, warmup=3):
         with torch.cuda.graph(g):
             for _ in range(n):
                 fn()
-        # Warm up on the replays themselves (~40 ms): the first shape timed
-        # after the correctness check otherwise read ~3% slow (clocks, caches),
-        # which biased whichever configuration was timed first.
-        for _ in range(20):
+        # Warm up on the replays themselves (~40 ms, at least two).
+        for _ in range(max(2, min(20, int(40.0 / max(n * one, 1e-3))))):
             g.replay()
         torch.cuda.synchronize()
         ts = []
@@ -204,6 +202,15 @@ for B, L in decode_shapes:
     for sp in sweep:
         t = ms if sp == splits else timed(lambda: ours(sp))
         row["splits_sweep"][sp] = kv_bytes / (t * 1e-3) / copy_bw
+    # The first configuration timed after the correctness check reads 3-5%
+    # slow (seen on the H200: the same split count timed again after the
+    # sweep ran faster; cause not found), so the default is timed once more,
+    # now, and the two are both kept; the row reports the second.
+    ms_first = ms
+    ms = timed(ours)
+    row.update({"ms_first_timing": ms_first, "ms": ms, "GBps": kv_bytes / (ms * 1e-3) / 1e9,
+                "frac_copy": kv_bytes / (ms * 1e-3) / copy_bw})
+    row["splits_sweep"][splits] = row["frac_copy"]
     for name, be in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]:
         try:
             qq = q.view(B, HQ, 1, D)
@@ -215,7 +222,8 @@ for B, L in decode_shapes:
             row[f"sdpa_{name}_error"] = str(ex)[:120]
     results["decode"].append(row)
     extra = "splits " + " ".join(f"{k}{'*' if k == splits else ''}={v:.2f}" for k, v in row["splits_sweep"].items())
-    print(f"decode B={B:3d} L={L:6d}: {ms:.3f} ms = {row['frac_copy']:.2f} of copy ({extra}), err {err:.1e}; "
+    print(f"decode B={B:3d} L={L:6d}: {ms:.3f} ms = {row['frac_copy']:.2f} of copy (first timing "
+          f"{kv_bytes / (ms_first * 1e-3) / copy_bw:.2f}; {extra}), err {err:.1e}; "
           f"sdpa cudnn {row.get('sdpa_cudnn_frac_copy', 0):.2f} flash {row.get('sdpa_flash_frac_copy', 0):.2f}", flush=True)
     del kv, k, v, ws
     torch.cuda.empty_cache()
@@ -359,10 +367,26 @@ for shape in prefill_shapes:
         except Exception as ex:
             row[f"sdpa_{name}_ms"] = None
             row[f"sdpa_{name}_error"] = str(ex)[:120]
+    # As for decode: the first kernel timed on a shape may read slow, so
+    # kvring's kernel and SDPA flash are timed once more, in turn, and the
+    # row reports these second timings (the first ones are kept).
+    t_ours = timed(lambda: ours(PREFILL_KERNELS["wgmma"]), reps=reps)
+    row.update({"ms_first_timing": ms, "ms": t_ours, "TFLOPs": flops / (t_ours * 1e-3) / 1e12,
+                "frac_gemm": flops / (t_ours * 1e-3) / gemm, "wgmma_ms": t_ours,
+                "wgmma_TFLOPs": flops / (t_ours * 1e-3) / 1e12})
+    ms = t_ours
+    if row.get("sdpa_flash_ms"):
+        t = timed(lambda: sdpa(qt, k, v, causal, SDPBackend.FLASH_ATTENTION), reps=reps)
+        row.update({"sdpa_flash_ms_first_timing": row["sdpa_flash_ms"], "sdpa_flash_ms": t,
+                    "sdpa_flash_TFLOPs": flops / (t * 1e-3) / 1e12})
+    for name in ("flash", "cudnn"):
+        if row.get(f"sdpa_{name}_ms"):
+            row[f"ratio_vs_{name}"] = row[f"sdpa_{name}_ms"] / ms
     results["prefill"].append(row)
     print(f"prefill B={B} L={L:6d}{'' if causal else ' (not causal)'}: wgmma {ms:.2f} ms, {row['TFLOPs']:.0f} TFLOP/s ({row['frac_gemm']:.2f} of GEMM; "
           f"mma.sync {row['mma.sync_TFLOPs']:.0f}), err {err:.1e}; vs flash {row.get('ratio_vs_flash', 0):.2f}, "
-          f"vs cudnn {row.get('ratio_vs_cudnn', 0):.2f}", flush=True)
+          f"vs cudnn {row.get('ratio_vs_cudnn', 0):.2f} (first timings: vs flash "
+          f"{row.get('sdpa_flash_ms_first_timing', 0) / row['ms_first_timing']:.2f})", flush=True)
     del kv, k, v, q, qt, out, ref
     torch.cuda.empty_cache()
 

@@ -362,17 +362,17 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
 
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count) {
   // At least one full wave of the two CTAs an SM holds, and splits of at
-  // most ~16K tokens: on the H200 (bench/RESULTS.md, split sweep) a batch of
+  // most ~8K tokens: on the H200 (bench/RESULTS.md, split sweep) a batch of
   // 1 ran best at exactly one wave (1 x 32K: 0.74 of copy with 33 splits,
-  // 0.55 with 66; 8 x 32K: 0.91 with 4, 0.88 with 8) and long streams ran
-  // best cut to 4-16K tokens a CTA (64 x 32K: 0.94 of copy with 1 split,
-  // 1.00 with 2).
+  // 0.54 with 66) and long streams best cut to 4-8K tokens a CTA (64 x 32K:
+  // 0.91 of copy with 2 splits, 0.97 with 4, 0.99 with 8; 16 x 128K: 0.91
+  // with 8, 0.97 with 16).
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
   const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;
   const long slots = 2L * sm_count;
   const long tokens = (long)max_pages_per_seq * std::max(1, kv.block_tokens);
-  long splits = std::max<long>(std::max<long>(1, slots / ctas), (tokens + 16383) / 16384);
+  long splits = std::max<long>(std::max<long>(1, slots / ctas), (tokens + 8191) / 8192);
   splits = std::min<long>(splits, std::max(1, max_pages_per_seq / 4));  // >= 4 pages per split
   return (int)std::max<long>(1, std::min<long>(splits, 256));
 }
