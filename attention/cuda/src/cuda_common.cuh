@@ -383,8 +383,8 @@ __device__ __forceinline__ void MergeSplitsIfLast(const DecodeWork& w, const Que
     lse[DecodeRowHead(w, q, w.v0 + r)] = M == -INFINITY ? -INFINITY : M + __logf(L);
   }
   __syncthreads();
-  // Threads past the first blockDim.x outputs (more than 16 rows x D / 4)
-  // take the slow path: every batch loaded after the weights.
+  // Outputs past the first blockDim.x (more rows than blockDim.x / (D / 4))
+  // take the slow path: all their batches are loaded after the weights.
   for (int o = idx; o < nout; o += blockDim.x) {
     const int r = o / d4, d = (o % d4) * 4;
     const size_t rh = DecodeRowHead(w, q, w.v0 + r);
