@@ -16,6 +16,32 @@ namespace {
 
 using namespace gpu_testing;
 
+// The two non-default masks the window tests run, set alike on the kernel's
+// and the reference's options: mode 0 a sliding window of `window`
+// positions (causal), mode 1 no mask (not causal).
+void SetMaskMode(int mode, int window, cuda::AttnParams* p, AttentionOptions* o) {
+  if (mode == 0) {
+    p->window = window;
+    o->window = window;
+  } else {
+    p->causal = false;
+    o->causal = false;
+  }
+}
+
+// Runs `kernel` on qb over layer 0 of kvb into NaN-poisoned outputs and
+// checks them against the float64 reference (call it inside
+// ASSERT_NO_FATAL_FAILURE: a failed launch stops the test).
+void ExpectPrefillMatches(const cuda::AttnParams& p, const AttentionOptions& o, const QueryBatch& qb,
+                          const PagedBatch& kvb, cuda::PrefillKernel kernel, double tol, const std::string& what) {
+  Dev<float> out((size_t)qb.pos.size() * qb.q_heads * qb.D), lse((size_t)qb.pos.size() * qb.q_heads);
+  out.Poison();
+  lse.Poison();
+  CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr, kernel));
+  CUDA_OK(cudaDeviceSynchronize());
+  ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, tol, what);
+}
+
 // Decode: batches of sequences with 1..8 query rows each, GQA 1/4/8.
 TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
   KVRING_REQUIRE_GPU();
@@ -182,13 +208,7 @@ TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {
     lse.Poison();
     cuda::AttnParams p;
     AttentionOptions o;
-    if (mode == 0) {
-      p.window = 100;
-      o.window = 100;
-    } else {
-      p.causal = false;
-      o.causal = false;
-    }
+    SetMaskMode(mode, 100, &p, &o);
     const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), 5, 128);
     Dev<uint8_t> work(ws);
     work.Zero();  // the split merge's counters start at 0
@@ -263,16 +283,10 @@ TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
           qpos[1].push_back(3);
           qpos[1].push_back(39);
           auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-          Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
-          out.Poison();
-          lse.Poison();
-          cuda::AttnParams p;
-          CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr, kernel));
-          CUDA_OK(cudaDeviceSynchronize());
           // P is rounded to 16 bits for the second matmul: tolerance of bf16 operands.
-          ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
-                        absl::StrCat("prefill ", KernelName(kernel), " D=", D, " ratio=", ratio, " bt=", bt,
-                                     " gap=", gap));
+          ASSERT_NO_FATAL_FAILURE(ExpectPrefillMatches(
+              {}, {}, qb, kvb, kernel, bf16 ? 1e-2 : 3e-3,
+              absl::StrCat("prefill ", KernelName(kernel), " D=", D, " ratio=", ratio, " bt=", bt, " gap=", gap)));
         }
 }
 
@@ -299,14 +313,9 @@ TEST(GpuPrefillTest, LongChunksMatchTheReference) {
         for (size_t i = kp0.size() - 600; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);  // a chunk after a prefix hit
         for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);                // a whole prompt
         auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-        Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
-        out.Poison();
-        lse.Poison();
-        cuda::AttnParams p;
-        CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr, kernel));
-        CUDA_OK(cudaDeviceSynchronize());
-        ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
-                      absl::StrCat("long prefill ", KernelName(kernel), " D=", D, " bt=", bt));
+        ASSERT_NO_FATAL_FAILURE(ExpectPrefillMatches({}, {}, qb, kvb, kernel, bf16 ? 1e-2 : 3e-3,
+                                                     absl::StrCat("long prefill ", KernelName(kernel), " D=", D,
+                                                                  " bt=", bt)));
       }
 }
 
@@ -319,22 +328,12 @@ TEST(GpuPrefillTest, SlidingWindowAndNonCausal) {
   auto qb = MakeQueries(rng, 32, 128, true, {rows});
   for (cuda::PrefillKernel kernel : PrefillKernels())
   for (int mode = 0; mode < 2; ++mode) {
-    Dev<float> out((size_t)rows.size() * 32 * 128), lse(rows.size() * 32);
-    out.Poison();
-    lse.Poison();
     cuda::AttnParams p;
     AttentionOptions o;
-    if (mode == 0) {
-      p.window = 150;
-      o.window = 150;
-    } else {
-      p.causal = false;
-      o.causal = false;
-    }
-    CUDA_OK(cuda::PagedPrefill(p, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr, kernel));
-    CUDA_OK(cudaDeviceSynchronize());
-    ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, 1e-2,
-                  absl::StrCat(KernelName(kernel), mode == 0 ? " prefill window" : " prefill non-causal"));
+    SetMaskMode(mode, 150, &p, &o);
+    ASSERT_NO_FATAL_FAILURE(
+        ExpectPrefillMatches(p, o, qb, kvb, kernel, 1e-2,
+                             absl::StrCat(KernelName(kernel), mode == 0 ? " prefill window" : " prefill non-causal")));
   }
 }
 
