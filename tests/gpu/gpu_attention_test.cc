@@ -244,19 +244,30 @@ TEST(GpuDecodeTest, SplitLimitsAreCheckedAtTheBoundary) {
   ExpectMatches(o, lse.Host(), qb, kvb, {}, 1e-2, "one split, unaligned output");
 }
 
-// Both prefill kernels: the wgmma one where the device has it (sm_90), and
-// the mma.sync one everywhere.
-std::vector<cuda::PrefillKernel> PrefillKernels() {
-  std::vector<cuda::PrefillKernel> ks = {cuda::PrefillKernel::kMmaSync};
+// Every prefill kernel: the wgmma ones where the device has them (sm_90),
+// and the mma.sync one everywhere.
+bool HasSm90() {
   int dev = 0, major = 0, minor = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  if (major == 9 && minor == 0) ks.push_back(cuda::PrefillKernel::kWgmma);
+  return major == 9 && minor == 0;
+}
+std::vector<cuda::PrefillKernel> PrefillKernels() {
+  std::vector<cuda::PrefillKernel> ks = {cuda::PrefillKernel::kMmaSync};
+  if (HasSm90()) {
+    ks.push_back(cuda::PrefillKernel::kWgmma);
+    ks.push_back(cuda::PrefillKernel::kWgmmaPersistent);
+  }
   return ks;
 }
 const char* KernelName(cuda::PrefillKernel k) {
-  return k == cuda::PrefillKernel::kWgmma ? "wgmma" : k == cuda::PrefillKernel::kAuto ? "auto" : "mma.sync";
+  switch (k) {
+    case cuda::PrefillKernel::kWgmma: return "wgmma";
+    case cuda::PrefillKernel::kWgmmaPersistent: return "wgmma persistent";
+    case cuda::PrefillKernel::kAuto: return "auto";
+    default: return "mma.sync";
+  }
 }
 
 // Prefill: causal chunks of new tokens over a cached prefix, row counts that
@@ -302,7 +313,7 @@ TEST(GpuPrefillTest, LongChunksMatchTheReference) {
     for (int D : {64, 128})
       for (int bt : {16, 24, 48}) {
         const cuda::PrefillKernel kernel =
-            requested == cuda::PrefillKernel::kWgmma && bt % 16 != 0 ? cuda::PrefillKernel::kAuto : requested;
+            requested != cuda::PrefillKernel::kMmaSync && bt % 16 != 0 ? cuda::PrefillKernel::kAuto : requested;
         std::mt19937_64 rng(seed++);
         const int kv_heads = 2, q_heads = 8;
         const bool bf16 = seed % 2;
@@ -317,6 +328,35 @@ TEST(GpuPrefillTest, LongChunksMatchTheReference) {
                                                      absl::StrCat("long prefill ", KernelName(kernel), " D=", D,
                                                                   " bt=", bt)));
       }
+}
+
+// More row tiles than SMs (the persistent kernel's CTAs take four or five
+// each, its producer streams one row tile's KV after another through the
+// ring, and its metadata and Q double as the next tile's): sequences of
+// different lengths (row tiles past a short sequence's end are skipped),
+// 128-row tiles whose rows all come before every key (no key: zeros and
+// -inf, and no KV tile in the ring), GQA 4, both head sizes.
+TEST(GpuPrefillTest, ManyRowTilesPerCta) {
+  KVRING_REQUIRE_GPU();
+  if (!HasSm90()) GTEST_SKIP() << "the wgmma kernels need sm_90";
+  uint64_t seed = 700;
+  for (int D : {128, 64}) {
+    std::mt19937_64 rng(seed++);
+    const int kv_heads = 4, q_heads = 16;
+    const bool bf16 = D == 128;
+    std::vector<int> toks = {1500, 500, 40};
+    auto kvb = MakeBatch(rng, 64, 1, kv_heads, D, bf16, toks, {0, 1000, 0}, false, 0);
+    std::vector<std::vector<int32_t>> qpos(3);
+    for (int32_t x : kvb.seqs[0].dense.positions) qpos[0].push_back(x);  // a whole prompt: 12 row tiles
+    for (int i = 0; i < 300; ++i) qpos[1].push_back(i);                  // before position 1000: sees nothing
+    for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);
+    for (int32_t x : kvb.seqs[2].dense.positions) qpos[2].push_back(x);
+    auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+    for (cuda::PrefillKernel kernel : {cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaPersistent}) {
+      ASSERT_NO_FATAL_FAILURE(ExpectPrefillMatches({}, {}, qb, kvb, kernel, bf16 ? 1e-2 : 3e-3,
+                                                   absl::StrCat(KernelName(kernel), " many row tiles D=", D)));
+    }
+  }
 }
 
 TEST(GpuPrefillTest, SlidingWindowAndNonCausal) {

@@ -164,6 +164,15 @@ __device__ __forceinline__ void TmaLoad5d(uint32_t dst, const CUtensorMap* map, 
       : "memory");
 }
 
+// One box of a 3-d tensor map into shared memory; completes on `bar`.
+__device__ __forceinline__ void TmaLoad3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
 // Programmatic dependent launch (sm_90; no-ops before, and when the kernel
 // was launched without the attribute): let the stream's next kernel begin
 // its launch / wait until the previous kernel completed and its writes are

@@ -29,6 +29,7 @@
 // but 0 x NaN is not); K junk is masked to -inf before the softmax.
 // Row tiles run heaviest first across all heads and sequences (causal:
 // later rows see more keys).
+#include <algorithm>
 #include <cfloat>
 
 #include "cuda_common.cuh"
@@ -47,8 +48,8 @@ struct Sm90Smem {
   static constexpr int kTileBytes = kBN * D * 2; // one K or V tile: [D/64][kBN][128 B]
   static constexpr int kK = kQBytes;
   static constexpr int kV = kK + kStages * kTileBytes;
-  static constexpr int kBars = kV + kStages * kTileBytes;  // full[kStages], empty[kStages]
-  static constexpr int kBytes = kBars + 2 * kStages * 8;
+  static constexpr int kBars = kV + kStages * kTileBytes;  // full[kStages], empty[kStages] (+ q_full, q_empty: persistent)
+  static constexpr int kBytes = kBars + (2 * kStages + 2) * 8;
   static constexpr int kDynamic = kBytes + 1024;  // slack to align the base to 1024 (the swizzle period)
 };
 
@@ -407,6 +408,380 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// ---- Persistent variant: one CTA an SM for the whole call, over the row
+// tiles in the same heaviest-first order (CTA c takes tiles c, 2G-1-c, 2G+c,
+// ... of the G CTAs: a snake, so no CTA takes the heaviest of every round).
+// A third warpgroup produces: one warp of it computes the next tile's
+// metadata (rows, key range, positions) into shared memory, brings its Q by
+// TMA as soon as the consumers have taken the current Q into registers, and
+// streams the KV tiles of one row tile after the other through the ring, so
+// a row tile's prologue (~3 dependent global round trips and the first
+// tiles' copies) runs under the previous tile's main loop instead of in
+// front of it. The two consumer warpgroups run the same rounds as above;
+// their turns carry over from one row tile to the next. The producer
+// warpgroup gives its registers to the consumers (setmaxnreg 24 / 240).
+constexpr int kPersistThreads = kThreads + 128;
+// Shared ints of the next row tile's metadata (s_item).
+enum ItemField { kDone, kHq, kR0, kNrows, kPb, kNtok, kNBegin, kNEnd, kQmin, kQmax, kContig, kP0, kItemInts };
+
+template <int N>
+__device__ __forceinline__ void RegAlloc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void RegDealloc() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+template <int D, typename T>
+__global__ void __launch_bounds__(kPersistThreads, 1)
+    PrefillSm90PersistentKernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out, int row_tiles,
+                                const __grid_constant__ CUtensorMap pool_map, const __grid_constant__ CUtensorMap q_map) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = Sm90Smem<D>;
+  constexpr int kKSteps = D / 16;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int s_item[kItemInts];
+  __shared__ int s_pos[kBM];
+  const uint32_t base = SmemBase1024(smem_raw);
+  const uint32_t full0 = base + S::kBars, empty0 = full0 + kStages * 8, q_full = empty0 + kStages * 8,
+                 q_empty = q_full + 8;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(full0 + 8 * i, 1);          // the producer's expect-tx arrival (+ the tile's bytes)
+      MbarInit(empty0 + 8 * i, kThreads);  // every consumer thread, once done with the tile
+    }
+    MbarInit(q_full, 1);         // the producer, once s_item / s_pos are written (+ Q's bytes)
+    MbarInit(q_empty, kThreads);  // every consumer thread, once it holds Q, s_item and s_pos in registers
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // (the last CTA-wide barrier: the producer warpgroup's idle warps leave)
+
+  if (tid >= kThreads) {
+    // ---- producer (warp 8; warps 9-11 leave)
+    RegDealloc<24>();
+    if (tid >= kThreads + 32) return;
+    const int lane = tid & 31;
+    if (lane == 0) {
+      TmaPrefetchMap(&pool_map);
+      TmaPrefetchMap(&q_map);
+    }
+    const int X = q.q_heads * kv.num_seqs, G = q.q_heads / kv.kv_heads;
+    const long long total = (long long)X * row_tiles;
+    int k = 0, gl = 0;  // row tiles sent, KV tiles sent
+    for (long long round = 0; round * gridDim.x < total; ++round) {
+      const long long idx = round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+      if (idx >= total) continue;
+      const int x = (int)(idx % X), tile = row_tiles - 1 - (int)(idx / X), hq = x % q.q_heads, s = x / q.q_heads;
+      const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
+      const int r0 = rb + tile * kBM;
+      if (r0 >= re) continue;
+      const int nrows = min(kBM, re - r0);
+      const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb, ntok = kv.seq_tokens[s];
+      int pos[kBM / 32], mn = INT32_MAX, mx = INT32_MIN;
+#pragma unroll
+      for (int i = 0; i < kBM / 32; ++i) {
+        const int r = lane + 32 * i;
+        pos[i] = r < nrows ? q.positions[r0 + r] : INT32_MIN;
+        if (r < nrows) {
+          mn = min(mn, pos[i]);
+          mx = max(mx, pos[i]);
+        }
+      }
+      mn = __reduce_min_sync(0xffffffffu, mn);
+      mx = __reduce_max_sync(0xffffffffu, mx);
+      const int2 keys = VisibleKeys(p, kv, pb, npages, ntok, mn, mx, kBN);
+      const int ntiles = keys.y > keys.x ? (keys.y - keys.x + kBN - 1) / kBN : 0;
+      int p0 = 0;
+      const bool contiguous = npages > 0 && PagesContiguous(kv, pb, npages, &p0);
+      // The consumers hold the previous tile's Q and metadata in registers.
+      if (k > 0) MbarWait(q_empty, (k - 1) & 1);
+#pragma unroll
+      for (int i = 0; i < kBM / 32; ++i) s_pos[lane + 32 * i] = pos[i];
+      if (lane == 0) {
+        s_item[kDone] = 0;
+        s_item[kHq] = hq;
+        s_item[kR0] = r0;
+        s_item[kNrows] = nrows;
+        s_item[kPb] = pb;
+        s_item[kNtok] = ntok;
+        s_item[kNBegin] = keys.x;
+        s_item[kNEnd] = keys.y;
+        s_item[kQmin] = mn;
+        s_item[kQmax] = mx;
+        s_item[kContig] = contiguous;
+        s_item[kP0] = p0;
+      }
+      __threadfence_block();
+      __syncwarp();
+      if (lane == 0) {  // Q rows past the last row read as zeros (or as the next sequence's rows: never stored)
+        MbarArriveExpectTx(q_full, S::kQBytes);
+#pragma unroll
+        for (int dc = 0; dc < D / 64; ++dc) TmaLoad3d(base + dc * kBM * 128, &q_map, dc * 64, hq, r0, q_full);
+      }
+      ++k;
+      // KV tiles: lanes 0..3 copy a 16-token box each of K and V (the page
+      // id is read before the wait for the stage).
+      const int hk = hq / G, kplane = (kv.layer * 2) * kv.kv_heads + hk, vplane = kplane + kv.kv_heads;
+      for (int j = 0; j < ntiles; ++j, ++gl) {
+        const int st = gl % kStages;
+        int page = -1, off = 0;
+        if (lane < kBN / kBox) {
+          const int i0 = keys.x + j * kBN + lane * kBox, pg = i0 / kv.block_tokens;
+          page = pg < npages ? kv.page_ids[pb + pg] : -1;
+          off = i0 - pg * kv.block_tokens;
+        }
+        if (gl >= kStages) MbarWait(empty0 + 8 * st, ((gl / kStages) - 1) & 1);
+        if (lane == 0) MbarArriveExpectTx(full0 + 8 * st, 2 * S::kTileBytes);
+        __syncwarp();
+        if (lane < kBN / kBox) {
+          const uint32_t kt = base + S::kK + st * S::kTileBytes, vt = base + S::kV + st * S::kTileBytes;
+#pragma unroll
+          for (int dc = 0; dc < D / 64; ++dc) {
+            const uint32_t o = dc * kBN * 128 + lane * kBox * 128;
+            TmaLoad5d(kt + o, &pool_map, 0, dc, off, kplane, page, full0 + 8 * st);
+            TmaLoad5d(vt + o, &pool_map, 0, dc, off, vplane, page, full0 + 8 * st);
+          }
+        }
+      }
+    }
+    if (k > 0) MbarWait(q_empty, (k - 1) & 1);
+    if (lane == 0) {
+      s_item[kDone] = 1;
+      MbarArrive(q_full);
+    }
+    return;
+  }
+
+  // ---- consumers: two warpgroups of 64 rows
+  RegAlloc<240>();
+  const int wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, tig = lane & 3;
+  const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
+  const int wr = wg * 64 + (warp & 3) * 16 + g;  // this thread's two rows (of its warpgroup's 64): wr, wr + 8
+  if (wg == 1) NamedBarrierArrive(kTurn + 0, kThreads);  // warpgroup 0 takes the first turn
+  int gc = 0;  // KV tiles consumed (the ring's position)
+  for (int k = 0;; ++k) {
+    MbarWait(q_full, k & 1);
+    if (s_item[kDone]) break;
+    const int hq = s_item[kHq], r0 = s_item[kR0], nrows = s_item[kNrows], pb = s_item[kPb];
+    const int ntok = s_item[kNtok], n_begin = s_item[kNBegin], n_end = s_item[kNEnd], qmin = s_item[kQmin];
+    const int qmax = s_item[kQmax], p0 = s_item[kP0];
+    const bool contiguous = s_item[kContig] != 0;
+    const int qpos0 = s_pos[wr], qpos1 = s_pos[wr + 8];
+    uint32_t qf[kKSteps][4];
+    {
+      const int mi = lane >> 3, rr = lane & 7, r = wg * 64 + (warp & 3) * 16 + (mi & 1) * 8 + rr;
+#pragma unroll
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        LdMatrixX4(base + Sw128(kBM, r, 2 * kk + (mi >> 1)), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+      }
+    }
+    MbarArrive(q_empty);
+    const int ntiles = n_end > n_begin ? (n_end - n_begin + kBN - 1) / kBN : 0;
+    if (ntiles == 0) {  // no row of this tile sees a key
+      for (int i = tid; i < nrows * D; i += kThreads) out.out[((size_t)(r0 + i / D) * q.q_heads + hq) * D + i % D] = 0.f;
+      for (int r = tid; r < nrows; r += kThreads) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = -INFINITY;
+      continue;
+    }
+    auto key_pos = [&](int i) { return contiguous ? p0 + i : TokenPos(kv, pb, i); };
+    auto tile_edge = [&](int j) -> bool {
+      const int n0 = n_begin + j * kBN;
+      if (j >= ntiles) return false;
+      const int last = min(n0 + kBN, n_end) - 1;
+      return n0 + kBN > n_end || (p.causal && key_pos(last) > qmin) || (p.window > 0 && key_pos(n0) <= qmax - p.window);
+    };
+
+    float o[D / 2], sc[32];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    uint32_t pa[4][4];
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    float c0 = 1.f, c1 = 1.f;
+
+    auto issue_s = [&](int j) {
+      const int st = (gc + j) % kStages;
+      MbarWait(full0 + 8 * st, ((gc + j) / kStages) & 1);
+      const int n0 = n_begin + j * kBN;
+      if (n0 + kBN > ntok) {
+        const uint32_t vt = base + S::kV + st * S::kTileBytes;
+        const int first = ntok - n0;
+        for (int c = tid & 127; c < (kBN - first) * (D / 8); c += 128) {
+          const int r = first + c / (D / 8), ch = c % (D / 8);
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(vt + Sw128(kBN, r, ch)), "r"(0) : "memory");
+        }
+        FenceProxyAsync();
+        NamedBarrier(2 + wg, 128);
+      }
+      const uint32_t kt = base + S::kK + st * S::kTileBytes;
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        const uint64_t db = SmemDesc128(kt + (kk >> 2) * kBN * 128 + (kk & 3) * 32, 16, 1024);
+        if (kk == 0) {
+          WgmmaRSK0<64, T>(sc, qf[kk], db);
+        } else {
+          WgmmaRSK<64, T>(sc, qf[kk], db, 1);
+        }
+      }
+      WgmmaCommit();
+    };
+    auto softmax = [&](int j, bool edge) {
+      if (edge) {
+        const int n0 = n_begin + j * kBN;
+        int bpos[kBN / kBox];
+#pragma unroll
+        for (int b = 0; b < kBN / kBox; ++b) {
+          bpos[b] = (p.causal || p.window > 0) && n0 + b * kBox < n_end ? key_pos(n0 + b * kBox) : 0;
+        }
+#pragma unroll
+        for (int jn = 0; jn < 8; ++jn) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = (jn & 1) * 8 + tig * 2 + (e & 1);
+            const int qp = e < 2 ? qpos0 : qpos1, kp = bpos[jn >> 1] + c;
+            bool vis = n0 + (jn >> 1) * kBox + c < n_end;
+            if (p.causal) vis = vis && kp <= qp;
+            if (p.window > 0) vis = vis && kp > qp - p.window;
+            if (!vis) sc[4 * jn + e] = -INFINITY;
+          }
+        }
+      }
+      float t0[8], t1[8];
+#pragma unroll
+      for (int jn = 0; jn < 8; ++jn) {
+        t0[jn] = fmaxf(sc[4 * jn], sc[4 * jn + 1]);
+        t1[jn] = fmaxf(sc[4 * jn + 2], sc[4 * jn + 3]);
+      }
+#pragma unroll
+      for (int w = 4; w >= 1; w >>= 1) {
+#pragma unroll
+        for (int kx = 0; kx < w; ++kx) {
+          t0[kx] = fmaxf(t0[kx], t0[kx + w]);
+          t1[kx] = fmaxf(t1[kx], t1[kx + w]);
+        }
+      }
+      float mx0 = t0[0], mx1 = t1[0];
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float nm0 = fmaxf(m0, mx0 * scale), nm1 = fmaxf(m1, mx1 * scale);
+      c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
+      c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
+      const float b0 = nm0 == -INFINITY ? 0.f : nm0, b1 = nm1 == -INFINITY ? 0.f : nm1;
+#pragma unroll
+      for (int jn = 0; jn < 8; ++jn) {
+        sc[4 * jn] = exp2f(fmaf(sc[4 * jn], scale, -b0));
+        sc[4 * jn + 1] = exp2f(fmaf(sc[4 * jn + 1], scale, -b0));
+        sc[4 * jn + 2] = exp2f(fmaf(sc[4 * jn + 2], scale, -b1));
+        sc[4 * jn + 3] = exp2f(fmaf(sc[4 * jn + 3], scale, -b1));
+        t0[jn] = sc[4 * jn] + sc[4 * jn + 1];
+        t1[jn] = sc[4 * jn + 2] + sc[4 * jn + 3];
+      }
+#pragma unroll
+      for (int w = 4; w >= 1; w >>= 1) {
+#pragma unroll
+        for (int kx = 0; kx < w; ++kx) {
+          t0[kx] += t0[kx + w];
+          t1[kx] += t1[kx + w];
+        }
+      }
+      l0 = l0 * c0 + t0[0];
+      l1 = l1 * c1 + t1[0];
+      m0 = nm0;
+      m1 = nm1;
+    };
+    auto pack = [&]() {
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        pa[t][0] = Pack<T>(sc[8 * t], sc[8 * t + 1]);
+        pa[t][1] = Pack<T>(sc[8 * t + 2], sc[8 * t + 3]);
+        pa[t][2] = Pack<T>(sc[8 * t + 4], sc[8 * t + 5]);
+        pa[t][3] = Pack<T>(sc[8 * t + 6], sc[8 * t + 7]);
+      }
+    };
+    auto rescale_o = [&]() {
+      if (c0 != 1.f || c1 != 1.f) {
+#pragma unroll
+        for (int jd = 0; jd < D / 8; ++jd) {
+          o[4 * jd] *= c0;
+          o[4 * jd + 1] *= c0;
+          o[4 * jd + 2] *= c1;
+          o[4 * jd + 3] *= c1;
+        }
+      }
+      FenceRegs<D / 2>(o);
+    };
+    auto issue_pv = [&](int j) {
+      const uint32_t vt = base + S::kV + ((gc + j) % kStages) * S::kTileBytes;
+      FenceRegs<16>(&pa[0][0]);
+      WgmmaFence();
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        WgmmaRS<D, T>(o, pa[t], SmemDesc128(vt + t * 16 * 128, kBN * 128, 1024), 1);
+      }
+      WgmmaCommit();
+    };
+
+    issue_s(0);
+    WgmmaWait<0>();
+    FenceRegs<32>(sc);
+    softmax(0, tile_edge(0));
+    pack();
+    bool edge_next = tile_edge(1);
+    int j = 0;
+    for (; j + 1 < ntiles; ++j) {
+      const bool edge = edge_next;
+      edge_next = tile_edge(j + 2);
+      rescale_o();
+      NamedBarrier(kTurn + wg, kThreads);
+      issue_s(j + 1);
+      issue_pv(j);
+      NamedBarrierArrive(kTurn + (1 - wg), kThreads);
+      WgmmaWait<1>();
+      FenceRegs<32>(sc);
+      softmax(j + 1, edge);
+      WgmmaWait<0>();
+      FenceRegs<D / 2>(o);
+      MbarArrive(empty0 + 8 * ((gc + j) % kStages));
+      pack();
+    }
+    rescale_o();
+    NamedBarrier(kTurn + wg, kThreads);
+    issue_pv(j);
+    NamedBarrierArrive(kTurn + (1 - wg), kThreads);  // (the turns go on into the next row tile)
+    WgmmaWait<0>();
+    FenceRegs<D / 2>(o);
+    MbarArrive(empty0 + 8 * ((gc + j) % kStages));
+    gc += ntiles;
+
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = wr + hf * 8;
+      if (r >= nrows) continue;
+      const float lv = hf ? l1 : l0, mv = hf ? m1 : m0;
+      const float inv = lv > 0.f ? 1.f / lv : 0.f;
+      float* dst = out.out + ((size_t)(r0 + r) * q.q_heads + hq) * D;
+#pragma unroll
+      for (int jd = 0; jd < D / 8; ++jd) {
+        *reinterpret_cast<float2*>(dst + jd * 8 + tig * 2) =
+            make_float2(o[4 * jd + 2 * hf] * inv, o[4 * jd + 2 * hf + 1] * inv);
+      }
+      if (tig == 0) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = lv > 0.f ? (mv + log2f(lv)) * kLn2 : -INFINITY;
+    }
+  }
+  if (wg == 0) NamedBarrier(kTurn + 0, kThreads);  // warpgroup 1's last hand-over (no barrier left half-arrived)
+#else
+  __trap();
+#endif
+}
+
 template <int D, typename T>
 cudaError_t LaunchSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                        const CUtensorMap& map, cudaStream_t stream) {
@@ -420,18 +795,43 @@ cudaError_t LaunchSm90(const AttnParams& p, const QueryView& q, const PagedKvVie
   return cudaGetLastError();
 }
 
+template <int D, typename T>
+cudaError_t LaunchSm90Persistent(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
+                                 const CUtensorMap& map, const CUtensorMap& q_map, cudaStream_t stream) {
+  const int smem = Sm90Smem<D>::kDynamic;
+  cudaError_t e =
+      cudaFuncSetAttribute(PrefillSm90PersistentKernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  int dev = 0, sms = 0;
+  if (e == cudaSuccess) e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return e;
+  const long long row_tiles = (q.max_rows_per_seq + kBM - 1) / kBM, items = row_tiles * q.q_heads * kv.num_seqs;
+  if (items >= (1ll << 40)) return cudaErrorInvalidValue;
+  const int grid = (int)std::min<long long>(items, sms);
+  PrefillSm90PersistentKernel<D, T><<<grid, kPersistThreads, smem, stream>>>(p, q, kv, out, (int)row_tiles, map, q_map);
+  return cudaGetLastError();
+}
+
+template <int D, typename T>
+cudaError_t LaunchSm90As(bool persistent, const AttnParams& p, const QueryView& q, const PagedKvView& kv,
+                         OutputView out, const CUtensorMap& map, cudaStream_t stream) {
+  alignas(64) CUtensorMap q_map{};
+  if (persistent && MakeQueryMap(q, D, kBM, &q_map)) return LaunchSm90Persistent<D, T>(p, q, kv, out, map, q_map, stream);
+  return LaunchSm90<D, T>(p, q, kv, out, map, stream);
+}
+
 }  // namespace
 
 cudaError_t PagedPrefillSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, bool persistent) {
   alignas(64) CUtensorMap map{};
   if (!MakePoolMap(kv, kBox, &map)) return cudaErrorNotSupported;  // e.g. pages not a multiple of 16 tokens
   if (kv.dtype == KvType::kBF16) {
-    return kv.head_dim == 128 ? LaunchSm90<128, __nv_bfloat16>(p, q, kv, out, map, stream)
-                              : LaunchSm90<64, __nv_bfloat16>(p, q, kv, out, map, stream);
+    return kv.head_dim == 128 ? LaunchSm90As<128, __nv_bfloat16>(persistent, p, q, kv, out, map, stream)
+                              : LaunchSm90As<64, __nv_bfloat16>(persistent, p, q, kv, out, map, stream);
   }
-  return kv.head_dim == 128 ? LaunchSm90<128, __half>(p, q, kv, out, map, stream)
-                            : LaunchSm90<64, __half>(p, q, kv, out, map, stream);
+  return kv.head_dim == 128 ? LaunchSm90As<128, __half>(persistent, p, q, kv, out, map, stream)
+                            : LaunchSm90As<64, __half>(persistent, p, q, kv, out, map, stream);
 }
 
 }  // namespace internal

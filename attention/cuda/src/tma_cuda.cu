@@ -23,14 +23,16 @@ PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
   return fn;
 }
 
+bool Sm90OrLater() {
+  int dev = 0, major = 0;
+  return cudaGetDevice(&dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+}
+
 }  // namespace
 
 bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool all_column_blocks) {
-  int dev = 0, major = 0;
-  if (box_tokens <= 0 || kv.block_tokens % box_tokens != 0 || kv.codec != 0 || cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9) {
-    return false;
-  }
+  if (box_tokens <= 0 || kv.block_tokens % box_tokens != 0 || kv.codec != 0 || !Sm90OrLater()) return false;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
   if (encode == nullptr) return false;
   const int D = kv.head_dim;
@@ -48,6 +50,21 @@ bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool a
   }
   const cuuint32_t estrides[5] = {1, 1, 1, 1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 5, const_cast<void*>(kv.pool), dims, strides, box, estrides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool MakeQueryMap(const QueryView& q, int head_dim, int box_rows, CUtensorMap* map) {
+  if (head_dim % 64 != 0 || box_rows <= 0 || box_rows > 256 || q.num_rows <= 0 ||
+      reinterpret_cast<uintptr_t>(q.q) % 16 != 0 || !Sm90OrLater()) {
+    return false;
+  }
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {(cuuint64_t)head_dim, (cuuint64_t)q.q_heads, (cuuint64_t)q.num_rows};
+  const cuuint64_t strides[2] = {(cuuint64_t)head_dim * 2, (cuuint64_t)q.q_heads * head_dim * 2};
+  const cuuint32_t box[3] = {64, 1, (cuuint32_t)box_rows}, estrides[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(q.q), dims, strides, box, estrides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }

@@ -21,4 +21,11 @@ namespace kvring::cuda::internal {
 // layout takes D/64).
 bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool all_column_blocks = false);
 
+// A 3-d map of q's query vectors: (64 columns, q head, row), boxes of 64
+// columns x 1 head x `box_rows` rows with the 128-byte swizzle (a box lands
+// as [box_rows][128 B]); rows past q.num_rows read as zeros. False where TMA
+// cannot serve it (as MakePoolMap; also a query pointer that is not 16-byte
+// aligned). Host only; thread-safe.
+bool MakeQueryMap(const QueryView& q, int head_dim, int box_rows, CUtensorMap* map);
+
 }  // namespace kvring::cuda::internal

@@ -90,7 +90,9 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
 // four lanes of warp 0 into a 5-stage mbarrier ring) and kMmaSync (mma.sync m16n8k16, any sm_80+
 // device, any page size). kAuto takes kWgmma where it can serve the view.
 // kWgmma where it cannot returns cudaErrorNotSupported.
-enum class PrefillKernel : int32_t { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
+// kWgmmaPersistent (experimental): the kWgmma math in a persistent kernel
+// (one CTA an SM, a producer warpgroup streaming row tile after row tile).
+enum class PrefillKernel : int32_t { kAuto = 0, kMmaSync = 1, kWgmma = 2, kWgmmaPersistent = 3 };
 cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                          cudaStream_t stream, PrefillKernel kernel = PrefillKernel::kAuto);
 
