@@ -32,7 +32,7 @@ lib.kvring_cuda_decode.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I,
                                    VP, VP, VP]
 lib.kvring_cuda_prefill.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, VP, VP, VP,
                                     I]
-PREFILL_KERNELS = {"wgmma": 2, "mma.sync": 1, "persistent": 3}  # kvring::cuda::PrefillKernel
+PREFILL_KERNELS = {"wgmma": 2, "mma.sync": 1}     # kvring::cuda::PrefillKernel
 lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
 lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
 lib.kvring_cuda_decode_workspace.restype = U64
@@ -371,9 +371,6 @@ for shape in prefill_shapes:
     # kvring's kernel and SDPA flash are timed once more, in turn, and the
     # row reports these second timings (the first ones are kept).
     t_ours = timed(lambda: ours(PREFILL_KERNELS["wgmma"]), reps=reps)
-    t_pers = timed(lambda: ours(PREFILL_KERNELS["persistent"]), reps=reps)
-    row.update({"persistent_ms_first_timing": row["persistent_ms"], "persistent_ms": t_pers,
-                "persistent_TFLOPs": flops / (t_pers * 1e-3) / 1e12})
     row.update({"ms_first_timing": ms, "ms": t_ours, "TFLOPs": flops / (t_ours * 1e-3) / 1e12,
                 "frac_gemm": flops / (t_ours * 1e-3) / gemm, "wgmma_ms": t_ours,
                 "wgmma_TFLOPs": flops / (t_ours * 1e-3) / 1e12})
@@ -387,8 +384,7 @@ for shape in prefill_shapes:
             row[f"ratio_vs_{name}"] = row[f"sdpa_{name}_ms"] / ms
     results["prefill"].append(row)
     print(f"prefill B={B} L={L:6d}{'' if causal else ' (not causal)'}: wgmma {ms:.2f} ms, {row['TFLOPs']:.0f} TFLOP/s ({row['frac_gemm']:.2f} of GEMM; "
-          f"mma.sync {row['mma.sync_TFLOPs']:.0f}, persistent {row['persistent_TFLOPs']:.0f} = "
-          f"{row['persistent_TFLOPs'] / row['TFLOPs']:.3f}x), err {err:.1e}; vs flash {row.get('ratio_vs_flash', 0):.2f}, "
+          f"mma.sync {row['mma.sync_TFLOPs']:.0f}), err {err:.1e}; vs flash {row.get('ratio_vs_flash', 0):.2f}, "
           f"vs cudnn {row.get('ratio_vs_cudnn', 0):.2f} (first timings: vs flash "
           f"{row.get('sdpa_flash_ms_first_timing', 0) / row['ms_first_timing']:.2f})", flush=True)
     del kv, k, v, q, qt, out, ref

@@ -42,6 +42,42 @@ void ExpectPrefillMatches(const cuda::AttnParams& p, const AttentionOptions& o, 
   ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, tol, what);
 }
 
+// Views the kernels' 16-byte copies cannot read are refused at the boundary,
+// before anything touches the device (runs without a GPU: the pointers are
+// never dereferenced).
+TEST(GpuViewsTest, MisalignedViewsAreRefused) {
+  alignas(16) static uint16_t pool[16], q[16];
+  static int32_t ints[4] = {0, 1, 1, 16};
+  cuda::PagedKvView kv;
+  kv.pool = pool;
+  kv.page_stride = 2 * 2 * 16 * 64 * 2;
+  kv.block_tokens = 16;
+  kv.layers = 1;
+  kv.kv_heads = 2;
+  kv.head_dim = 64;
+  kv.page_ids = kv.page_pos = kv.seq_page_begin = kv.seq_tokens = ints;
+  kv.num_seqs = 1;
+  cuda::QueryView qv;
+  qv.q = q;
+  qv.positions = qv.seq_row_begin = ints;
+  qv.num_rows = 1;
+  qv.q_heads = 2;
+  qv.max_rows_per_seq = 1;
+  EXPECT_EQ(cuda::CheckViews(qv, kv), nullptr);
+  float out[64], lse[2];
+  qv.q = q + 1;
+  EXPECT_STREQ(cuda::CheckViews(qv, kv), "query array must be 16-byte aligned");
+  EXPECT_EQ(cuda::PagedPrefill({}, qv, kv, {out, lse}, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::PagedDecode({}, qv, kv, {out, lse}, 1, nullptr, 0, nullptr), cudaErrorInvalidValue);
+  qv.q = q;
+  kv.pool = pool + 4;
+  EXPECT_STREQ(cuda::CheckViews(qv, kv), "pool and page_stride must be 16-byte aligned");
+  kv.pool = pool;
+  kv.page_stride += 8;
+  EXPECT_STREQ(cuda::CheckViews(qv, kv), "pool and page_stride must be 16-byte aligned");
+  EXPECT_EQ(cuda::PagedPrefill({}, qv, kv, {out, lse}, nullptr), cudaErrorInvalidValue);
+}
+
 // Decode: batches of sequences with 1..8 query rows each, GQA 1/4/8.
 TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
   KVRING_REQUIRE_GPU();
@@ -244,8 +280,8 @@ TEST(GpuDecodeTest, SplitLimitsAreCheckedAtTheBoundary) {
   ExpectMatches(o, lse.Host(), qb, kvb, {}, 1e-2, "one split, unaligned output");
 }
 
-// Every prefill kernel: the wgmma ones where the device has them (sm_90),
-// and the mma.sync one everywhere.
+// Both prefill kernels: the wgmma one where the device has it (sm_90), and
+// the mma.sync one everywhere.
 bool HasSm90() {
   int dev = 0, major = 0, minor = 0;
   cudaGetDevice(&dev);
@@ -255,16 +291,12 @@ bool HasSm90() {
 }
 std::vector<cuda::PrefillKernel> PrefillKernels() {
   std::vector<cuda::PrefillKernel> ks = {cuda::PrefillKernel::kMmaSync};
-  if (HasSm90()) {
-    ks.push_back(cuda::PrefillKernel::kWgmma);
-    ks.push_back(cuda::PrefillKernel::kWgmmaPersistent);
-  }
+  if (HasSm90()) ks.push_back(cuda::PrefillKernel::kWgmma);
   return ks;
 }
 const char* KernelName(cuda::PrefillKernel k) {
   switch (k) {
     case cuda::PrefillKernel::kWgmma: return "wgmma";
-    case cuda::PrefillKernel::kWgmmaPersistent: return "wgmma persistent";
     case cuda::PrefillKernel::kAuto: return "auto";
     default: return "mma.sync";
   }
@@ -330,15 +362,14 @@ TEST(GpuPrefillTest, LongChunksMatchTheReference) {
       }
 }
 
-// More row tiles than SMs (the persistent kernel's CTAs take four or five
-// each, its producer streams one row tile's KV after another through the
+// More row tiles than SMs (the wgmma kernel's persistent CTAs take four or
+// five each, its producer streams one row tile's KV after another through the
 // ring, and its metadata and Q double as the next tile's): sequences of
 // different lengths (row tiles past a short sequence's end are skipped),
 // 128-row tiles whose rows all come before every key (no key: zeros and
 // -inf, and no KV tile in the ring), GQA 4, both head sizes.
 TEST(GpuPrefillTest, ManyRowTilesPerCta) {
   KVRING_REQUIRE_GPU();
-  if (!HasSm90()) GTEST_SKIP() << "the wgmma kernels need sm_90";
   uint64_t seed = 700;
   for (int D : {128, 64}) {
     std::mt19937_64 rng(seed++);
@@ -352,7 +383,7 @@ TEST(GpuPrefillTest, ManyRowTilesPerCta) {
     for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);
     for (int32_t x : kvb.seqs[2].dense.positions) qpos[2].push_back(x);
     auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-    for (cuda::PrefillKernel kernel : {cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaPersistent}) {
+    for (cuda::PrefillKernel kernel : PrefillKernels()) {
       ASSERT_NO_FATAL_FAILURE(ExpectPrefillMatches({}, {}, qb, kvb, kernel, bf16 ? 1e-2 : 3e-3,
                                                    absl::StrCat(KernelName(kernel), " many row tiles D=", D)));
     }

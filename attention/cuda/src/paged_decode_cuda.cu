@@ -346,6 +346,11 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
   if (kv.kv_heads <= 0 || q.q_heads <= 0 || q.q_heads % kv.kv_heads != 0) return "q_heads must be a multiple of kv_heads";
   if (kv.layer < 0 || kv.layer >= kv.layers) return "layer out of range";
   if (kv.block_tokens <= 0 || kv.block_tokens > 256) return "block_tokens must be in [1, 256]";
+  // (16-byte copies: cp.async and TMA)
+  if (reinterpret_cast<uintptr_t>(q.q) % 16 != 0) return "query array must be 16-byte aligned";
+  if (reinterpret_cast<uintptr_t>(kv.pool) % 16 != 0 || kv.page_stride % 16 != 0) {
+    return "pool and page_stride must be 16-byte aligned";
+  }
   const uint64_t elems = (uint64_t)kv.layers * 2 * kv.kv_heads * kv.block_tokens * kv.head_dim;
   if (kv.codec < 0 || kv.codec > 2 || kv.scales < 0 || kv.scales > 2) return "unknown KV encoding";
   if (kv.codec == 0 && kv.page_stride < elems * 2) return "page_stride smaller than a block";
@@ -354,7 +359,6 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
                              : kv.scales == 1 ? (uint64_t)kv.layers * 2 * kv.kv_heads * kv.block_tokens
                                               : (uint64_t)kv.layers * kv.kv_heads * (kv.head_dim + kv.block_tokens);
     if (kv.page_stride < elems + 4 * nscales) return "page_stride smaller than a quantized block";
-    if (kv.page_stride % 16 != 0) return "quantized pages must be 16-byte aligned";
   }
   if (kv.num_seqs <= 0 || q.max_rows_per_seq <= 0) return "no sequences";
   return nullptr;

@@ -287,7 +287,7 @@ cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& k
 
 // paged_prefill_sm90_cuda.cu (built for sm_90a only).
 cudaError_t PagedPrefillSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
-                             cudaStream_t stream, bool persistent);
+                             cudaStream_t stream);
 }  // namespace internal
 
 cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
@@ -302,7 +302,7 @@ cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvV
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
     if (e != cudaSuccess) return e;
     if (major == 9 && minor == 0) {
-      e = internal::PagedPrefillSm90(p, q, kv, out, stream, kernel == PrefillKernel::kWgmmaPersistent);
+      e = internal::PagedPrefillSm90(p, q, kv, out, stream);
       if (e != cudaErrorNotSupported || kernel != PrefillKernel::kAuto) return e;
       (void)cudaGetLastError();  // (nothing was launched) kAuto: the mma.sync kernel serves this view
     } else if (kernel != PrefillKernel::kAuto) {

@@ -1,34 +1,45 @@
 // Paged prefill attention on Hopper's warpgroup MMA (wgmma, sm_90a) with
-// tensor-memory-accelerator loads.
+// tensor-memory-accelerator loads, as a persistent kernel.
 //
 // Same contract as the mma.sync kernel in paged_prefill_cuda.cu (which stays
-// the kernel for other devices and for page sizes that are not a multiple of
-// 16 tokens): O fp32 and LSE (natural log) of each (row, q head),
-// causal/window by absolute position, GQA.
+// the kernel for other devices, for page sizes that are not a multiple of 16
+// tokens and for query arrays TMA cannot read): O fp32 and LSE (natural log)
+// of each (row, q head), causal/window by absolute position, GQA.
 //
-// CTA: 128 query rows of one (sequence, q head) in two warpgroups of 64 rows.
-// The sequence's KV streams in 64-token tiles through a 5-stage shared-memory
-// ring, three tiles ahead: for each tile, four lanes of warp 0 issue TMA
-// copies of 16-token boxes of the K and V planes of the kv head against a
-// tensor map of the page pool, landing in the 128-byte-swizzled layout wgmma
-// reads ([D/64][64 rows][128 B]); the stage's "full" mbarrier completes when
-// the bytes have landed, its "empty" one when every thread is done with it.
-// Loads thus cost a handful of instructions a tile (cp.async gathers took a
-// third of the issue slots), and the warpgroups drift up to a tile apart: one
-// runs its softmax while the other keeps the tensor cores busy. (A separate
-// producer warp would cap the consumers at 168 registers: a 9th warp shares a
-// sub-partition's register file.)
-// Per tile and warpgroup: S = Q K^T (wgmma m64n64k16, Q as register
-// fragments, K from shared memory), the online softmax in registers (log2
-// domain), P as 16-bit A fragments in registers, O += P V (wgmma m64nDk16, V
-// read transposed from the same swizzled layout). Within a warpgroup the
-// softmax of tile j+1 runs while the tensor cores do P_j V_j, and the rescale
-// of O is skipped when no row's maximum moved.
+// Work: "row tiles" of 128 query rows of one (sequence, q head), taken
+// heaviest first (causal: later rows see more keys) by one CTA an SM for the
+// whole call: CTA c of G takes tiles c, 2G-1-c, 2G+c, ... (a snake, so no CTA
+// takes the heaviest tile of every round).
+// CTA: three warpgroups. A producer warp (warpgroup 2; its other warps
+// leave, and the warpgroup gives its registers to the consumers: setmaxnreg
+// 24 / 240) computes each row tile's metadata (rows, positions' min/max, the
+// visible key range) into shared memory, brings its Q by TMA as soon as the
+// consumers hold the previous Q in registers, and streams the KV of one row
+// tile after another in 64-token tiles through a 5-stage shared-memory ring:
+// per tile, four lanes issue TMA copies of 16-token boxes of the K and V
+// planes of the kv head against a tensor map of the page pool, landing in
+// the 128-byte-swizzled layout wgmma reads ([D/64][64 rows][128 B]); the
+// stage's "full" mbarrier completes when the bytes have landed, its "empty"
+// one when every consumer thread is done with it. A row tile's prologue
+// (dependent global round trips, Q, the first KV tiles) thus runs under the
+// previous tile's main loop, and the consumers never issue a load.
+// Consumers: two warpgroups of 64 rows. Per KV tile and warpgroup: S = Q K^T
+// (wgmma m64n64k16, Q as register fragments, K from shared memory), the
+// online softmax in registers (log2 domain), P as 16-bit A fragments in
+// registers, O += P V (wgmma m64nDk16, V read transposed from the same
+// swizzled layout). Within a warpgroup the softmax of tile j+1 runs while the
+// tensor cores do P_j V_j, and the rescale of O is skipped when no row's
+// maximum moved; the two warpgroups take turns to issue their tensor-core
+// work ("ping-pong", as FlashAttention-3 does), and the turns carry over from
+// one row tile to the next.
 // A TMA box copies whole 16-token slices of a page: the slots of a last page
 // past the sequence's end are junk, so their V rows are zeroed (P is 0 there,
-// but 0 x NaN is not); K junk is masked to -inf before the softmax.
-// Row tiles run heaviest first across all heads and sequences (causal:
-// later rows see more keys).
+// but 0 x NaN is not); K junk is masked to -inf before the softmax. Q rows
+// past a tile's last row are read too (zeros past the array, or the next
+// sequence's rows) and never stored.
+// (Measured on the H200: 1.5-1.7x the earlier non-persistent kernel, whose
+// loads were issued by lanes of a consumer warp and whose prologue ran in
+// front of each row tile.)
 #include <algorithm>
 #include <cfloat>
 
@@ -40,7 +51,9 @@ namespace kvring::cuda {
 namespace internal {
 namespace {
 
-constexpr int kBM = 128, kBN = 64, kStages = 5, kAhead = 3, kBox = 16, kThreads = 256;
+constexpr int kBM = 128, kBN = 64, kStages = 5, kBox = 16;
+constexpr int kThreads = 256;               // the two consumer warpgroups
+constexpr int kCtaThreads = kThreads + 128;  // and the producer warpgroup
 
 template <int D>
 struct Sm90Smem {
@@ -48,7 +61,7 @@ struct Sm90Smem {
   static constexpr int kTileBytes = kBN * D * 2; // one K or V tile: [D/64][kBN][128 B]
   static constexpr int kK = kQBytes;
   static constexpr int kV = kK + kStages * kTileBytes;
-  static constexpr int kBars = kV + kStages * kTileBytes;  // full[kStages], empty[kStages] (+ q_full, q_empty: persistent)
+  static constexpr int kBars = kV + kStages * kTileBytes;  // full[kStages], empty[kStages], q_full, q_empty
   static constexpr int kBytes = kBars + (2 * kStages + 2) * 8;
   static constexpr int kDynamic = kBytes + 1024;  // slack to align the base to 1024 (the swizzle period)
 };
@@ -66,361 +79,6 @@ constexpr int kTurn = 4;
 // Generic-proxy writes (the zeroed junk rows) ordered with the async proxy (wgmma reads, TMA writes).
 __device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-template <int D, typename T>
-__global__ void __launch_bounds__(kThreads, 1)
-    PrefillSm90Kernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out, const __grid_constant__ CUtensorMap pool_map) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = Sm90Smem<D>;
-  constexpr int kChunks = D / 8;                 // 16-byte chunks per row
-  constexpr int kKSteps = D / 16;                // k16 steps of S = Q K^T
-  extern __shared__ uint8_t smem_raw[];
-  __shared__ int s_qmin, s_qmax;
-  const uint32_t base = SmemBase1024(smem_raw);
-
-  // Grid: x = (q head, sequence), y = row tile from the last: the launch
-  // order is heaviest-first over the whole grid (longest-processing-time
-  // order, so no heavy causal tile of the last head is left for the tail).
-  const int tile = gridDim.y - 1 - blockIdx.y, hq = blockIdx.x % q.q_heads, s = blockIdx.x / q.q_heads;
-  const int G = q.q_heads / kv.kv_heads, hk = hq / G;
-  // Prologue, ordered to overlap its global-memory round trips: the
-  // sequence's row and page ranges at once; then the Q rows' copies (into
-  // shared memory, rows past the end zero-filled), and L1 prefetches of what
-  // the key range and the first tiles' page ids read next (the first and
-  // last pages' positions, the first pages' ids) under the positions'
-  // min/max (whose barriers also publish the mbarriers' init).
-  const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
-  const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb;
-  const int ntok = kv.seq_tokens[s];
-  const int r0 = rb + tile * kBM;
-  if (r0 >= re) return;
-  const int nrows = min(kBM, re - r0);
-  const int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, tig = lane & 3;
-  const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
-  if (npages > 0 && tid < 2) PrefetchL1(kv.page_pos + pb + (tid == 0 ? 0 : npages - 1));
-  if (tid >= 32 && tid < 32 + kAhead * kBN / kBox) {  // without a window the stream starts at page 0
-    const int pg = (tid - 32) * kBox / kv.block_tokens;
-    if (pg < npages) PrefetchL1(kv.page_ids + pb + pg);
-  }
-  {
-    const T* qbase = static_cast<const T*>(q.q);
-    for (int c = tid; c < kBM * kChunks; c += kThreads) {
-      const int r = c / kChunks, ch = c % kChunks;
-      const bool valid = r < nrows;
-      CpAsync16(base + Sw128(kBM, r, ch), qbase + ((size_t)(r0 + (valid ? r : 0)) * q.q_heads + hq) * D + ch * 8, valid);
-    }
-    CpAsyncCommit();
-  }
-  const uint32_t full0 = base + S::kBars, empty0 = full0 + kStages * 8;
-  if (tid == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      MbarInit(full0 + 8 * i, 1);          // the loader's expect-tx arrival (+ the tile's bytes)
-      MbarInit(empty0 + 8 * i, kThreads);  // every thread, once done with the tile
-    }
-  }
-  const int2 qrange = BlockMinMax(q.positions + r0, nrows, &s_qmin, &s_qmax);  // (its __syncthreads publish the inits)
-  const int qmin = qrange.x, qmax = qrange.y;
-  const int2 keys = VisibleKeys(p, kv, pb, npages, ntok, qmin, qmax, kBN);
-  const int n_begin = keys.x, n_end = keys.y;
-  const int ntiles = n_end > n_begin ? (n_end - n_begin + kBN - 1) / kBN : 0;
-
-  if (ntiles == 0) {  // no row of this tile sees a key
-    CpAsyncWait<0>();  // (no copy may land in shared memory after the CTA is gone)
-    for (int i = tid; i < nrows * D; i += kThreads) out.out[((size_t)(r0 + i / D) * q.q_heads + hq) * D + i % D] = 0.f;
-    for (int r = tid; r < nrows; r += kThreads) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = -INFINITY;
-    return;
-  }
-
-  // Loads: lanes 0..3 of warp 0 (box b = 16 tokens of a 64-token tile each)
-  // issue the TMA copies of tile j + kAhead at the start of round j, into the
-  // stage tile j - 2 used, once both warpgroups have arrived on its "empty"
-  // barrier; the page ids are read a round earlier.
-  const int kplane = (kv.layer * 2) * kv.kv_heads + hk, vplane = kplane + kv.kv_heads;
-  const bool loader = warp == 0 && lane < kBN / kBox;
-  auto box_page = [&](int j) {  // this lane's box of tile j: (page, token offset); page -1 past the list (zeros)
-    const int i0 = n_begin + j * kBN + lane * kBox, pg = i0 / kv.block_tokens;
-    return make_int2(pg < npages ? kv.page_ids[pb + pg] : -1, i0 - pg * kv.block_tokens);
-  };
-  auto load_tile = [&](int j, int2 pg) {  // warp 0 only
-    const int st = j % kStages;
-    if (lane == 0) {
-      if (j >= kStages) MbarWait(empty0 + 8 * st, ((j / kStages) - 1) & 1);
-      MbarArriveExpectTx(full0 + 8 * st, 2 * S::kTileBytes);
-    }
-    __syncwarp();
-    if (loader) {
-      const uint32_t kt = base + S::kK + st * S::kTileBytes, vt = base + S::kV + st * S::kTileBytes;
-#pragma unroll
-      for (int dc = 0; dc < D / 64; ++dc) {
-        const uint32_t o = dc * kBN * 128 + lane * kBox * 128;
-        TmaLoad5d(kt + o, &pool_map, 0, dc, pg.y, kplane, pg.x, full0 + 8 * st);
-        TmaLoad5d(vt + o, &pool_map, 0, dc, pg.y, vplane, pg.x, full0 + 8 * st);
-      }
-    }
-  };
-  int2 next_page = make_int2(-1, 0);
-  if (warp == 0) {
-    for (int j = 0; j < kAhead && j < ntiles; ++j) load_tile(j, loader ? box_page(j) : make_int2(-1, 0));
-    if (loader && kAhead < ntiles) next_page = box_page(kAhead);
-  }
-
-  // This thread's two rows (of its warpgroup's 64): wr, wr + 8.
-  const int wr = wg * 64 + (warp & 3) * 16 + g;
-  const int qpos0 = wr < nrows ? q.positions[r0 + wr] : INT32_MIN;
-  const int qpos1 = wr + 8 < nrows ? q.positions[r0 + wr + 8] : INT32_MIN;
-  // Q rows (shared memory, copies issued in the prologue) -> A fragments in
-  // registers, for the whole stream: S = Q K^T then reads only K from
-  // shared memory.
-  CpAsyncWait<0>();
-  NamedBarrier(1, kThreads);
-  uint32_t qf[kKSteps][4];
-  {
-    const int mi = lane >> 3, rr = lane & 7, r = wg * 64 + (warp & 3) * 16 + (mi & 1) * 8 + rr;
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      LdMatrixX4(base + Sw128(kBM, r, 2 * kk + (mi >> 1)), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
-    }
-  }
-
-  // Key positions: with contiguous pages (the usual case) a token's position
-  // is p0 + its index, no load; else from the page's start position.
-  int p0;
-  const bool contiguous = PagesContiguous(kv, pb, npages, &p0);
-  auto key_pos = [&](int i) { return contiguous ? p0 + i : TokenPos(kv, pb, i); };
-  // Whether tile j needs per-element masks (it straddles the causal
-  // diagonal, the window edge or the end of the stream).
-  auto tile_edge = [&](int j) -> bool {
-    const int n0 = n_begin + j * kBN;
-    if (j >= ntiles) return false;
-    const int last = min(n0 + kBN, n_end) - 1;
-    return n0 + kBN > n_end || (p.causal && key_pos(last) > qmin) || (p.window > 0 && key_pos(n0) <= qmax - p.window);
-  };
-
-  float o[D / 2], sc[32];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  uint32_t pa[4][4];
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  float c0 = 1.f, c1 = 1.f;  // rescale of O before the next P V
-
-  // Waits for tile j; zeroes its V rows past the sequence's end (junk slots
-  // of the last page); issues S_j = Q K_j^T (64 x 64 per warpgroup) async.
-  auto issue_s = [&](int j) {
-    const int st = j % kStages;
-    MbarWait(full0 + 8 * st, (j / kStages) & 1);
-    const int n0 = n_begin + j * kBN;
-    if (n0 + kBN > ntok) {
-      const uint32_t vt = base + S::kV + st * S::kTileBytes;
-      const int first = ntok - n0;  // rows [first, kBN) are past the end
-      for (int c = tid & 127; c < (kBN - first) * kChunks; c += 128) {
-        const int r = first + c / kChunks, ch = c % kChunks;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(vt + Sw128(kBN, r, ch)), "r"(0) : "memory");
-      }
-      FenceProxyAsync();  // the zeros, before wgmma reads and before the next TMA write
-      NamedBarrier(2 + wg, 128);
-    }
-    const uint32_t kt = base + S::kK + st * S::kTileBytes;
-    WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      const uint64_t db = SmemDesc128(kt + (kk >> 2) * kBN * 128 + (kk & 3) * 32, 16, 1024);
-      if (kk == 0) {
-        WgmmaRSK0<64, T>(sc, qf[kk], db);
-      } else {
-        WgmmaRSK<64, T>(sc, qf[kk], db, 1);
-      }
-    }
-    WgmmaCommit();
-  };
-  // Online softmax of S_j in place (log2 domain; masks only on edge tiles):
-  // sc becomes P_j, (m, l) move on, (c0, c1) is the rescale O needs.
-  auto softmax = [&](int j, bool edge) {
-    if (edge) {
-      // Key positions by 16-token box (a TMA box lies in one page): four
-      // lookups a tile, not one per element (this path is rare: keeping it
-      // small keeps the loop's code small).
-      const int n0 = n_begin + j * kBN;
-      int bpos[kBN / kBox];
-#pragma unroll
-      for (int b = 0; b < kBN / kBox; ++b) {
-        bpos[b] = (p.causal || p.window > 0) && n0 + b * kBox < n_end ? key_pos(n0 + b * kBox) : 0;
-      }
-#pragma unroll
-      for (int jn = 0; jn < 8; ++jn) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = (jn & 1) * 8 + tig * 2 + (e & 1);  // column within box jn / 2
-          const int qp = e < 2 ? qpos0 : qpos1, kp = bpos[jn >> 1] + c;
-          bool vis = n0 + (jn >> 1) * kBox + c < n_end;
-          if (p.causal) vis = vis && kp <= qp;
-          if (p.window > 0) vis = vis && kp > qp - p.window;
-          if (!vis) sc[4 * jn + e] = -INFINITY;
-        }
-      }
-    }
-    // Row maxima and sums as trees (independent operations, not one chain).
-    float t0[8], t1[8];
-#pragma unroll
-    for (int jn = 0; jn < 8; ++jn) {
-      t0[jn] = fmaxf(sc[4 * jn], sc[4 * jn + 1]);
-      t1[jn] = fmaxf(sc[4 * jn + 2], sc[4 * jn + 3]);
-    }
-#pragma unroll
-    for (int w = 4; w >= 1; w >>= 1) {
-#pragma unroll
-      for (int k = 0; k < w; ++k) {
-        t0[k] = fmaxf(t0[k], t0[k + w]);
-        t1[k] = fmaxf(t1[k], t1[k + w]);
-      }
-    }
-    float mx0 = t0[0], mx1 = t1[0];
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float nm0 = fmaxf(m0, mx0 * scale), nm1 = fmaxf(m1, mx1 * scale);  // scale > 0 keeps the order
-    c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
-    c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
-    const float b0 = nm0 == -INFINITY ? 0.f : nm0, b1 = nm1 == -INFINITY ? 0.f : nm1;
-#pragma unroll
-    for (int jn = 0; jn < 8; ++jn) {
-      sc[4 * jn] = exp2f(fmaf(sc[4 * jn], scale, -b0));
-      sc[4 * jn + 1] = exp2f(fmaf(sc[4 * jn + 1], scale, -b0));
-      sc[4 * jn + 2] = exp2f(fmaf(sc[4 * jn + 2], scale, -b1));
-      sc[4 * jn + 3] = exp2f(fmaf(sc[4 * jn + 3], scale, -b1));
-      t0[jn] = sc[4 * jn] + sc[4 * jn + 1];
-      t1[jn] = sc[4 * jn + 2] + sc[4 * jn + 3];
-    }
-#pragma unroll
-    for (int w = 4; w >= 1; w >>= 1) {
-#pragma unroll
-      for (int k = 0; k < w; ++k) {
-        t0[k] += t0[k + w];
-        t1[k] += t1[k + w];
-      }
-    }
-    l0 = l0 * c0 + t0[0];
-    l1 = l1 * c1 + t1[0];
-    m0 = nm0;
-    m1 = nm1;
-  };
-  // P as 16-bit A fragments (the accumulator layout of S is the A layout).
-  auto pack = [&]() {
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      pa[t][0] = Pack<T>(sc[8 * t], sc[8 * t + 1]);
-      pa[t][1] = Pack<T>(sc[8 * t + 2], sc[8 * t + 3]);
-      pa[t][2] = Pack<T>(sc[8 * t + 4], sc[8 * t + 5]);
-      pa[t][3] = Pack<T>(sc[8 * t + 6], sc[8 * t + 7]);
-    }
-  };
-
-  issue_s(0);
-  WgmmaWait<0>();
-  FenceRegs<32>(sc);
-  softmax(0, tile_edge(0));
-  pack();
-  bool edge_next = tile_edge(1);
-
-  // O = O * c + P_j V_j (the rescale comes before any wgmma of a round:
-  // ptxas serializes wgmmas around accumulator reads inside a round). V is
-  // read MN-major (transposed): leading offset = the stride between its
-  // 64-column blocks, stride offset = 8 token rows.
-  auto rescale_o = [&]() {
-    if (c0 != 1.f || c1 != 1.f) {
-#pragma unroll
-      for (int jd = 0; jd < D / 8; ++jd) {
-        o[4 * jd] *= c0;
-        o[4 * jd + 1] *= c0;
-        o[4 * jd + 2] *= c1;
-        o[4 * jd + 3] *= c1;
-      }
-    }
-    FenceRegs<D / 2>(o);
-  };
-  auto issue_pv = [&](int j) {
-    const uint32_t vt = base + S::kV + (j % kStages) * S::kTileBytes;
-    FenceRegs<16>(&pa[0][0]);
-    WgmmaFence();
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      WgmmaRS<D, T>(o, pa[t], SmemDesc128(vt + t * 16 * 128, kBN * 128, 1024), 1);
-    }
-    WgmmaCommit();
-  };
-
-  // Round j: S_{j+1} and P_j V_j go to the tensor cores back to back, and
-  // the softmax of S_{j+1} runs while P_j V_j does (FlashAttention-3's
-  // intra-warpgroup overlap). The last tile's P V is a round of its own.
-  // The two warpgroups take turns to issue their round's wgmmas ("ping-pong",
-  // as FlashAttention-3 does): while one computes its softmax the other's
-  // matrix products run, instead of both competing and then both idling the
-  // tensor cores. Warpgroup 1 hands warpgroup 0 the first turn.
-  if (wg == 1) NamedBarrierArrive(kTurn + 0, kThreads);
-  int j = 0;
-  for (; j + 1 < ntiles; ++j) {
-    if (warp == 0 && j + kAhead < ntiles) {
-      load_tile(j + kAhead, next_page);
-      if (loader && j + kAhead + 1 < ntiles) next_page = box_page(j + kAhead + 1);
-    }
-    const bool edge = edge_next;
-    edge_next = tile_edge(j + 2);
-    rescale_o();
-    NamedBarrier(kTurn + wg, kThreads);
-    issue_s(j + 1);
-    issue_pv(j);
-    NamedBarrierArrive(kTurn + (1 - wg), kThreads);
-    WgmmaWait<1>();  // S_{j+1} is done; P_j V_j may still run
-    FenceRegs<32>(sc);
-    softmax(j + 1, edge);
-    WgmmaWait<0>();
-    FenceRegs<D / 2>(o);
-    MbarArrive(empty0 + 8 * (j % kStages));  // tile j's stage is read no more
-    pack();
-  }
-  rescale_o();
-  NamedBarrier(kTurn + wg, kThreads);
-  issue_pv(j);
-  if (wg == 0) NamedBarrierArrive(kTurn + 1, kThreads);  // (warpgroup 1 has no turn to hand on: 0 is done)
-  WgmmaWait<0>();
-  FenceRegs<D / 2>(o);
-
-  // Finish: row sums across the quad, normalize, write.
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int r = wr + hf * 8;
-    if (r >= nrows) continue;
-    const float lv = hf ? l1 : l0, mv = hf ? m1 : m0;
-    const float inv = lv > 0.f ? 1.f / lv : 0.f;
-    float* dst = out.out + ((size_t)(r0 + r) * q.q_heads + hq) * D;
-#pragma unroll
-    for (int jd = 0; jd < D / 8; ++jd) {
-      *reinterpret_cast<float2*>(dst + jd * 8 + tig * 2) = make_float2(o[4 * jd + 2 * hf] * inv, o[4 * jd + 2 * hf + 1] * inv);
-    }
-    if (tig == 0) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = lv > 0.f ? (mv + log2f(lv)) * kLn2 : -INFINITY;
-  }
-#else
-  __trap();  // built without sm_90a code: the launcher never selects this kernel then
-#endif
-}
-
-// ---- Persistent variant: one CTA an SM for the whole call, over the row
-// tiles in the same heaviest-first order (CTA c takes tiles c, 2G-1-c, 2G+c,
-// ... of the G CTAs: a snake, so no CTA takes the heaviest of every round).
-// A third warpgroup produces: one warp of it computes the next tile's
-// metadata (rows, key range, positions) into shared memory, brings its Q by
-// TMA as soon as the consumers have taken the current Q into registers, and
-// streams the KV tiles of one row tile after the other through the ring, so
-// a row tile's prologue (~3 dependent global round trips and the first
-// tiles' copies) runs under the previous tile's main loop instead of in
-// front of it. The two consumer warpgroups run the same rounds as above;
-// their turns carry over from one row tile to the next. The producer
-// warpgroup gives its registers to the consumers (setmaxnreg 24 / 240).
-constexpr int kPersistThreads = kThreads + 128;
 // Shared ints of the next row tile's metadata (s_item).
 enum ItemField { kDone, kHq, kR0, kNrows, kPb, kNtok, kNBegin, kNEnd, kQmin, kQmax, kContig, kP0, kItemInts };
 
@@ -434,8 +92,8 @@ __device__ __forceinline__ void RegDealloc() {
 }
 
 template <int D, typename T>
-__global__ void __launch_bounds__(kPersistThreads, 1)
-    PrefillSm90PersistentKernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out, int row_tiles,
+__global__ void __launch_bounds__(kCtaThreads, 1)
+    PrefillSm90Kernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out, int row_tiles,
                                 const __grid_constant__ CUtensorMap pool_map, const __grid_constant__ CUtensorMap q_map) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = Sm90Smem<D>;
@@ -784,23 +442,10 @@ __global__ void __launch_bounds__(kPersistThreads, 1)
 
 template <int D, typename T>
 cudaError_t LaunchSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
-                       const CUtensorMap& map, cudaStream_t stream) {
-  const int smem = Sm90Smem<D>::kDynamic;
-  cudaError_t e = cudaFuncSetAttribute(PrefillSm90Kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) return e;
-  const int row_tiles = (q.max_rows_per_seq + kBM - 1) / kBM;
-  if (row_tiles > 65535) return cudaErrorInvalidValue;
-  dim3 grid(q.q_heads * kv.num_seqs, row_tiles);
-  PrefillSm90Kernel<D, T><<<grid, kThreads, smem, stream>>>(p, q, kv, out, map);
-  return cudaGetLastError();
-}
-
-template <int D, typename T>
-cudaError_t LaunchSm90Persistent(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                                  const CUtensorMap& map, const CUtensorMap& q_map, cudaStream_t stream) {
   const int smem = Sm90Smem<D>::kDynamic;
   cudaError_t e =
-      cudaFuncSetAttribute(PrefillSm90PersistentKernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      cudaFuncSetAttribute(PrefillSm90Kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   int dev = 0, sms = 0;
   if (e == cudaSuccess) e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
@@ -808,30 +453,23 @@ cudaError_t LaunchSm90Persistent(const AttnParams& p, const QueryView& q, const 
   const long long row_tiles = (q.max_rows_per_seq + kBM - 1) / kBM, items = row_tiles * q.q_heads * kv.num_seqs;
   if (items >= (1ll << 40)) return cudaErrorInvalidValue;
   const int grid = (int)std::min<long long>(items, sms);
-  PrefillSm90PersistentKernel<D, T><<<grid, kPersistThreads, smem, stream>>>(p, q, kv, out, (int)row_tiles, map, q_map);
+  PrefillSm90Kernel<D, T><<<grid, kCtaThreads, smem, stream>>>(p, q, kv, out, (int)row_tiles, map, q_map);
   return cudaGetLastError();
-}
-
-template <int D, typename T>
-cudaError_t LaunchSm90As(bool persistent, const AttnParams& p, const QueryView& q, const PagedKvView& kv,
-                         OutputView out, const CUtensorMap& map, cudaStream_t stream) {
-  alignas(64) CUtensorMap q_map{};
-  if (persistent && MakeQueryMap(q, D, kBM, &q_map)) return LaunchSm90Persistent<D, T>(p, q, kv, out, map, q_map, stream);
-  return LaunchSm90<D, T>(p, q, kv, out, map, stream);
 }
 
 }  // namespace
 
 cudaError_t PagedPrefillSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
-                             cudaStream_t stream, bool persistent) {
-  alignas(64) CUtensorMap map{};
-  if (!MakePoolMap(kv, kBox, &map)) return cudaErrorNotSupported;  // e.g. pages not a multiple of 16 tokens
+                             cudaStream_t stream) {
+  alignas(64) CUtensorMap map{}, q_map{};
+  // Not supported (the caller falls back): pages not a multiple of 16 tokens, a Q array TMA cannot read.
+  if (!MakePoolMap(kv, kBox, &map) || !MakeQueryMap(q, kv.head_dim, kBM, &q_map)) return cudaErrorNotSupported;
   if (kv.dtype == KvType::kBF16) {
-    return kv.head_dim == 128 ? LaunchSm90As<128, __nv_bfloat16>(persistent, p, q, kv, out, map, stream)
-                              : LaunchSm90As<64, __nv_bfloat16>(persistent, p, q, kv, out, map, stream);
+    return kv.head_dim == 128 ? LaunchSm90<128, __nv_bfloat16>(p, q, kv, out, map, q_map, stream)
+                              : LaunchSm90<64, __nv_bfloat16>(p, q, kv, out, map, q_map, stream);
   }
-  return kv.head_dim == 128 ? LaunchSm90As<128, __half>(persistent, p, q, kv, out, map, stream)
-                            : LaunchSm90As<64, __half>(persistent, p, q, kv, out, map, stream);
+  return kv.head_dim == 128 ? LaunchSm90<128, __half>(p, q, kv, out, map, q_map, stream)
+                            : LaunchSm90<64, __half>(p, q, kv, out, map, q_map, stream);
 }
 
 }  // namespace internal

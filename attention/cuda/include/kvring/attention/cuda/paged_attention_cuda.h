@@ -86,13 +86,12 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
 // ---- prefill: many query rows per sequence, on the tensor cores (bf16/fp16
 // operands, fp32 accumulate), causal by absolute position; head_dim 64 or 128.
 // Two kernels: kWgmma (Hopper warpgroup MMA fed by TMA, sm_90 only, pages of a
-// multiple of 16 tokens: 128-row tiles in two warpgroups, KV tiles issued by
-// four lanes of warp 0 into a 5-stage mbarrier ring) and kMmaSync (mma.sync m16n8k16, any sm_80+
-// device, any page size). kAuto takes kWgmma where it can serve the view.
-// kWgmma where it cannot returns cudaErrorNotSupported.
-// kWgmmaPersistent (experimental): the kWgmma math in a persistent kernel
-// (one CTA an SM, a producer warpgroup streaming row tile after row tile).
-enum class PrefillKernel : int32_t { kAuto = 0, kMmaSync = 1, kWgmma = 2, kWgmmaPersistent = 3 };
+// multiple of 16 tokens, a 16-byte-aligned query array: a persistent kernel,
+// one CTA an SM, whose producer warp streams Q and KV tiles through a 5-stage
+// mbarrier ring to two consumer warpgroups of 64 rows) and kMmaSync (mma.sync
+// m16n8k16, any sm_80+ device, any page size). kAuto takes kWgmma where it
+// can serve the view; kWgmma where it cannot returns cudaErrorNotSupported.
+enum class PrefillKernel : int32_t { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
 cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                          cudaStream_t stream, PrefillKernel kernel = PrefillKernel::kAuto);
 
