@@ -46,6 +46,13 @@ struct PipeCfg {
   static constexpr int kBytes = kBarOff + 2 * kStages * 8;
   static constexpr int kDynamic = kBytes + 1024;             // slack to align the base
   static_assert(kPConsumers * kRows * D * 4 <= kStages * kStageBytes, "merge buffer reuses the stages");
+  // A stage is always taken by the same consumer warp (stage t by warp t % 4),
+  // so a warp waits for a stage's round r only after it released round r - 1
+  // itself. With a ring of 13 (tried on the H200: the kernel faulted) stages
+  // rotate between warps, and a warp can wait on a barrier still two phases
+  // behind (same parity: mbarrier parity waits cannot tell) and read a stage
+  // whose copy is still in flight.
+  static_assert(kStages % kPConsumers == 0, "each stage belongs to one consumer warp");
   static_assert((kMaxDecodeSplits + 1) * kRows * 4 <= kStages * kStageBytes, "split-merge weights reuse the stages");
 };
 
