@@ -22,8 +22,11 @@ p.add_argument("--lib", required=True)
 p.add_argument("--out", default=".")
 p.add_argument("--quick", action="store_true")
 p.add_argument("--profile-one", action="store_true", help="one decode and one prefill launch (for ncu), no timing")
+p.add_argument("--profile-decode", default="", help="B:L[,...]: per shape one kvring decode and one SDPA cuDNN decode "
+               "inside an NVTX range 'decode B:L' (for ncu --nvtx), no timing")
 p.add_argument("--prefill-only", default="", help="only prefill, these shapes: B:L[:nc][,...] (nc: not causal)")
 p.add_argument("--decode-only", default="", help="only bf16 decode, these shapes: B:L[,...]")
+p.add_argument("--block-tokens", type=int, default=16, help="tokens a page (kvring's pages; the peers read dense K/V)")
 args = p.parse_args()
 
 lib = ctypes.CDLL(args.lib)
@@ -40,7 +43,7 @@ lib.kvring_cuda_decode_workspace.restype = U64
 dev = torch.device("cuda")
 props = torch.cuda.get_device_properties(0)
 SMS = props.multi_processor_count
-HQ, HKV, D, BT = 32, 8, 128, 16
+HQ, HKV, D, BT = 32, 8, 128, args.block_tokens
 torch.manual_seed(0)
 
 
@@ -113,7 +116,7 @@ def ceilings():
 
 
 class Paged:
-    """KV of B sequences of L tokens as bf16 pages [page][K|V][kv_head][16][128] at shuffled page ids."""
+    """KV of B sequences of L tokens as bf16 pages [page][K|V][kv_head][BT][128] at shuffled page ids."""
 
     def __init__(self, B, L, shuffle=True):
         self.B, self.L = B, L
@@ -149,8 +152,8 @@ def rel(a, b):
 
 
 stream = lambda: torch.cuda.current_stream().cuda_stream
-results = {"device": props.name, "sms": SMS, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
-copy_bw, gemm = (1.0, 1.0) if args.profile_one else ceilings()
+results = {"device": props.name, "sms": SMS, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "block_tokens": BT}
+copy_bw, gemm = (1.0, 1.0) if args.profile_one or args.profile_decode else ceilings()
 results["copy_bytes_per_s"], results["gemm_flops"] = copy_bw, gemm
 print(f"{props.name}: device copy {copy_bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s", flush=True)
 
@@ -164,6 +167,8 @@ if args.decode_only:
     decode_shapes = [tuple(int(x) for x in sh.split(":")) for sh in args.decode_only.split(",")]
 if args.profile_one:
     decode_shapes = [(64, 32768)]
+if args.profile_decode:
+    decode_shapes = [tuple(int(x) for x in sh.split(":")) for sh in args.profile_decode.split(",")]
 results["decode"] = []
 for B, L in decode_shapes:
     ordered = L < 0  # diagnostic row: pages laid out in order (no scatter)
@@ -190,6 +195,16 @@ for B, L in decode_shapes:
         torch.cuda.synchronize()
         continue
     k, v = kv.dense()
+    if args.profile_decode:  # the two kernels side by side under Nsight Compute (bench/gpu/profile_decode.sh)
+        qd = q.view(B, HQ, 1, D)
+        sdpa(qd, k, v, False, SDPBackend.CUDNN_ATTENTION)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(f"decode {B}:{L}")
+        ours()
+        sdpa(qd, k, v, False, SDPBackend.CUDNN_ATTENTION)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        continue
     ref = sdpa(q.view(B, HQ, 1, D), k, v, False, SDPBackend.MATH).view(B, HQ, D)
     err = rel(out, ref)
     assert err < 2e-2, f"decode wrong: rel err {err}"
@@ -235,7 +250,7 @@ for B, L in decode_shapes:
 qshapes = [] if args.prefill_only or args.decode_only else [(8, 32768), (64, 32768), (16, 131072)]
 if args.quick:
     qshapes = [(8, 32768)]
-if args.profile_one:
+if args.profile_one or args.profile_decode:
     qshapes = []
 results["decode_quant"] = []
 for B, L in qshapes:
@@ -319,7 +334,7 @@ if args.quick:
     prefill_shapes = [(1, 8192)]
 if args.profile_one:
     prefill_shapes = [(1, 16384)]
-if args.decode_only:
+if args.decode_only or args.profile_decode:
     prefill_shapes = []
 results["prefill"] = []
 for shape in prefill_shapes:
