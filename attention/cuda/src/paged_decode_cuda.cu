@@ -334,7 +334,7 @@ cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const Paged
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
   alignas(64) CUtensorMap map{};
-  if (MakePoolMap(kv, kPStage, &map, /*all_column_blocks=*/true)) {
+  if (MakePoolMap(kv, kPStage, &map, /*all_column_blocks=*/true, /*l2_promotion_bytes=*/128)) {
     return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
   }
   return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);

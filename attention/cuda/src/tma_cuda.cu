@@ -31,7 +31,8 @@ bool Sm90OrLater() {
 
 }  // namespace
 
-bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool all_column_blocks) {
+bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool all_column_blocks,
+                 int l2_promotion_bytes) {
   if (box_tokens <= 0 || kv.block_tokens % box_tokens != 0 || kv.codec != 0 || !Sm90OrLater()) return false;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
   if (encode == nullptr) return false;
@@ -49,8 +50,12 @@ bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool a
     box[2] = (cuuint32_t)(D / 64);
   }
   const cuuint32_t estrides[5] = {1, 1, 1, 1, 1};
+  const CUtensorMapL2promotion promo = l2_promotion_bytes >= 256   ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+                                       : l2_promotion_bytes >= 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                       : l2_promotion_bytes >= 64  ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
+                                                                   : CU_TENSOR_MAP_L2_PROMOTION_NONE;
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 5, const_cast<void*>(kv.pool), dims, strides, box, estrides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 

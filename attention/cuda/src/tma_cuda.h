@@ -19,7 +19,12 @@ namespace kvring::cuda::internal {
 // block, plane, page) and a box holds `box_tokens` tokens of every column
 // block, landing as [D/64][box_tokens][128 B] (one copy where the other
 // layout takes D/64).
-bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool all_column_blocks = false);
+// l2_promotion_bytes: the granularity L2 fetches a box's misses at (256,
+// 128, 64, or 0 for none). Decode streams each byte once and asks for 128:
+// on the H200 256-byte promotion cost it 6% of its DRAM rate (64 x 32K: 0.97
+// -> 1.03 of the copy rate with 128 or none; bench/RESULTS.md).
+bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool all_column_blocks = false,
+                 int l2_promotion_bytes = 256);
 
 // A 3-d map of q's query vectors: (64 columns, q head, row), boxes of 64
 // columns x 1 head x `box_rows` rows with the 128-byte swizzle (a box lands
