@@ -36,7 +36,6 @@ lib.kvring_cuda_decode.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I,
 lib.kvring_cuda_prefill.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, VP, VP, VP,
                                     I]
 PREFILL_KERNELS = {"wgmma": 2, "mma.sync": 1}     # kvring::cuda::PrefillKernel
-lib.kvring_cuda_decode_tail.argtypes = lib.kvring_cuda_decode.argtypes + [I]
 lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
 lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
 lib.kvring_cuda_decode_workspace.restype = U64
@@ -185,14 +184,9 @@ for B, L in decode_shapes:
     wsb = lib.kvring_cuda_decode_workspace(B, HQ, max(sweep), D)
     ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)  # zeroed once: the split-merge counters
 
-    def ours(nsplits=splits, tail=None):
-        if tail is None:  # the library's default share of claimed tail chunks
-            e = lib.kvring_cuda_decode(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B, HQ, 1, 0.0, 1,
-                                       0, nsplits, ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(), stream())
-        else:
-            e = lib.kvring_cuda_decode_tail(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B, HQ, 1,
-                                            0.0, 1, 0, nsplits, ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(),
-                                            stream(), tail)
+    def ours(nsplits=splits):
+        e = lib.kvring_cuda_decode(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B, HQ, 1, 0.0, 1, 0,
+                                   nsplits, ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(), stream())
         assert e == 0, f"decode error {e}"
 
     out.fill_(float("nan"))
@@ -223,16 +217,6 @@ for B, L in decode_shapes:
     for sp in sweep:
         t = ms if sp == splits else timed(lambda: ours(sp))
         row["splits_sweep"][sp] = kv_bytes / (t * 1e-3) / copy_bw
-    # The share of claimed tail chunks (the default, 125 per mille, is timed
-    # below): each value checked against the reference, then timed.
-    row["tail_sweep"] = {}
-    for tail in (0, 62, 250, 500):
-        out.fill_(float("nan"))
-        ours(splits, tail)
-        e2 = rel(out, ref)
-        assert e2 < 2e-2, f"decode (tail {tail}) wrong: rel err {e2}"
-        t = timed(lambda: ours(splits, tail))
-        row["tail_sweep"][tail] = kv_bytes / (t * 1e-3) / copy_bw
     # The first configuration timed after the correctness check reads 3-5%
     # slow (seen on the H200: the same split count timed again after the
     # sweep ran faster; cause not found), so the default is timed once more,
@@ -253,8 +237,6 @@ for B, L in decode_shapes:
             row[f"sdpa_{name}_error"] = str(ex)[:120]
     results["decode"].append(row)
     extra = "splits " + " ".join(f"{k}{'*' if k == splits else ''}={v:.2f}" for k, v in row["splits_sweep"].items())
-    extra += "; tail per mille " + " ".join(f"{k}={v:.2f}" for k, v in row["tail_sweep"].items())
-    extra += f" 125*={row['frac_copy']:.2f}"
     print(f"decode B={B:3d} L={L:6d}: {ms:.3f} ms = {row['frac_copy']:.2f} of copy (first timing "
           f"{kv_bytes / (ms_first * 1e-3) / copy_bw:.2f}; {extra}), err {err:.1e}; "
           f"sdpa cudnn {row.get('sdpa_cudnn_frac_copy', 0):.2f} flash {row.get('sdpa_flash_frac_copy', 0):.2f}", flush=True)

@@ -43,31 +43,17 @@ QueryView Q(const void* q, const int32_t* pos, const int32_t* seq_row_begin, int
 
 extern "C" {
 
-// kvring_cuda_decode with PagedDecode's tail_permille (claimed tail chunks; 0: static splits).
-int kvring_cuda_decode_tail(const void* pool, uint64_t stride, int bt, int layers, int kv_heads, int head_dim,
-                            int dtype, int layer, const int32_t* page_ids, const int32_t* page_pos,
-                            const int32_t* seq_page_begin, const int32_t* seq_tokens, int num_seqs, const void* q,
-                            const int32_t* pos, const int32_t* seq_row_begin, int num_rows, int q_heads, int max_rows,
-                            float scale, int causal, int window, int num_splits, void* workspace,
-                            uint64_t workspace_bytes, float* out, float* lse, void* stream, int tail_permille) {
-  AttnParams p{scale, causal != 0, window};
-  return PagedDecode(p, Q(q, pos, seq_row_begin, num_rows, q_heads, max_rows),
-                     Kv(pool, stride, bt, layers, kv_heads, head_dim, dtype, layer, page_ids, page_pos, seq_page_begin,
-                        seq_tokens, num_seqs),
-                     OutputView{out, lse}, num_splits, workspace, workspace_bytes, static_cast<cudaStream_t>(stream),
-                     tail_permille);
-}
-
 int kvring_cuda_decode(const void* pool, uint64_t stride, int bt, int layers, int kv_heads, int head_dim, int dtype,
                        int layer, const int32_t* page_ids, const int32_t* page_pos, const int32_t* seq_page_begin,
                        const int32_t* seq_tokens, int num_seqs, const void* q, const int32_t* pos,
                        const int32_t* seq_row_begin, int num_rows, int q_heads, int max_rows, float scale, int causal,
                        int window, int num_splits, void* workspace, uint64_t workspace_bytes, float* out, float* lse,
                        void* stream) {
-  return kvring_cuda_decode_tail(pool, stride, bt, layers, kv_heads, head_dim, dtype, layer, page_ids, page_pos,
-                                 seq_page_begin, seq_tokens, num_seqs, q, pos, seq_row_begin, num_rows, q_heads,
-                                 max_rows, scale, causal, window, num_splits, workspace, workspace_bytes, out, lse,
-                                 stream, kDecodeTailPermille);
+  AttnParams p{scale, causal != 0, window};
+  return PagedDecode(p, Q(q, pos, seq_row_begin, num_rows, q_heads, max_rows),
+                     Kv(pool, stride, bt, layers, kv_heads, head_dim, dtype, layer, page_ids, page_pos, seq_page_begin,
+                        seq_tokens, num_seqs),
+                     OutputView{out, lse}, num_splits, workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
 }
 
 int kvring_cuda_decode_splits(int num_seqs, int kv_heads, int q_heads, int max_rows, int max_pages, int sm_count) {

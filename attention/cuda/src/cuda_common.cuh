@@ -264,17 +264,12 @@ __device__ __forceinline__ int2 VisibleKeys(const AttnParams& p, const PagedKvVi
 // sequences): kv head h of sequence s, the "vectors" v0 .. v0+nv-1 of its
 // GQA group (vector v: query row rb + v / G, q head h * G + v % G) and the
 // stream tokens [tok_lo, tok_hi) of split sp.
-// With tail_permille > 0, the last ~tail_permille / 1000 of the sequence's
-// pages are in no split: they form `tail_chunks` chunks of `chunk_tok`
-// tokens from token `tail_lo`, which the group's CTAs claim one at a time
-// once they near the end of their split (paged_decode_cuda.cu).
 struct DecodeWork {
   int sp, h, s, G, rb, v0, nv, pb, npages, ntok, tok_lo, tok_hi;
-  int tail_lo = 0, tail_chunks = 0, chunk_tok = 0;
 };
 // False when this CTA's row group is past the sequence's rows (no work).
 __device__ __forceinline__ bool DecodeWorkOf(const QueryView& q, const PagedKvView& kv, int num_splits, int row_groups,
-                                             int rows_per_cta, DecodeWork* w, int tail_permille = 0) {
+                                             int rows_per_cta, DecodeWork* w) {
   w->sp = blockIdx.x;
   w->h = blockIdx.y / row_groups;
   w->s = blockIdx.z;
@@ -288,21 +283,9 @@ __device__ __forceinline__ bool DecodeWorkOf(const QueryView& q, const PagedKvVi
   w->pb = kv.seq_page_begin[w->s];
   w->npages = kv.seq_page_begin[w->s + 1] - w->pb;
   w->ntok = kv.seq_tokens[w->s];
-  int split_pages = w->npages;
-  if (tail_permille > 0 && num_splits > 1) {
-    // Chunks of whole pages, at least 32 tokens (two 16-token stages).
-    const int chunk_pages = bt >= 32 ? 1 : (32 + bt - 1) / bt;
-    const int tail_pages = (int)((long long)w->npages * tail_permille / 1000) / chunk_pages * chunk_pages;
-    if (tail_pages > 0) {
-      split_pages = w->npages - tail_pages;
-      w->tail_lo = split_pages * bt;
-      w->chunk_tok = chunk_pages * bt;
-      w->tail_chunks = tail_pages / chunk_pages;
-    }
-  }
-  const int pps = (split_pages + num_splits - 1) / num_splits;
+  const int pps = (w->npages + num_splits - 1) / num_splits;
   w->tok_lo = w->sp * pps * bt;
-  w->tok_hi = min(w->ntok, min(split_pages, w->sp * pps + pps) * bt);
+  w->tok_hi = min(w->ntok, min(w->npages, w->sp * pps + pps) * bt);
   return true;
 }
 // (row, q head) index of vector v.
@@ -356,17 +339,14 @@ __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const Query
 // aligned. Called by every thread of the CTA.
 __device__ __forceinline__ void MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int D, int rows, int num_splits,
                                                   int* counter, const float* part_out, const float* part_lse,
-                                                  float* scratch, float* out, float* lse, int* claims = nullptr) {
+                                                  float* scratch, float* out, float* lse) {
   __shared__ int s_last;
   __threadfence();  // this CTA's partial stores, before its arrival on the counter
   __syncthreads();
   if (threadIdx.x == 0) {
     const int prev = atomicAdd(counter, 1);
     s_last = prev == num_splits - 1;
-    if (s_last) {  // every split has arrived: ready for the next call
-      *counter = 0;
-      if (claims != nullptr) *claims = 0;  // (every CTA's claims came before its arrival)
-    }
+    if (s_last) *counter = 0;  // every split has arrived: ready for the next call
   }
   __syncthreads();
   if (!s_last) return;

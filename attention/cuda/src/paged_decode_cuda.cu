@@ -59,7 +59,7 @@ struct PipeCfg {
 template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
-                          float* part_lse, int* counters, int* claims, int tail_permille, float* out, float* lse,
+                          float* part_lse, int* counters, float* out, float* lse,
                           const __grid_constant__ CUtensorMap pool_map) {
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
@@ -71,7 +71,6 @@ __global__ void __launch_bounds__(kPThreads, 2)
   __shared__ int s_qpos[kRows];
   __shared__ int s_qmin, s_qmax;
   __shared__ float s_m[kPConsumers][kRows], s_l[kPConsumers][kRows];
-  __shared__ int s_tok[C::kStages];  // (TMA) each stage's first token, or -1: no more stages
 
   // Programmatic dependent launch: the next kernel in the stream may start
   // its launch now (its CTAs land as ours leave and wait in GridDepWait for
@@ -87,14 +86,9 @@ __global__ void __launch_bounds__(kPThreads, 2)
   }
   GridDepWait();
   DecodeWork w;
-  if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w, kTma ? tail_permille : 0)) return;
-  const int h = w.h, G = w.G, rb = w.rb, v0 = w.v0, nv = w.nv, pb = w.pb, npages = w.npages, ntok = w.ntok;
+  if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w)) return;
+  const int h = w.h, G = w.G, rb = w.rb, v0 = w.v0, nv = w.nv, pb = w.pb, npages = w.npages;
   const int tok_lo = w.tok_lo, tok_hi = w.tok_hi, bt = kv.block_tokens;
-  // Rows of a stage are valid below `hi`: with TMA, splits and chunks end on
-  // page boundaries (multiples of 16 tokens), so only the sequence's end cuts
-  // a stage; cp.async stages may straddle the end of the split.
-  const int hi = kTma ? ntok : tok_hi;
-  int* claim = claims != nullptr && w.tail_chunks > 0 ? claims + DecodeRowHead(w, q, v0) : nullptr;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
   const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
@@ -137,37 +131,22 @@ __global__ void __launch_bounds__(kPThreads, 2)
     const char* pool = static_cast<const char*>(kv.pool);
     const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
     const int kplane = (kv.layer * 2) * kv.kv_heads + h, vplane = kplane + kv.kv_heads;
-    // TMA: one lane copies the stage (it lies in one page: block_tokens % 16 == 0).
-    auto tma_stage = [&](int t, int i0, int page) {
-      const int st = t % C::kStages;
-      if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-      if (lane == 0) {
-        const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
-        const int off = i0 - (i0 / bt) * bt;
-        s_tok[st] = i0;  // (published by the arrival's release)
-        MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
-        // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
-        TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
-        TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
-      }
-    };
-    // Claims of tail chunks (lane 0; the value is read a chunk later, so the
-    // atomic's round trip runs under the copies): the first two go out four
-    // and two stages before the end of the split.
-    int c0 = INT32_MAX, c1 = INT32_MAX;
-    bool claimed0 = false, claimed1 = false;
-    auto take = [&]() { return lane == 0 ? atomicAdd(claim, 1) : 0; };
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % C::kStages;
+      if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
+      const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
       if constexpr (kTma) {
-        if (claim != nullptr && !claimed0 && t >= ntiles - 4) c0 = take(), claimed0 = true;
-        if (claim != nullptr && !claimed1 && t >= ntiles - 2) c1 = take(), claimed1 = true;
+        // The stage lies in one page (block_tokens % 16 == 0).
         const int i0 = tok_lo + t * kPStage, pg = i0 / bt, local = pg - wb;
         const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
-        tma_stage(t, i0, local < 32 ? a : b);
+        if (lane == 0) {
+          const int page = local < 32 ? a : b, off = i0 - pg * bt;
+          MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
+          // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
+          TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
+          TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
+        }
       } else {
-        if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-        const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
         constexpr int kPerLane = kPStage * kChunks / 32;
 #pragma unroll
         for (int k = 0; k < kPerLane; ++k) {
@@ -190,34 +169,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
         nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
       }
     }
-    if constexpr (kTma) {
-      int t = ntiles;
-      if (claim != nullptr) {
-        if (!claimed0) c0 = take();
-        if (!claimed1) c1 = take();
-        for (;;) {
-          const int c = __shfl_sync(0xffffffffu, c0, 0);
-          if (c >= w.tail_chunks) break;
-          const int first = w.tail_lo + c * w.chunk_tok, last = min(first + w.chunk_tok, ntok);
-          const int pg0 = first / bt;
-          const int pid = pg0 + lane < npages && lane < (w.chunk_tok + bt - 1) / bt ? kv.page_ids[pb + pg0 + lane] : 0;
-          c0 = c1;
-          c1 = take();
-          for (int i0 = first; i0 < last; i0 += kPStage, ++t) tma_stage(t, i0, __shfl_sync(0xffffffffu, pid, i0 / bt - pg0));
-        }
-      }
-      // One end marker for each consumer warp (stage t goes to warp t % 4).
-      for (int k = 0; k < kPConsumers; ++k, ++t) {
-        const int st = t % C::kStages;
-        if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-        if (lane == 0) {
-          s_tok[st] = -1;
-          MbarArrive(full0 + 8 * st);
-        }
-      }
-    } else {
-      CpAsyncWait<0>();
-    }
+    if constexpr (!kTma) CpAsyncWait<0>();
   } else {
     // ---- consumers
     uint32_t qa[kKSteps][4];
@@ -230,24 +182,19 @@ __global__ void __launch_bounds__(kPThreads, 2)
     const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8];
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    // Whether any stage may need position masks (with claimed chunks: over
-    // the whole sequence).
-    const int lo_any = claim != nullptr ? 0 : tok_lo, hi_any = claim != nullptr ? ntok : tok_hi;
-    const bool cta_pos_mask = hi_any > lo_any && ((p.causal && TokenPos(kv, pb, hi_any - 1) > s_qmin) ||
-                                                  (p.window > 0 && TokenPos(kv, pb, lo_any) <= s_qmax - p.window));
-    for (int t = warp; kTma || t < ntiles; t += kPConsumers) {
+    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > s_qmin) ||
+                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
+    for (int t = warp; t < ntiles; t += kPConsumers) {
       const int st = t % C::kStages;
       MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
       uint8_t* kt = stages + st * C::kStageBytes;
       uint8_t* vt = kt + C::kPlaneBytes;
-      const int tile_first = kTma ? s_tok[st] : tok_lo + t * kPStage;
-      if (kTma && tile_first < 0) break;  // the producer's end marker
-      const int tile_last = min(tile_first + kPStage, hi) - 1;
-      const bool tail = tile_first + kPStage > hi;
+      const int tile_first = tok_lo + t * kPStage, tile_last = min(tile_first + kPStage, tok_hi) - 1;
+      const bool tail = tile_first + kPStage > tok_hi;
       if (kTma && tail) {
         // A TMA box copies whole pages: zero the V rows past the end (their
         // weight is 0, but 0 x NaN junk would not be).
-        const int valid_rows = hi - tile_first;
+        const int valid_rows = tok_hi - tile_first;
         for (int c = lane; c < (kPStage - valid_rows) * kChunks; c += 32) {
           const int r = valid_rows + c / kChunks, ch = c % kChunks;
           *reinterpret_cast<uint4*>(vt + Sw128(kPStage, r, ch)) = make_uint4(0, 0, 0, 0);
@@ -271,7 +218,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
         for (int e = 0; e < 4; ++e) {
           const int i = tile_first + j * 8 + tig * 2 + (e & 1);
           const int qp = e < 2 ? qpos0 : qpos1;
-          bool vis = (!tail || i < hi) && qp != INT32_MIN;
+          bool vis = (!tail || i < tok_hi) && qp != INT32_MIN;
           if (vis && pos_mask) {
             const int kp = TokenPos(kv, pb, i);
             if (p.causal) vis = kp <= qp;
@@ -352,8 +299,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
   __syncthreads();
   StoreDecodeRows<kPConsumers>(w, q, D, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, part_out, part_lse, out, lse);
   if (num_splits > 1) {
-    MergeSplitsIfLast(w, q, D, kRows, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse, so, out, lse,
-                      claim);
+    MergeSplitsIfLast(w, q, D, kRows, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse, so, out, lse);
   }
 }
 
@@ -363,8 +309,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
 // reads global memory).
 template <int D, typename T, bool kTma>
 cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                              int row_groups, float* part_out, float* part_lse, int* counters, int* claims,
-                              int tail_permille, const CUtensorMap& map, cudaStream_t stream) {
+                              int row_groups, float* part_out, float* part_lse, int* counters, const CUtensorMap& map,
+                              cudaStream_t stream) {
   const int smem = PipeCfg<D>::kDynamic;
   cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
@@ -379,22 +325,19 @@ cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const Pag
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, part_out, part_lse,
-                            counters, claims, tail_permille, out.out, out.lse, map);
+                            counters, out.out, out.lse, map);
 }
 
 template <int D, typename T>
 cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                            float* part_out, float* part_lse, int* counters, int* claims, int tail_permille,
-                            cudaStream_t stream) {
+                            float* part_out, float* part_lse, int* counters, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
   alignas(64) CUtensorMap map{};
   if (MakePoolMap(kv, kPStage, &map, /*all_column_blocks=*/true, /*l2_promotion_bytes=*/128)) {
-    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, claims,
-                                         tail_permille, map, stream);
+    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
   }
-  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, nullptr, 0,
-                                        map, stream);
+  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
 }
 
 }  // namespace
@@ -446,12 +389,12 @@ int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages
 }
 
 namespace {
-// Workspace layout: the split-merge counters first, then the tail-chunk
-// claim counters (one int each per (row, q head), a group using its first
-// vector's; at the same place whatever the split count, so partials of a
-// call with more splits never land on them), then the partial O and LSE.
-size_t CounterInts(const QueryView& q) { return (size_t)q.num_rows * q.q_heads; }
-size_t CounterBytes(const QueryView& q) { return (2 * CounterInts(q) * sizeof(int) + 255) / 256 * 256; }
+// Workspace layout: the split-merge counters first (one int per (row, q
+// head), at the same place whatever the split count, so partials of a call
+// with more splits never land on them), then the partial O and LSE.
+size_t CounterBytes(const QueryView& q) {
+  return ((size_t)q.num_rows * q.q_heads * sizeof(int) + 255) / 256 * 256;
+}
 }  // namespace
 
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim) {
@@ -461,19 +404,18 @@ size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim) {
 }
 
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream, int tail_permille) {
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (CheckViews(q, kv) != nullptr || out.out == nullptr || out.lse == nullptr || num_splits < 1 ||
-      num_splits > kMaxDecodeSplits || tail_permille < 0 || tail_permille > 1000) {
+      num_splits > kMaxDecodeSplits) {
     return cudaErrorInvalidValue;
   }
   if (q.num_rows == 0) return cudaSuccess;
   const int D = kv.head_dim;
   if (workspace_bytes < DecodeWorkspaceBytes(q, num_splits, D)) return cudaErrorInvalidValue;
-  int *counters = nullptr, *claims = nullptr;
+  int* counters = nullptr;
   float *po = nullptr, *pl = nullptr;
   if (num_splits > 1) {
     counters = static_cast<int*>(workspace);
-    claims = counters + CounterInts(q);
     po = reinterpret_cast<float*>(static_cast<char*>(workspace) + CounterBytes(q));
     pl = po + (size_t)num_splits * q.num_rows * q.q_heads * D;
   }
@@ -484,15 +426,11 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   }
   if (num_splits > 1 && reinterpret_cast<uintptr_t>(out.out) % 16 != 0) return cudaErrorInvalidValue;  // float4 merge
   if (kv.dtype == KvType::kBF16) {
-    return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, claims,
-                    tail_permille, stream)
-                    : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, claims,
-                    tail_permille, stream);
+    return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream)
+                    : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream);
   }
-  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, claims,
-                    tail_permille, stream)
-                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, claims,
-                    tail_permille, stream);
+  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, stream)
+                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, stream);
 }
 
 }  // namespace kvring::cuda

@@ -67,7 +67,7 @@ struct AttnParams {
 // CTA of each (sequence, kv head) to finish merges them into `out` (quantized
 // pages: a second kernel merges). The workspace (DecodeWorkspaceBytes; none
 // for one split) must be zeroed once before its first use (cudaMemset): it
-// holds the merge's and the tail claims' counters, which every call leaves at zero. One call at a
+// holds the merge's counters, which every call leaves at zero. One call at a
 // time per workspace. num_splits: 1..kMaxDecodeSplits; with more than one
 // split on plain pages `out.out` must be 16-byte aligned (the merge stores
 // float4).
@@ -77,19 +77,11 @@ struct AttnParams {
 // deep mbarrier ring (TMA boxes for pages of a multiple of 16 tokens on
 // sm_90, cp.async gathers otherwise), four consumer warps take them in turn.
 // Quantized pages have a kernel of their own (paged_decode_quant_cuda.cu).
-// tail_permille (0..1000; TMA path with more than one split): that share of
-// each sequence's pages (rounded down to whole 32-token chunks) is left out
-// of the splits, and the CTAs of the sequence's group claim its chunks one
-// at a time from a counter in the workspace once they near the end of their
-// own split, so CTAs on faster SMs take more (the one-wave imbalance at batch
-// 1). 0: static splits only.
 inline constexpr int kMaxDecodeSplits = 1024;  // the fused merge keeps (splits + 1) x 16 weights in shared memory
-inline constexpr int kDecodeTailPermille = 125;
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count);
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim);
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                        int tail_permille = kDecodeTailPermille);
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // ---- prefill: many query rows per sequence, on the tensor cores (bf16/fp16
 // operands, fp32 accumulate), causal by absolute position; head_dim 64 or 128.
