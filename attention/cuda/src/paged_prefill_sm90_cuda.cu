@@ -72,8 +72,9 @@ __device__ __forceinline__ void NamedBarrier(int id, int threads) {
 __device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// Named barriers: 1 all threads (Q staged), 2 + wg a warpgroup (junk rows
-// zeroed), kTurn + wg the warpgroups' alternation of their tensor-core work.
+// Named barriers of the consumers: 2 + wg a warpgroup (junk rows zeroed),
+// kTurn + wg the warpgroups' alternation of their tensor-core work (0 is the
+// CTA's: its one use is before the producer warpgroup's idle warps leave).
 constexpr int kTurn = 4;
 
 // Generic-proxy writes (the zeroed junk rows) ordered with the async proxy (wgmma reads, TMA writes).
@@ -94,7 +95,7 @@ __device__ __forceinline__ void RegDealloc() {
 template <int D, typename T>
 __global__ void __launch_bounds__(kCtaThreads, 1)
     PrefillSm90Kernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out, int row_tiles,
-                                const __grid_constant__ CUtensorMap pool_map, const __grid_constant__ CUtensorMap q_map) {
+                      const __grid_constant__ CUtensorMap pool_map, const __grid_constant__ CUtensorMap q_map) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = Sm90Smem<D>;
   constexpr int kKSteps = D / 16;
