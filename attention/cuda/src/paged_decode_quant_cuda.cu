@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 4) QDecodeKernel(AttnParams p, Query
 // decode kernel's structure (paged_decode_cuda.cu) over codes. A producer
 // warp streams 16-token stages of codes and their scales by TMA through a
 // 12-deep mbarrier ring (a stage: K codes [16][D], V codes [16][D], the
-// scales it needs, each box of them 128-byte aligned); each of four consumer warps takes a stage, converts its
+// scales it needs); each of four consumer warps takes a stage, converts its
 // codes to 16-bit values in a private swizzled buffer (K times its
 // per-channel scales in mode 2; rows past the end zeroed), releases the
 // stage, and runs the tensor-core math of the bf16 kernel on the buffer: S =
@@ -240,10 +240,7 @@ template <int D, int kMode>
 struct QPipeCfg {
   static constexpr int kCodeBytes = kQPStage * D;                     // K (or V) codes of a stage
   static constexpr int kKWords = kMode == 2 ? D : 16;                  // K scales: per channel, or per token / page
-  // Scale boxes of 16 words each land 128-byte aligned (as TMA requires): K's
-  // box i at word 32 i, V's after them.
-  static constexpr int kKBoxes = kKWords / 16, kVWord = 32 * kKBoxes;
-  static constexpr int kScaleBytes = 128 * (kKBoxes + 1);
+  static constexpr int kScaleBytes = ((kKWords + 16) * 4 + 127) / 128 * 128;
   static constexpr int kStageBytes = 2 * kCodeBytes + kScaleBytes;
   static constexpr int kRing = (kQPStages * kStageBytes + 1023) / 1024 * 1024;
   static constexpr int kPrivBytes = 2 * kQPStage * D * 2;             // a consumer's 16-bit K and V: [D/64][16][128 B] each
@@ -372,8 +369,8 @@ __global__ void __launch_bounds__(kQPThreads, 2)
           vidx = base + H * D + h * bt + off;
         }
 #pragma unroll
-        for (int i = 0; i < C::kKBoxes; ++i) TmaLoad2d(sc + 128 * i, &scale_map, kidx + 16 * i, page, bar);
-        TmaLoad2d(sc + 4 * C::kVWord, &scale_map, vidx, page, bar);
+        for (int i = 0; i < C::kKWords / 16; ++i) TmaLoad2d(sc + 64 * i, &scale_map, kidx + 16 * i, page, bar);
+        TmaLoad2d(sc + 4 * C::kKWords, &scale_map, vidx, page, bar);
       }
       __syncwarp();
     }
@@ -409,7 +406,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
         if (r < valid_rows) {
           const uint2 kr = *reinterpret_cast<const uint2*>(kc + r * D + ch * 8);
           const uint2 vr = *reinterpret_cast<const uint2*>(vc + r * D + ch * 8);
-          kv4 = Dequant8<kCodec, T, kMode == 2>(kr, scl + (ch >> 1) * 32 + (ch & 1) * 8);  // dims 8 ch ..
+          kv4 = Dequant8<kCodec, T, kMode == 2>(kr, scl + ch * 8);
           vv4 = Dequant8<kCodec, T, false>(vr, nullptr);
         }
         *reinterpret_cast<uint4*>(kt + Sw128(kQPStage, r, ch)) = kv4;
@@ -422,7 +419,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
         const int tok = (e >> 1) * 8 + tig * 2 + (e & 1);
         ks[e] = kMode == 1 ? scl[tok] : kMode == 0 ? scl[0] : 1.f;
         // (0 past the end: P is 0 there, but 0 x a junk slot's NaN scale is not)
-        vs[e] = tok < valid_rows ? (kMode == 0 ? scl[C::kVWord] : scl[C::kVWord + tok]) : 0.f;
+        vs[e] = tok < valid_rows ? (kMode == 0 ? scl[C::kKWords] : scl[C::kKWords + tok]) : 0.f;
       }
       __syncwarp();
       if (lane == 0) MbarArrive(empty0 + 8 * st);  // the codes are in registers / the private buffers
