@@ -164,14 +164,6 @@ __device__ __forceinline__ void TmaLoad5d(uint32_t dst, const CUtensorMap* map, 
       : "memory");
 }
 
-// One box of a 2-d tensor map into shared memory; completes on `bar`.
-__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-          dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
 // One box of a 3-d tensor map into shared memory; completes on `bar`.
 __device__ __forceinline__ void TmaLoad3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
   asm volatile(

@@ -33,11 +33,4 @@ bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool a
 // aligned). Host only; thread-safe.
 bool MakeQueryMap(const QueryView& q, int head_dim, int box_rows, CUtensorMap* map);
 
-// Quantized pages (kv.codec != 0): `codes`, a 5-d map of the pool's 1-byte
-// codes (D bytes, token of the page, plane, 1, page) with boxes of D bytes x
-// `box_tokens` tokens (no swizzle: a box lands as [box_tokens][D]); `scales`,
-// a 2-d map of each page as 32-bit words (word, page) with boxes of 16 words.
-// False where TMA cannot serve the view (as MakePoolMap). Host only.
-bool MakeQuantMaps(const PagedKvView& kv, int box_tokens, CUtensorMap* codes, CUtensorMap* scales);
-
 }  // namespace kvring::cuda::internal
