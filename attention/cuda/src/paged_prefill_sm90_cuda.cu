@@ -9,7 +9,12 @@
 // Work: "row tiles" of 128 query rows of one (sequence, q head), taken
 // heaviest first (causal: later rows see more keys) by one CTA an SM for the
 // whole call: CTA c of G takes tiles c, 2G-1-c, 2G+c, ... (a snake, so no CTA
-// takes the heaviest tile of every round).
+// takes the heaviest tile of every round). Not measured yet: batches of very
+// different lengths. The item space is (q head, sequence) x the longest
+// sequence's row tiles, and the producer skips the empty items (past a short
+// sequence's end) one at a time, two cached loads each; with many short
+// sequences beside a long one most items are empty and that scan is not
+// hidden, and the static assignment does not rebalance.
 // CTA: three warpgroups. A producer warp (warpgroup 2; its other warps
 // leave, and the warpgroup gives its registers to the consumers: setmaxnreg
 // 24 / 240) computes each row tile's metadata (rows, positions' min/max, the
