@@ -282,24 +282,17 @@ TEST(GpuDecodeTest, SplitLimitsAreCheckedAtTheBoundary) {
 
 // Both prefill kernels: the wgmma one where the device has it (sm_90), and
 // the mma.sync one everywhere.
-bool HasSm90() {
+std::vector<cuda::PrefillKernel> PrefillKernels() {
+  std::vector<cuda::PrefillKernel> ks = {cuda::PrefillKernel::kMmaSync};
   int dev = 0, major = 0, minor = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  return major == 9 && minor == 0;
-}
-std::vector<cuda::PrefillKernel> PrefillKernels() {
-  std::vector<cuda::PrefillKernel> ks = {cuda::PrefillKernel::kMmaSync};
-  if (HasSm90()) ks.push_back(cuda::PrefillKernel::kWgmma);
+  if (major == 9 && minor == 0) ks.push_back(cuda::PrefillKernel::kWgmma);
   return ks;
 }
 const char* KernelName(cuda::PrefillKernel k) {
-  switch (k) {
-    case cuda::PrefillKernel::kWgmma: return "wgmma";
-    case cuda::PrefillKernel::kAuto: return "auto";
-    default: return "mma.sync";
-  }
+  return k == cuda::PrefillKernel::kWgmma ? "wgmma" : k == cuda::PrefillKernel::kAuto ? "auto" : "mma.sync";
 }
 
 // Prefill: causal chunks of new tokens over a cached prefix, row counts that
@@ -345,7 +338,7 @@ TEST(GpuPrefillTest, LongChunksMatchTheReference) {
     for (int D : {64, 128})
       for (int bt : {16, 24, 48}) {
         const cuda::PrefillKernel kernel =
-            requested != cuda::PrefillKernel::kMmaSync && bt % 16 != 0 ? cuda::PrefillKernel::kAuto : requested;
+            requested == cuda::PrefillKernel::kWgmma && bt % 16 != 0 ? cuda::PrefillKernel::kAuto : requested;
         std::mt19937_64 rng(seed++);
         const int kv_heads = 2, q_heads = 8;
         const bool bf16 = seed % 2;

@@ -196,11 +196,6 @@ __device__ __forceinline__ void TmaPrefetchMap(const CUtensorMap* map) {
 #endif
 }
 
-// Brings the line holding *p into L1 (a later load of it hits there).
-__device__ __forceinline__ void PrefetchL1(const void* p) {
-  asm volatile("prefetch.L1 [%0];\n" ::"l"(p));
-}
-
 // Position of stream token i of a sequence (pages full but the last).
 __device__ __forceinline__ int TokenPos(const PagedKvView& kv, int pb, int i) {
   const int pg = i / kv.block_tokens;
