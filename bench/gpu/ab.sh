@@ -6,7 +6,8 @@
 #   bash bench/gpu/ab.sh OLD.so NEW.so [rounds]
 # OLD.so: e.g. libkvring_cuda_capi.so built from an earlier commit (here:
 # `git worktree add /tmp/old REV && cmake ... && ninja kvring_cuda_capi`),
-# copied into .gpu/lib before the call. Results: $OUT/ab_*.json.
+# copied into .gpu/lib before the call. Results: $OUT/ab_*.json. Shapes:
+# AB_DECODE and AB_PREFILL (B:L lists; AB_PREFILL=none: decode only).
 set -uo pipefail
 OLD=$1 NEW=$2 ROUNDS=${3:-2}
 OUT=${OUT:-$PWD/gpu-out}
@@ -20,7 +21,8 @@ for r in $(seq 1 "$ROUNDS"); do
     echo "== round $r, $which ($lib)"
     python3 bench/gpu/attention_bench.py --lib "$lib" --out "$OUT/ab_${which}_${r}_decode" --decode-only "$DECODE" 2>&1 |
       grep -E "^decode|TB/s"
-    python3 bench/gpu/attention_bench.py --lib "$lib" --out "$OUT/ab_${which}_${r}_prefill" --prefill-only "$PREFILL" 2>&1 |
-      grep -E "^prefill"
+    [ "$PREFILL" = none ] ||
+      python3 bench/gpu/attention_bench.py --lib "$lib" --out "$OUT/ab_${which}_${r}_prefill" --prefill-only "$PREFILL" 2>&1 |
+        grep -E "^prefill"
   done
 done

@@ -155,6 +155,32 @@ TEST(GpuDecodeTest, LongSequencesMatchTheReference) {
       }
 }
 
+// The fused split merge loads as many splits' partial rows as fit in shared
+// memory at once: full 16-vector row groups (2 rows x GQA 8) and up to
+// kMaxDecodeSplits splits (most of them empty) take several chunks, both
+// head sizes.
+TEST(GpuDecodeTest, ManySplitsMergeInChunks) {
+  KVRING_REQUIRE_GPU();
+  uint64_t seed = 700;
+  for (int D : {64, 128})
+    for (int splits : {100, cuda::kMaxDecodeSplits}) {
+      std::mt19937_64 rng(seed++);
+      auto kvb = MakeBatch(rng, 16, 1, 2, D, /*bf16=*/true, {1900 + (int)(rng() % 300), 40}, {0, 0}, false, 0);
+      std::vector<std::vector<int32_t>> qpos;
+      for (const auto& sq : kvb.seqs) qpos.push_back({sq.dense.positions.back(), sq.dense.positions.back() + 1});
+      auto qb = MakeQueries(rng, 16, D, true, qpos);
+      Dev<float> out((size_t)qb.pos.size() * 16 * D), lse((size_t)qb.pos.size() * 16);
+      out.Poison();
+      lse.Poison();
+      const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
+      Dev<uint8_t> work(ws);
+      work.Zero();
+      CUDA_OK(cuda::PagedDecode(cuda::AttnParams{}, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, 1e-2, absl::StrCat("decode D=", D, " splits=", splits));
+    }
+}
+
 // Decode over int8 / fp8 pages (every scale mode), made by QuantizeBlock
 // from random bf16/f16 blocks: the kernel reads the codes and must match the
 // float64 reference over exactly the dequantized values (code * scale).

@@ -164,6 +164,16 @@ __device__ __forceinline__ void TmaLoad5d(uint32_t dst, const CUtensorMap* map, 
       : "memory");
 }
 
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to
+// shared memory by the bulk-copy engine; completes on `bar`. Global data
+// written by other threads' plain stores needs fence.proxy.async.global
+// (after the acquire that made them visible) first.
+__device__ __forceinline__ void BulkLoad(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 // One box of a 3-d tensor map into shared memory; completes on `bar`.
 __device__ __forceinline__ void TmaLoad3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
   asm volatile(
@@ -182,6 +192,24 @@ __device__ __forceinline__ void GridDepLaunchDependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+// Barrier `id` (1..15; 0 is __syncthreads') of `threads` threads (a multiple of 32).
+__device__ __forceinline__ void NamedBarrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Generic-proxy writes to shared memory ordered with the async proxy's
+// accesses (wgmma reads, TMA writes) that follow.
+__device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Mbarrier initializations visible to the other threads and the async proxy
+// (then a CTA barrier).
+__device__ __forceinline__ void FenceMbarInit() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ unsigned SmId() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
 }
 __device__ __forceinline__ void GridDepWait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -321,99 +349,6 @@ __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const Query
       part_out[((size_t)w.sp * rows_heads + rh) * D + d] = val;
       if (d == 0) part_lse[(size_t)w.sp * rows_heads + rh] = ls;
     }
-  }
-}
-
-// The split-merge of a decode CTA group, fused into the kernel: after a CTA
-// stored its split's partial rows (StoreDecodeRows with num_splits > 1), the
-// last of the group's num_splits CTAs to finish merges every split's partial
-// into out/lse (exact LSE merge, NaN propagates as in MergePartials) and
-// resets the group's counter to 0. `counter` is the group's int in the
-// workspace (zero before the first call; each call leaves it zero), `scratch`
-// shared memory of at least (num_splits + 1) * rows floats; `out` 16-byte
-// aligned. Called by every thread of the CTA.
-__device__ __forceinline__ void MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int D, int rows, int num_splits,
-                                                  int* counter, const float* part_out, const float* part_lse,
-                                                  float* scratch, float* out, float* lse) {
-  __shared__ int s_last;
-  __threadfence();  // this CTA's partial stores, before its arrival on the counter
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int prev = atomicAdd(counter, 1);
-    s_last = prev == num_splits - 1;
-    if (s_last) *counter = 0;  // every split has arrived: ready for the next call
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();  // the other CTAs' partials, after their arrivals
-  const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
-  // Few dependent L2 round trips on the kernel's critical path: the first
-  // batch of each output float4's partials is loaded together with the
-  // LSEs of all (split, row) pairs (the weights exp(lse - M) come after),
-  // then the rest in batches of up to kBatch splits, all of a batch in
-  // flight at once (33 splits: two batches).
-  constexpr int kBatch = 20;
-  float* wgt = scratch;                        // [num_splits][rows]: lse, then weight
-  float* s_sum = scratch + num_splits * rows;  // [rows]
-  const int d4 = D / 4, nout = w.nv * d4;
-  const size_t stride4 = rows_heads * D / 4;  // one split's partials, in float4
-  const int nbatch = (num_splits + kBatch - 1) / kBatch, per = (num_splits + nbatch - 1) / nbatch;
-  const int idx = threadIdx.x;  // the output float4 whose first batch goes out with the LSE loads
-  float4 buf[kBatch];
-  const float4* src = nullptr;
-  if (idx < nout) {
-    src = reinterpret_cast<const float4*>(part_out + DecodeRowHead(w, q, w.v0 + idx / d4) * D + (idx % d4) * 4);
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      if (i < per) buf[i] = __ldcg(src + i * stride4);
-    }
-  }
-  for (int i = threadIdx.x; i < num_splits * w.nv; i += blockDim.x) {
-    const int sp = i / w.nv, r = i % w.nv;
-    wgt[sp * rows + r] = __ldcg(part_lse + sp * rows_heads + DecodeRowHead(w, q, w.v0 + r));
-  }
-  __syncthreads();
-  for (int r = threadIdx.x; r < w.nv; r += blockDim.x) {
-    float M = -INFINITY;
-    for (int sp = 0; sp < num_splits; ++sp) M = fmaxf(M, wgt[sp * rows + r]);
-    float L = 0.f;
-    for (int sp = 0; sp < num_splits; ++sp) {
-      const float x = wgt[sp * rows + r];
-      const float f = (M == -INFINITY || x == -INFINITY) ? 0.f : __expf(x - M);
-      wgt[sp * rows + r] = f;
-      L += f;
-    }
-    s_sum[r] = L;
-    lse[DecodeRowHead(w, q, w.v0 + r)] = M == -INFINITY ? -INFINITY : M + __logf(L);
-  }
-  __syncthreads();
-  // Outputs past the first blockDim.x (more rows than blockDim.x / (D / 4))
-  // take the slow path: all their batches are loaded after the weights.
-  for (int o = idx; o < nout; o += blockDim.x) {
-    const int r = o / d4, d = (o % d4) * 4;
-    const size_t rh = DecodeRowHead(w, q, w.v0 + r);
-    const float4* p = reinterpret_cast<const float4*>(part_out + rh * D + d);
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int b0 = 0; b0 < num_splits; b0 += per) {
-      if (b0 > 0 || o != idx) {
-#pragma unroll
-        for (int i = 0; i < kBatch; ++i) {
-          if (i < per && b0 + i < num_splits) buf[i] = __ldcg(p + (b0 + i) * stride4);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        if (i < per && b0 + i < num_splits) {
-          const float f = wgt[(b0 + i) * rows + r];  // 0 for an empty split, whose partial is 0
-          acc.x += f * buf[i].x;
-          acc.y += f * buf[i].y;
-          acc.z += f * buf[i].z;
-          acc.w += f * buf[i].w;
-        }
-      }
-    }
-    const float L = s_sum[r], inv = L == 0.f ? 0.f : 1.f / L;
-    *reinterpret_cast<float4*>(out + rh * D + d) = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
   }
 }
 

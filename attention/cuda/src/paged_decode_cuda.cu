@@ -17,7 +17,163 @@ cudaError_t QuantizedDecode(const AttnParams& p, const QueryView& q, const Paged
                             float* po, float* pl, cudaStream_t stream);
 namespace {
 
+#ifdef KVRING_DECODE_TRACE
+// Diagnostic build only (-DKVRING_DECODE_TRACE; bench/gpu/decode_trace.py):
+// each CTA of the last pipelined decode launch stamps %globaltimer at its
+// phases into g_decode_trace[cta][slot]. Read with kvring_cuda_decode_trace().
+// Slots: 0 entry, 1 past the grid-dependency wait, 2 the producer's first
+// copy, 3 the first stage landed, 4 the producer's last copy issued, 5 every
+// stage consumed, 13 warps' partials in shared memory, 6 partial stored
+// (merge entry), 7 arrival counted, 10 the merger's fences passed, 11 its
+// LSEs in, 8 its partials in, 9 done; 15: SM id | merged << 32.
+constexpr int kTraceSlots = 16, kTraceCtas = 8192;
+__device__ unsigned long long g_decode_trace[kTraceCtas * kTraceSlots];
+__device__ __forceinline__ void Trace(int slot, unsigned long long v = 0) {
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (cta >= kTraceCtas) return;
+  if (slot != 15) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+  g_decode_trace[cta * kTraceSlots + slot] = v;
+}
+#define KVRING_TRACE(cond, ...) \
+  do {                          \
+    if (cond) Trace(__VA_ARGS__); \
+  } while (0)
+#else
+#define KVRING_TRACE(cond, ...) \
+  do {                          \
+  } while (0)
+#endif
+
 constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16n8k16 tile
+
+// The split-merge of a decode CTA group, fused into the kernel: after a CTA
+// stored its split's partial rows (StoreDecodeRows with num_splits > 1), the
+// last of the group's num_splits CTAs to finish merges every split's partial
+// into out/lse (exact LSE merge, NaN propagates as in MergePartials) and
+// resets the group's counter to 0. `counter` is the group's int in the
+// workspace (zero before the first call; each call leaves it zero),
+// `scratch` 16-byte aligned shared memory of `scratch_bytes` (at least
+// (num_splits + 1) * kRows floats, rounded up to 16 bytes, plus one split's
+// kRows x D partial), `bar` an mbarrier initialized with count 1 and not used
+// otherwise; `out` 16-byte aligned. Called by every thread of the CTA;
+// returns whether this CTA merged.
+// The merge is the tail of the launch (it starts when the group's slowest
+// CTA is done), so its loads are one round trip where they fit: the bulk-copy
+// engine brings the partial rows of as many splits as fit in shared memory
+// (all 33 splits of a batch-1 Llama-3 group: 4 rows x 2 KB each) while the
+// threads load the LSEs and compute the weights, a warp a row. (Per-thread
+// 16-byte loads of the same 67 KB, registers or cp.async, took 4-5 us on the
+// H200: one SM's outstanding requests, not bandwidth, bound them.)
+template <int D, int kThreads>
+__device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int num_splits, int* counter,
+                                                  const float* part_out, const float* part_lse, uint8_t* scratch,
+                                                  int scratch_bytes, uint32_t bar, float* out, float* lse) {
+  constexpr int kD4 = D / 4, kOutPerThread = (kRows * kD4 + kThreads - 1) / kThreads;
+  __shared__ int s_last;
+  KVRING_TRACE(threadIdx.x == 0, 6);
+  __threadfence();  // this CTA's partial stores, before its arrival on the counter
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(counter, 1);
+    s_last = prev == num_splits - 1;
+    if (s_last) *counter = 0;  // every split has arrived: ready for the next call
+  }
+  __syncthreads();
+  KVRING_TRACE(threadIdx.x == 0, 7);
+  if (!s_last) return false;
+  __threadfence();                                   // the other CTAs' partials, after their arrivals
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");  // ... and before the bulk copies read them
+  const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
+  const int nv = w.nv, nout = nv * kD4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* wgt = reinterpret_cast<float*>(scratch);  // [num_splits][nv]: lse, then weight
+  float* s_sum = wgt + num_splits * nv;            // [nv]
+  const int head = ((num_splits + 1) * nv * 4 + 15) / 16 * 16;
+  float4* buf = reinterpret_cast<float4*>(scratch + head);  // [chunk][nv][D/4]
+  const int chunk = max(1, (scratch_bytes - head) / (nout * 16));
+  // The group's vectors v0 .. v0 + nv - 1 are runs of consecutive (row, q
+  // head) slots, one run per query row: one bulk copy per (split, run).
+  const int row0 = w.v0 / w.G, nruns = (w.v0 + nv - 1) / w.G - row0 + 1;
+  auto load = [&](int s0) {  // partial rows of splits s0 .. s0 + chunk - 1 into buf; warp 0 issues
+    if (warp != 0) return;
+    const int n = min(chunk, num_splits - s0);
+    FenceProxyAsync();  // buf's earlier generic-proxy use, before the async writes
+    if (lane == 0) MbarArriveExpectTx(bar, (uint32_t)(n * nout * 16));
+    __syncwarp();
+    for (int i = lane; i < n * nruns; i += 32) {
+      const int c = i / nruns, row = row0 + i % nruns;
+      const int a = max(w.v0, row * w.G), b = min(w.v0 + nv, (row + 1) * w.G);  // vectors [a, b)
+      BulkLoad(SmemAddr(buf + (size_t)(c * nv + a - w.v0) * kD4),
+               part_out + ((size_t)(s0 + c) * rows_heads + DecodeRowHead(w, q, a)) * D, (uint32_t)((b - a) * D * 4), bar);
+    }
+  };
+  KVRING_TRACE(threadIdx.x == 0, 10);
+  load(0);
+  for (int i = threadIdx.x; i < num_splits * nv; i += kThreads) {
+    wgt[i] = __ldcg(part_lse + (size_t)(i / nv) * rows_heads + DecodeRowHead(w, q, w.v0 + i % nv));
+  }
+  __syncthreads();
+  KVRING_TRACE(threadIdx.x == 0, 11);
+  // Weights exp(lse - M) and their sums, a warp a row.
+  for (int r = warp; r < nv; r += kThreads / 32) {
+    float M = -INFINITY;
+    for (int sp = lane; sp < num_splits; sp += 32) M = fmaxf(M, wgt[sp * nv + r]);
+#pragma unroll
+    for (int k = 16; k > 0; k >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, k));
+    float L = 0.f;
+    for (int sp = lane; sp < num_splits; sp += 32) {
+      const float x = wgt[sp * nv + r];
+      const float f = (M == -INFINITY || x == -INFINITY) ? 0.f : __expf(x - M);
+      wgt[sp * nv + r] = f;
+      L += f;
+    }
+#pragma unroll
+    for (int k = 16; k > 0; k >>= 1) L += __shfl_xor_sync(0xffffffffu, L, k);
+    if (lane == 0) {
+      s_sum[r] = L;
+      lse[DecodeRowHead(w, q, w.v0 + r)] = M == -INFINITY ? -INFINITY : M + __logf(L);
+    }
+  }
+  __syncthreads();  // the weights
+  float4 acc[kOutPerThread];
+#pragma unroll
+  for (int k = 0; k < kOutPerThread; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = 0, phase = 0; s0 < num_splits; s0 += chunk, phase ^= 1) {
+    MbarWait(bar, phase);  // the chunk's partials are in
+    KVRING_TRACE(threadIdx.x == 0 && s0 == 0, 8);
+    const int n = min(chunk, num_splits - s0);
+#pragma unroll
+    for (int k = 0; k < kOutPerThread; ++k) {
+      const int o = threadIdx.x + k * kThreads;
+      if (o < nout) {
+        const int r = o / kD4;
+        for (int c = 0; c < n; ++c) {
+          const float f = wgt[(s0 + c) * nv + r];  // 0 for an empty split, whose partial is 0
+          const float4 v = buf[c * nout + o];
+          acc[k].x += f * v.x;
+          acc[k].y += f * v.y;
+          acc[k].z += f * v.z;
+          acc[k].w += f * v.w;
+        }
+      }
+    }
+    if (s0 + chunk < num_splits) {
+      __syncthreads();  // buf is read: the next chunk may land
+      load(s0 + chunk);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kOutPerThread; ++k) {
+    const int o = threadIdx.x + k * kThreads;
+    if (o < nout) {
+      const int r = o / kD4;
+      const float L = s_sum[r], inv = L == 0.f ? 0.f : 1.f / L;
+      *reinterpret_cast<float4*>(out + DecodeRowHead(w, q, w.v0 + r) * D + (o % kD4) * 4) =
+          make_float4(acc[k].x * inv, acc[k].y * inv, acc[k].z * inv, acc[k].w * inv);
+    }
+  }
+  return true;
+}
 
 // ---- Pipelined variant: one producer warp streams the split's KV in
 // 16-token stages through a deep ring of shared-memory stages (about 96 KB,
@@ -53,7 +209,8 @@ struct PipeCfg {
   // behind (same parity: mbarrier parity waits cannot tell) and read a stage
   // whose copy is still in flight.
   static_assert(kStages % kPConsumers == 0, "each stage belongs to one consumer warp");
-  static_assert((kMaxDecodeSplits + 1) * kRows * 4 <= kStages * kStageBytes, "split-merge weights reuse the stages");
+  static_assert(((kMaxDecodeSplits + 1) * kRows * 4 + 15) / 16 * 16 + kRows * D * 4 <= kStages * kStageBytes,
+                "the split-merge's weights and one split's partial rows fit in the stages");
 };
 
 template <int D, typename T, bool kTma>
@@ -71,11 +228,13 @@ __global__ void __launch_bounds__(kPThreads, 2)
   __shared__ int s_qpos[kRows];
   __shared__ int s_qmin, s_qmax;
   __shared__ float s_m[kPConsumers][kRows], s_l[kPConsumers][kRows];
+  __shared__ alignas(8) uint64_t s_merge_bar;  // the split-merge's bulk copies
 
   // Programmatic dependent launch: the next kernel in the stream may start
   // its launch now (its CTAs land as ours leave and wait in GridDepWait for
   // our completion); we wait for the previous kernel's before reading global
   // memory. The barrier setup and the tensor map's prefetch come first.
+  KVRING_TRACE(threadIdx.x == 0, 0);
   GridDepLaunchDependents();
   if (threadIdx.x == 0) {
     if constexpr (kTma) TmaPrefetchMap(&pool_map);
@@ -83,8 +242,12 @@ __global__ void __launch_bounds__(kPThreads, 2)
       MbarInit(full0 + 8 * i, kTma ? 1 : 32);  // the TMA lane's expect-tx arrival, or the 32 lanes' cp.async ones
       MbarInit(empty0 + 8 * i, 1);             // the consumer warp that took the stage
     }
+    MbarInit(SmemAddr(&s_merge_bar), 1);
+    FenceMbarInit();
   }
+  __syncthreads();
   GridDepWait();
+  KVRING_TRACE(threadIdx.x == 0, 1);
   DecodeWork w;
   if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w)) return;
   const int h = w.h, G = w.G, rb = w.rb, v0 = w.v0, nv = w.nv, pb = w.pb, npages = w.npages;
@@ -93,41 +256,44 @@ __global__ void __launch_bounds__(kPThreads, 2)
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
   const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
 
-  for (int c = tid; c < kRows * kChunks; c += kPThreads) {
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool valid = r < nv;
-    const int v = v0 + (valid ? r : 0);
-    const T* src = static_cast<const T*>(q.q) + ((size_t)(rb + v / G) * q.q_heads + h * G + v % G) * D + ch * 8;
-    CpAsync16(SmemAddr(sq + Swz<D>(r, ch)), src, valid);
-  }
-  CpAsyncCommit();
-  if (tid < kRows) s_qpos[tid] = tid < nv ? q.positions[rb + (v0 + tid) / G] : INT32_MIN;
-  if (tid == 0) {
-    int mn = INT32_MAX, mx = INT32_MIN;
-    for (int r = 0; r < nv; ++r) {
-      const int qp = q.positions[rb + (v0 + r) / G];
-      mn = min(mn, qp);
-      mx = max(mx, qp);
+  // The producer starts streaming as soon as it has its page ids; the
+  // consumers bring Q and the rows' positions meanwhile and meet at a barrier
+  // of their own (the launch's first bytes of KV are on its critical path:
+  // a batch-1 decode is one wave of CTAs).
+  if (warp < kPConsumers) {
+    for (int c = tid; c < kRows * kChunks; c += kPConsumers * 32) {
+      const int r = c / kChunks, ch = c % kChunks;
+      const bool valid = r < nv;
+      const int v = v0 + (valid ? r : 0);
+      const T* src = static_cast<const T*>(q.q) + ((size_t)(rb + v / G) * q.q_heads + h * G + v % G) * D + ch * 8;
+      CpAsync16(SmemAddr(sq + Swz<D>(r, ch)), src, valid);
     }
-    s_qmin = mn;
-    s_qmax = mx;
+    CpAsyncCommit();
+    if (tid < kRows) s_qpos[tid] = tid < nv ? q.positions[rb + (v0 + tid) / G] : INT32_MIN;
+    if (tid == 0) {
+      int mn = INT32_MAX, mx = INT32_MIN;
+      for (int r = 0; r < nv; ++r) {
+        const int qp = q.positions[rb + (v0 + r) / G];
+        mn = min(mn, qp);
+        mx = max(mx, qp);
+      }
+      s_qmin = mn;
+      s_qmax = mx;
+    }
+    CpAsyncWait<0>();
+    NamedBarrier(1, kPConsumers * 32);
   }
-  // The producer's first window of page ids is read now, its latency hidden
-  // under the Q loads' (page ids: a sliding window of 64 listed pages held
-  // in registers, lane l: pages wb + l and wb + 32 + l, so issuing a stage
-  // never waits on a dependent global load).
-  int wb = tok_lo / bt, cur = 0, nxt = 0;
-  if (warp == kPConsumers) {
-    cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
-    nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
-  }
-  CpAsyncWait<0>();
-  __syncthreads();
 
   float o[kDTiles][4];
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   if (warp == kPConsumers) {
     // ---- producer
+    // Page ids: a sliding window of 64 listed pages held in registers (lane
+    // l: pages wb + l and wb + 32 + l), so issuing a stage never waits on a
+    // dependent global load.
+    int wb = tok_lo / bt;
+    int cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
+    int nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
     const char* pool = static_cast<const char*>(kv.pool);
     const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
     const int kplane = (kv.layer * 2) * kv.kv_heads + h, vplane = kplane + kv.kv_heads;
@@ -139,6 +305,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
         // The stage lies in one page (block_tokens % 16 == 0).
         const int i0 = tok_lo + t * kPStage, pg = i0 / bt, local = pg - wb;
         const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
+        KVRING_TRACE(lane == 0 && t == 0, 2);
         if (lane == 0) {
           const int page = local < 32 ? a : b, off = i0 - pg * bt;
           MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
@@ -170,6 +337,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
       }
     }
     if constexpr (!kTma) CpAsyncWait<0>();
+    KVRING_TRACE(lane == 0, 4);
   } else {
     // ---- consumers
     uint32_t qa[kKSteps][4];
@@ -187,6 +355,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
     for (int t = warp; t < ntiles; t += kPConsumers) {
       const int st = t % C::kStages;
       MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
+      KVRING_TRACE(t == 0 && lane == 0, 3);
       uint8_t* kt = stages + st * C::kStageBytes;
       uint8_t* vt = kt + C::kPlaneBytes;
       const int tile_first = tok_lo + t * kPStage, tile_last = min(tile_first + kPStage, tok_hi) - 1;
@@ -278,6 +447,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   }
   __syncthreads();  // every stage consumed: the ring is free for the consumers' (m, l, O)
+  KVRING_TRACE(threadIdx.x == 0, 5);
   float* so = reinterpret_cast<float*>(stages);  // kPConsumers x kRows x D
   if (warp < kPConsumers) {
     if (tig == 0) {
@@ -297,10 +467,16 @@ __global__ void __launch_bounds__(kPThreads, 2)
     }
   }
   __syncthreads();
+  KVRING_TRACE(threadIdx.x == 0, 13);
   StoreDecodeRows<kPConsumers>(w, q, D, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, part_out, part_lse, out, lse);
-  if (num_splits > 1) {
-    MergeSplitsIfLast(w, q, D, kRows, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse, so, out, lse);
+  bool merged = false;
+  if (num_splits > 1) {  // (its first barrier: every thread is done reading `so`, which the merge reuses)
+    merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse,
+                                             stages, C::kStages * C::kStageBytes, SmemAddr(&s_merge_bar), out, lse);
   }
+  KVRING_TRACE(threadIdx.x == 0, 9);
+  KVRING_TRACE(threadIdx.x == 0, 15, (unsigned long long)SmId() | (merged ? 1ull << 32 : 0ull));
+  (void)merged;
 }
 
 // Launched with programmatic stream serialization (PDL): a kernel that
@@ -370,6 +546,13 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
   if (kv.num_seqs <= 0 || q.max_rows_per_seq <= 0) return "no sequences";
   return nullptr;
 }
+
+#ifdef KVRING_DECODE_TRACE
+extern "C" int kvring_cuda_decode_trace(unsigned long long* host, int max_ctas) {
+  const int n = max_ctas < internal::kTraceCtas ? max_ctas : internal::kTraceCtas;
+  return cudaMemcpyFromSymbol(host, internal::g_decode_trace, (size_t)n * internal::kTraceSlots * 8);
+}
+#endif
 
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count) {
   // At least one full wave of the two CTAs an SM holds, and splits of at

@@ -71,19 +71,10 @@ struct Sm90Smem {
   static constexpr int kDynamic = kBytes + 1024;  // slack to align the base to 1024 (the swizzle period)
 };
 
-__device__ __forceinline__ void NamedBarrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 // Named barriers of the consumers: 2 + wg a warpgroup (junk rows zeroed),
 // kTurn + wg the warpgroups' alternation of their tensor-core work (0 is the
 // CTA's: its one use is before the producer warpgroup's idle warps leave).
 constexpr int kTurn = 4;
-
-// Generic-proxy writes (the zeroed junk rows) ordered with the async proxy (wgmma reads, TMA writes).
-__device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Shared ints of the next row tile's metadata (s_item).
 enum ItemField { kDone, kHq, kR0, kNrows, kPb, kNtok, kNBegin, kNEnd, kQmin, kQmax, kContig, kP0, kItemInts };
@@ -118,7 +109,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
     }
     MbarInit(q_full, 1);         // the producer, once s_item / s_pos are written (+ Q's bytes)
     MbarInit(q_empty, kThreads);  // every consumer thread, once it holds Q, s_item and s_pos in registers
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    FenceMbarInit();
   }
   __syncthreads();  // (the last CTA-wide barrier: the producer warpgroup's idle warps leave)
 
