@@ -281,8 +281,8 @@ TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {
 }
 
 // The split merge's limits: at most kMaxDecodeSplits splits (its weights live
-// in shared memory), and a 16-byte aligned output when splits are merged; one
-// split takes any output alignment.
+// in shared memory), and a 16-byte aligned output and workspace when splits
+// are merged; one split takes any output alignment.
 TEST(GpuDecodeTest, SplitLimitsAreCheckedAtTheBoundary) {
   KVRING_REQUIRE_GPU();
   std::mt19937_64 rng(91);
@@ -296,6 +296,9 @@ TEST(GpuDecodeTest, SplitLimitsAreCheckedAtTheBoundary) {
   EXPECT_EQ(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, cuda::kMaxDecodeSplits + 1, work.p, ws, nullptr),
             cudaErrorInvalidValue);
   EXPECT_EQ(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p + 1, lse.p}, 3, work.p, ws, nullptr),
+            cudaErrorInvalidValue);
+  // The merge's bulk copies need a 16-byte aligned workspace.
+  EXPECT_EQ(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, 3, work.p + 4, ws - 4, nullptr),
             cudaErrorInvalidValue);
   out.Poison();
   CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p + 1, lse.p}, 1, nullptr, 0, nullptr));

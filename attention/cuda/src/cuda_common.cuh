@@ -61,6 +61,9 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool va
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
+__device__ __forceinline__ void CpAsync4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
@@ -316,38 +319,58 @@ __device__ __forceinline__ size_t DecodeRowHead(const DecodeWork& w, const Query
   return (size_t)(w.rb + v / w.G) * q.q_heads + w.h * w.G + v % w.G;
 }
 // The exact merge of the CTA's warps' partials (log2-domain maxima m and sums
-// l in m[w * rows + r], l[...]; O in o[(w * rows + r) * D + d], shared
-// memory) and its store: to out/lse with one split, else to the split's
-// partial slot. NaN propagates. Called by every thread of the CTA.
-template <int kWarpsMerged>
-__device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const QueryView& q, int D, int rows, int num_splits,
-                                                const float* m, const float* l, const float* o, float* part_out,
-                                                float* part_lse, float* out, float* lse) {
-  for (int idx = threadIdx.x; idx < w.nv * D; idx += blockDim.x) {
-    const int r = idx / D, d = idx % D;
+// l in m[w * rows + r], l[...]; O in o[(w * rows + r) * kStride + d], shared
+// memory, 16-byte aligned, kStride a multiple of 4) and its store: to
+// out/lse with one split, else to the split's partial slot. NaN propagates.
+// `fac` is shared scratch of kWarps * rows floats. Called by every thread of
+// the CTA (it holds a __syncthreads): the rows' merge factors first, a thread
+// a row, then the outputs a float4 a thread.
+template <int kWarps, int D, int kStride>
+__device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const QueryView& q, int rows, int num_splits,
+                                                const float* m, const float* l, const float* o, float* fac,
+                                                float* part_out, float* part_lse, float* out, float* lse) {
+  const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
+  float* dst_o = num_splits == 1 ? out : part_out + (size_t)w.sp * rows_heads * D;
+  float* dst_l = num_splits == 1 ? lse : part_lse + (size_t)w.sp * rows_heads;
+  for (int r = threadIdx.x; r < w.nv; r += blockDim.x) {
     float M = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < kWarpsMerged; ++k) M = fmaxf(M, m[k * rows + r]);
-    float L = 0.f, acc = 0.f;
-    if (M != -INFINITY) {
+    for (int k = 0; k < kWarps; ++k) M = fmaxf(M, m[k * rows + r]);
+    float f[kWarps], L = 0.f;
 #pragma unroll
-      for (int k = 0; k < kWarpsMerged; ++k) {
-        const float f = m[k * rows + r] == -INFINITY ? 0.f : exp2f(m[k * rows + r] - M);
-        L += l[k * rows + r] * f;
-        acc += o[((size_t)k * rows + r) * D + d] * f;
-      }
+    for (int k = 0; k < kWarps; ++k) {
+      f[k] = (M == -INFINITY || m[k * rows + r] == -INFINITY) ? 0.f : exp2f(m[k * rows + r] - M);
+      L += l[k * rows + r] * f[k];
     }
-    const size_t rh = DecodeRowHead(w, q, w.v0 + r);
     const bool some = L > 0.f || L != L;
-    const float val = some ? acc / L : 0.f;
-    const float ls = some ? (M + log2f(L)) * kLn2 : -INFINITY;
-    if (num_splits == 1) {
-      out[rh * D + d] = val;
-      if (d == 0) lse[rh] = ls;
+    const float inv = some ? 1.f / L : 0.f;  // (NaN when L is)
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) fac[k * rows + r] = f[k] * inv;
+    dst_l[DecodeRowHead(w, q, w.v0 + r)] = some ? (M + log2f(L)) * kLn2 : -INFINITY;
+  }
+  __syncthreads();
+  constexpr int kD4 = D / 4;
+  const bool vec = (reinterpret_cast<uintptr_t>(dst_o) & 15) == 0;  // (an unsplit call takes any output alignment)
+  for (int i = threadIdx.x; i < w.nv * kD4; i += blockDim.x) {
+    const int r = i / kD4, d = (i % kD4) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) {
+      const float f = fac[k * rows + r];
+      const float4 v = *reinterpret_cast<const float4*>(o + (size_t)(k * rows + r) * kStride + d);
+      acc.x += f * v.x;
+      acc.y += f * v.y;
+      acc.z += f * v.z;
+      acc.w += f * v.w;
+    }
+    float* dp = dst_o + DecodeRowHead(w, q, w.v0 + r) * D + d;
+    if (vec) {
+      *reinterpret_cast<float4*>(dp) = acc;
     } else {
-      const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
-      part_out[((size_t)w.sp * rows_heads + rh) * D + d] = val;
-      if (d == 0) part_lse[(size_t)w.sp * rows_heads + rh] = ls;
+      dp[0] = acc.x;
+      dp[1] = acc.y;
+      dp[2] = acc.z;
+      dp[3] = acc.w;
     }
   }
 }

@@ -6,6 +6,7 @@
 // as the 16 rows of an m16n8k16 tile (GQA packing: a Llama-3 decode step,
 // 1 query x 4 heads, fills 4 of them). Warps and splits merge exactly by LSE.
 #include <cfloat>
+#include <cstdlib>
 
 #include "cuda_common.cuh"
 #include "tma_cuda.h"
@@ -45,13 +46,16 @@ __device__ __forceinline__ void Trace(int slot, unsigned long long v = 0) {
 #endif
 
 constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16n8k16 tile
+constexpr int kDynMaxPages = 1024;  // a decode group's dynamic region (claimed pages), at most
+constexpr int kDynPermille = 125;   // the dynamic region's share of a group's pages (one-wave launches)
 
 // The split-merge of a decode CTA group, fused into the kernel: after a CTA
 // stored its split's partial rows (StoreDecodeRows with num_splits > 1), the
 // last of the group's num_splits CTAs to finish merges every split's partial
 // into out/lse (exact LSE merge, NaN propagates as in MergePartials) and
-// resets the group's counter to 0. `counter` is the group's int in the
-// workspace (zero before the first call; each call leaves it zero),
+// resets the group's counters to 0. `counter` is the group's int in the
+// workspace (zero before the first call; each call leaves it zero), as is
+// `claim_counter` (the dynamic region's claims; null without one),
 // `scratch` 16-byte aligned shared memory of `scratch_bytes` (at least
 // (num_splits + 1) * kRows floats, rounded up to 16 bytes, plus one split's
 // kRows x D partial), `bar` an mbarrier initialized with count 1 and not used
@@ -66,7 +70,7 @@ constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16
 // H200: one SM's outstanding requests, not bandwidth, bound them.)
 template <int D, int kThreads>
 __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int num_splits, int* counter,
-                                                  const float* part_out, const float* part_lse, uint8_t* scratch,
+                                                  int* claim_counter, const float* part_out, const float* part_lse, uint8_t* scratch,
                                                   int scratch_bytes, uint32_t bar, float* out, float* lse) {
   constexpr int kD4 = D / 4, kOutPerThread = (kRows * kD4 + kThreads - 1) / kThreads;
   __shared__ int s_last;
@@ -76,7 +80,10 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
   if (threadIdx.x == 0) {
     const int prev = atomicAdd(counter, 1);
     s_last = prev == num_splits - 1;
-    if (s_last) *counter = 0;  // every split has arrived: ready for the next call
+    if (s_last) {  // every split has arrived (and made its last claim): ready for the next call
+      *counter = 0;
+      if (claim_counter != nullptr) *claim_counter = 0;
+    }
   }
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 7);
@@ -215,8 +222,8 @@ struct PipeCfg {
 
 template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
-    DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
-                          float* part_lse, int* counters, float* out, float* lse,
+    DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, int dyn_permille,
+                          float* part_out, float* part_lse, int* counters, int* claims, float* out, float* lse,
                           const __grid_constant__ CUtensorMap pool_map) {
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
@@ -227,8 +234,12 @@ __global__ void __launch_bounds__(kPThreads, 2)
   const uint32_t full0 = SmemAddr(smem + C::kBarOff), empty0 = full0 + 8 * C::kStages;
   __shared__ int s_qpos[kRows];
   __shared__ int s_qmin, s_qmax;
-  __shared__ float s_m[kPConsumers][kRows], s_l[kPConsumers][kRows];
+  __shared__ float s_m[kPConsumers][kRows], s_l[kPConsumers][kRows], s_fac[kPConsumers][kRows];
   __shared__ alignas(8) uint64_t s_merge_bar;  // the split-merge's bulk copies
+  __shared__ alignas(8) uint64_t s_dyn_bar;    // the dynamic region's page ids landed
+  __shared__ int s_tile[C::kStages];           // (kTma) a stage's first token; -1: the stream ended
+  __shared__ int s_dyn[kDynMaxPages];          // (kTma) page ids of the group's dynamic region
+  __shared__ int s_sink;
 
   // Programmatic dependent launch: the next kernel in the stream may start
   // its launch now (its CTAs land as ours leave and wait in GridDepWait for
@@ -243,6 +254,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
       MbarInit(empty0 + 8 * i, 1);             // the consumer warp that took the stage
     }
     MbarInit(SmemAddr(&s_merge_bar), 1);
+    MbarInit(SmemAddr(&s_dyn_bar), 32);  // the producer lanes' cp.async arrivals
     FenceMbarInit();
   }
   __syncthreads();
@@ -251,10 +263,32 @@ __global__ void __launch_bounds__(kPThreads, 2)
   DecodeWork w;
   if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w)) return;
   const int h = w.h, G = w.G, rb = w.rb, v0 = w.v0, nv = w.nv, pb = w.pb, npages = w.npages;
-  const int tok_lo = w.tok_lo, tok_hi = w.tok_hi, bt = kv.block_tokens;
+  const int bt = kv.block_tokens, ntok = w.ntok;
+  int tok_lo = w.tok_lo, tok_hi = w.tok_hi;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
-  const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
+  int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
+  // Dynamic balance (kTma, several splits, dyn_permille > 0): the split's
+  // static share is its part of the first (1 - dyn_permille / 1000) of the
+  // group's pages; the rest, the dynamic region, is claimed in chunks of ~64
+  // tokens by the group's CTAs as they run out of work (a per-group counter
+  // in the workspace, reset by the merger), so that CTAs on SMs that stream
+  // slower do less of it.
+  const bool dyn = kTma && num_splits > 1 && dyn_permille > 0;
+  int dyn_begin = 0, ndyn = 0, chunk_pages = 1, nchunks = 0;
+  int* claim = nullptr;
+  if (dyn) {
+    const int target = max(0, min(kDynMaxPages - num_splits, (int)((long long)npages * dyn_permille / 1000)));
+    const int per = (npages - target) / num_splits;
+    dyn_begin = per * num_splits;
+    ndyn = npages - dyn_begin;
+    chunk_pages = max(1, 64 / bt);
+    nchunks = (ndyn + chunk_pages - 1) / chunk_pages;
+    claim = claims + DecodeRowHead(w, q, v0);
+    tok_lo = min(ntok, w.sp * per * bt);
+    tok_hi = min(ntok, (w.sp + 1) * per * bt);
+    ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
+  }
 
   // The producer starts streaming as soon as it has its page ids; the
   // consumers bring Q and the rows' positions meanwhile and meet at a barrier
@@ -288,32 +322,59 @@ __global__ void __launch_bounds__(kPThreads, 2)
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   if (warp == kPConsumers) {
     // ---- producer
-    // Page ids: a sliding window of 64 listed pages held in registers (lane
-    // l: pages wb + l and wb + 32 + l), so issuing a stage never waits on a
-    // dependent global load.
+    // Page ids of the static share: a sliding window of 64 listed pages held
+    // in registers (lane l: pages wb + l and wb + 32 + l), so issuing a stage
+    // never waits on a dependent global load. The dynamic region's ids go to
+    // shared memory (cp.async, off the critical path: they are needed once
+    // the static share is issued).
     int wb = tok_lo / bt;
     int cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
     int nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
+    if (dyn) {
+      for (int i = lane; i < ndyn; i += 32) CpAsync4(SmemAddr(&s_dyn[i]), kv.page_ids + pb + dyn_begin + i);
+      CpAsyncArriveNoInc(SmemAddr(&s_dyn_bar));
+    }
+    // Claims (lane 0 issues them; `inflight` is the same in every lane): two
+    // are kept in flight from 8 stages before the static share's end, so a
+    // claim's round trip (about 1-2 us on the H200) is hidden under streaming.
+    int q1 = 0, q2 = 0, inflight = 0;
+    auto claim_next = [&]() {
+      if (lane == 0) {
+        const int r = atomicAdd(claim, 1);
+        if (inflight == 0) q1 = r; else q2 = r;
+      }
+      ++inflight;
+    };
     const char* pool = static_cast<const char*>(kv.pool);
     const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
     const int kplane = (kv.layer * 2) * kv.kv_heads + h, vplane = kplane + kv.kv_heads;
-    for (int t = 0; t < ntiles; ++t) {
+    // One stage by TMA: the token range [tok, tok + 16) of `page`, in slot t % kStages.
+    auto issue_tma = [&](int t, int tok, int page) {
+      const int st = t % C::kStages;
+      const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
+      KVRING_TRACE(lane == 0 && t == 0, 2);
+      if (lane == 0) {
+        const int off = tok % bt;
+        s_tile[st] = tok;  // published by the expect-tx arrival (release)
+        MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
+        // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
+        TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
+        TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
+      }
+    };
+    int t = 0;
+    for (; t < ntiles; ++t) {
       const int st = t % C::kStages;
       if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-      const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
+      if (dyn && t == max(0, ntiles - 8)) claim_next();
+      if (dyn && t == max(0, ntiles - 4)) claim_next();
       if constexpr (kTma) {
         // The stage lies in one page (block_tokens % 16 == 0).
         const int i0 = tok_lo + t * kPStage, pg = i0 / bt, local = pg - wb;
         const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
-        KVRING_TRACE(lane == 0 && t == 0, 2);
-        if (lane == 0) {
-          const int page = local < 32 ? a : b, off = i0 - pg * bt;
-          MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
-          // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
-          TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
-          TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
-        }
+        issue_tma(t, i0, local < 32 ? a : b);
       } else {
+        const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
         constexpr int kPerLane = kPStage * kChunks / 32;
 #pragma unroll
         for (int k = 0; k < kPerLane; ++k) {
@@ -336,7 +397,41 @@ __global__ void __launch_bounds__(kPThreads, 2)
         nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
       }
     }
-    if constexpr (!kTma) CpAsyncWait<0>();
+    if constexpr (kTma) {
+      if (dyn) {
+        while (inflight < 2) claim_next();  // (a static share of fewer than 8 stages)
+        MbarWait(SmemAddr(&s_dyn_bar), 0);
+        for (;;) {
+          const int r = __shfl_sync(0xffffffffu, q1, 0);  // the oldest claim
+          q1 = q2;
+          --inflight;
+          if (r >= nchunks) break;  // the region is handed out (claims only grow: so is the one in flight)
+          claim_next();
+          const int p0 = r * chunk_pages, p1 = min(ndyn, p0 + chunk_pages);
+          const int tok1 = min(ntok, (dyn_begin + p1) * bt);
+          for (int tok = (dyn_begin + p0) * bt; tok < tok1; tok += kPStage, ++t) {
+            const int st = t % C::kStages;
+            if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
+            issue_tma(t, tok, s_dyn[tok / bt - dyn_begin]);
+          }
+        }
+        // The claim still in flight is performed before this CTA's arrival
+        // on the merge counter (the merger resets the claim counter): wait
+        // for its value.
+        if (lane == 0 && inflight > 0) s_sink = q1;
+      }
+      // The end of the stream: one empty stage for each consumer warp.
+      for (int k = 0; k < kPConsumers; ++k, ++t) {
+        const int st = t % C::kStages;
+        if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
+        if (lane == 0) {
+          s_tile[st] = -1;
+          MbarArrive(full0 + 8 * st);
+        }
+      }
+    } else {
+      CpAsyncWait<0>();
+    }
     KVRING_TRACE(lane == 0, 4);
   } else {
     // ---- consumers
@@ -350,20 +445,28 @@ __global__ void __launch_bounds__(kPThreads, 2)
     const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8];
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > s_qmin) ||
-                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
-    for (int t = warp; t < ntiles; t += kPConsumers) {
+    // Keys this CTA may see: [tok_lo, tok_hi), or up to the sequence's end
+    // with a dynamic region. TMA stages lie in one page: only the sequence's
+    // last one can be partial.
+    const int see_hi = dyn ? ntok : tok_hi, tok_end = kTma ? ntok : tok_hi;
+    const bool cta_pos_mask = see_hi > tok_lo && ((p.causal && TokenPos(kv, pb, see_hi - 1) > s_qmin) ||
+                                                  (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
+    // TMA: the producer names each stage's first token in s_tile and ends
+    // the stream with one stage of -1 for each warp; cp.async: ntiles stages.
+    for (int t = warp; kTma || t < ntiles; t += kPConsumers) {
       const int st = t % C::kStages;
       MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
+      const int tile_first = kTma ? s_tile[st] : tok_lo + t * kPStage;
+      if (tile_first < 0) break;
       KVRING_TRACE(t == 0 && lane == 0, 3);
       uint8_t* kt = stages + st * C::kStageBytes;
       uint8_t* vt = kt + C::kPlaneBytes;
-      const int tile_first = tok_lo + t * kPStage, tile_last = min(tile_first + kPStage, tok_hi) - 1;
-      const bool tail = tile_first + kPStage > tok_hi;
+      const int tile_last = min(tile_first + kPStage, tok_end) - 1;
+      const bool tail = tile_first + kPStage > tok_end;
       if (kTma && tail) {
         // A TMA box copies whole pages: zero the V rows past the end (their
         // weight is 0, but 0 x NaN junk would not be).
-        const int valid_rows = tok_hi - tile_first;
+        const int valid_rows = tok_end - tile_first;
         for (int c = lane; c < (kPStage - valid_rows) * kChunks; c += 32) {
           const int r = valid_rows + c / kChunks, ch = c % kChunks;
           *reinterpret_cast<uint4*>(vt + Sw128(kPStage, r, ch)) = make_uint4(0, 0, 0, 0);
@@ -387,7 +490,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
         for (int e = 0; e < 4; ++e) {
           const int i = tile_first + j * 8 + tig * 2 + (e & 1);
           const int qp = e < 2 ? qpos0 : qpos1;
-          bool vis = (!tail || i < tok_hi) && qp != INT32_MIN;
+          bool vis = (!tail || i < tok_end) && qp != INT32_MIN;
           if (vis && pos_mask) {
             const int kp = TokenPos(kv, pb, i);
             if (p.causal) vis = kp <= qp;
@@ -448,7 +551,11 @@ __global__ void __launch_bounds__(kPThreads, 2)
   }
   __syncthreads();  // every stage consumed: the ring is free for the consumers' (m, l, O)
   KVRING_TRACE(threadIdx.x == 0, 5);
-  float* so = reinterpret_cast<float*>(stages);  // kPConsumers x kRows x D
+  // The consumers' (m, l, O) of the rows that exist, O at a row stride of D
+  // + 4 floats (the 8 row groups of a fragment land in distinct banks).
+  constexpr int kSoStride = D + 4;
+  static_assert(kPConsumers * kRows * kSoStride * 4 <= C::kStages * C::kStageBytes, "O of the warps fits in the stages");
+  float* so = reinterpret_cast<float*>(stages);  // [kPConsumers][kRows][kSoStride]
   if (warp < kPConsumers) {
     if (tig == 0) {
       s_m[warp][g] = m0;
@@ -456,22 +563,21 @@ __global__ void __launch_bounds__(kPThreads, 2)
       s_l[warp][g] = l0;
       s_l[warp][g + 8] = l1;
     }
+    float* r0p = so + ((size_t)warp * kRows + g) * kSoStride + tig * 2;
+    float* r1p = r0p + 8 * kSoStride;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) {
-      float* r0p = so + ((size_t)warp * kRows + g) * D + j * 8 + tig * 2;
-      float* r1p = so + ((size_t)warp * kRows + g + 8) * D + j * 8 + tig * 2;
-      r0p[0] = o[j][0];
-      r0p[1] = o[j][1];
-      r1p[0] = o[j][2];
-      r1p[1] = o[j][3];
+      if (g < nv) *reinterpret_cast<float2*>(r0p + j * 8) = make_float2(o[j][0], o[j][1]);
+      if (g + 8 < nv) *reinterpret_cast<float2*>(r1p + j * 8) = make_float2(o[j][2], o[j][3]);
     }
   }
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 13);
-  StoreDecodeRows<kPConsumers>(w, q, D, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, part_out, part_lse, out, lse);
+  StoreDecodeRows<kPConsumers, D, kSoStride>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0], part_out,
+                                             part_lse, out, lse);
   bool merged = false;
   if (num_splits > 1) {  // (its first barrier: every thread is done reading `so`, which the merge reuses)
-    merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse,
+    merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), claim, part_out, part_lse,
                                              stages, C::kStages * C::kStageBytes, SmemAddr(&s_merge_bar), out, lse);
   }
   KVRING_TRACE(threadIdx.x == 0, 9);
@@ -485,8 +591,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
 // reads global memory).
 template <int D, typename T, bool kTma>
 cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                              int row_groups, float* part_out, float* part_lse, int* counters, const CUtensorMap& map,
-                              cudaStream_t stream) {
+                              int row_groups, int dyn_permille, float* part_out, float* part_lse, int* counters,
+                              int* claims, const CUtensorMap& map, cudaStream_t stream) {
   const int smem = PipeCfg<D>::kDynamic;
   cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
@@ -500,20 +606,33 @@ cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const Pag
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, part_out, part_lse,
-                            counters, out.out, out.lse, map);
+  return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, dyn_permille, part_out,
+                            part_lse, counters, claims, out.out, out.lse, map);
 }
 
 template <int D, typename T>
 cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                            float* part_out, float* part_lse, int* counters, cudaStream_t stream) {
+                            float* part_out, float* part_lse, int* counters, int* claims, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
+  // The dynamic region only where the launch is one wave (two CTAs an SM):
+  // with more CTAs than slots the block scheduler balances already.
+  int dyn_permille = 0;
+  if (splits > 1) {
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+        (long)splits * kv.kv_heads * row_groups * kv.num_seqs <= 2L * sms) {
+      dyn_permille = kDynPermille;
+      if (const char* e = getenv("KVRING_DECODE_DYN_PERMILLE")) dyn_permille = atoi(e);  // EXPERIMENT: remove
+    }
+  }
   alignas(64) CUtensorMap map{};
   if (MakePoolMap(kv, kPStage, &map, /*all_column_blocks=*/true, /*l2_promotion_bytes=*/128)) {
-    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
+    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, dyn_permille, part_out, part_lse, counters,
+                                         claims, map, stream);
   }
-  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
+  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, 0, part_out, part_lse, counters, claims, map,
+                                        stream);
 }
 
 }  // namespace
@@ -572,11 +691,12 @@ int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages
 }
 
 namespace {
-// Workspace layout: the split-merge counters first (one int per (row, q
-// head), at the same place whatever the split count, so partials of a call
-// with more splits never land on them), then the partial O and LSE.
+// Workspace layout: the split-merge counters and the dynamic region's claim
+// counters first (one int each per (row, q head), at the same place whatever
+// the split count, so partials of a call with more splits never land on
+// them), then the partial O and LSE.
 size_t CounterBytes(const QueryView& q) {
-  return ((size_t)q.num_rows * q.q_heads * sizeof(int) + 255) / 256 * 256;
+  return (2 * (size_t)q.num_rows * q.q_heads * sizeof(int) + 255) / 256 * 256;
 }
 }  // namespace
 
@@ -595,10 +715,12 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   if (q.num_rows == 0) return cudaSuccess;
   const int D = kv.head_dim;
   if (workspace_bytes < DecodeWorkspaceBytes(q, num_splits, D)) return cudaErrorInvalidValue;
-  int* counters = nullptr;
+  int *counters = nullptr, *claims = nullptr;
   float *po = nullptr, *pl = nullptr;
   if (num_splits > 1) {
+    if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) return cudaErrorInvalidValue;  // the merge's bulk copies
     counters = static_cast<int*>(workspace);
+    claims = counters + (size_t)q.num_rows * q.q_heads;
     po = reinterpret_cast<float*>(static_cast<char*>(workspace) + CounterBytes(q));
     pl = po + (size_t)num_splits * q.num_rows * q.q_heads * D;
   }
@@ -609,11 +731,11 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   }
   if (num_splits > 1 && reinterpret_cast<uintptr_t>(out.out) % 16 != 0) return cudaErrorInvalidValue;  // float4 merge
   if (kv.dtype == KvType::kBF16) {
-    return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream)
-                    : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream);
+    return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, claims, stream)
+                    : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, claims, stream);
   }
-  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, stream)
-                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, stream);
+  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, claims, stream)
+                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, claims, stream);
 }
 
 }  // namespace kvring::cuda

@@ -62,9 +62,9 @@ __global__ void __launch_bounds__(kThreads, 4) QDecodeKernel(AttnParams p, Query
                                                           float* lse) {
   constexpr int kDpl = D / 32;  // V dims per lane
   __shared__ __align__(16) float sq[kRows][D];
-  __shared__ float so[kWarps][kRows][D];
+  __shared__ __align__(16) float so[kWarps][kRows][D];
   __shared__ int s_qpos[kRows];
-  __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows];
+  __shared__ float s_m[kWarps][kRows], s_l[kWarps][kRows], s_fac[kWarps][kRows];
 
   DecodeWork w;
   if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w)) return;
@@ -219,7 +219,8 @@ __global__ void __launch_bounds__(kThreads, 4) QDecodeKernel(AttnParams p, Query
     for (int j = 0; j < kDpl; ++j) so[warp][r][lane * kDpl + j] = acc[r][j];
   }
   __syncthreads();
-  StoreDecodeRows<kWarps>(w, q, D, kRows, num_splits, &s_m[0][0], &s_l[0][0], &so[0][0][0], part_out, part_lse, out, lse);
+  StoreDecodeRows<kWarps, D, D>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], &so[0][0][0], &s_fac[0][0], part_out,
+                                part_lse, out, lse);
 }
 
 template <int D, int kCodec, int kMode, typename T>

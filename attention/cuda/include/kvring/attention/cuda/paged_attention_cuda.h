@@ -69,8 +69,8 @@ struct AttnParams {
 // for one split) must be zeroed once before its first use (cudaMemset): it
 // holds the merge's counters, which every call leaves at zero. One call at a
 // time per workspace. num_splits: 1..kMaxDecodeSplits; with more than one
-// split on plain pages `out.out` must be 16-byte aligned (the merge stores
-// float4).
+// split the workspace, and on plain pages `out.out`, must be 16-byte aligned
+// (the merge's bulk copies and float4 stores).
 // The kernel is launched with programmatic dependent launch (it overlaps its
 // launch with the previous kernel's tail, and the next kernel's with its own).
 // Plain (bf16/fp16) pages: a producer warp streams 16-token stages through a
