@@ -67,6 +67,8 @@ def report(B, L, splits, call_us, tr):
         summary("merger: arrival to fences passed (us)", [(t[10] - t[7]) / 1e3 for t in merged])
         summary("merger: fences to LSEs in (us)", [(t[11] - t[10]) / 1e3 for t in merged])
         summary("merger: LSEs to partials in (us)", [(t[8] - t[11]) / 1e3 for t in merged])
+        if all(t[12] for t in merged):
+            summary("merger: LSEs loaded again (us)", [(t[12] - t[11]) / 1e3 for t in merged])
         summary("merger: loads in to done (us)", [(t[9] - t[8]) / 1e3 for t in merged])
         print(f"  last consumed at {max(us(t[5]) for t in tr):.2f} us; last merge done at {span:.2f} us")
     # Aggregate read rate over time, 1-us bins: each CTA's bytes spread over
@@ -110,6 +112,8 @@ lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
 lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
 lib.kvring_cuda_decode_workspace.restype = U64
 lib.kvring_cuda_decode_trace.argtypes = [VP, I]
+if os.environ.get("KVRING_DECODE_X"):  # EXPERIMENT flags of a trace build
+    lib.kvring_cuda_decode_trace_flags(int(os.environ["KVRING_DECODE_X"]))
 
 dev = torch.device("cuda")
 SMS = torch.cuda.get_device_properties(0).multi_processor_count

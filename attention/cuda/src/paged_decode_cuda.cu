@@ -6,7 +6,6 @@
 // as the 16 rows of an m16n8k16 tile (GQA packing: a Llama-3 decode step,
 // 1 query x 4 heads, fills 4 of them). Warps and splits merge exactly by LSE.
 #include <cfloat>
-#include <cstdlib>
 
 #include "cuda_common.cuh"
 #include "tma_cuda.h"
@@ -39,6 +38,7 @@ __device__ __forceinline__ void Trace(int slot, unsigned long long v = 0) {
   do {                          \
     if (cond) Trace(__VA_ARGS__); \
   } while (0)
+__device__ int g_decode_xflags;  // EXPERIMENT (trace builds): 1 warm the workspace's translation, 2 LSE loads twice
 #else
 #define KVRING_TRACE(cond, ...) \
   do {                          \
@@ -46,16 +46,13 @@ __device__ __forceinline__ void Trace(int slot, unsigned long long v = 0) {
 #endif
 
 constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16n8k16 tile
-constexpr int kDynMaxPages = 1024;  // a decode group's dynamic region (claimed pages), at most
-constexpr int kDynPermille = 125;   // the dynamic region's share of a group's pages (one-wave launches)
 
 // The split-merge of a decode CTA group, fused into the kernel: after a CTA
 // stored its split's partial rows (StoreDecodeRows with num_splits > 1), the
 // last of the group's num_splits CTAs to finish merges every split's partial
 // into out/lse (exact LSE merge, NaN propagates as in MergePartials) and
-// resets the group's counters to 0. `counter` is the group's int in the
-// workspace (zero before the first call; each call leaves it zero), as is
-// `claim_counter` (the dynamic region's claims; null without one),
+// resets the group's counter to 0. `counter` is the group's int in the
+// workspace (zero before the first call; each call leaves it zero),
 // `scratch` 16-byte aligned shared memory of `scratch_bytes` (at least
 // (num_splits + 1) * kRows floats, rounded up to 16 bytes, plus one split's
 // kRows x D partial), `bar` an mbarrier initialized with count 1 and not used
@@ -70,7 +67,7 @@ constexpr int kDynPermille = 125;   // the dynamic region's share of a group's p
 // H200: one SM's outstanding requests, not bandwidth, bound them.)
 template <int D, int kThreads>
 __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int num_splits, int* counter,
-                                                  int* claim_counter, const float* part_out, const float* part_lse, uint8_t* scratch,
+                                                  const float* part_out, const float* part_lse, uint8_t* scratch,
                                                   int scratch_bytes, uint32_t bar, float* out, float* lse) {
   constexpr int kD4 = D / 4, kOutPerThread = (kRows * kD4 + kThreads - 1) / kThreads;
   __shared__ int s_last;
@@ -80,10 +77,7 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
   if (threadIdx.x == 0) {
     const int prev = atomicAdd(counter, 1);
     s_last = prev == num_splits - 1;
-    if (s_last) {  // every split has arrived (and made its last claim): ready for the next call
-      *counter = 0;
-      if (claim_counter != nullptr) *claim_counter = 0;
-    }
+    if (s_last) *counter = 0;  // every split has arrived: ready for the next call
   }
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 7);
@@ -121,6 +115,17 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
   }
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 11);
+#ifdef KVRING_DECODE_TRACE
+  if (g_decode_xflags & 2) {
+    float sum = 0.f;
+    for (int i = threadIdx.x; i < num_splits * nv; i += kThreads) {
+      sum += __ldcg(part_lse + (size_t)(i / nv) * rows_heads + DecodeRowHead(w, q, w.v0 + i % nv));
+    }
+    if (sum == 12345.f) wgt[0] = sum;
+    __syncthreads();
+    KVRING_TRACE(threadIdx.x == 0, 12);
+  }
+#endif
   // Weights exp(lse - M) and their sums, a warp a row.
   for (int r = warp; r < nv; r += kThreads / 32) {
     float M = -INFINITY;
@@ -222,8 +227,8 @@ struct PipeCfg {
 
 template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
-    DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, int dyn_permille,
-                          float* part_out, float* part_lse, int* counters, int* claims, float* out, float* lse,
+    DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
+                          float* part_lse, int* counters, float* out, float* lse,
                           const __grid_constant__ CUtensorMap pool_map) {
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
@@ -236,10 +241,6 @@ __global__ void __launch_bounds__(kPThreads, 2)
   __shared__ int s_qmin, s_qmax;
   __shared__ float s_m[kPConsumers][kRows], s_l[kPConsumers][kRows], s_fac[kPConsumers][kRows];
   __shared__ alignas(8) uint64_t s_merge_bar;  // the split-merge's bulk copies
-  __shared__ alignas(8) uint64_t s_dyn_bar;    // the dynamic region's page ids landed
-  __shared__ int s_tile[C::kStages];           // (kTma) a stage's first token; -1: the stream ended
-  __shared__ int s_dyn[kDynMaxPages];          // (kTma) page ids of the group's dynamic region
-  __shared__ int s_sink;
 
   // Programmatic dependent launch: the next kernel in the stream may start
   // its launch now (its CTAs land as ours leave and wait in GridDepWait for
@@ -254,7 +255,6 @@ __global__ void __launch_bounds__(kPThreads, 2)
       MbarInit(empty0 + 8 * i, 1);             // the consumer warp that took the stage
     }
     MbarInit(SmemAddr(&s_merge_bar), 1);
-    MbarInit(SmemAddr(&s_dyn_bar), 32);  // the producer lanes' cp.async arrivals
     FenceMbarInit();
   }
   __syncthreads();
@@ -262,33 +262,16 @@ __global__ void __launch_bounds__(kPThreads, 2)
   KVRING_TRACE(threadIdx.x == 0, 1);
   DecodeWork w;
   if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w)) return;
+#ifdef KVRING_DECODE_TRACE
+  if ((g_decode_xflags & 1) && threadIdx.x == 0 && num_splits > 1) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(part_lse + (size_t)w.sp * q.num_rows * q.q_heads));
+  }
+#endif
   const int h = w.h, G = w.G, rb = w.rb, v0 = w.v0, nv = w.nv, pb = w.pb, npages = w.npages;
-  const int bt = kv.block_tokens, ntok = w.ntok;
-  int tok_lo = w.tok_lo, tok_hi = w.tok_hi;
+  const int tok_lo = w.tok_lo, tok_hi = w.tok_hi, bt = kv.block_tokens;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
-  int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
-  // Dynamic balance (kTma, several splits, dyn_permille > 0): the split's
-  // static share is its part of the first (1 - dyn_permille / 1000) of the
-  // group's pages; the rest, the dynamic region, is claimed in chunks of ~64
-  // tokens by the group's CTAs as they run out of work (a per-group counter
-  // in the workspace, reset by the merger), so that CTAs on SMs that stream
-  // slower do less of it.
-  const bool dyn = kTma && num_splits > 1 && dyn_permille > 0;
-  int dyn_begin = 0, ndyn = 0, chunk_pages = 1, nchunks = 0;
-  int* claim = nullptr;
-  if (dyn) {
-    const int target = max(0, min(kDynMaxPages - num_splits, (int)((long long)npages * dyn_permille / 1000)));
-    const int per = (npages - target) / num_splits;
-    dyn_begin = per * num_splits;
-    ndyn = npages - dyn_begin;
-    chunk_pages = max(1, 64 / bt);
-    nchunks = (ndyn + chunk_pages - 1) / chunk_pages;
-    claim = claims + DecodeRowHead(w, q, v0);
-    tok_lo = min(ntok, w.sp * per * bt);
-    tok_hi = min(ntok, (w.sp + 1) * per * bt);
-    ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
-  }
+  const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
 
   // The producer starts streaming as soon as it has its page ids; the
   // consumers bring Q and the rows' positions meanwhile and meet at a barrier
@@ -322,59 +305,32 @@ __global__ void __launch_bounds__(kPThreads, 2)
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   if (warp == kPConsumers) {
     // ---- producer
-    // Page ids of the static share: a sliding window of 64 listed pages held
-    // in registers (lane l: pages wb + l and wb + 32 + l), so issuing a stage
-    // never waits on a dependent global load. The dynamic region's ids go to
-    // shared memory (cp.async, off the critical path: they are needed once
-    // the static share is issued).
+    // Page ids: a sliding window of 64 listed pages held in registers (lane
+    // l: pages wb + l and wb + 32 + l), so issuing a stage never waits on a
+    // dependent global load.
     int wb = tok_lo / bt;
     int cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
     int nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
-    if (dyn) {
-      for (int i = lane; i < ndyn; i += 32) CpAsync4(SmemAddr(&s_dyn[i]), kv.page_ids + pb + dyn_begin + i);
-      CpAsyncArriveNoInc(SmemAddr(&s_dyn_bar));
-    }
-    // Claims (lane 0 issues them; `inflight` is the same in every lane): two
-    // are kept in flight from 8 stages before the static share's end, so a
-    // claim's round trip (about 1-2 us on the H200) is hidden under streaming.
-    int q1 = 0, q2 = 0, inflight = 0;
-    auto claim_next = [&]() {
-      if (lane == 0) {
-        const int r = atomicAdd(claim, 1);
-        if (inflight == 0) q1 = r; else q2 = r;
-      }
-      ++inflight;
-    };
     const char* pool = static_cast<const char*>(kv.pool);
     const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
     const int kplane = (kv.layer * 2) * kv.kv_heads + h, vplane = kplane + kv.kv_heads;
-    // One stage by TMA: the token range [tok, tok + 16) of `page`, in slot t % kStages.
-    auto issue_tma = [&](int t, int tok, int page) {
-      const int st = t % C::kStages;
-      const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
-      KVRING_TRACE(lane == 0 && t == 0, 2);
-      if (lane == 0) {
-        const int off = tok % bt;
-        s_tile[st] = tok;  // published by the expect-tx arrival (release)
-        MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
-        // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
-        TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
-        TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
-      }
-    };
-    int t = 0;
-    for (; t < ntiles; ++t) {
+    for (int t = 0; t < ntiles; ++t) {
       const int st = t % C::kStages;
       if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-      if (dyn && t == max(0, ntiles - 8)) claim_next();
-      if (dyn && t == max(0, ntiles - 4)) claim_next();
+      const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
       if constexpr (kTma) {
         // The stage lies in one page (block_tokens % 16 == 0).
         const int i0 = tok_lo + t * kPStage, pg = i0 / bt, local = pg - wb;
         const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
-        issue_tma(t, i0, local < 32 ? a : b);
+        KVRING_TRACE(lane == 0 && t == 0, 2);
+        if (lane == 0) {
+          const int page = local < 32 ? a : b, off = i0 - pg * bt;
+          MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
+          // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
+          TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
+          TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
+        }
       } else {
-        const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
         constexpr int kPerLane = kPStage * kChunks / 32;
 #pragma unroll
         for (int k = 0; k < kPerLane; ++k) {
@@ -397,41 +353,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
         nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
       }
     }
-    if constexpr (kTma) {
-      if (dyn) {
-        while (inflight < 2) claim_next();  // (a static share of fewer than 8 stages)
-        MbarWait(SmemAddr(&s_dyn_bar), 0);
-        for (;;) {
-          const int r = __shfl_sync(0xffffffffu, q1, 0);  // the oldest claim
-          q1 = q2;
-          --inflight;
-          if (r >= nchunks) break;  // the region is handed out (claims only grow: so is the one in flight)
-          claim_next();
-          const int p0 = r * chunk_pages, p1 = min(ndyn, p0 + chunk_pages);
-          const int tok1 = min(ntok, (dyn_begin + p1) * bt);
-          for (int tok = (dyn_begin + p0) * bt; tok < tok1; tok += kPStage, ++t) {
-            const int st = t % C::kStages;
-            if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-            issue_tma(t, tok, s_dyn[tok / bt - dyn_begin]);
-          }
-        }
-        // The claim still in flight is performed before this CTA's arrival
-        // on the merge counter (the merger resets the claim counter): wait
-        // for its value.
-        if (lane == 0 && inflight > 0) s_sink = q1;
-      }
-      // The end of the stream: one empty stage for each consumer warp.
-      for (int k = 0; k < kPConsumers; ++k, ++t) {
-        const int st = t % C::kStages;
-        if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-        if (lane == 0) {
-          s_tile[st] = -1;
-          MbarArrive(full0 + 8 * st);
-        }
-      }
-    } else {
-      CpAsyncWait<0>();
-    }
+    if constexpr (!kTma) CpAsyncWait<0>();
     KVRING_TRACE(lane == 0, 4);
   } else {
     // ---- consumers
@@ -445,28 +367,20 @@ __global__ void __launch_bounds__(kPThreads, 2)
     const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8];
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    // Keys this CTA may see: [tok_lo, tok_hi), or up to the sequence's end
-    // with a dynamic region. TMA stages lie in one page: only the sequence's
-    // last one can be partial.
-    const int see_hi = dyn ? ntok : tok_hi, tok_end = kTma ? ntok : tok_hi;
-    const bool cta_pos_mask = see_hi > tok_lo && ((p.causal && TokenPos(kv, pb, see_hi - 1) > s_qmin) ||
-                                                  (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
-    // TMA: the producer names each stage's first token in s_tile and ends
-    // the stream with one stage of -1 for each warp; cp.async: ntiles stages.
-    for (int t = warp; kTma || t < ntiles; t += kPConsumers) {
+    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > s_qmin) ||
+                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
+    for (int t = warp; t < ntiles; t += kPConsumers) {
       const int st = t % C::kStages;
       MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
-      const int tile_first = kTma ? s_tile[st] : tok_lo + t * kPStage;
-      if (tile_first < 0) break;
       KVRING_TRACE(t == 0 && lane == 0, 3);
       uint8_t* kt = stages + st * C::kStageBytes;
       uint8_t* vt = kt + C::kPlaneBytes;
-      const int tile_last = min(tile_first + kPStage, tok_end) - 1;
-      const bool tail = tile_first + kPStage > tok_end;
+      const int tile_first = tok_lo + t * kPStage, tile_last = min(tile_first + kPStage, tok_hi) - 1;
+      const bool tail = tile_first + kPStage > tok_hi;
       if (kTma && tail) {
         // A TMA box copies whole pages: zero the V rows past the end (their
         // weight is 0, but 0 x NaN junk would not be).
-        const int valid_rows = tok_end - tile_first;
+        const int valid_rows = tok_hi - tile_first;
         for (int c = lane; c < (kPStage - valid_rows) * kChunks; c += 32) {
           const int r = valid_rows + c / kChunks, ch = c % kChunks;
           *reinterpret_cast<uint4*>(vt + Sw128(kPStage, r, ch)) = make_uint4(0, 0, 0, 0);
@@ -490,7 +404,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
         for (int e = 0; e < 4; ++e) {
           const int i = tile_first + j * 8 + tig * 2 + (e & 1);
           const int qp = e < 2 ? qpos0 : qpos1;
-          bool vis = (!tail || i < tok_end) && qp != INT32_MIN;
+          bool vis = (!tail || i < tok_hi) && qp != INT32_MIN;
           if (vis && pos_mask) {
             const int kp = TokenPos(kv, pb, i);
             if (p.causal) vis = kp <= qp;
@@ -577,7 +491,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
                                              part_lse, out, lse);
   bool merged = false;
   if (num_splits > 1) {  // (its first barrier: every thread is done reading `so`, which the merge reuses)
-    merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), claim, part_out, part_lse,
+    merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse,
                                              stages, C::kStages * C::kStageBytes, SmemAddr(&s_merge_bar), out, lse);
   }
   KVRING_TRACE(threadIdx.x == 0, 9);
@@ -591,8 +505,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
 // reads global memory).
 template <int D, typename T, bool kTma>
 cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                              int row_groups, int dyn_permille, float* part_out, float* part_lse, int* counters,
-                              int* claims, const CUtensorMap& map, cudaStream_t stream) {
+                              int row_groups, float* part_out, float* part_lse, int* counters, const CUtensorMap& map,
+                              cudaStream_t stream) {
   const int smem = PipeCfg<D>::kDynamic;
   cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
@@ -606,33 +520,20 @@ cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const Pag
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, dyn_permille, part_out,
-                            part_lse, counters, claims, out.out, out.lse, map);
+  return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, part_out, part_lse,
+                            counters, out.out, out.lse, map);
 }
 
 template <int D, typename T>
 cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                            float* part_out, float* part_lse, int* counters, int* claims, cudaStream_t stream) {
+                            float* part_out, float* part_lse, int* counters, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
-  // The dynamic region only where the launch is one wave (two CTAs an SM):
-  // with more CTAs than slots the block scheduler balances already.
-  int dyn_permille = 0;
-  if (splits > 1) {
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
-        (long)splits * kv.kv_heads * row_groups * kv.num_seqs <= 2L * sms) {
-      dyn_permille = kDynPermille;
-      if (const char* e = getenv("KVRING_DECODE_DYN_PERMILLE")) dyn_permille = atoi(e);  // EXPERIMENT: remove
-    }
-  }
   alignas(64) CUtensorMap map{};
   if (MakePoolMap(kv, kPStage, &map, /*all_column_blocks=*/true, /*l2_promotion_bytes=*/128)) {
-    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, dyn_permille, part_out, part_lse, counters,
-                                         claims, map, stream);
+    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
   }
-  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, 0, part_out, part_lse, counters, claims, map,
-                                        stream);
+  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
 }
 
 }  // namespace
@@ -667,6 +568,9 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
 }
 
 #ifdef KVRING_DECODE_TRACE
+extern "C" int kvring_cuda_decode_trace_flags(int flags) {
+  return cudaMemcpyToSymbol(internal::g_decode_xflags, &flags, sizeof(int));
+}
 extern "C" int kvring_cuda_decode_trace(unsigned long long* host, int max_ctas) {
   const int n = max_ctas < internal::kTraceCtas ? max_ctas : internal::kTraceCtas;
   return cudaMemcpyFromSymbol(host, internal::g_decode_trace, (size_t)n * internal::kTraceSlots * 8);
@@ -691,12 +595,11 @@ int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages
 }
 
 namespace {
-// Workspace layout: the split-merge counters and the dynamic region's claim
-// counters first (one int each per (row, q head), at the same place whatever
-// the split count, so partials of a call with more splits never land on
-// them), then the partial O and LSE.
+// Workspace layout: the split-merge counters first (one int per (row, q
+// head), at the same place whatever the split count, so partials of a call
+// with more splits never land on them), then the partial O and LSE.
 size_t CounterBytes(const QueryView& q) {
-  return (2 * (size_t)q.num_rows * q.q_heads * sizeof(int) + 255) / 256 * 256;
+  return ((size_t)q.num_rows * q.q_heads * sizeof(int) + 255) / 256 * 256;
 }
 }  // namespace
 
@@ -715,12 +618,11 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   if (q.num_rows == 0) return cudaSuccess;
   const int D = kv.head_dim;
   if (workspace_bytes < DecodeWorkspaceBytes(q, num_splits, D)) return cudaErrorInvalidValue;
-  int *counters = nullptr, *claims = nullptr;
+  int* counters = nullptr;
   float *po = nullptr, *pl = nullptr;
   if (num_splits > 1) {
     if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) return cudaErrorInvalidValue;  // the merge's bulk copies
     counters = static_cast<int*>(workspace);
-    claims = counters + (size_t)q.num_rows * q.q_heads;
     po = reinterpret_cast<float*>(static_cast<char*>(workspace) + CounterBytes(q));
     pl = po + (size_t)num_splits * q.num_rows * q.q_heads * D;
   }
@@ -731,11 +633,11 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   }
   if (num_splits > 1 && reinterpret_cast<uintptr_t>(out.out) % 16 != 0) return cudaErrorInvalidValue;  // float4 merge
   if (kv.dtype == KvType::kBF16) {
-    return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, claims, stream)
-                    : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, claims, stream);
+    return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream)
+                    : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream);
   }
-  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, claims, stream)
-                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, claims, stream);
+  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, stream)
+                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, stream);
 }
 
 }  // namespace kvring::cuda
