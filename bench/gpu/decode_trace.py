@@ -64,11 +64,9 @@ def report(B, L, splits, call_us, tr):
         summary("partials in smem to stored (us)", [(t[6] - t[13]) / 1e3 for t in tr])
         summary("stored to arrival counted (us)", [(t[7] - t[6]) / 1e3 for t in tr])
     if merged:
-        summary("merger: arrival to fences passed (us)", [(t[10] - t[7]) / 1e3 for t in merged])
-        summary("merger: fences to LSEs in (us)", [(t[11] - t[10]) / 1e3 for t in merged])
+        summary("merger: arrival to loads issued (us)", [(t[10] - t[7]) / 1e3 for t in merged])
+        summary("merger: loads issued to LSEs in (us)", [(t[11] - t[10]) / 1e3 for t in merged])
         summary("merger: LSEs to partials in (us)", [(t[8] - t[11]) / 1e3 for t in merged])
-        if all(t[12] for t in merged):
-            summary("merger: LSEs loaded again (us)", [(t[12] - t[11]) / 1e3 for t in merged])
         summary("merger: loads in to done (us)", [(t[9] - t[8]) / 1e3 for t in merged])
         print(f"  last consumed at {max(us(t[5]) for t in tr):.2f} us; last merge done at {span:.2f} us")
     # Aggregate read rate over time, 1-us bins: each CTA's bytes spread over
@@ -112,8 +110,6 @@ lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
 lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
 lib.kvring_cuda_decode_workspace.restype = U64
 lib.kvring_cuda_decode_trace.argtypes = [VP, I]
-if os.environ.get("KVRING_DECODE_X"):  # EXPERIMENT flags of a trace build
-    lib.kvring_cuda_decode_trace_flags(int(os.environ["KVRING_DECODE_X"]))
 
 dev = torch.device("cuda")
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
@@ -177,6 +173,6 @@ for shape in args.shapes.split(","):
     with open(os.path.join(args.out, f"decode_trace_{B}_{L}.json"), "w") as f:
         json.dump({"B": B, "L": L, "sms": SMS, "splits": splits, "call_us": call_us, "trace": tr,
                    "slots": ["entry", "griddep released", "first copy", "first data", "producer done", "consumed",
-                             "stored", "arrived", "merge partials in", "done", "merge fences passed", "merge LSEs in", "",
+                             "stored", "arrived", "merge partials in", "done", "merge loads issued", "merge LSEs in", "",
                              "warps' partials in smem", "", "smid | merged << 32"]}, f)
     report(B, L, splits, call_us, tr)

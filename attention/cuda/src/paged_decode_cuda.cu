@@ -24,7 +24,7 @@ namespace {
 // Slots: 0 entry, 1 past the grid-dependency wait, 2 the producer's first
 // copy, 3 the first stage landed, 4 the producer's last copy issued, 5 every
 // stage consumed, 13 warps' partials in shared memory, 6 partial stored
-// (merge entry), 7 arrival counted, 10 the merger's fences passed, 11 its
+// (merge entry), 7 arrival counted, 10 the merger's loads issued, 11 its
 // LSEs in, 8 its partials in, 9 done; 15: SM id | merged << 32.
 constexpr int kTraceSlots = 16, kTraceCtas = 8192;
 __device__ unsigned long long g_decode_trace[kTraceCtas * kTraceSlots];
@@ -38,7 +38,6 @@ __device__ __forceinline__ void Trace(int slot, unsigned long long v = 0) {
   do {                          \
     if (cond) Trace(__VA_ARGS__); \
   } while (0)
-__device__ int g_decode_xflags;  // EXPERIMENT (trace builds): 1 warm the workspace's translation, 2 LSE loads twice
 #else
 #define KVRING_TRACE(cond, ...) \
   do {                          \
@@ -62,9 +61,12 @@ constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16
 // CTA is done), so its loads are one round trip where they fit: the bulk-copy
 // engine brings the partial rows of as many splits as fit in shared memory
 // (all 33 splits of a batch-1 Llama-3 group: 4 rows x 2 KB each) while the
-// threads load the LSEs and compute the weights, a warp a row. (Per-thread
-// 16-byte loads of the same 67 KB, registers or cp.async, took 4-5 us on the
-// H200: one SM's outstanding requests, not bandwidth, bound them.)
+// threads load the LSEs; the weights are computed a warp a row. Measured on
+// the H200 (bench/gpu/decode_trace.py, 1 x 32K): arrival to merged output
+// 3.8 us (LSEs in after 1.8 us, partials 1.0 us later, the sums 0.8 us);
+// per-thread 16-byte loads of the same 67 KB took 5-6 us (registers, two
+// batches) and 4-6 us (cp.async). A first read of lines that other SMs just
+// wrote costs ~1.8 us there; the same LSEs read again, 0.6 us.
 template <int D, int kThreads>
 __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int num_splits, int* counter,
                                                   const float* part_out, const float* part_lse, uint8_t* scratch,
@@ -77,13 +79,14 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
   if (threadIdx.x == 0) {
     const int prev = atomicAdd(counter, 1);
     s_last = prev == num_splits - 1;
-    if (s_last) *counter = 0;  // every split has arrived: ready for the next call
+    if (s_last) {
+      *counter = 0;      // every split has arrived: ready for the next call
+      __threadfence();   // the other CTAs' partials, after their arrivals (the CTA barrier passes it on)
+    }
   }
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 7);
   if (!s_last) return false;
-  __threadfence();                                   // the other CTAs' partials, after their arrivals
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");  // ... and before the bulk copies read them
   const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
   const int nv = w.nv, nout = nv * kD4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -98,6 +101,7 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
   auto load = [&](int s0) {  // partial rows of splits s0 .. s0 + chunk - 1 into buf; warp 0 issues
     if (warp != 0) return;
     const int n = min(chunk, num_splits - s0);
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the partials (generic stores), before the bulk copies read them
     FenceProxyAsync();  // buf's earlier generic-proxy use, before the async writes
     if (lane == 0) MbarArriveExpectTx(bar, (uint32_t)(n * nout * 16));
     __syncwarp();
@@ -115,17 +119,6 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
   }
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 11);
-#ifdef KVRING_DECODE_TRACE
-  if (g_decode_xflags & 2) {
-    float sum = 0.f;
-    for (int i = threadIdx.x; i < num_splits * nv; i += kThreads) {
-      sum += __ldcg(part_lse + (size_t)(i / nv) * rows_heads + DecodeRowHead(w, q, w.v0 + i % nv));
-    }
-    if (sum == 12345.f) wgt[0] = sum;
-    __syncthreads();
-    KVRING_TRACE(threadIdx.x == 0, 12);
-  }
-#endif
   // Weights exp(lse - M) and their sums, a warp a row.
   for (int r = warp; r < nv; r += kThreads / 32) {
     float M = -INFINITY;
@@ -159,6 +152,7 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
       const int o = threadIdx.x + k * kThreads;
       if (o < nout) {
         const int r = o / kD4;
+#pragma unroll 4
         for (int c = 0; c < n; ++c) {
           const float f = wgt[(s0 + c) * nv + r];  // 0 for an empty split, whose partial is 0
           const float4 v = buf[c * nout + o];
@@ -262,11 +256,6 @@ __global__ void __launch_bounds__(kPThreads, 2)
   KVRING_TRACE(threadIdx.x == 0, 1);
   DecodeWork w;
   if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w)) return;
-#ifdef KVRING_DECODE_TRACE
-  if ((g_decode_xflags & 1) && threadIdx.x == 0 && num_splits > 1) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(part_lse + (size_t)w.sp * q.num_rows * q.q_heads));
-  }
-#endif
   const int h = w.h, G = w.G, rb = w.rb, v0 = w.v0, nv = w.nv, pb = w.pb, npages = w.npages;
   const int tok_lo = w.tok_lo, tok_hi = w.tok_hi, bt = kv.block_tokens;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
@@ -568,9 +557,6 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
 }
 
 #ifdef KVRING_DECODE_TRACE
-extern "C" int kvring_cuda_decode_trace_flags(int flags) {
-  return cudaMemcpyToSymbol(internal::g_decode_xflags, &flags, sizeof(int));
-}
 extern "C" int kvring_cuda_decode_trace(unsigned long long* host, int max_ctas) {
   const int n = max_ctas < internal::kTraceCtas ? max_ctas : internal::kTraceCtas;
   return cudaMemcpyFromSymbol(host, internal::g_decode_trace, (size_t)n * internal::kTraceSlots * 8);
