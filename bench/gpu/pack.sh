@@ -18,4 +18,13 @@ for b in .gpu/bin/*; do
     esac
   done
 done
+# The decode kernel's phase trace (a diagnostic build of the C API; run.sh
+# runs bench/gpu/decode_trace.py with it).
+TRACE=${KVRING_TRACE_BUILD_DIR:-build-trace}
+if [ ! -f "$TRACE/build.ninja" ]; then
+  cmake -S . -B "$TRACE" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVRING_GPU_ONLY=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DCMAKE_CUDA_FLAGS=-DKVRING_DECODE_TRACE > /dev/null
+fi
+ninja -C "$TRACE" kvring_cuda_capi
+cp "$TRACE/attention/cuda/libkvring_cuda_capi.so" .gpu/lib/libkvring_cuda_capi_trace.so
 du -sh .gpu

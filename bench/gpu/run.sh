@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything for one device call: GPU tests, the NCCL probe, and the
-# benchmark against torch SDPA. Run on the device machine from the repo root
+# Everything for one device call: GPU tests, the NCCL probe, the benchmark
+# against torch SDPA, and the decode kernel's phase trace. Run on the device machine from the repo root
 # after bench/gpu/pack.sh ran here:
 #   bash bench/gpu/run.sh [--quick] [--profile]
 # Logs and results go to $OUT (or ./gpu-out).
@@ -25,6 +25,11 @@ for a in "$@"; do
 done
 echo "== benchmark"
 PYTHONUNBUFFERED=1 timeout 420 python3 bench/gpu/attention_bench.py --lib .gpu/lib/libkvring_cuda_capi.so --out "$OUT" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v "^|"
+if [ -f .gpu/lib/libkvring_cuda_capi_trace.so ]; then
+  echo "== decode phases, CTA by CTA (diagnostic build)"
+  timeout 120 python3 bench/gpu/decode_trace.py --lib .gpu/lib/libkvring_cuda_capi_trace.so --shapes 1:32768,1:131072 \
+    --out "$OUT" 2>&1 | tee "$OUT/decode_trace.log" | grep -v "^    "
+fi
 if [ "$PROFILE" = 1 ]; then
   echo "== nsight compute (one launch of each kernel)"
   bash bench/gpu/profile.sh
