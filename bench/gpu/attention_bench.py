@@ -26,6 +26,7 @@ p.add_argument("--profile-decode", default="", help="B:L[,...]: per shape one kv
                "inside an NVTX range 'decode B:L' (for ncu --nvtx), no timing")
 p.add_argument("--prefill-only", default="", help="only prefill, these shapes: B:L[:nc][,...] (nc: not causal)")
 p.add_argument("--decode-only", default="", help="only bf16 decode, these shapes: B:L[,...]")
+p.add_argument("--quant-only", action="store_true", help="only the int8/fp8 decode shapes")
 p.add_argument("--block-tokens", type=int, default=16, help="tokens a page (kvring's pages; the peers read dense K/V)")
 args = p.parse_args()
 
@@ -159,7 +160,7 @@ print(f"{props.name}: device copy {copy_bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1
 
 # ------------------------------------------------------------------ decode
 decode_shapes = [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (16, 131072), (64, 4096), (64, 32768), (64, -32768)]
-if args.prefill_only:
+if args.prefill_only or args.quant_only:
     decode_shapes = []
 if args.quick:
     decode_shapes = [(1, 32768), (8, 32768)]
@@ -334,7 +335,7 @@ if args.quick:
     prefill_shapes = [(1, 8192)]
 if args.profile_one:
     prefill_shapes = [(1, 16384)]
-if args.decode_only or args.profile_decode:
+if args.decode_only or args.profile_decode or args.quant_only:
     prefill_shapes = []
 results["prefill"] = []
 for shape in prefill_shapes:

@@ -21,6 +21,7 @@
 #include <cfloat>
 
 #include "cuda_common.cuh"
+#include "tma_cuda.h"
 
 namespace kvring::cuda {
 namespace internal {
@@ -223,6 +224,330 @@ __global__ void __launch_bounds__(kThreads, 4) QDecodeKernel(AttnParams p, Query
                                 part_lse, out, lse);
 }
 
+// ---- Pipelined variant (sm_90, pages of a multiple of 16 tokens): the bf16
+// decode kernel's structure (paged_decode_cuda.cu) over codes. A producer
+// warp streams 16-token stages of codes and their scales by TMA through a
+// 12-deep mbarrier ring (a stage: K codes [16][D], V codes [16][D], the
+// scales it needs, each box of them 128-byte aligned); each of four consumer warps takes a stage, converts its
+// codes to 16-bit values in a private swizzled buffer (K times its
+// per-channel scales in mode 2; rows past the end zeroed), releases the
+// stage, and runs the tensor-core math of the bf16 kernel on the buffer: S =
+// Q K^T times the per-token or per-page K scales, the online softmax, P
+// times the V scales, O += P V.
+constexpr int kPRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16n8k16 tile
+constexpr int kQPStage = 16, kQPConsumers = 4, kQPThreads = (kQPConsumers + 1) * 32, kQPStages = 12;
+
+template <int D, int kMode>
+struct QPipeCfg {
+  static constexpr int kCodeBytes = kQPStage * D;                     // K (or V) codes of a stage
+  // A stage's scales, by 1-d bulk copies of 16-byte-aligned runs of the
+  // page's scale words: K's at word 0 (per channel: D words; per token: the
+  // stage's 16; per head: the aligned 4 that hold it), V's at word kVWord
+  // (per token: 16; per head: 4).
+  static constexpr int kKWords = kMode == 2 ? D : kMode == 1 ? 16 : 4, kVWords = kMode == 0 ? 4 : 16;
+  static constexpr int kVWord = (kKWords + 31) / 32 * 32;
+  static constexpr int kScaleBytes = 4 * (kVWord + 32);
+  static constexpr int kStageBytes = 2 * kCodeBytes + kScaleBytes;
+  static constexpr int kRing = (kQPStages * kStageBytes + 1023) / 1024 * 1024;
+  static constexpr int kPrivBytes = 2 * kQPStage * D * 2;             // a consumer's 16-bit K and V: [D/64][16][128 B] each
+  static constexpr int kPrivOff = kRing;
+  static constexpr int kQOff = kPrivOff + kQPConsumers * kPrivBytes;
+  static constexpr int kBarOff = kQOff + kPRows * D * 2;
+  static constexpr int kBytes = kBarOff + 2 * kQPStages * 8;
+  static constexpr int kDynamic = kBytes + 1024;
+  static constexpr uint32_t kTxBytes = 2 * kCodeBytes + (kKWords + kVWords) * 4;
+  static_assert(kQPConsumers * kPRows * D * 4 <= kQPConsumers * kPrivBytes, "merge buffer reuses the private buffers");
+  static_assert(kQPStages % kQPConsumers == 0, "each stage belongs to one consumer warp");
+};
+
+// Eight codes (8 bytes) to eight 16-bit values, each times sc[i] (or 1).
+template <int kCodec, typename T, bool kScaled>
+__device__ __forceinline__ uint4 Dequant8(uint2 raw, const float* sc) {
+  float f[8];
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {
+    if constexpr (kCodec == 1) {
+      f[i] = static_cast<float>(static_cast<int8_t>(b[i]));
+      f[i + 1] = static_cast<float>(static_cast<int8_t>(b[i + 1]));
+    } else {
+      const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>(b[i] | (b[i + 1] << 8)), __NV_E4M3);
+      const float2 v = __half22float2(__half2(hr));
+      f[i] = v.x;
+      f[i + 1] = v.y;
+    }
+    if constexpr (kScaled) {
+      f[i] *= sc[i];
+      f[i + 1] *= sc[i + 1];
+    }
+  }
+  return make_uint4(Pack<T>(f[0], f[1]), Pack<T>(f[2], f[3]), Pack<T>(f[4], f[5]), Pack<T>(f[6], f[7]));
+}
+
+template <int D, typename T, int kCodec, int kMode>
+__global__ void __launch_bounds__(kQPThreads, 2)
+    QDecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
+                           float* part_lse, float* out, float* lse, const __grid_constant__ CUtensorMap code_map) {
+  using C = QPipeCfg<D, kMode>;
+  constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + (SmemBase1024(smem_raw) - SmemAddr(smem_raw));
+  uint8_t* sq = smem + C::kQOff;
+  const uint32_t full0 = SmemAddr(smem + C::kBarOff), empty0 = full0 + 8 * kQPStages;
+  __shared__ int s_qpos[kPRows];
+  __shared__ int s_qmin, s_qmax;
+  __shared__ float s_m[kQPConsumers][kPRows], s_l[kQPConsumers][kPRows], s_fac[kQPConsumers][kPRows];
+
+  if (threadIdx.x == 0) {
+    TmaPrefetchMap(&code_map);
+    for (int i = 0; i < kQPStages; ++i) {
+      MbarInit(full0 + 8 * i, 1);   // the producer lane's expect-tx arrival
+      MbarInit(empty0 + 8 * i, 1);  // the consumer warp that took the stage
+    }
+  }
+  DecodeWork w;
+  if (!DecodeWorkOf(q, kv, num_splits, row_groups, kPRows, &w)) return;
+  const int h = w.h, G = w.G, rb = w.rb, v0 = w.v0, nv = w.nv, pb = w.pb, npages = w.npages;
+  const int tok_lo = w.tok_lo, tok_hi = w.tok_hi, bt = kv.block_tokens;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
+  const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
+  const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kQPStage - 1) / kQPStage : 0;
+
+  for (int c = tid; c < kPRows * kChunks; c += kQPThreads) {
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool valid = r < nv;
+    const int v = v0 + (valid ? r : 0);
+    const T* src = static_cast<const T*>(q.q) + ((size_t)(rb + v / G) * q.q_heads + h * G + v % G) * D + ch * 8;
+    CpAsync16(SmemAddr(sq + Swz<D>(r, ch)), src, valid);
+  }
+  CpAsyncCommit();
+  if (tid < kPRows) s_qpos[tid] = tid < nv ? q.positions[rb + (v0 + tid) / G] : INT32_MIN;
+  if (tid == 0) {
+    int mn = INT32_MAX, mx = INT32_MIN;
+    for (int r = 0; r < nv; ++r) {
+      const int qp = q.positions[rb + (v0 + r) / G];
+      mn = min(mn, qp);
+      mx = max(mx, qp);
+    }
+    s_qmin = mn;
+    s_qmax = mx;
+  }
+  CpAsyncWait<0>();
+  __syncthreads();
+
+  float o[kDTiles][4];
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  const int L = kv.layer, H = kv.kv_heads;
+  // Per-head scales: their word within the aligned run of 4 that is copied
+  // (a page's scales start at a multiple of 4 words).
+  const int k_sub = ((L * 2) * H + h) & 3, v_sub = ((L * 2 + 1) * H + h) & 3;
+  if (warp == kQPConsumers) {
+    // ---- producer: page ids one stage at a time (lane 0 reads the next
+    // stage's while this one's copies go out).
+    const int E = (int)(((uint64_t)2 * kv.layers * H * bt * D) / 4);  // first scale word of a page
+    const int kplane = (L * 2) * H + h, vplane = kplane + H;
+    int next = ntiles > 0 && lane == 0 ? kv.page_ids[pb + tok_lo / bt] : 0;
+    for (int t = 0; t < ntiles; ++t) {
+      const int st = t % kQPStages;
+      const int i0 = tok_lo + t * kQPStage, pg = i0 / bt, off = i0 - pg * bt;
+      const int page = next;
+      if (lane == 0 && t + 1 < ntiles) {
+        const int pg1 = (i0 + kQPStage) / bt;
+        next = pg1 < npages ? kv.page_ids[pb + pg1] : 0;
+      }
+      if (t >= kQPStages) MbarWait(empty0 + 8 * st, ((t / kQPStages) - 1) & 1);
+      if (lane == 0) {
+        const uint32_t kc = SmemAddr(smem + st * C::kStageBytes), vc = kc + C::kCodeBytes, sc = vc + C::kCodeBytes;
+        const uint32_t bar = full0 + 8 * st;
+        MbarArriveExpectTx(bar, C::kTxBytes);
+        TmaLoad5d(kc, &code_map, 0, off, kplane, 0, page, bar);
+        TmaLoad5d(vc, &code_map, 0, off, vplane, 0, page, bar);
+        int kidx, vidx;  // word indices of the stage's first K and V scale in the page
+        if constexpr (kMode == 0) {
+          kidx = E + (L * 2) * H + h;
+          vidx = E + (L * 2 + 1) * H + h;
+        } else if constexpr (kMode == 1) {
+          kidx = E + ((L * 2) * H + h) * bt + off;
+          vidx = E + ((L * 2 + 1) * H + h) * bt + off;
+        } else {
+          const int base = E + L * H * (D + bt);
+          kidx = base + h * D;
+          vidx = base + H * D + h * bt + off;
+        }
+        // (Per head: the aligned run of 4 words holding the scale; the
+        // consumers read word kidx % 4, vidx % 4 of it.)
+        const char* pg_base = static_cast<const char*>(kv.pool) + (uint64_t)page * kv.page_stride;
+        if constexpr (kMode == 0) {
+          kidx &= ~3;
+          vidx &= ~3;
+        }
+        BulkLoad(sc, pg_base + 4 * (uint64_t)kidx, 4 * C::kKWords, bar);
+        BulkLoad(sc + 4 * C::kVWord, pg_base + 4 * (uint64_t)vidx, 4 * C::kVWords, bar);
+      }
+      __syncwarp();
+    }
+  } else {
+    // ---- consumers
+    uint32_t qa[kKSteps][4];
+    const int mi = lane >> 3, rr = lane & 7;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      LdMatrixX4(SmemAddr(sq + Swz<D>((mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[kk][0], qa[kk][1], qa[kk][2],
+                 qa[kk][3]);
+    }
+    const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8];
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    uint8_t* kt = smem + C::kPrivOff + warp * C::kPrivBytes;
+    uint8_t* vt = kt + C::kPrivBytes / 2;
+    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > s_qmin) ||
+                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
+    for (int t = warp; t < ntiles; t += kQPConsumers) {
+      const int st = t % kQPStages;
+      MbarWait(full0 + 8 * st, (t / kQPStages) & 1);
+      const uint8_t* kc = smem + st * C::kStageBytes;
+      const uint8_t* vc = kc + C::kCodeBytes;
+      const float* scl = reinterpret_cast<const float*>(vc + C::kCodeBytes);
+      const int tile_first = tok_lo + t * kQPStage, tile_last = min(tile_first + kQPStage, tok_hi) - 1;
+      const int valid_rows = min(kQPStage, tok_hi - tile_first);
+      // Codes to 16-bit values in this warp's buffers (rows past the end: 0).
+#pragma unroll
+      for (int i = 0; i < kQPStage * kChunks / 32; ++i) {
+        const int c = lane + 32 * i, r = c / kChunks, ch = c % kChunks;
+        uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+        if (r < valid_rows) {
+          const uint2 kr = *reinterpret_cast<const uint2*>(kc + r * D + ch * 8);
+          const uint2 vr = *reinterpret_cast<const uint2*>(vc + r * D + ch * 8);
+          kv4 = Dequant8<kCodec, T, kMode == 2>(kr, scl + ch * 8);  // (per channel: dims 8 ch ..)
+          vv4 = Dequant8<kCodec, T, false>(vr, nullptr);
+        }
+        *reinterpret_cast<uint4*>(kt + Sw128(kQPStage, r, ch)) = kv4;
+        *reinterpret_cast<uint4*>(vt + Sw128(kQPStage, r, ch)) = vv4;
+      }
+      // This lane's tokens' scales: S columns (K per token / page) and P (V).
+      float ks[4], vs[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = (e >> 1) * 8 + tig * 2 + (e & 1);
+        ks[e] = kMode == 1 ? scl[tok] : kMode == 0 ? scl[k_sub] : 1.f;
+        // (0 past the end: P is 0 there, but 0 x a junk slot's NaN scale is not)
+        vs[e] = tok < valid_rows ? (kMode == 0 ? scl[C::kVWord + v_sub] : scl[C::kVWord + tok]) : 0.f;
+      }
+      __syncwarp();
+      if (lane == 0) MbarArrive(empty0 + 8 * st);  // the codes are in registers / the private buffers
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        uint32_t b0, b1, b2, b3;
+        LdMatrixX4(SmemAddr(kt + Sw128(kQPStage, (mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
+        Mma<T>(sc[0], qa[kk], b0, b1);
+        Mma<T>(sc[1], qa[kk], b2, b3);
+      }
+      const bool pos_mask = cta_pos_mask && ((p.causal && TokenPos(kv, pb, tile_last) > s_qmin) ||
+                                             (p.window > 0 && TokenPos(kv, pb, tile_first) <= s_qmax - p.window));
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = tile_first + j * 8 + tig * 2 + (e & 1);
+          const int qp = e < 2 ? qpos0 : qpos1;
+          bool vis = i < tok_hi && qp != INT32_MIN;
+          if (vis && pos_mask) {
+            const int kp = TokenPos(kv, pb, i);
+            if (p.causal) vis = kp <= qp;
+            if (p.window > 0) vis = vis && kp > qp - p.window;
+          }
+          sc[j][e] = vis ? sc[j][e] * ks[j * 2 + (e & 1)] * scale : -INFINITY;
+        }
+        mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
+      const float c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
+      const float c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
+      const float b0f = nm0 == -INFINITY ? 0.f : nm0, b1f = nm1 == -INFINITY ? 0.f : nm1;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        sc[j][0] = exp2f(sc[j][0] - b0f);
+        sc[j][1] = exp2f(sc[j][1] - b0f);
+        sc[j][2] = exp2f(sc[j][2] - b1f);
+        sc[j][3] = exp2f(sc[j][3] - b1f);
+      }
+      l0 = l0 * c0 + sc[0][0] + sc[0][1] + sc[1][0] + sc[1][1];
+      l1 = l1 * c1 + sc[0][2] + sc[0][3] + sc[1][2] + sc[1][3];
+      m0 = nm0;
+      m1 = nm1;
+      // P times the V scales of its tokens (columns), for P V only.
+      uint32_t pa[4] = {Pack<T>(sc[0][0] * vs[0], sc[0][1] * vs[1]), Pack<T>(sc[0][2] * vs[0], sc[0][3] * vs[1]),
+                        Pack<T>(sc[1][0] * vs[2], sc[1][1] * vs[3]), Pack<T>(sc[1][2] * vs[2], sc[1][3] * vs[3])};
+      if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+        for (int dn = 0; dn < kDTiles; ++dn) {
+          o[dn][0] *= c0;
+          o[dn][1] *= c0;
+          o[dn][2] *= c1;
+          o[dn][3] *= c1;
+        }
+      }
+#pragma unroll
+      for (int dn = 0; dn < kDTiles; dn += 2) {
+        uint32_t b0, b1, b2, b3;
+        LdMatrixX4T(SmemAddr(vt + Sw128(kQPStage, (mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
+        Mma<T>(o[dn], pa, b0, b1);
+        Mma<T>(o[dn + 1], pa, b2, b3);
+      }
+      __syncwarp();  // (the buffers are rewritten by the next stage's conversion)
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  }
+  __syncthreads();  // every stage consumed: the private buffers are free for the consumers' (m, l, O)
+  float* so = reinterpret_cast<float*>(smem + C::kPrivOff);  // kQPConsumers x kPRows x D
+  if (warp < kQPConsumers) {
+    if (tig == 0) {
+      s_m[warp][g] = m0;
+      s_m[warp][g + 8] = m1;
+      s_l[warp][g] = l0;
+      s_l[warp][g + 8] = l1;
+    }
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) {
+      float* r0p = so + ((size_t)warp * kPRows + g) * D + j * 8 + tig * 2;
+      float* r1p = so + ((size_t)warp * kPRows + g + 8) * D + j * 8 + tig * 2;
+      r0p[0] = o[j][0];
+      r0p[1] = o[j][1];
+      r1p[0] = o[j][2];
+      r1p[1] = o[j][3];
+    }
+  }
+  __syncthreads();
+  StoreDecodeRows<kQPConsumers, D, D>(w, q, kPRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0], part_out,
+                                      part_lse, out, lse);
+}
+
+template <int D, int kCodec, int kMode, typename T>
+cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
+                            float* po, float* pl, const CUtensorMap& codes, cudaStream_t stream) {
+  const int G = q.q_heads / kv.kv_heads;
+  const int row_groups = (q.max_rows_per_seq * G + kPRows - 1) / kPRows;
+  const int smem = QPipeCfg<D, kMode>::kDynamic;
+  cudaError_t e = cudaFuncSetAttribute(QDecodePipelinedKernel<D, T, kCodec, kMode>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
+  QDecodePipelinedKernel<D, T, kCodec, kMode><<<grid, kQPThreads, smem, stream>>>(p, q, kv, splits, row_groups, po, pl,
+                                                                                out.out, out.lse, codes);
+  return cudaGetLastError();
+}
+
 template <int D, int kCodec, int kMode, typename T>
 cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                    float* po, float* pl, cudaStream_t stream) {
@@ -238,6 +563,16 @@ template <int D, typename T>
 cudaError_t ByEncoding(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                        float* po, float* pl, cudaStream_t s) {
   const int c = kv.codec, m = kv.scales;
+  alignas(64) CUtensorMap codes{};
+  if (MakeQuantCodeMap(kv, kQPStage, &codes)) {  // sm_90, pages of a multiple of 16 tokens
+    if (c == 1 && m == 0) return LaunchPipelined<D, 1, 0, T>(p, q, kv, out, splits, po, pl, codes, s);
+    if (c == 1 && m == 1) return LaunchPipelined<D, 1, 1, T>(p, q, kv, out, splits, po, pl, codes, s);
+    if (c == 1 && m == 2) return LaunchPipelined<D, 1, 2, T>(p, q, kv, out, splits, po, pl, codes, s);
+    if (c == 2 && m == 0) return LaunchPipelined<D, 2, 0, T>(p, q, kv, out, splits, po, pl, codes, s);
+    if (c == 2 && m == 1) return LaunchPipelined<D, 2, 1, T>(p, q, kv, out, splits, po, pl, codes, s);
+    if (c == 2 && m == 2) return LaunchPipelined<D, 2, 2, T>(p, q, kv, out, splits, po, pl, codes, s);
+    return cudaErrorInvalidValue;
+  }
   if (c == 1 && m == 0) return Launch<D, 1, 0, T>(p, q, kv, out, splits, po, pl, s);
   if (c == 1 && m == 1) return Launch<D, 1, 1, T>(p, q, kv, out, splits, po, pl, s);
   if (c == 1 && m == 2) return Launch<D, 1, 2, T>(p, q, kv, out, splits, po, pl, s);

@@ -33,4 +33,13 @@ bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool a
 // aligned). Host only; thread-safe.
 bool MakeQueryMap(const QueryView& q, int head_dim, int box_rows, CUtensorMap* map);
 
+// Quantized pages (kv.codec != 0): a 5-d map of the pool's 1-byte codes (D
+// bytes, token of the page, plane, 1, page) with boxes of D bytes x
+// `box_tokens` tokens (no swizzle: a box lands as [box_tokens][D]). False
+// where TMA cannot serve the view (as MakePoolMap). Host only. (The scales
+// are read by 1-d bulk copies: a 2-d UINT32 tensor map of each page's words
+// stopped the kernel with an illegal instruction on the H200 at its first
+// load, compute-sanitizer: the 2-d TMA load.)
+bool MakeQuantCodeMap(const PagedKvView& kv, int box_tokens, CUtensorMap* codes);
+
 }  // namespace kvring::cuda::internal
