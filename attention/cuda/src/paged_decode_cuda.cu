@@ -63,10 +63,11 @@ constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16
 // (all 33 splits of a batch-1 Llama-3 group: 4 rows x 2 KB each) while the
 // threads load the LSEs; the weights are computed a warp a row. Measured on
 // the H200 (bench/gpu/decode_trace.py, 1 x 32K): arrival to merged output
-// 3.8 us (LSEs in after 1.8 us, partials 1.0 us later, the sums 0.8 us);
-// per-thread 16-byte loads of the same 67 KB took 5-6 us (registers, two
-// batches) and 4-6 us (cp.async). A first read of lines that other SMs just
-// wrote costs ~1.8 us there; the same LSEs read again, 0.6 us.
+// 3.5 us (LSEs in after 1.7 us, partials 0.7 us later, the sums 0.8 us);
+// per-thread 16-byte loads of the same 67 KB took 4.1 us (registers, two
+// batches of splits, the same weights and fence; 0.80 of copy against 0.81-
+// 0.82 end to end) and 4-6 us (cp.async). A first read of lines that other
+// SMs just wrote costs ~1.7 us there; the same LSEs read again, 0.6 us.
 template <int D, int kThreads>
 __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int num_splits, int* counter,
                                                   const float* part_out, const float* part_lse, uint8_t* scratch,
