@@ -315,6 +315,103 @@ __device__ __forceinline__ bool DecodeWorkOf(const QueryView& q, const PagedKvVi
 __device__ __forceinline__ size_t DecodeRowHead(const DecodeWork& w, const QueryView& q, int v) {
   return (size_t)(w.rb + v / w.G) * q.q_heads + w.h * w.G + v % w.G;
 }
+// The 16 query vectors of a decode CTA (vector r < nv: query row rb + (v0 +
+// r) / G, q head h * G + (v0 + r) % G; rows past nv zero) into shared memory
+// `sq` as [16][D] 16-bit values, 128-byte swizzled (Swz<D>), by cp.async;
+// their positions into s_qpos (INT32_MIN past nv) and their min / max into
+// *s_qmin / *s_qmax. Called by threads 0 .. nthreads - 1, which wait for
+// their copies; the caller's barrier publishes the results.
+template <int D, typename T>
+__device__ __forceinline__ void LoadDecodeQueries(const QueryView& q, const DecodeWork& w, uint8_t* sq, int* s_qpos,
+                                                  int* s_qmin, int* s_qmax, int nthreads) {
+  constexpr int kChunks = D / 8, kVecs = 16;
+  const int tid = threadIdx.x;
+  for (int c = tid; c < kVecs * kChunks; c += nthreads) {
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool valid = r < w.nv;
+    const int v = w.v0 + (valid ? r : 0);
+    const T* src = static_cast<const T*>(q.q) + ((size_t)(w.rb + v / w.G) * q.q_heads + w.h * w.G + v % w.G) * D + ch * 8;
+    CpAsync16(SmemAddr(sq + Swz<D>(r, ch)), src, valid);
+  }
+  CpAsyncCommit();
+  if (tid < kVecs) s_qpos[tid] = tid < w.nv ? q.positions[w.rb + (w.v0 + tid) / w.G] : INT32_MIN;
+  if (tid == 0) {
+    int mn = INT32_MAX, mx = INT32_MIN;
+    for (int r = 0; r < w.nv; ++r) {
+      const int qp = q.positions[w.rb + (w.v0 + r) / w.G];
+      mn = min(mn, qp);
+      mx = max(mx, qp);
+    }
+    *s_qmin = mn;
+    *s_qmax = mx;
+  }
+  CpAsyncWait<0>();
+}
+
+// One 16-token stage of a decode consumer warp, after S: the online softmax
+// over the m16n8k16 score fragments sc (masked, scaled to the log2 domain,
+// -inf where not visible; rows g and g + 8 of the lane: maxima m0 / m1,
+// sums l0 / l1, per lane), then O += P V with V the stage's [D/64][16][128 B]
+// swizzled 16-bit tile at `vt`. kPScale: P is multiplied by pscale (the
+// tokens' V scales of quantized pages: columns tig * 2 + {0, 1} and 8 + those)
+// for P V only, not for the sums.
+template <int D, typename T, bool kPScale>
+__device__ __forceinline__ void DecodeSoftmaxPV(float (&sc)[2][4], const float* pscale, float& m0, float& m1,
+                                                float& l0, float& l1, float (&o)[D / 8][4], const uint8_t* vt) {
+  constexpr int kDTiles = D / 8;
+  const int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
+  float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
+  float mx1 = fmaxf(fmaxf(sc[0][2], sc[0][3]), fmaxf(sc[1][2], sc[1][3]));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
+  const float c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
+  const float c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
+  const float b0f = nm0 == -INFINITY ? 0.f : nm0, b1f = nm1 == -INFINITY ? 0.f : nm1;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    sc[j][0] = exp2f(sc[j][0] - b0f);
+    sc[j][1] = exp2f(sc[j][1] - b0f);
+    sc[j][2] = exp2f(sc[j][2] - b1f);
+    sc[j][3] = exp2f(sc[j][3] - b1f);
+  }
+  l0 = l0 * c0 + sc[0][0] + sc[0][1] + sc[1][0] + sc[1][1];
+  l1 = l1 * c1 + sc[0][2] + sc[0][3] + sc[1][2] + sc[1][3];
+  m0 = nm0;
+  m1 = nm1;
+  if constexpr (kPScale) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      sc[j][0] *= pscale[j * 2];
+      sc[j][1] *= pscale[j * 2 + 1];
+      sc[j][2] *= pscale[j * 2];
+      sc[j][3] *= pscale[j * 2 + 1];
+    }
+  }
+  uint32_t pa[4] = {Pack<T>(sc[0][0], sc[0][1]), Pack<T>(sc[0][2], sc[0][3]), Pack<T>(sc[1][0], sc[1][1]),
+                    Pack<T>(sc[1][2], sc[1][3])};
+  // O's rescale, skipped when no row's maximum moved (the usual case once a
+  // long stream's first stages are in).
+  if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+    for (int dn = 0; dn < kDTiles; ++dn) {
+      o[dn][0] *= c0;
+      o[dn][1] *= c0;
+      o[dn][2] *= c1;
+      o[dn][3] *= c1;
+    }
+  }
+#pragma unroll
+  for (int dn = 0; dn < kDTiles; dn += 2) {
+    uint32_t b0, b1, b2, b3;
+    LdMatrixX4T(SmemAddr(vt + Sw128(16, (mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
+    Mma<T>(o[dn], pa, b0, b1);
+    Mma<T>(o[dn + 1], pa, b2, b3);
+  }
+}
+
 // The exact merge of the CTA's warps' partials (log2-domain maxima m and sums
 // l in m[w * rows + r], l[...]; O in o[(w * rows + r) * kStride + d], shared
 // memory, 16-byte aligned, kStride a multiple of 4) and its store: to

@@ -320,26 +320,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
   const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kQPStage - 1) / kQPStage : 0;
 
-  for (int c = tid; c < kPRows * kChunks; c += kQPThreads) {
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool valid = r < nv;
-    const int v = v0 + (valid ? r : 0);
-    const T* src = static_cast<const T*>(q.q) + ((size_t)(rb + v / G) * q.q_heads + h * G + v % G) * D + ch * 8;
-    CpAsync16(SmemAddr(sq + Swz<D>(r, ch)), src, valid);
-  }
-  CpAsyncCommit();
-  if (tid < kPRows) s_qpos[tid] = tid < nv ? q.positions[rb + (v0 + tid) / G] : INT32_MIN;
-  if (tid == 0) {
-    int mn = INT32_MAX, mx = INT32_MIN;
-    for (int r = 0; r < nv; ++r) {
-      const int qp = q.positions[rb + (v0 + r) / G];
-      mn = min(mn, qp);
-      mx = max(mx, qp);
-    }
-    s_qmin = mn;
-    s_qmax = mx;
-  }
-  CpAsyncWait<0>();
+  LoadDecodeQueries<D, T>(q, w, sq, s_qpos, &s_qmin, &s_qmax, kQPThreads);
   __syncthreads();
 
   float o[kDTiles][4];
@@ -452,7 +433,6 @@ __global__ void __launch_bounds__(kQPThreads, 2)
       }
       const bool pos_mask = cta_pos_mask && ((p.causal && TokenPos(kv, pb, tile_last) > s_qmin) ||
                                              (p.window > 0 && TokenPos(kv, pb, tile_first) <= s_qmax - p.window));
-      float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -467,47 +447,8 @@ __global__ void __launch_bounds__(kQPThreads, 2)
           }
           sc[j][e] = vis ? sc[j][e] * ks[j * 2 + (e & 1)] * scale : -INFINITY;
         }
-        mx0 = fmaxf(mx0, fmaxf(sc[j][0], sc[j][1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[j][2], sc[j][3]));
       }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
-      const float c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
-      const float c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
-      const float b0f = nm0 == -INFINITY ? 0.f : nm0, b1f = nm1 == -INFINITY ? 0.f : nm1;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        sc[j][0] = exp2f(sc[j][0] - b0f);
-        sc[j][1] = exp2f(sc[j][1] - b0f);
-        sc[j][2] = exp2f(sc[j][2] - b1f);
-        sc[j][3] = exp2f(sc[j][3] - b1f);
-      }
-      l0 = l0 * c0 + sc[0][0] + sc[0][1] + sc[1][0] + sc[1][1];
-      l1 = l1 * c1 + sc[0][2] + sc[0][3] + sc[1][2] + sc[1][3];
-      m0 = nm0;
-      m1 = nm1;
-      // P times the V scales of its tokens (columns), for P V only.
-      uint32_t pa[4] = {Pack<T>(sc[0][0] * vs[0], sc[0][1] * vs[1]), Pack<T>(sc[0][2] * vs[0], sc[0][3] * vs[1]),
-                        Pack<T>(sc[1][0] * vs[2], sc[1][1] * vs[3]), Pack<T>(sc[1][2] * vs[2], sc[1][3] * vs[3])};
-      if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
-#pragma unroll
-        for (int dn = 0; dn < kDTiles; ++dn) {
-          o[dn][0] *= c0;
-          o[dn][1] *= c0;
-          o[dn][2] *= c1;
-          o[dn][3] *= c1;
-        }
-      }
-#pragma unroll
-      for (int dn = 0; dn < kDTiles; dn += 2) {
-        uint32_t b0, b1, b2, b3;
-        LdMatrixX4T(SmemAddr(vt + Sw128(kQPStage, (mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
-        Mma<T>(o[dn], pa, b0, b1);
-        Mma<T>(o[dn + 1], pa, b2, b3);
-      }
+      DecodeSoftmaxPV<D, T, true>(sc, vs, m0, m1, l0, l1, o, vt);  // (P times the V scales of its tokens)
       __syncwarp();  // (the buffers are rewritten by the next stage's conversion)
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
