@@ -193,6 +193,19 @@ __device__ __forceinline__ void GridDepLaunchDependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+__device__ __forceinline__ void GridDepWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// Fetch a (__grid_constant__ parameter) tensor map into the TMA unit's cache
+// ahead of its first use.
+__device__ __forceinline__ void TmaPrefetchMap(const CUtensorMap* map) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+#endif
+}
+
 // Barrier `id` (1..15; 0 is __syncthreads') of `threads` threads (a multiple of 32).
 __device__ __forceinline__ void NamedBarrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -210,18 +223,6 @@ __device__ __forceinline__ unsigned SmId() {
   unsigned id;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
   return id;
-}
-__device__ __forceinline__ void GridDepWait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-// Fetch a (__grid_constant__ parameter) tensor map into the TMA unit's cache
-// ahead of its first use.
-__device__ __forceinline__ void TmaPrefetchMap(const CUtensorMap* map) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-#endif
 }
 
 // Position of stream token i of a sequence (pages full but the last).

@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
         }
       }
       DecodeSoftmaxPV<D, T, false>(sc, nullptr, m0, m1, l0, l1, o, vt);
-      if (kTma && tail) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // our zeros before the next TMA write
+      if (kTma && tail) FenceProxyAsync();  // our zeros before the next TMA write
       __syncwarp();
       if (lane == 0) MbarArrive(empty0 + 8 * st);
     }

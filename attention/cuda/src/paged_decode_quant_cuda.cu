@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
   }
   DecodeWork w;
   if (!DecodeWorkOf(q, kv, num_splits, row_groups, kPRows, &w)) return;
-  const int h = w.h, G = w.G, rb = w.rb, v0 = w.v0, nv = w.nv, pb = w.pb, npages = w.npages;
+  const int h = w.h, pb = w.pb, npages = w.npages;
   const int tok_lo = w.tok_lo, tok_hi = w.tok_hi, bt = kv.block_tokens;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
