@@ -181,7 +181,7 @@ for B, L in decode_shapes:
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
     splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, kv.pages_per_seq, SMS)
-    sweep = sorted({sp for sp in (1, 2, 4, 8, 16, 33, 66) if sp <= max(1, kv.pages_per_seq // 4)} | {splits})
+    sweep = sorted({sp for sp in (1, 2, 4, 8, 12, 16, 33, 66) if sp <= max(1, kv.pages_per_seq // 4)} | {splits})
     wsb = lib.kvring_cuda_decode_workspace(B, HQ, max(sweep), D)
     ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)  # zeroed once: the split-merge counters
 

@@ -181,6 +181,38 @@ TEST(GpuDecodeTest, ManySplitsMergeInChunks) {
     }
 }
 
+// Up to 16 splits, a CTA group's splits run as one thread block cluster and
+// merge through distributed shared memory (16: Hopper's non-portable cluster
+// size); with more, through the workspace. Both, on one workspace in turn:
+// empty splits (a 3-page sequence cut in 16), two row groups a kv head (3
+// rows x GQA 8), several sequences, both head sizes.
+TEST(GpuDecodeTest, SplitsMergeInAClusterOrThroughTheWorkspace) {
+  KVRING_REQUIRE_GPU();
+  uint64_t seed = 900;
+  for (int D : {64, 128}) {
+    std::mt19937_64 rng(seed++);
+    auto kvb = MakeBatch(rng, 16, 1, 2, D, /*bf16=*/seed % 2, {1200 + (int)(rng() % 100), 40, 333}, {0, 0, 7},
+                         /*gap=*/true, 0);
+    std::vector<std::vector<int32_t>> qpos;
+    for (const auto& sq : kvb.seqs) {
+      const int last = sq.dense.positions.back();
+      qpos.push_back({last - 2, last - 1, last});
+    }
+    auto qb = MakeQueries(rng, 16, D, seed % 2, qpos);
+    const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), 17, D);
+    Dev<uint8_t> work(ws);
+    work.Zero();
+    for (int splits : {2, 8, 9, 16, 17, 16}) {
+      Dev<float> out((size_t)qb.pos.size() * 16 * D), lse((size_t)qb.pos.size() * 16);
+      out.Poison();
+      lse.Poison();
+      CUDA_OK(cuda::PagedDecode(cuda::AttnParams{}, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, 1e-2, absl::StrCat("decode D=", D, " splits=", splits));
+    }
+  }
+}
+
 // Decode over int8 / fp8 pages (every scale mode), made by QuantizeBlock
 // from random bf16/f16 blocks: both kernels (the pipelined TMA one for pages
 // of a multiple of 16 tokens, the CUDA-core one otherwise) read the codes and

@@ -225,6 +225,38 @@ __device__ __forceinline__ unsigned SmId() {
   return id;
 }
 
+// ---- thread block clusters (sm_90)
+// Rank of this CTA in its cluster (0 when launched without one).
+__device__ __forceinline__ unsigned ClusterCtaRank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster arrives (release: its earlier
+// shared-memory writes visible cluster-wide) / waits for all (acquire).
+__device__ __forceinline__ void ClusterArrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// The shared::cluster address of the variable at shared address `addr` of
+// this CTA in CTA `rank` of the cluster (distributed shared memory).
+__device__ __forceinline__ uint32_t ClusterMap(uint32_t addr, unsigned rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float LdCluster(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ float4 LdCluster4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
 // Position of stream token i of a sequence (pages full but the last).
 __device__ __forceinline__ int TokenPos(const PagedKvView& kv, int pb, int i) {
   const int pg = i / kv.block_tokens;
@@ -349,6 +381,54 @@ __device__ __forceinline__ void LoadDecodeQueries(const QueryView& q, const Deco
   CpAsyncWait<0>();
 }
 
+// S = Q K^T of one 16-token stage of a decode consumer warp (qa: the warp's
+// Q fragments, 16 vectors; kt: the stage's K tile, [D/64][16][128 B] 128-byte
+// swizzled), as m16n8k16 fragments (rows g and g + 8 of the lane, tokens
+// tile_first + j * 8 + tig * 2 + {0, 1}), scaled to the log2 domain (with
+// kKScale, also by the tokens' K scales ks[j * 2 + {0, 1}]) and -inf where
+// not visible: past tok_hi, for rows without a vector (position INT32_MIN),
+// and where the causal or window mask hides the token from the row's query
+// position (qpos0 / qpos1). cta_pos_mask: whether any of the CTA's tokens
+// can be hidden by position (else no page position is read); qmin / qmax:
+// the CTA's query positions' range.
+template <int D, typename T, bool kKScale>
+__device__ __forceinline__ void DecodeScores(const uint32_t (&qa)[D / 16][4], const uint8_t* kt, const AttnParams& p,
+                                             const PagedKvView& kv, int pb, int tile_first, int tok_hi, int qpos0,
+                                             int qpos1, int qmin, int qmax, bool cta_pos_mask, float scale,
+                                             const float* ks, float (&sc)[2][4]) {
+  const int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7, tig = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t b0, b1, b2, b3;
+    LdMatrixX4(SmemAddr(kt + Sw128(16, (mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
+    Mma<T>(sc[0], qa[kk], b0, b1);
+    Mma<T>(sc[1], qa[kk], b2, b3);
+  }
+  const int tile_last = min(tile_first + 16, tok_hi) - 1;
+  const bool tail = tile_first + 16 > tok_hi;
+  const bool pos_mask = cta_pos_mask && ((p.causal && TokenPos(kv, pb, tile_last) > qmin) ||
+                                         (p.window > 0 && TokenPos(kv, pb, tile_first) <= qmax - p.window));
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = tile_first + j * 8 + tig * 2 + (e & 1);
+      const int qp = e < 2 ? qpos0 : qpos1;
+      bool vis = (!tail || i < tok_hi) && qp != INT32_MIN;
+      if (vis && pos_mask) {
+        const int kp = TokenPos(kv, pb, i);
+        if (p.causal) vis = kp <= qp;
+        if (p.window > 0) vis = vis && kp > qp - p.window;
+      }
+      float f = scale;
+      if constexpr (kKScale) f = ks[j * 2 + (e & 1)] * scale;
+      sc[j][e] = vis ? sc[j][e] * f : -INFINITY;
+    }
+  }
+}
+
 // One 16-token stage of a decode consumer warp, after S: the online softmax
 // over the m16n8k16 score fragments sc (masked, scaled to the log2 domain,
 // -inf where not visible; rows g and g + 8 of the lane: maxima m0 / m1,
@@ -416,17 +496,22 @@ __device__ __forceinline__ void DecodeSoftmaxPV(float (&sc)[2][4], const float* 
 // The exact merge of the CTA's warps' partials (log2-domain maxima m and sums
 // l in m[w * rows + r], l[...]; O in o[(w * rows + r) * kStride + d], shared
 // memory, 16-byte aligned, kStride a multiple of 4) and its store: to
-// out/lse with one split, else to the split's partial slot. NaN propagates.
-// `fac` is shared scratch of kWarps * rows floats. Called by every thread of
-// the CTA (it holds a __syncthreads): the rows' merge factors first, a thread
-// a row, then the outputs a float4 a thread.
+// out/lse with one split, else to the split's partial slot; or, when
+// `local_o` is given, to shared memory: row r's O at local_o[r * D ..]
+// (16-byte aligned), its LSE at local_lse[r] (the cluster merge reads them).
+// NaN propagates. `fac` is shared scratch of kWarps * rows floats. Called by
+// every thread of the CTA (it holds a __syncthreads): the rows' merge factors
+// first, a thread a row, then the outputs a float4 a thread.
 template <int kWarps, int D, int kStride>
 __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const QueryView& q, int rows, int num_splits,
                                                 const float* m, const float* l, const float* o, float* fac,
-                                                float* part_out, float* part_lse, float* out, float* lse) {
+                                                float* part_out, float* part_lse, float* out, float* lse,
+                                                float* local_o = nullptr, float* local_lse = nullptr) {
   const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
-  float* dst_o = num_splits == 1 ? out : part_out + (size_t)w.sp * rows_heads * D;
-  float* dst_l = num_splits == 1 ? lse : part_lse + (size_t)w.sp * rows_heads;
+  const bool local = local_o != nullptr;
+  float* dst_o = local ? local_o : num_splits == 1 ? out : part_out + (size_t)w.sp * rows_heads * D;
+  float* dst_l = local ? local_lse : num_splits == 1 ? lse : part_lse + (size_t)w.sp * rows_heads;
+  auto at = [&](int r) { return local ? (size_t)r : DecodeRowHead(w, q, w.v0 + r); };
   for (int r = threadIdx.x; r < w.nv; r += blockDim.x) {
     float M = -INFINITY;
 #pragma unroll
@@ -441,7 +526,7 @@ __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const Query
     const float inv = some ? 1.f / L : 0.f;  // (NaN when L is)
 #pragma unroll
     for (int k = 0; k < kWarps; ++k) fac[k * rows + r] = f[k] * inv;
-    dst_l[DecodeRowHead(w, q, w.v0 + r)] = some ? (M + log2f(L)) * kLn2 : -INFINITY;
+    dst_l[at(r)] = some ? (M + log2f(L)) * kLn2 : -INFINITY;
   }
   __syncthreads();
   constexpr int kD4 = D / 4;
@@ -458,7 +543,7 @@ __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const Query
       acc.z += f * v.z;
       acc.w += f * v.w;
     }
-    float* dp = dst_o + DecodeRowHead(w, q, w.v0 + r) * D + d;
+    float* dp = dst_o + at(r) * D + d;
     if (vec) {
       *reinterpret_cast<float4*>(dp) = acc;
     } else {

@@ -182,6 +182,69 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
   return true;
 }
 
+// The split-merge of a decode CTA group launched as one thread block
+// cluster (its num_splits <= kMaxClusterSplits CTAs): each CTA left its
+// split's partial rows in its own shared memory (StoreDecodeRows to
+// local_o / local_lse); after a cluster barrier, CTA k of the cluster merges
+// the group's output float4s k, k + num_splits, ..., reading every split's
+// LSE and O of the row through distributed shared memory, and writes out /
+// lse (out 16-byte aligned; exact LSE merge, NaN propagates as in
+// MergePartials). A second barrier keeps each CTA's shared memory until the
+// others have read it. Called by every thread of every CTA of the cluster.
+// Against MergeSplitsIfLast: no partials through global memory, no atomic
+// arrival, and the merge spread over the group's CTAs instead of run by the
+// last one (the tail of a batch-1 launch: see bench/RESULTS.md).
+constexpr int kMaxClusterSplits = 16;  // Hopper's largest (non-portable) cluster
+template <int D>
+__device__ __forceinline__ void MergeSplitsInCluster(const DecodeWork& w, const QueryView& q, int num_splits,
+                                                     const float* local_o, const float* local_lse, float* out,
+                                                     float* lse) {
+  constexpr int kD4 = D / 4;
+  KVRING_TRACE(threadIdx.x == 0, 6);
+  ClusterArrive();
+  ClusterWait();  // every split's partial is in its CTA's shared memory
+  KVRING_TRACE(threadIdx.x == 0, 7);
+  const unsigned rank = ClusterCtaRank();
+  const uint32_t o_addr = SmemAddr(local_o), l_addr = SmemAddr(local_lse);
+  for (int i = rank + num_splits * threadIdx.x; i < w.nv * kD4; i += num_splits * blockDim.x) {
+    const int r = i / kD4;
+    float x[kMaxClusterSplits];
+    float4 v[kMaxClusterSplits];
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSplits; ++c) {  // every load first: one round trip
+      if (c < num_splits) {
+        x[c] = LdCluster(ClusterMap(l_addr + 4 * r, c));
+        v[c] = LdCluster4(ClusterMap(o_addr + 16 * i, c));
+      }
+    }
+    float M = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSplits; ++c) {
+      if (c < num_splits) M = fmaxf(M, x[c]);
+    }
+    float L = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSplits; ++c) {
+      if (c < num_splits) {
+        const float f = (M == -INFINITY || x[c] == -INFINITY) ? 0.f : __expf(x[c] - M);  // 0 for an empty split
+        L += f;
+        acc.x += f * v[c].x;
+        acc.y += f * v[c].y;
+        acc.z += f * v[c].z;
+        acc.w += f * v[c].w;
+      }
+    }
+    const float inv = L == 0.f ? 0.f : 1.f / L;
+    const size_t rh = DecodeRowHead(w, q, w.v0 + r);
+    *reinterpret_cast<float4*>(out + rh * D + (i % kD4) * 4) =
+        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (i % kD4 == 0) lse[rh] = M == -INFINITY ? -INFINITY : M + __logf(L);
+  }
+  ClusterArrive();
+  ClusterWait();  // no CTA leaves while another reads its shared memory
+}
+
 // ---- Pipelined variant: one producer warp streams the split's KV in
 // 16-token stages through a deep ring of shared-memory stages (about 96 KB,
 // so two CTAs an SM keep ~190 KB of reads in flight); each stage's "full"
@@ -224,7 +287,7 @@ template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                           float* part_lse, int* counters, float* out, float* lse,
-                          const __grid_constant__ CUtensorMap pool_map) {
+                          int cluster_merge, const __grid_constant__ CUtensorMap pool_map) {
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
   extern __shared__ uint8_t smem_raw[];
@@ -335,18 +398,18 @@ __global__ void __launch_bounds__(kPThreads, 2)
       LdMatrixX4(SmemAddr(sq + Swz<D>((mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[kk][0], qa[kk][1], qa[kk][2],
                  qa[kk][3]);
     }
-    const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8];
+    const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8], qmin = s_qmin, qmax = s_qmax;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > s_qmin) ||
-                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
+    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > qmin) ||
+                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= qmax - p.window));
     for (int t = warp; t < ntiles; t += kPConsumers) {
       const int st = t % C::kStages;
       MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
       KVRING_TRACE(t == 0 && lane == 0, 3);
       uint8_t* kt = stages + st * C::kStageBytes;
       uint8_t* vt = kt + C::kPlaneBytes;
-      const int tile_first = tok_lo + t * kPStage, tile_last = min(tile_first + kPStage, tok_hi) - 1;
+      const int tile_first = tok_lo + t * kPStage;
       const bool tail = tile_first + kPStage > tok_hi;
       if (kTma && tail) {
         // A TMA box copies whole pages: zero the V rows past the end (their
@@ -358,31 +421,9 @@ __global__ void __launch_bounds__(kPThreads, 2)
         }
         __syncwarp();
       }
-      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk) {
-        uint32_t b0, b1, b2, b3;
-        LdMatrixX4(SmemAddr(kt + Sw128(kPStage, (mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
-        Mma<T>(sc[0], qa[kk], b0, b1);
-        Mma<T>(sc[1], qa[kk], b2, b3);
-      }
-      const bool pos_mask = cta_pos_mask && ((p.causal && TokenPos(kv, pb, tile_last) > s_qmin) ||
-                                             (p.window > 0 && TokenPos(kv, pb, tile_first) <= s_qmax - p.window));
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = tile_first + j * 8 + tig * 2 + (e & 1);
-          const int qp = e < 2 ? qpos0 : qpos1;
-          bool vis = (!tail || i < tok_hi) && qp != INT32_MIN;
-          if (vis && pos_mask) {
-            const int kp = TokenPos(kv, pb, i);
-            if (p.causal) vis = kp <= qp;
-            if (p.window > 0) vis = vis && kp > qp - p.window;
-          }
-          sc[j][e] = vis ? sc[j][e] * scale : -INFINITY;
-        }
-      }
+      float sc[2][4];
+      DecodeScores<D, T, false>(qa, kt, p, kv, pb, tile_first, tok_hi, qpos0, qpos1, qmin, qmax, cta_pos_mask, scale,
+                                nullptr, sc);
       DecodeSoftmaxPV<D, T, false>(sc, nullptr, m0, m1, l0, l1, o, vt);
       if (kTma && tail) FenceProxyAsync();  // our zeros before the next TMA write
       __syncwarp();
@@ -417,12 +458,25 @@ __global__ void __launch_bounds__(kPThreads, 2)
   }
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 13);
-  StoreDecodeRows<kPConsumers, D, kSoStride>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0], part_out,
-                                             part_lse, out, lse);
   bool merged = false;
-  if (num_splits > 1) {  // (its first barrier: every thread is done reading `so`, which the merge reuses)
-    merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse,
-                                             stages, C::kStages * C::kStageBytes, SmemAddr(&s_merge_bar), out, lse);
+  if (cluster_merge) {
+    // (the CTA's partial beside the warps' `so`, in the ring)
+    float* local_o = so + kPConsumers * kRows * kSoStride;
+    float* local_lse = local_o + kRows * D;
+    static_assert((kPConsumers * kRows * kSoStride + kRows * D + kRows) * 4 <= C::kStages * C::kStageBytes,
+                  "the CTA's partial fits in the stages");
+    StoreDecodeRows<kPConsumers, D, kSoStride>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0],
+                                               part_out, part_lse, out, lse, local_o, local_lse);
+    MergeSplitsInCluster<D>(w, q, num_splits, local_o, local_lse, out, lse);
+    merged = ClusterCtaRank() == 0;
+  } else {
+    StoreDecodeRows<kPConsumers, D, kSoStride>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0],
+                                               part_out, part_lse, out, lse);
+    if (num_splits > 1) {  // (its first barrier: every thread is done reading `so`, which the merge reuses)
+      merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out,
+                                               part_lse, stages, C::kStages * C::kStageBytes, SmemAddr(&s_merge_bar),
+                                               out, lse);
+    }
   }
   KVRING_TRACE(threadIdx.x == 0, 9);
   KVRING_TRACE(threadIdx.x == 0, 15, (unsigned long long)SmId() | (merged ? 1ull << 32 : 0ull));
@@ -432,26 +486,46 @@ __global__ void __launch_bounds__(kPThreads, 2)
 // Launched with programmatic stream serialization (PDL): a kernel that
 // follows in the stream is launched while this one drains, and this one's
 // launch overlaps its predecessor's tail (the kernel waits for it before it
-// reads global memory).
+// reads global memory). With `cluster`, each CTA group's splits form one
+// thread block cluster and merge in it (MergeSplitsInCluster); where the
+// cluster launch is refused, the groups merge through the workspace.
 template <int D, typename T, bool kTma>
 cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                              int row_groups, float* part_out, float* part_lse, int* counters, const CUtensorMap& map,
-                              cudaStream_t stream) {
+                              int row_groups, bool cluster, float* part_out, float* part_lse, int* counters,
+                              const CUtensorMap& map, cudaStream_t stream) {
   const int smem = PipeCfg<D>::kDynamic;
-  cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  auto* kernel = DecodePipelinedKernel<D, T, kTma>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(splits, kv.kv_heads * row_groups, kv.num_seqs);
   cfg.blockDim = dim3(kPThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, part_out, part_lse,
-                            counters, out.out, out.lse, map);
+  if (cluster && splits > 8 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    cluster = false;
+  }
+  if (cluster) {
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = splits;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
+    cfg.numAttrs = 2;
+    e = cudaLaunchKernelEx(&cfg, kernel, p, q, kv, splits, row_groups, part_out, part_lse, counters, out.out, out.lse,
+                           1, map);
+    if (e == cudaSuccess) return e;
+    (void)cudaGetLastError();  // (a refused launch configuration is not sticky)
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, p, q, kv, splits, row_groups, part_out, part_lse, counters, out.out, out.lse,
+                            0, map);
 }
 
 template <int D, typename T>
@@ -459,11 +533,14 @@ cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const Paged
                             float* part_out, float* part_lse, int* counters, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
+  const bool cluster = splits > 1 && splits <= kMaxClusterSplits;
   alignas(64) CUtensorMap map{};
   if (MakePoolMap(kv, kPStage, &map, /*all_column_blocks=*/true, /*l2_promotion_bytes=*/128)) {
-    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
+    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, cluster, part_out, part_lse, counters, map,
+                                         stream);
   }
-  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
+  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, cluster, part_out, part_lse, counters, map,
+                                        stream);
 }
 
 }  // namespace

@@ -383,20 +383,20 @@ __global__ void __launch_bounds__(kQPThreads, 2)
       LdMatrixX4(SmemAddr(sq + Swz<D>((mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[kk][0], qa[kk][1], qa[kk][2],
                  qa[kk][3]);
     }
-    const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8];
+    const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8], qmin = s_qmin, qmax = s_qmax;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     uint8_t* kt = smem + C::kPrivOff + warp * C::kPrivBytes;
     uint8_t* vt = kt + C::kPrivBytes / 2;
-    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > s_qmin) ||
-                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= s_qmax - p.window));
+    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > qmin) ||
+                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= qmax - p.window));
     for (int t = warp; t < ntiles; t += kQPConsumers) {
       const int st = t % kQPStages;
       MbarWait(full0 + 8 * st, (t / kQPStages) & 1);
       const uint8_t* kc = smem + st * C::kStageBytes;
       const uint8_t* vc = kc + C::kCodeBytes;
       const float* scl = reinterpret_cast<const float*>(vc + C::kCodeBytes);
-      const int tile_first = tok_lo + t * kQPStage, tile_last = min(tile_first + kQPStage, tok_hi) - 1;
+      const int tile_first = tok_lo + t * kQPStage;
       const int valid_rows = min(kQPStage, tok_hi - tile_first);
       // Codes to 16-bit values in this warp's buffers (rows past the end: 0).
 #pragma unroll
@@ -423,31 +423,9 @@ __global__ void __launch_bounds__(kQPThreads, 2)
       }
       __syncwarp();
       if (lane == 0) MbarArrive(empty0 + 8 * st);  // the codes are in registers / the private buffers
-      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk) {
-        uint32_t b0, b1, b2, b3;
-        LdMatrixX4(SmemAddr(kt + Sw128(kQPStage, (mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
-        Mma<T>(sc[0], qa[kk], b0, b1);
-        Mma<T>(sc[1], qa[kk], b2, b3);
-      }
-      const bool pos_mask = cta_pos_mask && ((p.causal && TokenPos(kv, pb, tile_last) > s_qmin) ||
-                                             (p.window > 0 && TokenPos(kv, pb, tile_first) <= s_qmax - p.window));
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = tile_first + j * 8 + tig * 2 + (e & 1);
-          const int qp = e < 2 ? qpos0 : qpos1;
-          bool vis = i < tok_hi && qp != INT32_MIN;
-          if (vis && pos_mask) {
-            const int kp = TokenPos(kv, pb, i);
-            if (p.causal) vis = kp <= qp;
-            if (p.window > 0) vis = vis && kp > qp - p.window;
-          }
-          sc[j][e] = vis ? sc[j][e] * ks[j * 2 + (e & 1)] * scale : -INFINITY;
-        }
-      }
+      float sc[2][4];
+      DecodeScores<D, T, kMode != 2>(qa, kt, p, kv, pb, tile_first, tok_hi, qpos0, qpos1, qmin, qmax, cta_pos_mask,
+                                     scale, ks, sc);
       DecodeSoftmaxPV<D, T, true>(sc, vs, m0, m1, l0, l1, o, vt);  // (P times the V scales of its tokens)
       __syncwarp();  // (the buffers are rewritten by the next stage's conversion)
     }
