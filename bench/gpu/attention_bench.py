@@ -11,11 +11,13 @@ Every kvring result is checked against SDPA's output (relative L2) before it
 is timed. Llama-3-8B heads: 32 q heads, 8 kv heads, head_dim 128, bf16.
 Writes a JSON and a Markdown table to --out.
 """
-import argparse, ctypes, json, math, os, sys, time
+import argparse, json, math, os, sys, time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kvbench import D, HKV, HQ, Paged, load_lib
 
 p = argparse.ArgumentParser()
 p.add_argument("--lib", required=True)
@@ -30,21 +32,13 @@ p.add_argument("--quant-only", action="store_true", help="only the int8/fp8 deco
 p.add_argument("--block-tokens", type=int, default=16, help="tokens a page (kvring's pages; the peers read dense K/V)")
 args = p.parse_args()
 
-lib = ctypes.CDLL(args.lib)
-I, U64, F32, VP = ctypes.c_int, ctypes.c_uint64, ctypes.c_float, ctypes.c_void_p
-lib.kvring_cuda_decode.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, I, VP, U64,
-                                   VP, VP, VP]
-lib.kvring_cuda_prefill.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, VP, VP, VP,
-                                    I]
+lib = load_lib(args.lib)
 PREFILL_KERNELS = {"wgmma": 2, "mma.sync": 1}     # kvring::cuda::PrefillKernel
-lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
-lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
-lib.kvring_cuda_decode_workspace.restype = U64
 
 dev = torch.device("cuda")
 props = torch.cuda.get_device_properties(0)
 SMS = props.multi_processor_count
-HQ, HKV, D, BT = 32, 8, 128, args.block_tokens
+BT = args.block_tokens
 torch.manual_seed(0)
 
 
@@ -116,33 +110,6 @@ def ceilings():
     return copy, gemm
 
 
-class Paged:
-    """KV of B sequences of L tokens as bf16 pages [page][K|V][kv_head][BT][128] at shuffled page ids."""
-
-    def __init__(self, B, L, shuffle=True):
-        self.B, self.L = B, L
-        self.pages_per_seq = (L + BT - 1) // BT
-        n = B * self.pages_per_seq
-        self.pool = torch.randn(n, 2, HKV, BT, D, dtype=torch.bfloat16, device=dev)
-        perm = (torch.randperm(n, device=dev) if shuffle else torch.arange(n, device=dev)).to(torch.int32)
-        self.page_ids = perm.contiguous()
-        self.page_pos = (torch.arange(self.pages_per_seq, device=dev, dtype=torch.int32) * BT).repeat(B).contiguous()
-        self.seq_page_begin = (torch.arange(B + 1, device=dev, dtype=torch.int32) * self.pages_per_seq).contiguous()
-        self.seq_tokens = torch.full((B,), L, dtype=torch.int32, device=dev)
-        self.stride = 2 * HKV * BT * D * 2
-
-    def dense(self):
-        # [B, HKV, L, D] K and V in position order (what SDPA reads).
-        pg = self.pool[self.page_ids.long()].view(self.B, self.pages_per_seq, 2, HKV, BT, D)
-        k = pg[:, :, 0].permute(0, 2, 1, 3, 4).reshape(self.B, HKV, -1, D)[:, :, : self.L]
-        v = pg[:, :, 1].permute(0, 2, 1, 3, 4).reshape(self.B, HKV, -1, D)[:, :, : self.L]
-        return k.contiguous(), v.contiguous()
-
-    def kv_args(self):
-        return [self.pool.data_ptr(), self.stride, BT, 1, HKV, D, 0, 0, self.page_ids.data_ptr(), self.page_pos.data_ptr(),
-                self.seq_page_begin.data_ptr(), self.seq_tokens.data_ptr(), self.B]
-
-
 def sdpa(q, k, v, causal, backend):
     with sdpa_kernel([backend]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
@@ -174,14 +141,14 @@ results["decode"] = []
 for B, L in decode_shapes:
     ordered = L < 0  # diagnostic row: pages laid out in order (no scatter)
     L = abs(L)
-    kv = Paged(B, L, shuffle=not ordered)
+    kv = Paged(B, L, BT, shuffle=not ordered)
     q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device=dev)
     pos = torch.full((B,), L - 1, dtype=torch.int32, device=dev)
     rows = torch.arange(B + 1, dtype=torch.int32, device=dev)
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
     splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, kv.pages_per_seq, SMS)
-    sweep = sorted({sp for sp in (1, 2, 4, 8, 12, 16, 33, 66) if sp <= max(1, kv.pages_per_seq // 4)} | {splits})
+    sweep = sorted({sp for sp in (1, 2, 4, 8, 10, 12, 14, 16, 33, 66) if sp <= max(1, kv.pages_per_seq // 4)} | {splits})
     wsb = lib.kvring_cuda_decode_workspace(B, HQ, max(sweep), D)
     ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)  # zeroed once: the split-merge counters
 
@@ -341,7 +308,7 @@ results["prefill"] = []
 for shape in prefill_shapes:
     B, L = shape[0], shape[1]
     causal = not (len(shape) > 2 and shape[2] == "nc")
-    kv = Paged(B, L)
+    kv = Paged(B, L, BT)
     q = torch.randn(B, L, HQ, D, dtype=torch.bfloat16, device=dev)  # rows grouped by sequence
     pos = torch.arange(L, dtype=torch.int32, device=dev).repeat(B).contiguous()
     rows = (torch.arange(B + 1, dtype=torch.int32, device=dev) * L).contiguous()

@@ -21,6 +21,8 @@ Same inputs as attention_bench.py (bf16, 32 q heads, 8 kv heads, d 128,
 """
 import argparse, ctypes, json, os, statistics
 
+from kvbench import D, HKV, HQ, Paged, load_lib
+
 p = argparse.ArgumentParser()
 p.add_argument("--lib", default="")
 p.add_argument("--shapes", default="1:32768,1:131072,8:32768")
@@ -29,7 +31,7 @@ p.add_argument("--out", default=".")
 p.add_argument("--from-json", default="", help="report on a saved trace (decode_trace_B_L.json) instead of running")
 args = p.parse_args()
 
-HQ, HKV, D, BT = 32, 8, 128, 16
+BT = 16
 
 
 def pct(xs, q):
@@ -110,15 +112,7 @@ if args.from_json:
 
 import torch  # noqa: E402
 
-lib = ctypes.CDLL(args.lib)
-I, U64, F32, VP = ctypes.c_int, ctypes.c_uint64, ctypes.c_float, ctypes.c_void_p
-lib.kvring_cuda_decode.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, I, VP, U64,
-                                   VP, VP, VP]
-lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
-lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
-lib.kvring_cuda_decode_workspace.restype = U64
-lib.kvring_cuda_decode_trace.argtypes = [VP, I]
-
+lib = load_lib(args.lib)
 dev = torch.device("cuda")
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
 torch.manual_seed(0)
@@ -126,13 +120,8 @@ os.makedirs(args.out, exist_ok=True)
 
 for shape in args.shapes.split(","):
     B, L = (int(x) for x in shape.split(":"))
-    ppseq = (L + BT - 1) // BT
-    n = B * ppseq
-    pool = torch.randn(n, 2, HKV, BT, D, dtype=torch.bfloat16, device=dev)
-    page_ids = torch.randperm(n, device=dev).to(torch.int32)
-    page_pos = (torch.arange(ppseq, device=dev, dtype=torch.int32) * BT).repeat(B).contiguous()
-    spb = (torch.arange(B + 1, device=dev, dtype=torch.int32) * ppseq).contiguous()
-    stok = torch.full((B,), L, dtype=torch.int32, device=dev)
+    kv = Paged(B, L, BT)
+    ppseq = kv.pages_per_seq
     q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device=dev)
     pos = torch.full((B,), L - 1, dtype=torch.int32, device=dev)
     rows = torch.arange(B + 1, dtype=torch.int32, device=dev)
@@ -143,10 +132,9 @@ for shape in args.shapes.split(","):
     ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)
 
     def call():
-        e = lib.kvring_cuda_decode(pool.data_ptr(), 2 * HKV * BT * D * 2, BT, 1, HKV, D, 0, 0, page_ids.data_ptr(),
-                                   page_pos.data_ptr(), spb.data_ptr(), stok.data_ptr(), B, q.data_ptr(), pos.data_ptr(),
-                                   rows.data_ptr(), B, HQ, 1, 0.0, 1, 0, splits, ws.data_ptr(), wsb, out.data_ptr(),
-                                   lse.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        e = lib.kvring_cuda_decode(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B, HQ, 1, 0.0, 1, 0,
+                                   splits, ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(),
+                                   torch.cuda.current_stream().cuda_stream)
         assert e == 0, f"decode error {e}"
 
     for _ in range(5):

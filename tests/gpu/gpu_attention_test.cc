@@ -181,36 +181,42 @@ TEST(GpuDecodeTest, ManySplitsMergeInChunks) {
     }
 }
 
-// Up to 16 splits, a CTA group's splits run as one thread block cluster and
-// merge through distributed shared memory (16: Hopper's non-portable cluster
-// size); with more, through the workspace. Both, on one workspace in turn:
-// empty splits (a 3-page sequence cut in 16), two row groups a kv head (3
-// rows x GQA 8), several sequences, both head sizes.
+// Up to 16 splits, where every CTA group's cluster fits in one wave (one
+// CTA an SM; the H200 holds 7 clusters of 16, 15 of 8), a group's splits
+// run as one thread block cluster and merge through distributed shared
+// memory; otherwise through the workspace. Both, on one workspace in turn:
+// batch A (one 40-token sequence: 3 pages, so most of 9 or 16 splits are
+// empty; 2 groups, clusters at every split count), batch B (three
+// sequences, two row groups a kv head: 12 groups, clusters of 8 but not of
+// 16), both head sizes.
 TEST(GpuDecodeTest, SplitsMergeInAClusterOrThroughTheWorkspace) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 900;
-  for (int D : {64, 128}) {
-    std::mt19937_64 rng(seed++);
-    auto kvb = MakeBatch(rng, 16, 1, 2, D, /*bf16=*/seed % 2, {1200 + (int)(rng() % 100), 40, 333}, {0, 0, 7},
-                         /*gap=*/true, 0);
-    std::vector<std::vector<int32_t>> qpos;
-    for (const auto& sq : kvb.seqs) {
-      const int last = sq.dense.positions.back();
-      qpos.push_back({last - 2, last - 1, last});
+  for (int D : {64, 128})
+    for (int batch = 0; batch < 2; ++batch) {
+      std::mt19937_64 rng(seed++);
+      const std::vector<int> toks = batch == 0 ? std::vector<int>{40} : std::vector<int>{1200 + (int)(rng() % 100), 40, 333};
+      auto kvb = MakeBatch(rng, 16, 1, 2, D, /*bf16=*/seed % 2, toks, std::vector<int>(toks.size(), 3), /*gap=*/true, 0);
+      std::vector<std::vector<int32_t>> qpos;
+      for (const auto& sq : kvb.seqs) {
+        const int last = sq.dense.positions.back();
+        qpos.push_back(batch == 0 ? std::vector<int32_t>{last} : std::vector<int32_t>{last - 2, last - 1, last});
+      }
+      auto qb = MakeQueries(rng, 16, D, seed % 2, qpos);
+      const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), 17, D);
+      Dev<uint8_t> work(ws);
+      work.Zero();
+      for (int splits : {2, 8, 9, 16, 17, 16}) {
+        Dev<float> out((size_t)qb.pos.size() * 16 * D), lse((size_t)qb.pos.size() * 16);
+        out.Poison();
+        lse.Poison();
+        CUDA_OK(
+            cuda::PagedDecode(cuda::AttnParams{}, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, 1e-2,
+                      absl::StrCat("decode D=", D, " batch ", batch, " splits=", splits));
+      }
     }
-    auto qb = MakeQueries(rng, 16, D, seed % 2, qpos);
-    const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), 17, D);
-    Dev<uint8_t> work(ws);
-    work.Zero();
-    for (int splits : {2, 8, 9, 16, 17, 16}) {
-      Dev<float> out((size_t)qb.pos.size() * 16 * D), lse((size_t)qb.pos.size() * 16);
-      out.Poison();
-      lse.Poison();
-      CUDA_OK(cuda::PagedDecode(cuda::AttnParams{}, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
-      CUDA_OK(cudaDeviceSynchronize());
-      ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, 1e-2, absl::StrCat("decode D=", D, " splits=", splits));
-    }
-  }
 }
 
 // Decode over int8 / fp8 pages (every scale mode), made by QuantizeBlock

@@ -262,11 +262,13 @@ __device__ __forceinline__ void MergeSplitsInCluster(const DecodeWork& w, const 
 // cp.async into the same swizzled layout (any page size).
 constexpr int kPStage = 16, kPConsumers = 4, kPThreads = (kPConsumers + 1) * 32;
 
-template <int D>
+// kRingKB: the stage ring's size; 96 KB for two CTAs an SM, 192 KB for one
+// (the cluster-merged launch: a CTA an SM streams as much as two).
+template <int D, int kRingKB>
 struct PipeCfg {
-  static constexpr int kPlaneBytes = kPStage * D * 2;        // K (or V) of one stage: [D/64][16 rows][128 B]
-  static constexpr int kStageBytes = 2 * kPlaneBytes;        // K, then V
-  static constexpr int kStages = (96 * 1024) / kStageBytes;  // 12 (D=128) or 24 (D=64)
+  static constexpr int kPlaneBytes = kPStage * D * 2;             // K (or V) of one stage: [D/64][16 rows][128 B]
+  static constexpr int kStageBytes = 2 * kPlaneBytes;             // K, then V
+  static constexpr int kStages = (kRingKB * 1024) / kStageBytes;  // 96 KB: 12 (D=128) or 24 (D=64)
   static constexpr int kQOff = kStages * kStageBytes;        // stages first: 1024-aligned for the swizzle
   static constexpr int kBarOff = kQOff + kRows * D * 2;
   static constexpr int kBytes = kBarOff + 2 * kStages * 8;
@@ -283,12 +285,15 @@ struct PipeCfg {
                 "the split-merge's weights and one split's partial rows fit in the stages");
 };
 
-template <int D, typename T, bool kTma>
-__global__ void __launch_bounds__(kPThreads, 2)
+// kCluster: launched with each CTA group's splits as one thread block
+// cluster, a CTA an SM (the 192 KB ring), merged in the cluster; else two
+// CTAs an SM, merged through the workspace by the group's last CTA.
+template <int D, typename T, bool kTma, bool kCluster>
+__global__ void __launch_bounds__(kPThreads, kCluster ? 1 : 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                           float* part_lse, int* counters, float* out, float* lse,
-                          int cluster_merge, const __grid_constant__ CUtensorMap pool_map) {
-  using C = PipeCfg<D>;
+                          const __grid_constant__ CUtensorMap pool_map) {
+  using C = PipeCfg<D, kCluster ? 192 : 96>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + (SmemBase1024(smem_raw) - SmemAddr(smem_raw));
@@ -459,7 +464,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 13);
   bool merged = false;
-  if (cluster_merge) {
+  if constexpr (kCluster) {
     // (the CTA's partial beside the warps' `so`, in the ring)
     float* local_o = so + kPConsumers * kRows * kSoStride;
     float* local_lse = local_o + kRows * D;
@@ -486,15 +491,14 @@ __global__ void __launch_bounds__(kPThreads, 2)
 // Launched with programmatic stream serialization (PDL): a kernel that
 // follows in the stream is launched while this one drains, and this one's
 // launch overlaps its predecessor's tail (the kernel waits for it before it
-// reads global memory). With `cluster`, each CTA group's splits form one
-// thread block cluster and merge in it (MergeSplitsInCluster); where the
-// cluster launch is refused, the groups merge through the workspace.
-template <int D, typename T, bool kTma>
+// reads global memory). kCluster: each CTA group's splits form one thread
+// block cluster.
+template <int D, typename T, bool kTma, bool kCluster>
 cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                              int row_groups, bool cluster, float* part_out, float* part_lse, int* counters,
-                              const CUtensorMap& map, cudaStream_t stream) {
-  const int smem = PipeCfg<D>::kDynamic;
-  auto* kernel = DecodePipelinedKernel<D, T, kTma>;
+                              int row_groups, float* part_out, float* part_lse, int* counters, const CUtensorMap& map,
+                              cudaStream_t stream) {
+  const int smem = PipeCfg<D, kCluster ? 192 : 96>::kDynamic;
+  auto* kernel = DecodePipelinedKernel<D, T, kTma, kCluster>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg{};
@@ -507,25 +511,52 @@ cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const Pag
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (cluster && splits > 8 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-    (void)cudaGetLastError();
-    cluster = false;
-  }
-  if (cluster) {
+  if constexpr (kCluster) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) return e;
     attr[1].id = cudaLaunchAttributeClusterDimension;
     attr[1].val.clusterDim.x = splits;
     attr[1].val.clusterDim.y = 1;
     attr[1].val.clusterDim.z = 1;
     cfg.numAttrs = 2;
-    e = cudaLaunchKernelEx(&cfg, kernel, p, q, kv, splits, row_groups, part_out, part_lse, counters, out.out, out.lse,
-                           1, map);
-    if (e == cudaSuccess) return e;
-    (void)cudaGetLastError();  // (a refused launch configuration is not sticky)
-    cfg.numAttrs = 1;
   }
   return cudaLaunchKernelEx(&cfg, kernel, p, q, kv, splits, row_groups, part_out, part_lse, counters, out.out, out.lse,
-                            0, map);
+                            map);
+}
+
+// Whether the launch's CTA groups, with their splits as clusters of one CTA
+// an SM, all run at once (a batch-1 decode: one wave). Hopper's clusters
+// live in one GPC, so how many fit depends on the chip's GPC sizes, not only
+// its SM count: the H200 here holds 7 clusters of 16 such CTAs, 15 of 8
+// (bench/RESULTS.md).
+template <int D, typename T>
+bool ClusterWaveFits(int splits, int groups, cudaStream_t stream) {
+  if (splits < 2 || splits > kMaxClusterSplits) return false;
+  auto* kernel = DecodePipelinedKernel<D, T, true, true>;
+  const int smem = PipeCfg<D, 192>::kDynamic;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(splits, groups, 1);
+  cfg.blockDim = dim3(kPThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = splits;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return n >= groups;
 }
 
 template <int D, typename T>
@@ -533,14 +564,17 @@ cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const Paged
                             float* part_out, float* part_lse, int* counters, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
-  const bool cluster = splits > 1 && splits <= kMaxClusterSplits;
   alignas(64) CUtensorMap map{};
   if (MakePoolMap(kv, kPStage, &map, /*all_column_blocks=*/true, /*l2_promotion_bytes=*/128)) {
-    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, cluster, part_out, part_lse, counters, map,
-                                         stream);
+    if (ClusterWaveFits<D, T>(splits, kv.kv_heads * row_groups * kv.num_seqs, stream)) {
+      return LaunchPipelinedAs<D, T, true, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map,
+                                                 stream);
+    }
+    return LaunchPipelinedAs<D, T, true, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map,
+                                                stream);
   }
-  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, cluster, part_out, part_lse, counters, map,
-                                        stream);
+  return LaunchPipelinedAs<D, T, false, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map,
+                                               stream);
 }
 
 }  // namespace
