@@ -5,6 +5,7 @@
 // "rows": the (query row, q head) pairs of that kv head's GQA group, packed
 // as the 16 rows of an m16n8k16 tile (GQA packing: a Llama-3 decode step,
 // 1 query x 4 heads, fills 4 of them). Warps and splits merge exactly by LSE.
+#include <atomic>
 #include <cfloat>
 
 #include "cuda_common.cuh"
@@ -524,39 +525,43 @@ cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const Pag
                             map);
 }
 
-// Whether the launch's CTA groups, with their splits as clusters of one CTA
-// an SM, all run at once (a batch-1 decode: one wave). Hopper's clusters
-// live in one GPC, so how many fit depends on the chip's GPC sizes, not only
-// its SM count: the H200 here holds 7 clusters of 16 such CTAs, 15 of 8
-// (bench/RESULTS.md).
+// How many clusters of `splits` cluster-merged decode CTAs (one an SM) the
+// current device runs at once; 0 where it runs none (no clusters before
+// sm_90, or a refused configuration). Hopper's clusters live in one GPC, so
+// this depends on the chip's GPC sizes, not only on its SM count: the H200
+// here holds 7 clusters of 16 such CTAs and 15 of 8 (bench/RESULTS.md).
+// The answers are kept per device (a property of the hardware and the
+// kernel's resources; asking takes microseconds, a decode launch should not).
 template <int D, typename T>
-bool ClusterWaveFits(int splits, int groups, cudaStream_t stream) {
-  if (splits < 2 || splits > kMaxClusterSplits) return false;
+int ActiveClusters(int splits) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices][kMaxClusterSplits + 1];  // the answer + 1; 0: not asked yet
+  if (splits < 2 || splits > kMaxClusterSplits) return 0;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) return 0;
+  const int k = known[dev][splits].load(std::memory_order_relaxed);
+  if (k > 0) return k - 1;
   auto* kernel = DecodePipelinedKernel<D, T, true, true>;
   const int smem = PipeCfg<D, 192>::kDynamic;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(splits, groups, 1);
-  cfg.blockDim = dim3(kPThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = splits;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(splits, 1, 1);
+    cfg.blockDim = dim3(kPThreads);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = splits;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
   }
-  return n >= groups;
+  (void)cudaGetLastError();  // (a refused configuration is not sticky)
+  known[dev][splits].store(n + 1, std::memory_order_relaxed);
+  return n;
 }
 
 template <int D, typename T>
@@ -566,7 +571,9 @@ cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const Paged
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
   alignas(64) CUtensorMap map{};
   if (MakePoolMap(kv, kPStage, &map, /*all_column_blocks=*/true, /*l2_promotion_bytes=*/128)) {
-    if (ClusterWaveFits<D, T>(splits, kv.kv_heads * row_groups * kv.num_seqs, stream)) {
+    // Clusters only where every group's runs at once (a batch-1 decode, one
+    // wave): a second wave would double the launch.
+    if (ActiveClusters<D, T>(splits) >= kv.kv_heads * row_groups * kv.num_seqs) {
       return LaunchPipelinedAs<D, T, true, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map,
                                                  stream);
     }
