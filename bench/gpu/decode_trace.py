@@ -127,7 +127,7 @@ for shape in args.shapes.split(","):
     rows = torch.arange(B + 1, dtype=torch.int32, device=dev)
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
-    splits = args.splits or lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, SMS)
+    splits = args.splits or lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, SMS, D, BT, 0)
     wsb = lib.kvring_cuda_decode_workspace(B, HQ, splits, D)
     ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)
 

@@ -622,16 +622,36 @@ extern "C" int kvring_cuda_decode_trace(unsigned long long* host, int max_ctas) 
 }
 #endif
 
+namespace internal {
+// How many clusters of `splits` cluster-merged CTAs the current device runs
+// at once for pages like kv's (0: no cluster launch for them: quantized
+// pages, or pages the TMA boxes cannot take).
+int ClusterCapacity(const PagedKvView& kv, int splits) {
+  if (kv.codec != 0 || kv.block_tokens % kPStage != 0) return 0;
+  const bool bf16 = kv.dtype == KvType::kBF16;
+  if (kv.head_dim == 128) return bf16 ? ActiveClusters<128, __nv_bfloat16>(splits) : ActiveClusters<128, __half>(splits);
+  if (kv.head_dim == 64) return bf16 ? ActiveClusters<64, __nv_bfloat16>(splits) : ActiveClusters<64, __half>(splits);
+  return 0;
+}
+}  // namespace internal
+
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count) {
-  // At least one full wave of the two CTAs an SM holds, and splits of at
+  const int G = q.q_heads / kv.kv_heads;
+  const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
+  const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;
+  // Few CTA groups (a batch-1 decode): the most splits at which every group's
+  // splits run at once as one cluster, a CTA an SM (the split-merge in the
+  // cluster: the launch's tail is shorter), where that covers 3/4 of the SMs.
+  for (int s = std::min(internal::kMaxClusterSplits, max_pages_per_seq / 4); s >= 2 && ctas * s * 4 >= 3L * sm_count;
+       --s) {
+    if (internal::ClusterCapacity(kv, s) >= ctas) return s;
+  }
+  // Otherwise at least one full wave of the two CTAs an SM holds, and splits of at
   // most ~8K tokens: on the H200 (bench/RESULTS.md, split sweep) a batch of
   // 1 ran best at exactly one wave (1 x 32K: 0.74 of copy with 33 splits,
   // 0.54 with 66) and long streams best cut to 4-8K tokens a CTA (64 x 32K:
   // 0.91 of copy with 2 splits, 0.97 with 4, 0.99 with 8; 16 x 128K: 0.91
   // with 8, 0.97 with 16).
-  const int G = q.q_heads / kv.kv_heads;
-  const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
-  const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;
   const long slots = 2L * sm_count;
   const long tokens = (long)max_pages_per_seq * std::max(1, kv.block_tokens);
   long splits = std::max<long>(std::max<long>(1, slots / ctas), (tokens + 8191) / 8192);
