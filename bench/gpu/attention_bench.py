@@ -147,8 +147,8 @@ for B, L in decode_shapes:
     rows = torch.arange(B + 1, dtype=torch.int32, device=dev)
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
-    splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, kv.pages_per_seq, SMS, D, BT, 0)
-    sweep = sorted({sp for sp in (1, 2, 4, 8, 10, 12, 14, 16, 33, 66) if sp <= max(1, kv.pages_per_seq // 4)} | {splits})
+    splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, kv.pages_per_seq, SMS)
+    sweep = sorted({sp for sp in (1, 2, 4, 8, 16, 33, 66) if sp <= max(1, kv.pages_per_seq // 4)} | {splits})
     wsb = lib.kvring_cuda_decode_workspace(B, HQ, max(sweep), D)
     ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)  # zeroed once: the split-merge counters
 
@@ -247,7 +247,7 @@ for B, L in qshapes:
         out = torch.empty(B, HQ, D, dtype=torch.float32, device=dev)
         lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
         dtype_arg = 0 | (codec << 8) | (0 << 12)
-        splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, SMS, D, BT, dtype_arg)
+        splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, SMS)
         wsb = lib.kvring_cuda_decode_workspace(B, HQ, splits, D)
         ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)  # zeroed once: the split-merge counters
 

@@ -61,19 +61,11 @@ def report(B, L, splits, call_us, tr):
     summary("last copy issued (us)", [us(t[4]) for t in tr])
     summary("all consumed (us)", [us(t[5]) for t in tr])
     merged = [t for t in tr if t[15] >> 32]
-    # A cluster merge (splits <= 16) stamps no merger loads (slots 10, 11, 8):
-    # slot 6 is then its partial in shared memory, 7 the first cluster barrier
-    # passed, 9 the second.
-    cluster = bool(merged) and all(t[10] == 0 for t in merged)
     if splits > 1:
         summary("consumed to warps' partials in smem (us)", [(t[13] - t[5]) / 1e3 for t in tr])
         summary("warps' partials to split partial stored (us)", [(t[6] - t[13]) / 1e3 for t in tr])
-        summary("stored to " + ("cluster barrier passed" if cluster else "arrival counted") + " (us)",
-                [(t[7] - t[6]) / 1e3 for t in tr])
-    if cluster:
-        summary("cluster merge and second barrier (us)", [(t[9] - t[7]) / 1e3 for t in tr])
-        print(f"  last consumed at {max(us(t[5]) for t in tr):.2f} us; last CTA done at {span:.2f} us")
-    elif merged:
+        summary("stored to arrival counted (us)", [(t[7] - t[6]) / 1e3 for t in tr])
+    if merged:
         summary("merger: arrival to loads issued (us)", [(t[10] - t[7]) / 1e3 for t in merged])
         summary("merger: loads issued to LSEs in (us)", [(t[11] - t[10]) / 1e3 for t in merged])
         summary("merger: LSEs to partials in (us)", [(t[8] - t[11]) / 1e3 for t in merged])
@@ -127,7 +119,7 @@ for shape in args.shapes.split(","):
     rows = torch.arange(B + 1, dtype=torch.int32, device=dev)
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
-    splits = args.splits or lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, SMS, D, BT, 0)
+    splits = args.splits or lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, SMS)
     wsb = lib.kvring_cuda_decode_workspace(B, HQ, splits, D)
     ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)
 

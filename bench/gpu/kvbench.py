@@ -19,7 +19,7 @@ def load_lib(path):
                                        U64, VP, VP, VP]
     lib.kvring_cuda_prefill.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, VP,
                                         VP, VP, I]
-    lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I, I, I, I]  # (..., head_dim, block_tokens, dtype)
+    lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
     lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
     lib.kvring_cuda_decode_workspace.restype = U64
     if hasattr(lib, "kvring_cuda_decode_trace"):  # diagnostic builds (-DKVRING_DECODE_TRACE)

@@ -181,15 +181,12 @@ TEST(GpuDecodeTest, ManySplitsMergeInChunks) {
     }
 }
 
-// Up to 16 splits, where every CTA group's cluster fits in one wave (one
-// CTA an SM; the H200 holds 7 clusters of 16, 15 of 8), a group's splits
-// run as one thread block cluster and merge through distributed shared
-// memory; otherwise through the workspace. Both, on one workspace in turn:
+// Split counts changed call to call on one workspace (the merge's counters
+// are shared by all of them and must be back at zero after each call):
 // batch A (one 40-token sequence: 3 pages, so most of 9 or 16 splits are
-// empty; 2 groups, clusters at every split count), batch B (three
-// sequences, two row groups a kv head: 12 groups, clusters of 8 but not of
-// 16), both head sizes.
-TEST(GpuDecodeTest, SplitsMergeInAClusterOrThroughTheWorkspace) {
+// empty), batch B (three sequences, two row groups a kv head), both head
+// sizes.
+TEST(GpuDecodeTest, SplitCountsChangeOnOneWorkspace) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 900;
   for (int D : {64, 128})

@@ -56,11 +56,10 @@ int kvring_cuda_decode(const void* pool, uint64_t stride, int bt, int layers, in
                      OutputView{out, lse}, num_splits, workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
 }
 
-// (dtype as kvring_cuda_decode's; the current device's cluster capacity is asked)
-int kvring_cuda_decode_splits(int num_seqs, int kv_heads, int q_heads, int max_rows, int max_pages, int sm_count,
-                              int head_dim, int block_tokens, int dtype) {
-  PagedKvView kv = Kv(nullptr, 0, block_tokens, 1, kv_heads, head_dim, dtype, 0, nullptr, nullptr, nullptr, nullptr,
-                      num_seqs);
+int kvring_cuda_decode_splits(int num_seqs, int kv_heads, int q_heads, int max_rows, int max_pages, int sm_count) {
+  PagedKvView kv;
+  kv.num_seqs = num_seqs;
+  kv.kv_heads = kv_heads;
   QueryView q;
   q.q_heads = q_heads;
   q.max_rows_per_seq = max_rows;

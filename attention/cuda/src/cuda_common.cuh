@@ -225,38 +225,6 @@ __device__ __forceinline__ unsigned SmId() {
   return id;
 }
 
-// ---- thread block clusters (sm_90)
-// Rank of this CTA in its cluster (0 when launched without one).
-__device__ __forceinline__ unsigned ClusterCtaRank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// Every thread of every CTA of the cluster arrives (release: its earlier
-// shared-memory writes visible cluster-wide) / waits for all (acquire).
-__device__ __forceinline__ void ClusterArrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
-// The shared::cluster address of the variable at shared address `addr` of
-// this CTA in CTA `rank` of the cluster (distributed shared memory).
-__device__ __forceinline__ uint32_t ClusterMap(uint32_t addr, unsigned rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-__device__ __forceinline__ float LdCluster(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ float4 LdCluster4(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
-
 // Position of stream token i of a sequence (pages full but the last).
 __device__ __forceinline__ int TokenPos(const PagedKvView& kv, int pb, int i) {
   const int pg = i / kv.block_tokens;
@@ -496,22 +464,17 @@ __device__ __forceinline__ void DecodeSoftmaxPV(float (&sc)[2][4], const float* 
 // The exact merge of the CTA's warps' partials (log2-domain maxima m and sums
 // l in m[w * rows + r], l[...]; O in o[(w * rows + r) * kStride + d], shared
 // memory, 16-byte aligned, kStride a multiple of 4) and its store: to
-// out/lse with one split, else to the split's partial slot; or, when
-// `local_o` is given, to shared memory: row r's O at local_o[r * D ..]
-// (16-byte aligned), its LSE at local_lse[r] (the cluster merge reads them).
-// NaN propagates. `fac` is shared scratch of kWarps * rows floats. Called by
-// every thread of the CTA (it holds a __syncthreads): the rows' merge factors
-// first, a thread a row, then the outputs a float4 a thread.
+// out/lse with one split, else to the split's partial slot. NaN propagates.
+// `fac` is shared scratch of kWarps * rows floats. Called by every thread of
+// the CTA (it holds a __syncthreads): the rows' merge factors first, a thread
+// a row, then the outputs a float4 a thread.
 template <int kWarps, int D, int kStride>
 __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const QueryView& q, int rows, int num_splits,
                                                 const float* m, const float* l, const float* o, float* fac,
-                                                float* part_out, float* part_lse, float* out, float* lse,
-                                                float* local_o = nullptr, float* local_lse = nullptr) {
+                                                float* part_out, float* part_lse, float* out, float* lse) {
   const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
-  const bool local = local_o != nullptr;
-  float* dst_o = local ? local_o : num_splits == 1 ? out : part_out + (size_t)w.sp * rows_heads * D;
-  float* dst_l = local ? local_lse : num_splits == 1 ? lse : part_lse + (size_t)w.sp * rows_heads;
-  auto at = [&](int r) { return local ? (size_t)r : DecodeRowHead(w, q, w.v0 + r); };
+  float* dst_o = num_splits == 1 ? out : part_out + (size_t)w.sp * rows_heads * D;
+  float* dst_l = num_splits == 1 ? lse : part_lse + (size_t)w.sp * rows_heads;
   for (int r = threadIdx.x; r < w.nv; r += blockDim.x) {
     float M = -INFINITY;
 #pragma unroll
@@ -526,7 +489,7 @@ __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const Query
     const float inv = some ? 1.f / L : 0.f;  // (NaN when L is)
 #pragma unroll
     for (int k = 0; k < kWarps; ++k) fac[k * rows + r] = f[k] * inv;
-    dst_l[at(r)] = some ? (M + log2f(L)) * kLn2 : -INFINITY;
+    dst_l[DecodeRowHead(w, q, w.v0 + r)] = some ? (M + log2f(L)) * kLn2 : -INFINITY;
   }
   __syncthreads();
   constexpr int kD4 = D / 4;
@@ -543,7 +506,7 @@ __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const Query
       acc.z += f * v.z;
       acc.w += f * v.w;
     }
-    float* dp = dst_o + at(r) * D + d;
+    float* dp = dst_o + DecodeRowHead(w, q, w.v0 + r) * D + d;
     if (vec) {
       *reinterpret_cast<float4*>(dp) = acc;
     } else {

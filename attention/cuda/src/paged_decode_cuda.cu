@@ -5,7 +5,6 @@
 // "rows": the (query row, q head) pairs of that kv head's GQA group, packed
 // as the 16 rows of an m16n8k16 tile (GQA packing: a Llama-3 decode step,
 // 1 query x 4 heads, fills 4 of them). Warps and splits merge exactly by LSE.
-#include <atomic>
 #include <cfloat>
 
 #include "cuda_common.cuh"
@@ -183,69 +182,6 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
   return true;
 }
 
-// The split-merge of a decode CTA group launched as one thread block
-// cluster (its num_splits <= kMaxClusterSplits CTAs): each CTA left its
-// split's partial rows in its own shared memory (StoreDecodeRows to
-// local_o / local_lse); after a cluster barrier, CTA k of the cluster merges
-// the group's output float4s k, k + num_splits, ..., reading every split's
-// LSE and O of the row through distributed shared memory, and writes out /
-// lse (out 16-byte aligned; exact LSE merge, NaN propagates as in
-// MergePartials). A second barrier keeps each CTA's shared memory until the
-// others have read it. Called by every thread of every CTA of the cluster.
-// Against MergeSplitsIfLast: no partials through global memory, no atomic
-// arrival, and the merge spread over the group's CTAs instead of run by the
-// last one (the tail of a batch-1 launch: see bench/RESULTS.md).
-constexpr int kMaxClusterSplits = 16;  // Hopper's largest (non-portable) cluster
-template <int D>
-__device__ __forceinline__ void MergeSplitsInCluster(const DecodeWork& w, const QueryView& q, int num_splits,
-                                                     const float* local_o, const float* local_lse, float* out,
-                                                     float* lse) {
-  constexpr int kD4 = D / 4;
-  KVRING_TRACE(threadIdx.x == 0, 6);
-  ClusterArrive();
-  ClusterWait();  // every split's partial is in its CTA's shared memory
-  KVRING_TRACE(threadIdx.x == 0, 7);
-  const unsigned rank = ClusterCtaRank();
-  const uint32_t o_addr = SmemAddr(local_o), l_addr = SmemAddr(local_lse);
-  for (int i = rank + num_splits * threadIdx.x; i < w.nv * kD4; i += num_splits * blockDim.x) {
-    const int r = i / kD4;
-    float x[kMaxClusterSplits];
-    float4 v[kMaxClusterSplits];
-#pragma unroll
-    for (int c = 0; c < kMaxClusterSplits; ++c) {  // every load first: one round trip
-      if (c < num_splits) {
-        x[c] = LdCluster(ClusterMap(l_addr + 4 * r, c));
-        v[c] = LdCluster4(ClusterMap(o_addr + 16 * i, c));
-      }
-    }
-    float M = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < kMaxClusterSplits; ++c) {
-      if (c < num_splits) M = fmaxf(M, x[c]);
-    }
-    float L = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int c = 0; c < kMaxClusterSplits; ++c) {
-      if (c < num_splits) {
-        const float f = (M == -INFINITY || x[c] == -INFINITY) ? 0.f : __expf(x[c] - M);  // 0 for an empty split
-        L += f;
-        acc.x += f * v[c].x;
-        acc.y += f * v[c].y;
-        acc.z += f * v[c].z;
-        acc.w += f * v[c].w;
-      }
-    }
-    const float inv = L == 0.f ? 0.f : 1.f / L;
-    const size_t rh = DecodeRowHead(w, q, w.v0 + r);
-    *reinterpret_cast<float4*>(out + rh * D + (i % kD4) * 4) =
-        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    if (i % kD4 == 0) lse[rh] = M == -INFINITY ? -INFINITY : M + __logf(L);
-  }
-  ClusterArrive();
-  ClusterWait();  // no CTA leaves while another reads its shared memory
-}
-
 // ---- Pipelined variant: one producer warp streams the split's KV in
 // 16-token stages through a deep ring of shared-memory stages (about 96 KB,
 // so two CTAs an SM keep ~190 KB of reads in flight); each stage's "full"
@@ -263,13 +199,11 @@ __device__ __forceinline__ void MergeSplitsInCluster(const DecodeWork& w, const 
 // cp.async into the same swizzled layout (any page size).
 constexpr int kPStage = 16, kPConsumers = 4, kPThreads = (kPConsumers + 1) * 32;
 
-// kRingKB: the stage ring's size; 96 KB for two CTAs an SM, 192 KB for one
-// (the cluster-merged launch: a CTA an SM streams as much as two).
-template <int D, int kRingKB>
+template <int D>
 struct PipeCfg {
-  static constexpr int kPlaneBytes = kPStage * D * 2;             // K (or V) of one stage: [D/64][16 rows][128 B]
-  static constexpr int kStageBytes = 2 * kPlaneBytes;             // K, then V
-  static constexpr int kStages = (kRingKB * 1024) / kStageBytes;  // 96 KB: 12 (D=128) or 24 (D=64)
+  static constexpr int kPlaneBytes = kPStage * D * 2;        // K (or V) of one stage: [D/64][16 rows][128 B]
+  static constexpr int kStageBytes = 2 * kPlaneBytes;        // K, then V
+  static constexpr int kStages = (96 * 1024) / kStageBytes;  // 12 (D=128) or 24 (D=64)
   static constexpr int kQOff = kStages * kStageBytes;        // stages first: 1024-aligned for the swizzle
   static constexpr int kBarOff = kQOff + kRows * D * 2;
   static constexpr int kBytes = kBarOff + 2 * kStages * 8;
@@ -286,15 +220,12 @@ struct PipeCfg {
                 "the split-merge's weights and one split's partial rows fit in the stages");
 };
 
-// kCluster: launched with each CTA group's splits as one thread block
-// cluster, a CTA an SM (the 192 KB ring), merged in the cluster; else two
-// CTAs an SM, merged through the workspace by the group's last CTA.
-template <int D, typename T, bool kTma, bool kCluster>
-__global__ void __launch_bounds__(kPThreads, kCluster ? 1 : 2)
+template <int D, typename T, bool kTma>
+__global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                           float* part_lse, int* counters, float* out, float* lse,
                           const __grid_constant__ CUtensorMap pool_map) {
-  using C = PipeCfg<D, kCluster ? 192 : 96>;
+  using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + (SmemBase1024(smem_raw) - SmemAddr(smem_raw));
@@ -464,25 +395,12 @@ __global__ void __launch_bounds__(kPThreads, kCluster ? 1 : 2)
   }
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 13);
+  StoreDecodeRows<kPConsumers, D, kSoStride>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0], part_out,
+                                             part_lse, out, lse);
   bool merged = false;
-  if constexpr (kCluster) {
-    // (the CTA's partial beside the warps' `so`, in the ring)
-    float* local_o = so + kPConsumers * kRows * kSoStride;
-    float* local_lse = local_o + kRows * D;
-    static_assert((kPConsumers * kRows * kSoStride + kRows * D + kRows) * 4 <= C::kStages * C::kStageBytes,
-                  "the CTA's partial fits in the stages");
-    StoreDecodeRows<kPConsumers, D, kSoStride>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0],
-                                               part_out, part_lse, out, lse, local_o, local_lse);
-    MergeSplitsInCluster<D>(w, q, num_splits, local_o, local_lse, out, lse);
-    merged = ClusterCtaRank() == 0;
-  } else {
-    StoreDecodeRows<kPConsumers, D, kSoStride>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0],
-                                               part_out, part_lse, out, lse);
-    if (num_splits > 1) {  // (its first barrier: every thread is done reading `so`, which the merge reuses)
-      merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out,
-                                               part_lse, stages, C::kStages * C::kStageBytes, SmemAddr(&s_merge_bar),
-                                               out, lse);
-    }
+  if (num_splits > 1) {  // (its first barrier: every thread is done reading `so`, which the merge reuses)
+    merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse,
+                                             stages, C::kStages * C::kStageBytes, SmemAddr(&s_merge_bar), out, lse);
   }
   KVRING_TRACE(threadIdx.x == 0, 9);
   KVRING_TRACE(threadIdx.x == 0, 15, (unsigned long long)SmId() | (merged ? 1ull << 32 : 0ull));
@@ -492,76 +410,26 @@ __global__ void __launch_bounds__(kPThreads, kCluster ? 1 : 2)
 // Launched with programmatic stream serialization (PDL): a kernel that
 // follows in the stream is launched while this one drains, and this one's
 // launch overlaps its predecessor's tail (the kernel waits for it before it
-// reads global memory). kCluster: each CTA group's splits form one thread
-// block cluster.
-template <int D, typename T, bool kTma, bool kCluster>
+// reads global memory).
+template <int D, typename T, bool kTma>
 cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                               int row_groups, float* part_out, float* part_lse, int* counters, const CUtensorMap& map,
                               cudaStream_t stream) {
-  const int smem = PipeCfg<D, kCluster ? 192 : 96>::kDynamic;
-  auto* kernel = DecodePipelinedKernel<D, T, kTma, kCluster>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const int smem = PipeCfg<D>::kDynamic;
+  cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(splits, kv.kv_heads * row_groups, kv.num_seqs);
   cfg.blockDim = dim3(kPThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if constexpr (kCluster) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) return e;
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = splits;
-    attr[1].val.clusterDim.y = 1;
-    attr[1].val.clusterDim.z = 1;
-    cfg.numAttrs = 2;
-  }
-  return cudaLaunchKernelEx(&cfg, kernel, p, q, kv, splits, row_groups, part_out, part_lse, counters, out.out, out.lse,
-                            map);
-}
-
-// How many clusters of `splits` cluster-merged decode CTAs (one an SM) the
-// current device runs at once; 0 where it runs none (no clusters before
-// sm_90, or a refused configuration). Hopper's clusters live in one GPC, so
-// this depends on the chip's GPC sizes, not only on its SM count: the H200
-// here holds 7 clusters of 16 such CTAs and 15 of 8 (bench/RESULTS.md).
-// The answers are kept per device (a property of the hardware and the
-// kernel's resources; asking takes microseconds, a decode launch should not).
-template <int D, typename T>
-int ActiveClusters(int splits) {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices][kMaxClusterSplits + 1];  // the answer + 1; 0: not asked yet
-  if (splits < 2 || splits > kMaxClusterSplits) return 0;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) return 0;
-  const int k = known[dev][splits].load(std::memory_order_relaxed);
-  if (k > 0) return k - 1;
-  auto* kernel = DecodePipelinedKernel<D, T, true, true>;
-  const int smem = PipeCfg<D, 192>::kDynamic;
-  int n = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(splits, 1, 1);
-    cfg.blockDim = dim3(kPThreads);
-    cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = splits;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
-  }
-  (void)cudaGetLastError();  // (a refused configuration is not sticky)
-  known[dev][splits].store(n + 1, std::memory_order_relaxed);
-  return n;
+  return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, part_out, part_lse,
+                            counters, out.out, out.lse, map);
 }
 
 template <int D, typename T>
@@ -571,17 +439,9 @@ cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const Paged
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
   alignas(64) CUtensorMap map{};
   if (MakePoolMap(kv, kPStage, &map, /*all_column_blocks=*/true, /*l2_promotion_bytes=*/128)) {
-    // Clusters only where every group's runs at once (a batch-1 decode, one
-    // wave): a second wave would double the launch.
-    if (ActiveClusters<D, T>(splits) >= kv.kv_heads * row_groups * kv.num_seqs) {
-      return LaunchPipelinedAs<D, T, true, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map,
-                                                 stream);
-    }
-    return LaunchPipelinedAs<D, T, true, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map,
-                                                stream);
+    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
   }
-  return LaunchPipelinedAs<D, T, false, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map,
-                                               stream);
+  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
 }
 
 }  // namespace
@@ -622,36 +482,16 @@ extern "C" int kvring_cuda_decode_trace(unsigned long long* host, int max_ctas) 
 }
 #endif
 
-namespace internal {
-// How many clusters of `splits` cluster-merged CTAs the current device runs
-// at once for pages like kv's (0: no cluster launch for them: quantized
-// pages, or pages the TMA boxes cannot take).
-int ClusterCapacity(const PagedKvView& kv, int splits) {
-  if (kv.codec != 0 || kv.block_tokens % kPStage != 0) return 0;
-  const bool bf16 = kv.dtype == KvType::kBF16;
-  if (kv.head_dim == 128) return bf16 ? ActiveClusters<128, __nv_bfloat16>(splits) : ActiveClusters<128, __half>(splits);
-  if (kv.head_dim == 64) return bf16 ? ActiveClusters<64, __nv_bfloat16>(splits) : ActiveClusters<64, __half>(splits);
-  return 0;
-}
-}  // namespace internal
-
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count) {
-  const int G = q.q_heads / kv.kv_heads;
-  const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
-  const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;
-  // Few CTA groups (a batch-1 decode): the most splits at which every group's
-  // splits run at once as one cluster, a CTA an SM (the split-merge in the
-  // cluster: the launch's tail is shorter), where that covers 3/4 of the SMs.
-  for (int s = std::min(internal::kMaxClusterSplits, max_pages_per_seq / 4); s >= 2 && ctas * s * 4 >= 3L * sm_count;
-       --s) {
-    if (internal::ClusterCapacity(kv, s) >= ctas) return s;
-  }
-  // Otherwise at least one full wave of the two CTAs an SM holds, and splits of at
+  // At least one full wave of the two CTAs an SM holds, and splits of at
   // most ~8K tokens: on the H200 (bench/RESULTS.md, split sweep) a batch of
   // 1 ran best at exactly one wave (1 x 32K: 0.74 of copy with 33 splits,
   // 0.54 with 66) and long streams best cut to 4-8K tokens a CTA (64 x 32K:
   // 0.91 of copy with 2 splits, 0.97 with 4, 0.99 with 8; 16 x 128K: 0.91
   // with 8, 0.97 with 16).
+  const int G = q.q_heads / kv.kv_heads;
+  const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
+  const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;
   const long slots = 2L * sm_count;
   const long tokens = (long)max_pages_per_seq * std::max(1, kv.block_tokens);
   long splits = std::max<long>(std::max<long>(1, slots / ctas), (tokens + 8191) / 8192);

@@ -65,12 +65,7 @@ struct AttnParams {
 // Rows per sequence: 1..64 (any); q_heads % kv_heads == 0; head_dim 64 or 128.
 // With num_splits > 1 the splits' partials go to `workspace` and the last
 // CTA of each (sequence, kv head) to finish merges them into `out` (quantized
-// pages: a second kernel merges); except where num_splits <= 16 and every
-// (sequence, kv head, row group)'s splits fit on the device at once as one
-// thread block cluster each, a CTA an SM (sm_90, plain pages of a multiple
-// of 16 tokens: a batch-1 decode): then each group's splits merge inside
-// their cluster through distributed shared memory, and the workspace is not
-// touched. The workspace (DecodeWorkspaceBytes; none
+// pages: a second kernel merges). The workspace (DecodeWorkspaceBytes; none
 // for one split) must be zeroed once before its first use (cudaMemset): it
 // holds the merge's counters, which every call leaves at zero. One call at a
 // time per workspace. num_splits: 1..kMaxDecodeSplits; with more than one
@@ -83,11 +78,6 @@ struct AttnParams {
 // sm_90, cp.async gathers otherwise), four consumer warps take them in turn.
 // Quantized pages have a kernel of their own (paged_decode_quant_cuda.cu).
 inline constexpr int kMaxDecodeSplits = 1024;  // the fused merge keeps (splits + 1) x 16 weights in shared memory
-// The split count for a decode of q over kv on the current device (sm_count:
-// its SMs): for few CTA groups, the most splits (<= 16) whose clusters all
-// fit at once, where that keeps 3/4 of the SMs streaming; else at least one
-// wave of two CTAs an SM and splits of at most ~8K tokens. Asks the device
-// (cached per device): call it from the thread that will launch.
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count);
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim);
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
