@@ -68,6 +68,11 @@ constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16
 // batches of splits, the same weights and fence; 0.80 of copy against 0.81-
 // 0.82 end to end) and 4-6 us (cp.async). A first read of lines that other
 // SMs just wrote costs ~1.7 us there; the same LSEs read again, 0.6 us.
+// A merge inside thread block clusters (partials in shared memory, read
+// through distributed shared memory) cut this tail to ~3 us but was slower
+// end to end: on the H200 a batch-1 launch's clusters fit at once only as
+// two CTAs an SM on half the SMs, or one CTA an SM (7 clusters of 10-16),
+// which streams too slowly (bench/RESULTS.md, third session of 2026-12-03).
 template <int D, int kThreads>
 __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int num_splits, int* counter,
                                                   const float* part_out, const float* part_lse, uint8_t* scratch,
