@@ -106,6 +106,17 @@ __device__ __forceinline__ uint32_t Pack<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// The sum / maximum of x over the 4 lanes of a quad (lanes 4k .. 4k + 3:
+// the lanes that hold one row of an m16n8 MMA fragment).
+__device__ __forceinline__ float QuadSum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ __forceinline__ float QuadMax(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
 // Byte offset of 16-byte chunk `c` of row `r` in a swizzled tile of D dims.
 template <int D>
 __device__ __forceinline__ uint32_t Swz(int r, int c) {
@@ -349,6 +360,27 @@ __device__ __forceinline__ void LoadDecodeQueries(const QueryView& q, const Deco
   CpAsyncWait<0>();
 }
 
+// A decode consumer warp's Q fragments: the 16 vectors LoadDecodeQueries
+// left at `sq` as the A operands of m16n8k16 MMAs, one set per 16 of D.
+template <int D>
+__device__ __forceinline__ void LoadDecodeQFragments(const uint8_t* sq, uint32_t (&qa)[D / 16][4]) {
+  const int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    LdMatrixX4(SmemAddr(sq + Swz<D>((mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[kk][0], qa[kk][1], qa[kk][2],
+               qa[kk][3]);
+  }
+}
+// Whether the causal or window mask can hide any of a decode CTA's stream
+// tokens [tok_lo, tok_hi) (false when empty) from its query positions in
+// [qmin, qmax]: DecodeScores' cta_pos_mask (when false, no stage reads a
+// page position).
+__device__ __forceinline__ bool DecodeMaskMayHide(const AttnParams& p, const PagedKvView& kv, int pb, int tok_lo,
+                                                  int tok_hi, int qmin, int qmax) {
+  return tok_hi > tok_lo && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > qmin) ||
+                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= qmax - p.window));
+}
+
 // S = Q K^T of one 16-token stage of a decode consumer warp (qa: the warp's
 // Q fragments, 16 vectors; kt: the stage's K tile, [D/64][16][128 B] 128-byte
 // swizzled), as m16n8k16 fragments (rows g and g + 8 of the lane, tokens
@@ -411,10 +443,8 @@ __device__ __forceinline__ void DecodeSoftmaxPV(float (&sc)[2][4], const float* 
   const int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
   float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
   float mx1 = fmaxf(fmaxf(sc[0][2], sc[0][3]), fmaxf(sc[1][2], sc[1][3]));
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  mx0 = QuadMax(mx0);
+  mx1 = QuadMax(mx1);
   const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
   const float c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
   const float c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);

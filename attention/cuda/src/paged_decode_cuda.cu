@@ -334,17 +334,11 @@ __global__ void __launch_bounds__(kPThreads, 2)
   } else {
     // ---- consumers
     uint32_t qa[kKSteps][4];
-    const int mi = lane >> 3, rr = lane & 7;
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      LdMatrixX4(SmemAddr(sq + Swz<D>((mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[kk][0], qa[kk][1], qa[kk][2],
-                 qa[kk][3]);
-    }
+    LoadDecodeQFragments<D>(sq, qa);
     const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8], qmin = s_qmin, qmax = s_qmax;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > qmin) ||
-                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= qmax - p.window));
+    const bool cta_pos_mask = DecodeMaskMayHide(p, kv, pb, tok_lo, tok_hi, qmin, qmax);
     for (int t = warp; t < ntiles; t += kPConsumers) {
       const int st = t % C::kStages;
       MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
@@ -371,10 +365,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
       __syncwarp();
       if (lane == 0) MbarArrive(empty0 + 8 * st);
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    l0 = QuadSum(l0);
+    l1 = QuadSum(l1);
   }
   __syncthreads();  // every stage consumed: the ring is free for the consumers' (m, l, O)
   KVRING_TRACE(threadIdx.x == 0, 5);

@@ -377,19 +377,13 @@ __global__ void __launch_bounds__(kQPThreads, 2)
   } else {
     // ---- consumers
     uint32_t qa[kKSteps][4];
-    const int mi = lane >> 3, rr = lane & 7;
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      LdMatrixX4(SmemAddr(sq + Swz<D>((mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[kk][0], qa[kk][1], qa[kk][2],
-                 qa[kk][3]);
-    }
+    LoadDecodeQFragments<D>(sq, qa);
     const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8], qmin = s_qmin, qmax = s_qmax;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     uint8_t* kt = smem + C::kPrivOff + warp * C::kPrivBytes;
     uint8_t* vt = kt + C::kPrivBytes / 2;
-    const bool cta_pos_mask = ntiles > 0 && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > qmin) ||
-                                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= qmax - p.window));
+    const bool cta_pos_mask = DecodeMaskMayHide(p, kv, pb, tok_lo, tok_hi, qmin, qmax);
     for (int t = warp; t < ntiles; t += kQPConsumers) {
       const int st = t % kQPStages;
       MbarWait(full0 + 8 * st, (t / kQPStages) & 1);
@@ -429,10 +423,8 @@ __global__ void __launch_bounds__(kQPThreads, 2)
       DecodeSoftmaxPV<D, T, true>(sc, vs, m0, m1, l0, l1, o, vt);  // (P times the V scales of its tokens)
       __syncwarp();  // (the buffers are rewritten by the next stage's conversion)
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    l0 = QuadSum(l0);
+    l1 = QuadSum(l1);
   }
   __syncthreads();  // every stage consumed: the private buffers are free for the consumers' (m, l, O)
   float* so = reinterpret_cast<float*>(smem + C::kPrivOff);  // kQPConsumers x kPRows x D

@@ -198,10 +198,8 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
         mx0 = fmaxf(mx0, fmaxf(sc[mt][j][0], sc[mt][j][1]));
         mx1 = fmaxf(mx1, fmaxf(sc[mt][j][2], sc[mt][j][3]));
       }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      mx0 = QuadMax(mx0);
+      mx1 = QuadMax(mx1);
       const float nm0 = fmaxf(m[mt][0], mx0), nm1 = fmaxf(m[mt][1], mx1);
       pa_c[mt][0] = nm0 == -INFINITY ? 1.f : exp2f(m[mt][0] - nm0);
       pa_c[mt][1] = nm1 == -INFINITY ? 1.f : exp2f(m[mt][1] - nm1);
@@ -257,9 +255,7 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      float lv = l[mt][hf];
-      lv += __shfl_xor_sync(0xffffffffu, lv, 1);
-      lv += __shfl_xor_sync(0xffffffffu, lv, 2);
+      const float lv = QuadSum(l[mt][hf]);
       const int r = warp * 32 + mt * 16 + g + hf * 8;
       if (r >= nrows) continue;
       const float inv = lv > 0.f ? 1.f / lv : 0.f;

@@ -318,10 +318,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
         }
       }
       float mx0 = t0[0], mx1 = t1[0];
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      mx0 = QuadMax(mx0);
+      mx1 = QuadMax(mx1);
       const float nm0 = fmaxf(m0, mx0 * scale), nm1 = fmaxf(m1, mx1 * scale);
       c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
       c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
@@ -412,10 +410,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
     MbarArrive(empty0 + 8 * ((gc + j) % kStages));
     gc += ntiles;
 
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    l0 = QuadSum(l0);
+    l1 = QuadSum(l1);
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = wr + hf * 8;
