@@ -219,9 +219,6 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
 // the end of the work is one stage a consumer marked -1.
 constexpr int kPStage = 16, kPConsumers = 4, kPThreads = (kPConsumers + 1) * 32;
 constexpr int kPChunk = 64;  // tokens a claim (4 stages)
-#ifndef KVRING_DECODE_CLAIMS
-#define KVRING_DECODE_CLAIMS 1
-#endif
 
 template <int D>
 struct PipeCfg {
@@ -303,13 +300,16 @@ __global__ void __launch_bounds__(kPThreads, 2)
   if (warp == kPConsumers) {
     // ---- producer
     const int nchunks = (ntok + kPChunk - 1) / kPChunk;
-    // Claims pay where a CTA's share is long (at least two rings of stages);
-    // otherwise the chunks are dealt out evenly.
-    const int share = nchunks * 3 / (4 * num_splits);  // static chunks a CTA when claiming
-    const bool claiming = KVRING_DECODE_CLAIMS && num_splits > 1 && share * kPChunk >= 2 * C::kStages * kPStage;
-    const int pool0 = share * num_splits;  // the first claimable chunk
+    const bool claiming = num_splits > 1;
+    const int share = claiming ? nchunks * 3 / (4 * num_splits) : nchunks;  // static chunks a CTA
+    const int pool0 = share * num_splits;                                    // the first claimable chunk
     int* claim = claiming ? claims + DecodeRowHead(w, q, w.v0) : nullptr;
-    int c0 = 0, c1 = 0;  // claims in flight (lane 0's registers)
+    // Two claims in flight from the start (lane 0's registers; read a chunk later).
+    int c0 = 0, c1 = 0;
+    if (claiming && lane == 0) {
+      c0 = atomicAdd(claim, 1);
+      c1 = atomicAdd(claim, 1);
+    }
     const char* pool = static_cast<const char*>(kv.pool);
     const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
     const int kplane = (kv.layer * 2) * kv.kv_heads + h, vplane = kplane + kv.kv_heads;
@@ -369,22 +369,15 @@ __global__ void __launch_bounds__(kPThreads, 2)
         }
       }
     };
-    const int a0 = claiming ? w.sp * share * kPChunk : min(ntok, (int)((long)w.sp * nchunks / num_splits) * kPChunk);
-    const int b0 = claiming ? (w.sp + 1) * share * kPChunk
-                            : min(ntok, (int)((long)(w.sp + 1) * nchunks / num_splits) * kPChunk);
+    const int a0 = min(ntok, w.sp * share * kPChunk), b0 = min(ntok, (w.sp + 1) * share * kPChunk);
     int wa = a0 / bt, ca, na, wz = 0, cz = 0, nz = 0;
     load_window(wa, ca, na);
     // The static share: its first ring's worth of stages, then (the copies
-    // in flight: the producer has time) two claims and the first one's page
-    // ids, then the rest.
+    // in flight: the producer has time) the first claim's page ids, then the rest.
     const int a1 = min(b0, a0 + C::kStages * kPStage);
     stream(a0, a1, wa, ca, na);
     int c = nchunks;
     if (claiming) {
-      if (lane == 0) {
-        c0 = atomicAdd(claim, 1);
-        c1 = atomicAdd(claim, 1);
-      }
       c = pool0 + __shfl_sync(0xffffffffu, c0, 0);
       if (c < nchunks) {
         wz = c * kPChunk / bt;
@@ -439,17 +432,11 @@ __global__ void __launch_bounds__(kPThreads, 2)
     for (int t = warp;; t += kPConsumers) {
       const int st = t % C::kStages;
       MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
-      // S = Q K^T does not need the stage's first token: its MMAs start
-      // while s_tile loads (on the end mark they read a stale stage, and
-      // the scores are dropped; its masks see token 0).
       const int tile_first = s_tile[st];
-      uint8_t* kt = stages + st * C::kStageBytes;
-      uint8_t* vt = kt + C::kPlaneBytes;
-      float sc[2][4];
-      DecodeScores<D, T, false>(qa, kt, p, kv, pb, max(tile_first, 0), ntok, qpos0, qpos1, qmin, qmax, cta_pos_mask,
-                                scale, nullptr, sc);
       if (tile_first < 0) break;  // the end mark
       KVRING_TRACE(t == 0 && lane == 0, 3);
+      uint8_t* kt = stages + st * C::kStageBytes;
+      uint8_t* vt = kt + C::kPlaneBytes;
       const bool tail = tile_first + kPStage > ntok;
       if (kTma && tail) {
         // A TMA box copies whole pages: zero the V rows past the end (their
@@ -461,6 +448,9 @@ __global__ void __launch_bounds__(kPThreads, 2)
         }
         __syncwarp();
       }
+      float sc[2][4];
+      DecodeScores<D, T, false>(qa, kt, p, kv, pb, tile_first, ntok, qpos0, qpos1, qmin, qmax, cta_pos_mask, scale,
+                                nullptr, sc);
       DecodeSoftmaxPV<D, T, false>(sc, nullptr, m0, m1, l0, l1, o, vt);
       if (kTma && tail) FenceProxyAsync();  // our zeros before the next TMA write
       __syncwarp();
