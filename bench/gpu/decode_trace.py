@@ -60,8 +60,6 @@ def report(B, L, splits, call_us, tr):
     summary("first stage landed (us)", [us(t[3]) for t in tr])
     summary("last copy issued (us)", [us(t[4]) for t in tr])
     summary("all consumed (us)", [us(t[5]) for t in tr])
-    if any(t[14] for t in tr):
-        summary("tokens streamed (static + claimed)", [t[14] for t in tr])
     merged = [t for t in tr if t[15] >> 32]
     if splits > 1:
         summary("consumed to warps' partials in smem (us)", [(t[13] - t[5]) / 1e3 for t in tr])
@@ -81,10 +79,7 @@ def report(B, L, splits, call_us, tr):
     rates = {}
     for t in tr:
         sp = split_of[id(t)]
-        # Slot 14: the tokens the CTA streamed (claimed chunks included); traces
-        # of builds without it: the static split.
-        nb = (t[14] if t[14] else
-              min(ppseq_tok, min(L, (sp + 1) * tokens_per_split)) - min(L, sp * tokens_per_split)) * D * 4
+        nb = (min(ppseq_tok, min(L, (sp + 1) * tokens_per_split)) - min(L, sp * tokens_per_split)) * D * 4
         b0, b1 = us(t[3]), us(t[5])
         if b1 <= b0:
             continue

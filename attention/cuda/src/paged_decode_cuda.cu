@@ -25,14 +25,13 @@ namespace {
 // copy, 3 the first stage landed, 4 the producer's last copy issued, 5 every
 // stage consumed, 13 warps' partials in shared memory, 6 partial stored
 // (merge entry), 7 arrival counted, 10 the merger's loads issued, 11 its
-// LSEs in, 8 its partials in, 9 done; values, not times: 14 the tokens the
-// CTA streamed, 15 SM id | merged << 32.
+// LSEs in, 8 its partials in, 9 done; 15: SM id | merged << 32.
 constexpr int kTraceSlots = 16, kTraceCtas = 8192;
 __device__ unsigned long long g_decode_trace[kTraceCtas * kTraceSlots];
 __device__ __forceinline__ void Trace(int slot, unsigned long long v = 0) {
   const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   if (cta >= kTraceCtas) return;
-  if (slot < 14) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+  if (slot != 15) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
   g_decode_trace[cta * kTraceSlots + slot] = v;
 }
 #define KVRING_TRACE(cond, ...) \
@@ -52,10 +51,7 @@ constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16
 // last of the group's num_splits CTAs to finish merges every split's partial
 // into out/lse (exact LSE merge, NaN propagates as in MergePartials) and
 // resets the group's counter to 0. `counter` is the group's int in the
-// workspace (zero before the first call; each call leaves it zero);
-// `claim_counter`, when not null, the group's work-claim counter, which the
-// merger also resets (every CTA of the group made its last claim before it
-// arrived);
+// workspace (zero before the first call; each call leaves it zero),
 // `scratch` 16-byte aligned shared memory of `scratch_bytes` (at least
 // (num_splits + 1) * kRows floats, rounded up to 16 bytes, plus one split's
 // kRows x D partial), `bar` an mbarrier initialized with count 1 and not used
@@ -79,7 +75,7 @@ constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16
 // which streams too slowly (bench/RESULTS.md, third session of 2026-12-03).
 template <int D, int kThreads>
 __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int num_splits, int* counter,
-                                                  int* claim_counter, const float* part_out, const float* part_lse, uint8_t* scratch,
+                                                  const float* part_out, const float* part_lse, uint8_t* scratch,
                                                   int scratch_bytes, uint32_t bar, float* out, float* lse) {
   constexpr int kD4 = D / 4, kOutPerThread = (kRows * kD4 + kThreads - 1) / kThreads;
   __shared__ int s_last;
@@ -91,7 +87,6 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
     s_last = prev == num_splits - 1;
     if (s_last) {
       *counter = 0;      // every split has arrived: ready for the next call
-      if (claim_counter != nullptr) *claim_counter = 0;
       __threadfence();   // the other CTAs' partials, after their arrivals (the CTA barrier passes it on)
     }
   }
@@ -207,18 +202,7 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
 // half the boxes of one box per column block); it needs pages of a
 // multiple of 16 tokens. Otherwise the 32 lanes gather the stage with
 // cp.async into the same swizzled layout (any page size).
-// Work: the sequence is cut into 64-token chunks. With one split the CTA
-// streams them all; with more, each CTA of the group first streams a
-// contiguous static share (3/4 of an even share, rounded down to chunks)
-// and then claims the remaining chunks one at a time from the group's
-// counter in the workspace, so CTAs on faster SMs take more (on the H200 the
-// SMs of a batch-1 launch stream at 17-21 GB/s each, and with even static
-// splits the group waited ~4 us for its slowest CTA: bench/RESULTS.md). The
-// producer claims two ahead and loads a claimed chunk's page ids one chunk
-// before it streams it; each stage carries its first token in s_tile, and
-// the end of the work is one stage a consumer marked -1.
 constexpr int kPStage = 16, kPConsumers = 4, kPThreads = (kPConsumers + 1) * 32;
-constexpr int kPChunk = 64;  // tokens a claim (4 stages)
 
 template <int D>
 struct PipeCfg {
@@ -244,7 +228,7 @@ struct PipeCfg {
 template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
-                          float* part_lse, int* counters, int* claims, float* out, float* lse,
+                          float* part_lse, int* counters, float* out, float* lse,
                           const __grid_constant__ CUtensorMap pool_map) {
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
@@ -255,7 +239,6 @@ __global__ void __launch_bounds__(kPThreads, 2)
   const uint32_t full0 = SmemAddr(smem + C::kBarOff), empty0 = full0 + 8 * C::kStages;
   __shared__ int s_qpos[kRows];
   __shared__ int s_qmin, s_qmax;
-  __shared__ int s_tile[C::kStages];  // a stage's first token; -1: no more work for its consumer
   __shared__ float s_m[kPConsumers][kRows], s_l[kPConsumers][kRows], s_fac[kPConsumers][kRows];
   __shared__ alignas(8) uint64_t s_merge_bar;  // the split-merge's bulk copies
 
@@ -268,9 +251,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
   if (threadIdx.x == 0) {
     if constexpr (kTma) TmaPrefetchMap(&pool_map);
     for (int i = 0; i < C::kStages; ++i) {
-      // The TMA lane's expect-tx arrival, or the 32 lanes' cp.async ones and
-      // lane 0's (which publishes s_tile).
-      MbarInit(full0 + 8 * i, kTma ? 1 : 33);
+      MbarInit(full0 + 8 * i, kTma ? 1 : 32);  // the TMA lane's expect-tx arrival, or the 32 lanes' cp.async ones
       MbarInit(empty0 + 8 * i, 1);             // the consumer warp that took the stage
     }
     MbarInit(SmemAddr(&s_merge_bar), 1);
@@ -281,10 +262,11 @@ __global__ void __launch_bounds__(kPThreads, 2)
   KVRING_TRACE(threadIdx.x == 0, 1);
   DecodeWork w;
   if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w)) return;
-  const int h = w.h, nv = w.nv, pb = w.pb, npages = w.npages, bt = kv.block_tokens;
-  const int ntok = min(w.ntok, npages * bt);  // tokens of the sequence
+  const int h = w.h, nv = w.nv, pb = w.pb, npages = w.npages;
+  const int tok_lo = w.tok_lo, tok_hi = w.tok_hi, bt = kv.block_tokens;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
+  const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
 
   // The producer starts streaming as soon as it has its page ids; the
   // consumers bring Q and the rows' positions meanwhile and meet at a barrier
@@ -299,127 +281,56 @@ __global__ void __launch_bounds__(kPThreads, 2)
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   if (warp == kPConsumers) {
     // ---- producer
-    const int nchunks = (ntok + kPChunk - 1) / kPChunk;
-    const bool claiming = num_splits > 1;
-    const int share = claiming ? nchunks * 3 / (4 * num_splits) : nchunks;  // static chunks a CTA
-    const int pool0 = share * num_splits;                                    // the first claimable chunk
-    int* claim = claiming ? claims + DecodeRowHead(w, q, w.v0) : nullptr;
-    // Two claims in flight from the start (lane 0's registers; read a chunk later).
-    int c0 = 0, c1 = 0;
-    if (claiming && lane == 0) {
-      c0 = atomicAdd(claim, 1);
-      c1 = atomicAdd(claim, 1);
-    }
+    // Page ids: a sliding window of 64 listed pages held in registers (lane
+    // l: pages wb + l and wb + 32 + l), so issuing a stage never waits on a
+    // dependent global load.
+    int wb = tok_lo / bt;
+    int cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
+    int nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
     const char* pool = static_cast<const char*>(kv.pool);
     const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
     const int kplane = (kv.layer * 2) * kv.kv_heads + h, vplane = kplane + kv.kv_heads;
-    // Page ids: a window of 64 listed pages held in registers (lane l: pages
-    // wb + l and wb + 32 + l), so issuing a stage never waits on a dependent
-    // global load; a long static share slides it by 32.
-    auto load_window = [&](int wb, int& cur, int& nxt) {
-      cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
-      nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
-    };
-    int t = 0, streamed = 0;  // stages issued, tokens streamed
-    // Stages of tokens [a, b) (a a multiple of 16; b a multiple of 16 or the
-    // sequence's end), their pages in the window at wb.
-    auto stream = [&](int a, int b, int& wb, int& cur, int& nxt) {
-      streamed += max(0, b - a);
-      for (int i0 = a; i0 < b; i0 += kPStage, ++t) {
-        const int st = t % C::kStages;
-        if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-        const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
-        if (lane == 0) s_tile[st] = i0;
-        KVRING_TRACE(lane == 0 && t == 0, 2);
-        if constexpr (kTma) {
-          // The stage lies in one page (block_tokens % 16 == 0).
-          // (local is the warp's: only the half of the window it names is
-          // read, so a just-slid window's second half loads meanwhile.)
-          const int pg = i0 / bt, local = pg - wb;
-          const int page = local < 32 ? __shfl_sync(0xffffffffu, cur, local) : __shfl_sync(0xffffffffu, nxt, local - 32);
-          if (lane == 0) {
-            const int off = i0 - pg * bt;
-            MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
-            // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
-            TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
-            TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
-          }
-        } else {
-          constexpr int kPerLane = kPStage * kChunks / 32;
-#pragma unroll
-          for (int k = 0; k < kPerLane; ++k) {
-            const int id = k * 32 + lane, row = id / kChunks, ch = id % kChunks;
-            const int i = i0 + row;
-            const bool valid = i < b;
-            const int pg = i / bt, local = pg - wb;  // local < 64: a stage spans at most 16 pages
-            const int pa = __shfl_sync(0xffffffffu, cur, local & 31), pz = __shfl_sync(0xffffffffu, nxt, local & 31);
-            const char* src = pool + (uint64_t)(local < 32 ? pa : pz) * kv.page_stride +
-                              (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
-            const uint32_t off = Sw128(kPStage, row, ch);
-            CpAsync16(sk + off, valid ? src + koff : pool, valid);
-            CpAsync16(sv + off, valid ? src + voff : pool, valid);
-          }
-          CpAsyncArriveNoInc(full0 + 8 * st);
-          if (lane == 0) MbarArrive(full0 + 8 * st);  // s_tile, released to the consumer
-        }
-        if ((i0 + kPStage) / bt - wb >= 32) {  // the next stage starts past the first window
-          wb += 32;
-          cur = nxt;
-          nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
-        }
-      }
-    };
-    const int a0 = min(ntok, w.sp * share * kPChunk), b0 = min(ntok, (w.sp + 1) * share * kPChunk);
-    int wa = a0 / bt, ca, na, wz = 0, cz = 0, nz = 0;
-    load_window(wa, ca, na);
-    // The static share: its first ring's worth of stages, then (the copies
-    // in flight: the producer has time) the first claim's page ids, then the rest.
-    const int a1 = min(b0, a0 + C::kStages * kPStage);
-    stream(a0, a1, wa, ca, na);
-    int c = nchunks;
-    if (claiming) {
-      c = pool0 + __shfl_sync(0xffffffffu, c0, 0);
-      if (c < nchunks) {
-        wz = c * kPChunk / bt;
-        load_window(wz, cz, nz);
-      }
-    }
-    stream(a1, b0, wa, ca, na);
-    // Claimed chunks, alternating between two windows (no register moves of
-    // loads still in flight): stream chunk c from window z while the next
-    // claim's page ids load into window a.
-    while (c < nchunks) {
-      int cn = pool0 + __shfl_sync(0xffffffffu, c1, 0);
-      if (cn < nchunks) {
-        wa = cn * kPChunk / bt;
-        load_window(wa, ca, na);
-        if (lane == 0) c1 = atomicAdd(claim, 1);
-      }
-      stream(c * kPChunk, min(ntok, (c + 1) * kPChunk), wz, cz, nz);
-      if (cn >= nchunks) break;
-      c = pool0 + __shfl_sync(0xffffffffu, c1, 0);
-      if (c < nchunks) {
-        wz = c * kPChunk / bt;
-        load_window(wz, cz, nz);
-        if (lane == 0) c1 = atomicAdd(claim, 1);
-      }
-      stream(cn * kPChunk, min(ntok, (cn + 1) * kPChunk), wa, ca, na);
-    }
-    // One end mark for each consumer (stages t .. t + 3: one of each warp's).
-    for (int j = 0; j < kPConsumers; ++j, ++t) {
+    for (int t = 0; t < ntiles; ++t) {
       const int st = t % C::kStages;
       if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-      if (lane == 0) {
-        s_tile[st] = -1;
-        MbarArrive(full0 + 8 * st);
-        if constexpr (!kTma) {
-          for (int k = 0; k < 32; ++k) MbarArrive(full0 + 8 * st);  // in place of the lanes' cp.async arrivals
+      const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
+      if constexpr (kTma) {
+        // The stage lies in one page (block_tokens % 16 == 0).
+        const int i0 = tok_lo + t * kPStage, pg = i0 / bt, local = pg - wb;
+        const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
+        KVRING_TRACE(lane == 0 && t == 0, 2);
+        if (lane == 0) {
+          const int page = local < 32 ? a : b, off = i0 - pg * bt;
+          MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
+          // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
+          TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
+          TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
         }
+      } else {
+        constexpr int kPerLane = kPStage * kChunks / 32;
+#pragma unroll
+        for (int k = 0; k < kPerLane; ++k) {
+          const int id = k * 32 + lane, row = id / kChunks, ch = id % kChunks;
+          const int i = tok_lo + t * kPStage + row;
+          const bool valid = i < tok_hi;
+          const int pg = i / bt, local = pg - wb;  // local < 64: a stage spans at most 16 pages
+          const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
+          const char* src =
+              pool + (uint64_t)(local < 32 ? a : b) * kv.page_stride + (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
+          const uint32_t off = Sw128(kPStage, row, ch);
+          CpAsync16(sk + off, valid ? src + koff : pool, valid);
+          CpAsync16(sv + off, valid ? src + voff : pool, valid);
+        }
+        CpAsyncArriveNoInc(full0 + 8 * st);
+      }
+      if ((tok_lo + (t + 1) * kPStage) / bt - wb >= 32) {  // the next stage starts past the first window
+        wb += 32;
+        cur = nxt;
+        nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
       }
     }
     if constexpr (!kTma) CpAsyncWait<0>();
     KVRING_TRACE(lane == 0, 4);
-    KVRING_TRACE(lane == 0, 14, (unsigned long long)streamed);
   } else {
     // ---- consumers
     uint32_t qa[kKSteps][4];
@@ -427,29 +338,27 @@ __global__ void __launch_bounds__(kPThreads, 2)
     const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8], qmin = s_qmin, qmax = s_qmax;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    // (Any chunk may come to any CTA of the group: the mask check covers the sequence.)
-    const bool cta_pos_mask = DecodeMaskMayHide(p, kv, pb, 0, ntok, qmin, qmax);
-    for (int t = warp;; t += kPConsumers) {
+    const bool cta_pos_mask = DecodeMaskMayHide(p, kv, pb, tok_lo, tok_hi, qmin, qmax);
+    for (int t = warp; t < ntiles; t += kPConsumers) {
       const int st = t % C::kStages;
       MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
-      const int tile_first = s_tile[st];
-      if (tile_first < 0) break;  // the end mark
       KVRING_TRACE(t == 0 && lane == 0, 3);
       uint8_t* kt = stages + st * C::kStageBytes;
       uint8_t* vt = kt + C::kPlaneBytes;
-      const bool tail = tile_first + kPStage > ntok;
+      const int tile_first = tok_lo + t * kPStage;
+      const bool tail = tile_first + kPStage > tok_hi;
       if (kTma && tail) {
         // A TMA box copies whole pages: zero the V rows past the end (their
         // weight is 0, but 0 x NaN junk would not be).
-        const int valid_rows = ntok - tile_first;
-        for (int r = lane; r < (kPStage - valid_rows) * kChunks; r += 32) {
-          const int row = valid_rows + r / kChunks, ch = r % kChunks;
-          *reinterpret_cast<uint4*>(vt + Sw128(kPStage, row, ch)) = make_uint4(0, 0, 0, 0);
+        const int valid_rows = tok_hi - tile_first;
+        for (int c = lane; c < (kPStage - valid_rows) * kChunks; c += 32) {
+          const int r = valid_rows + c / kChunks, ch = c % kChunks;
+          *reinterpret_cast<uint4*>(vt + Sw128(kPStage, r, ch)) = make_uint4(0, 0, 0, 0);
         }
         __syncwarp();
       }
       float sc[2][4];
-      DecodeScores<D, T, false>(qa, kt, p, kv, pb, tile_first, ntok, qpos0, qpos1, qmin, qmax, cta_pos_mask, scale,
+      DecodeScores<D, T, false>(qa, kt, p, kv, pb, tile_first, tok_hi, qpos0, qpos1, qmin, qmax, cta_pos_mask, scale,
                                 nullptr, sc);
       DecodeSoftmaxPV<D, T, false>(sc, nullptr, m0, m1, l0, l1, o, vt);
       if (kTma && tail) FenceProxyAsync();  // our zeros before the next TMA write
@@ -487,8 +396,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
                                              part_lse, out, lse);
   bool merged = false;
   if (num_splits > 1) {  // (its first barrier: every thread is done reading `so`, which the merge reuses)
-    merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0),
-                                             claims + DecodeRowHead(w, q, w.v0), part_out, part_lse, stages, C::kStages * C::kStageBytes, SmemAddr(&s_merge_bar), out, lse);
+    merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse,
+                                             stages, C::kStages * C::kStageBytes, SmemAddr(&s_merge_bar), out, lse);
   }
   KVRING_TRACE(threadIdx.x == 0, 9);
   KVRING_TRACE(threadIdx.x == 0, 15, (unsigned long long)SmId() | (merged ? 1ull << 32 : 0ull));
@@ -501,8 +410,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
 // reads global memory).
 template <int D, typename T, bool kTma>
 cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                              int row_groups, float* part_out, float* part_lse, int* counters, int* claims,
-                              const CUtensorMap& map,
+                              int row_groups, float* part_out, float* part_lse, int* counters, const CUtensorMap& map,
                               cudaStream_t stream) {
   const int smem = PipeCfg<D>::kDynamic;
   cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -518,21 +426,19 @@ cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const Pag
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, part_out, part_lse,
-                            counters, claims, out.out, out.lse, map);
+                            counters, out.out, out.lse, map);
 }
 
 template <int D, typename T>
 cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                            float* part_out, float* part_lse, int* counters, int* claims, cudaStream_t stream) {
+                            float* part_out, float* part_lse, int* counters, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
   alignas(64) CUtensorMap map{};
   if (MakePoolMap(kv, kPStage, &map, /*all_column_blocks=*/true, /*l2_promotion_bytes=*/128)) {
-    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, claims, map,
-                                         stream);
+    return LaunchPipelinedAs<D, T, true>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
   }
-  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, claims, map,
-                                        stream);
+  return LaunchPipelinedAs<D, T, false>(p, q, kv, out, splits, row_groups, part_out, part_lse, counters, map, stream);
 }
 
 }  // namespace
@@ -591,14 +497,12 @@ int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages
 }
 
 namespace {
-// Workspace layout: the counters first, at the same place whatever the
-// split count (so partials of a call with more splits never land on them):
-// the split-merge arrivals, then the work claims (each one int per (row, q
-// head), a group using its first vector's); then the partial O and LSE.
-size_t CounterArrayBytes(const QueryView& q) {
+// Workspace layout: the split-merge counters first (one int per (row, q
+// head), at the same place whatever the split count, so partials of a call
+// with more splits never land on them), then the partial O and LSE.
+size_t CounterBytes(const QueryView& q) {
   return ((size_t)q.num_rows * q.q_heads * sizeof(int) + 255) / 256 * 256;
 }
-size_t CounterBytes(const QueryView& q) { return 2 * CounterArrayBytes(q); }
 }  // namespace
 
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim) {
@@ -616,12 +520,11 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   if (q.num_rows == 0) return cudaSuccess;
   const int D = kv.head_dim;
   if (workspace_bytes < DecodeWorkspaceBytes(q, num_splits, D)) return cudaErrorInvalidValue;
-  int *counters = nullptr, *claims = nullptr;
+  int* counters = nullptr;
   float *po = nullptr, *pl = nullptr;
   if (num_splits > 1) {
     if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) return cudaErrorInvalidValue;  // the merge's bulk copies
     counters = static_cast<int*>(workspace);
-    claims = reinterpret_cast<int*>(static_cast<char*>(workspace) + CounterArrayBytes(q));
     po = reinterpret_cast<float*>(static_cast<char*>(workspace) + CounterBytes(q));
     pl = po + (size_t)num_splits * q.num_rows * q.q_heads * D;
   }
@@ -632,12 +535,11 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
   }
   if (num_splits > 1 && reinterpret_cast<uintptr_t>(out.out) % 16 != 0) return cudaErrorInvalidValue;  // float4 merge
   if (kv.dtype == KvType::kBF16) {
-    return D == 128
-               ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, claims, stream)
-               : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, claims, stream);
+    return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream)
+                    : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream);
   }
-  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, claims, stream)
-                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, claims, stream);
+  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, stream)
+                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, stream);
 }
 
 }  // namespace kvring::cuda

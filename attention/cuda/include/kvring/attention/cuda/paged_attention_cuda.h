@@ -63,13 +63,11 @@ struct AttnParams {
 
 // ---- decode: few query rows per sequence, KV split across CTAs (flash-decoding)
 // Rows per sequence: 1..64 (any); q_heads % kv_heads == 0; head_dim 64 or 128.
-// With num_splits > 1 the splits' CTAs share a sequence's KV (plain pages:
-// a static share each, then 64-token chunks claimed at run time), their
-// partials go to `workspace` and the last CTA of each (sequence, kv head) to
-// finish merges them into `out` (quantized pages: a second kernel merges).
-// The workspace (DecodeWorkspaceBytes; none for one split) must be zeroed
-// once before its first use (cudaMemset): it holds the merge's and the
-// claims' counters, which every call leaves at zero. One call at a
+// With num_splits > 1 the splits' partials go to `workspace` and the last
+// CTA of each (sequence, kv head) to finish merges them into `out` (quantized
+// pages: a second kernel merges). The workspace (DecodeWorkspaceBytes; none
+// for one split) must be zeroed once before its first use (cudaMemset): it
+// holds the merge's counters, which every call leaves at zero. One call at a
 // time per workspace. num_splits: 1..kMaxDecodeSplits; with more than one
 // split the workspace, and on plain pages `out.out`, must be 16-byte aligned
 // (the merge's bulk copies and float4 stores).
