@@ -206,7 +206,7 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
 // bench/RESULTS.md, 2026-12-03 fourth session): 3/4 static shares plus 64-
 // token chunks claimed from a per-group atomic counter, each stage carrying
 // its first token in shared memory and an end mark per consumer. It evened
-// out the CTAs' finish times (1 x 32K: 33.0-35.5 us against 16.6-33.8) but
+// out the CTAs' finish times (1 x 32K: 33.0-35.5 us against 16.7-33.3) but
 // the per-stage token lookup and end marks slowed every CTA's stream (1 x 32K
 // at 4 splits: 0.15 of copy against 0.18; the same code without claims 0.78
 // at 33 splits against 0.80), so only 1 x 128K gained (0.95 -> 0.97) and
