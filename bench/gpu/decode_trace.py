@@ -15,7 +15,7 @@ For each shape: the launch's span against the graph-timed call, and per
 CTA: start, prologue (until the producer's first copy), first-data latency,
 streaming time and rate, finish, store and split-merge; the aggregate read
 rate over time (each CTA's bytes spread evenly over its streaming window);
-the per-SM streaming rates. Raw stamps go to DIR/decode_trace_B_L.json.
+the per-SM streaming rates. Raw stamps go to DIR/decode_trace_B_L_flagsF.json.
 Same inputs as attention_bench.py (bf16, 32 q heads, 8 kv heads, d 128,
 16-token pages at shuffled ids, one query a sequence).
 """
@@ -27,8 +27,10 @@ p = argparse.ArgumentParser()
 p.add_argument("--lib", default="")
 p.add_argument("--shapes", default="1:32768,1:131072,8:32768")
 p.add_argument("--splits", type=int, default=0, help="split count (default: the library's choice)")
+p.add_argument("--flags", type=int, default=1, help="kvring_cuda_decode flags (1: stable tables, read before the "
+               "grid-dependency wait; 0: after it)")
 p.add_argument("--out", default=".")
-p.add_argument("--from-json", default="", help="report on a saved trace (decode_trace_B_L.json) instead of running")
+p.add_argument("--from-json", default="", help="report on a saved trace (decode_trace_B_L_flagsF.json) instead of running")
 args = p.parse_args()
 
 BT = 16
@@ -119,14 +121,14 @@ for shape in args.shapes.split(","):
     rows = torch.arange(B + 1, dtype=torch.int32, device=dev)
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
-    splits = args.splits or lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, SMS)
+    splits = args.splits or lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, BT, SMS)
     wsb = lib.kvring_cuda_decode_workspace(B, HQ, splits, D)
     ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)
 
     def call():
         e = lib.kvring_cuda_decode(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B, HQ, 1, 0.0, 1, 0,
                                    splits, ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(),
-                                   torch.cuda.current_stream().cuda_stream)
+                                   torch.cuda.current_stream().cuda_stream, args.flags)
         assert e == 0, f"decode error {e}"
 
     for _ in range(5):
@@ -158,7 +160,7 @@ for shape in args.shapes.split(","):
     buf = (ctypes.c_uint64 * (nctas * 16))()
     assert lib.kvring_cuda_decode_trace(buf, nctas) == 0
     tr = [list(buf[i * 16:(i + 1) * 16]) for i in range(nctas)]
-    with open(os.path.join(args.out, f"decode_trace_{B}_{L}.json"), "w") as f:
+    with open(os.path.join(args.out, f"decode_trace_{B}_{L}_flags{args.flags}.json"), "w") as f:
         json.dump({"B": B, "L": L, "sms": SMS, "splits": splits, "call_us": call_us, "trace": tr,
                    "slots": ["entry", "griddep released", "first copy", "first data", "producer done", "consumed",
                              "stored", "arrived", "merge partials in", "done", "merge loads issued", "merge LSEs in", "",

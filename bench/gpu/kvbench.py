@@ -16,10 +16,10 @@ def load_lib(path):
     lib = ctypes.CDLL(path)
     I, U64, F32, VP = ctypes.c_int, ctypes.c_uint64, ctypes.c_float, ctypes.c_void_p
     lib.kvring_cuda_decode.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, I, VP,
-                                       U64, VP, VP, VP]
+                                       U64, VP, VP, VP, I]
     lib.kvring_cuda_prefill.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, VP,
                                         VP, VP, I]
-    lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I]
+    lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I, I]
     lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
     lib.kvring_cuda_decode_workspace.restype = U64
     if hasattr(lib, "kvring_cuda_decode_trace"):  # diagnostic builds (-DKVRING_DECODE_TRACE)

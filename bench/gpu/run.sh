@@ -27,8 +27,11 @@ echo "== benchmark"
 PYTHONUNBUFFERED=1 timeout 420 python3 bench/gpu/attention_bench.py --lib .gpu/lib/libkvring_cuda_capi.so --out "$OUT" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v "^|"
 if [ -f .gpu/lib/libkvring_cuda_capi_trace.so ]; then
   echo "== decode phases, CTA by CTA (diagnostic build)"
-  timeout 120 python3 bench/gpu/decode_trace.py --lib .gpu/lib/libkvring_cuda_capi_trace.so --shapes 1:32768,1:131072 \
-    --out "$OUT" 2>&1 | tee "$OUT/decode_trace.log" | grep -v "^    "
+  for flags in 1 0; do  # the tables read before the grid-dependency wait (stable tables), and after it
+    echo "-- kvring_cuda_decode flags $flags"
+    timeout 120 python3 bench/gpu/decode_trace.py --lib .gpu/lib/libkvring_cuda_capi_trace.so --shapes 1:32768,1:131072 \
+      --flags $flags --out "$OUT" 2>&1 | tee "$OUT/decode_trace_flags$flags.log" | grep -v "^    "
+  done
 fi
 if [ "$PROFILE" = 1 ]; then
   echo "== nsight compute (one launch of each kernel)"

@@ -216,6 +216,65 @@ TEST(GpuDecodeTest, SplitCountsChangeOnOneWorkspace) {
     }
 }
 
+// kv.tables_stable: the decode kernel reads the page tables, and prefetches
+// its first KV into L2, before its grid-dependency wait, while the stream's
+// previous kernel may still run. Here that kernel (PackLayerPages, which lets
+// a dependent launch early) writes the very pages the decode reads, into a
+// buffer poisoned with NaN before each round: the decode must see the packed
+// KV, never the poison. A second decode follows the first directly (the
+// decode kernel lets its successor launch early too), on the same workspace.
+// Pages of 16 tokens (TMA boxes, prefetched) and of 8 (cp.async gathers).
+TEST(GpuDecodeTest, StableTablesOverlapTheKernelThatWritesTheKv) {
+  KVRING_REQUIRE_GPU();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  uint64_t seed = 1100;
+  for (int bt : {8, 16})
+    for (int splits : {1, 9, 40}) {
+      std::mt19937_64 rng(seed++);
+      const int D = 128, kv_heads = 2, q_heads = 8;
+      const std::vector<int> toks = {3000 + (int)(rng() % 500), 700, 1};
+      auto kvb = MakeBatch(rng, bt, /*layers=*/2, kv_heads, D, /*bf16=*/true, toks, {0, 0, 0}, /*gap=*/false, /*layer=*/1);
+      std::vector<std::vector<int32_t>> qpos;
+      for (const auto& sq : kvb.seqs) qpos.push_back({sq.dense.positions.back() + 1});
+      auto qb = MakeQueries(rng, q_heads, D, /*bf16=*/true, qpos);
+      // The packed buffer: layer 1 of listed page i is page i there.
+      const cuda::PagedKvView src = kvb.View(1);
+      const int npages = static_cast<int>(kvb.page_ids.n);
+      const uint64_t slice = cuda::LayerSliceBytes(src);
+      Dev<uint8_t> packed(npages * slice);
+      std::vector<int32_t> listed(npages);
+      std::iota(listed.begin(), listed.end(), 0);
+      Dev<int32_t> ids(listed);
+      cuda::PagedKvView kv = src;
+      kv.pool = packed.p;
+      kv.page_stride = slice;
+      kv.layers = 1;
+      kv.layer = 0;
+      kv.page_ids = ids.p;
+      kv.tables_stable = true;
+      const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
+      Dev<uint8_t> work(ws);
+      work.Zero();
+      const size_t nrh = qb.pos.size() * q_heads;
+      Dev<float> out1(nrh * D), lse1(nrh), out2(nrh * D), lse2(nrh);
+      AttentionOptions o;
+      o.layer = 1;
+      for (int round = 0; round < 3; ++round) {
+        CUDA_OK(cudaMemsetAsync(packed.p, 0xff, packed.n, stream));  // NaN until the pack writes it
+        for (Dev<float>* d : {&out1, &lse1, &out2, &lse2}) CUDA_OK(cudaMemsetAsync(d->p, 0xff, d->n * 4, stream));
+        CUDA_OK(cuda::PackLayerPages(src, kvb.page_ids.p, npages, packed.p, stream));
+        CUDA_OK(cuda::PagedDecode({}, qb.View(), kv, {out1.p, lse1.p}, splits, work.p, ws, stream));
+        CUDA_OK(cuda::PagedDecode({}, qb.View(), kv, {out2.p, lse2.p}, splits, work.p, ws, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        const std::string what = absl::StrCat("stable tables bt=", bt, " splits=", splits, " round ", round);
+        ExpectMatches(out1.Host(), lse1.Host(), qb, kvb, o, 1e-2, what + ", after the pack");
+        ExpectMatches(out2.Host(), lse2.Host(), qb, kvb, o, 1e-2, what + ", after a decode");
+      }
+    }
+  cudaStreamDestroy(stream);
+}
+
 // Decode over int8 / fp8 pages (every scale mode), made by QuantizeBlock
 // from random bf16/f16 blocks: both kernels (the pipelined TMA one for pages
 // of a multiple of 16 tokens, the CUDA-core one otherwise) read the codes and

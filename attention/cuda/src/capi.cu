@@ -3,6 +3,9 @@
 // (torch.cuda.current_stream().cuda_stream). Returns cudaError_t as int.
 // kvring_cuda_decode's workspace (kvring_cuda_decode_workspace bytes) must be
 // zeroed once before its first use (torch.zeros); each call leaves it so.
+// Its `flags`: bit 0 PagedKvView::tables_stable (the caller promises that no
+// kernel still running writes the page table, seq_page_begin, seq_tokens or
+// seq_row_begin).
 #include "kvring/attention/cuda/paged_attention_cuda.h"
 
 using namespace kvring::cuda;
@@ -48,18 +51,22 @@ int kvring_cuda_decode(const void* pool, uint64_t stride, int bt, int layers, in
                        const int32_t* seq_tokens, int num_seqs, const void* q, const int32_t* pos,
                        const int32_t* seq_row_begin, int num_rows, int q_heads, int max_rows, float scale, int causal,
                        int window, int num_splits, void* workspace, uint64_t workspace_bytes, float* out, float* lse,
-                       void* stream) {
+                       void* stream, int flags) {
   AttnParams p{scale, causal != 0, window};
-  return PagedDecode(p, Q(q, pos, seq_row_begin, num_rows, q_heads, max_rows),
-                     Kv(pool, stride, bt, layers, kv_heads, head_dim, dtype, layer, page_ids, page_pos, seq_page_begin,
-                        seq_tokens, num_seqs),
-                     OutputView{out, lse}, num_splits, workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
+  PagedKvView kv = Kv(pool, stride, bt, layers, kv_heads, head_dim, dtype, layer, page_ids, page_pos, seq_page_begin,
+                      seq_tokens, num_seqs);
+  kv.tables_stable = (flags & 1) != 0;
+  return PagedDecode(p, Q(q, pos, seq_row_begin, num_rows, q_heads, max_rows), kv, OutputView{out, lse}, num_splits,
+                     workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
 }
 
-int kvring_cuda_decode_splits(int num_seqs, int kv_heads, int q_heads, int max_rows, int max_pages, int sm_count) {
+// DefaultDecodeSplits for sequences of up to max_pages pages of block_tokens tokens.
+int kvring_cuda_decode_splits(int num_seqs, int kv_heads, int q_heads, int max_rows, int max_pages, int block_tokens,
+                              int sm_count) {
   PagedKvView kv;
   kv.num_seqs = num_seqs;
   kv.kv_heads = kv_heads;
+  kv.block_tokens = block_tokens;
   QueryView q;
   q.q_heads = q_heads;
   q.max_rows_per_seq = max_rows;

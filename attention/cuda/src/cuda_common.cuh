@@ -174,6 +174,14 @@ __device__ __forceinline__ void TmaLoad5d(uint32_t dst, const CUtensorMap* map, 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
       : "memory");
 }
+// The same box of a 5-d tensor map fetched into L2 only (no completion to
+// wait for; a hint: later loads of it hit L2 if it is still there).
+__device__ __forceinline__ void TmaPrefetchL2_5d(const CUtensorMap* map, int c0, int c1, int c2, int c3, int c4) {
+  asm volatile("cp.async.bulk.prefetch.tensor.5d.L2.global.tile [%0, {%1, %2, %3, %4, %5}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+               : "memory");
+}
 
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to
 // shared memory by the bulk-copy engine; completes on `bar`. Global data

@@ -4,6 +4,10 @@ namespace kvring::cuda {
 namespace {
 __global__ void PackKernel(const char* __restrict__ pool, uint64_t stride, uint64_t slice_off, uint64_t slice_bytes,
                            const int32_t* __restrict__ ids, char* __restrict__ dst) {
+  // A dependent launched with programmatic dependent launch (the decode
+  // kernel) may begin its launch now; it waits for our completion before it
+  // reads what we write.
+  internal::GridDepLaunchDependents();
   const int page = blockIdx.y;
   const uint4* src = reinterpret_cast<const uint4*>(pool + (uint64_t)ids[page] * stride + slice_off);
   uint4* d = reinterpret_cast<uint4*>(dst + (uint64_t)page * slice_bytes);

@@ -6,6 +6,7 @@
 // as the 16 rows of an m16n8k16 tile (GQA packing: a Llama-3 decode step,
 // 1 query x 4 heads, fills 4 of them). Warps and splits merge exactly by LSE.
 #include <cfloat>
+#include <cstdlib>
 
 #include "cuda_common.cuh"
 #include "tma_cuda.h"
@@ -238,7 +239,7 @@ template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                           float* part_lse, int* counters, float* out, float* lse,
-                          const __grid_constant__ CUtensorMap pool_map) {
+                          const __grid_constant__ CUtensorMap pool_map, int prefetch_stages) {
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
   extern __shared__ uint8_t smem_raw[];
@@ -254,10 +255,16 @@ __global__ void __launch_bounds__(kPThreads, 2)
   // Programmatic dependent launch: the next kernel in the stream may start
   // its launch now (its CTAs land as ours leave and wait in GridDepWait for
   // our completion); we wait for the previous kernel's before reading global
-  // memory. The barrier setup and the tensor map's prefetch come first.
+  // memory it may write. The barrier setup and the tensor map's prefetch come
+  // first; with kv.tables_stable (the caller's promise that no running kernel
+  // writes the tables) also the split's tables, the producer's first page
+  // ids and an L2 prefetch of the split's first ring of stages, so the stream
+  // starts from L2 the moment the previous kernel completes.
   KVRING_TRACE(threadIdx.x == 0, 0);
   GridDepLaunchDependents();
-  if (threadIdx.x == 0) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
+  const int bt = kv.block_tokens;
+  if (tid == 0) {
     if constexpr (kTma) TmaPrefetchMap(&pool_map);
     for (int i = 0; i < C::kStages; ++i) {
       MbarInit(full0 + 8 * i, kTma ? 1 : 32);  // the TMA lane's expect-tx arrival, or the 32 lanes' cp.async ones
@@ -266,14 +273,53 @@ __global__ void __launch_bounds__(kPThreads, 2)
     MbarInit(SmemAddr(&s_merge_bar), 1);
     FenceMbarInit();
   }
+  DecodeWork w;
+  bool has_work = false;
+  // The producer's page ids: a sliding window of 64 listed pages held in
+  // registers (lane l: pages wb + l and wb + 32 + l), so issuing a stage
+  // never waits on a dependent global load.
+  int wb = 0, cur = 0, nxt = 0;
+  auto read_tables = [&] {
+    has_work = DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w);
+    if (has_work && warp == kPConsumers) {
+      wb = w.tok_lo / bt;
+      cur = wb + lane < w.npages ? kv.page_ids[w.pb + wb + lane] : 0;
+      nxt = wb + 32 + lane < w.npages ? kv.page_ids[w.pb + wb + 32 + lane] : 0;
+    }
+  };
+  // TMA coordinates of stage t (16 tokens from tok_lo + 16 t, inside one
+  // page: block_tokens % 16 == 0) while the window holds its page; every
+  // lane of the producer warp calls it.
+  auto stage_box = [&](int t, int* page, int* off) {
+    const int i0 = w.tok_lo + t * kPStage, pg = i0 / bt, local = pg - wb;
+    const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
+    *page = local < 32 ? a : b;
+    *off = i0 - pg * bt;
+  };
+  const int kplane = (kv.layer * 2) * kv.kv_heads + (int)(blockIdx.y / row_groups), vplane = kplane + kv.kv_heads;
+  if (kv.tables_stable) {
+    read_tables();
+    if constexpr (kTma) {
+      if (has_work && warp == kPConsumers) {
+        const int n = min(prefetch_stages, (w.tok_hi - w.tok_lo + kPStage - 1) / kPStage);  // EXPERIMENT: the first ring
+        for (int t = 0; t < n && (w.tok_lo + t * kPStage) / bt - wb < 64; ++t) {  // (pages in the window)
+          int page, off;
+          stage_box(t, &page, &off);
+          if (lane == 0) {
+            TmaPrefetchL2_5d(&pool_map, 0, off, 0, kplane, page);
+            TmaPrefetchL2_5d(&pool_map, 0, off, 0, vplane, page);
+          }
+        }
+      }
+    }
+  }
   __syncthreads();
   GridDepWait();
   KVRING_TRACE(threadIdx.x == 0, 1);
-  DecodeWork w;
-  if (!DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w)) return;
+  if (!kv.tables_stable) read_tables();
+  if (!has_work) return;
   const int h = w.h, nv = w.nv, pb = w.pb, npages = w.npages;
-  const int tok_lo = w.tok_lo, tok_hi = w.tok_hi, bt = kv.block_tokens;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
+  const int tok_lo = w.tok_lo, tok_hi = w.tok_hi;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
   const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kPStage - 1) / kPStage : 0;
 
@@ -290,26 +336,18 @@ __global__ void __launch_bounds__(kPThreads, 2)
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   if (warp == kPConsumers) {
     // ---- producer
-    // Page ids: a sliding window of 64 listed pages held in registers (lane
-    // l: pages wb + l and wb + 32 + l), so issuing a stage never waits on a
-    // dependent global load.
-    int wb = tok_lo / bt;
-    int cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
-    int nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
     const char* pool = static_cast<const char*>(kv.pool);
     const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
-    const int kplane = (kv.layer * 2) * kv.kv_heads + h, vplane = kplane + kv.kv_heads;
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % C::kStages;
       if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
       const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
       if constexpr (kTma) {
         // The stage lies in one page (block_tokens % 16 == 0).
-        const int i0 = tok_lo + t * kPStage, pg = i0 / bt, local = pg - wb;
-        const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
+        int page, off;
+        stage_box(t, &page, &off);
         KVRING_TRACE(lane == 0 && t == 0, 2);
         if (lane == 0) {
-          const int page = local < 32 ? a : b, off = i0 - pg * bt;
           MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
           // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
           TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
@@ -434,8 +472,9 @@ cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const Pag
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
+  static const int pf = getenv("KVRING_DECODE_PREFETCH") ? atoi(getenv("KVRING_DECODE_PREFETCH")) : PipeCfg<D>::kStages;  // EXPERIMENT
   return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, part_out, part_lse,
-                            counters, out.out, out.lse, map);
+                            counters, out.out, out.lse, map, pf);
 }
 
 template <int D, typename T>

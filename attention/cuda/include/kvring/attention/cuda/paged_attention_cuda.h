@@ -40,6 +40,17 @@ struct PagedKvView {
   const int32_t* seq_page_begin = nullptr;  // [num_seqs + 1] CSR into page_ids
   const int32_t* seq_tokens = nullptr; // [num_seqs] valid tokens of each sequence's listed pages
   int32_t num_seqs = 0;
+  // The caller's promise that the tables (page_ids, seq_page_begin,
+  // seq_tokens, and the query view's seq_row_begin) are not written by any
+  // kernel that may still run when this launch starts: they were written
+  // before the stream's previous kernel began (e.g. copied from the host,
+  // or by a kernel the stream has since synchronized with through a copy or
+  // an event). The plain-page decode kernel then reads them, and prefetches
+  // the first KV of each split into L2, while the previous kernel drains
+  // (programmatic dependent launch); it still reads queries and KV only
+  // after that kernel completed. False: nothing is read before the wait.
+  // (Ignored by prefill and by quantized pages.)
+  bool tables_stable = false;
 };
 
 struct QueryView {
