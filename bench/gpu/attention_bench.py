@@ -29,6 +29,7 @@ p.add_argument("--profile-decode", default="", help="B:L[,...]: per shape one kv
 p.add_argument("--prefill-only", default="", help="only prefill, these shapes: B:L[:nc][,...] (nc: not causal)")
 p.add_argument("--decode-only", default="", help="only bf16 decode, these shapes: B:L[,...]")
 p.add_argument("--quant-only", action="store_true", help="only the int8/fp8 decode shapes")
+p.add_argument("--no-sweep", action="store_true", help="decode: time the default split count only (no split sweep)")
 p.add_argument("--block-tokens", type=int, default=16, help="tokens a page (kvring's pages; the peers read dense K/V)")
 args = p.parse_args()
 
@@ -149,6 +150,8 @@ for B, L in decode_shapes:
     lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
     splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, kv.pages_per_seq, BT, SMS)
     sweep = sorted({sp for sp in (1, 2, 4, 8, 16, 33, 66) if sp <= max(1, kv.pages_per_seq // 4)} | {splits})
+    if args.no_sweep:
+        sweep = [splits]
     wsb = lib.kvring_cuda_decode_workspace(B, HQ, max(sweep), D)
     ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)  # zeroed once: the split-merge counters
 

@@ -69,6 +69,9 @@ def report(B, L, splits, call_us, tr):
         summary("stored to arrival counted (us)", [(t[7] - t[6]) / 1e3 for t in tr])
     if merged:
         summary("merger: arrival to loads issued (us)", [(t[10] - t[7]) / 1e3 for t in merged])
+        if all(t[12] and t[14] for t in merged):  # (stamps since 2026-12-03, session 18)
+            summary("merger: loads issued to proxy fence passed (us)", [(t[12] - t[10]) / 1e3 for t in merged])
+            summary("merger: loads issued to bulk copies issued (us)", [(t[14] - t[10]) / 1e3 for t in merged])
         summary("merger: loads issued to LSEs in (us)", [(t[11] - t[10]) / 1e3 for t in merged])
         summary("merger: LSEs to partials in (us)", [(t[8] - t[11]) / 1e3 for t in merged])
         summary("merger: loads in to done (us)", [(t[9] - t[8]) / 1e3 for t in merged])
@@ -163,6 +166,7 @@ for shape in args.shapes.split(","):
     with open(os.path.join(args.out, f"decode_trace_{B}_{L}_flags{args.flags}.json"), "w") as f:
         json.dump({"B": B, "L": L, "sms": SMS, "splits": splits, "call_us": call_us, "trace": tr,
                    "slots": ["entry", "griddep released", "first copy", "first data", "producer done", "consumed",
-                             "stored", "arrived", "merge partials in", "done", "merge loads issued", "merge LSEs in", "",
-                             "warps' partials in smem", "", "smid | merged << 32"]}, f)
+                             "stored", "arrived", "merge partials in", "done", "merge loads issued", "merge LSEs in",
+                             "merge proxy fence passed", "warps' partials in smem", "merge bulk copies issued",
+                             "smid | merged << 32"]}, f)
     report(B, L, splits, call_us, tr)

@@ -174,6 +174,21 @@ __device__ __forceinline__ void TmaLoad5d(uint32_t dst, const CUtensorMap* map, 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
       : "memory");
 }
+// TmaLoad5d with an L2 cache policy (from createpolicy).
+__device__ __forceinline__ void TmaLoad5dHint(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                              int c4, uint32_t bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+      "%3, %4, %5, %6}], [%7], %8;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar), "l"(policy)
+      : "memory");
+}
+// An L2 policy that evicts the lines it touches first (data read once).
+__device__ __forceinline__ uint64_t L2EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 // The same box of a 5-d tensor map fetched into L2 only (no completion to
 // wait for; a hint: later loads of it hit L2 if it is still there).
 __device__ __forceinline__ void TmaPrefetchL2_5d(const CUtensorMap* map, int c0, int c1, int c2, int c3, int c4) {
@@ -379,14 +394,28 @@ __device__ __forceinline__ void LoadDecodeQFragments(const uint8_t* sq, uint32_t
                qa[kk][3]);
   }
 }
+// The absolute positions of a decode CTA's first and last stream tokens
+// (tok_lo and tok_hi - 1; zeros when the stream is empty or no mask needs
+// them), which DecodeMaskMayHide compares.
+struct StreamEnds {
+  int first = 0, last = 0;
+};
+__device__ __forceinline__ StreamEnds DecodeStreamEnds(const AttnParams& p, const PagedKvView& kv, int pb, int tok_lo,
+                                                       int tok_hi) {
+  StreamEnds e;
+  if (tok_hi > tok_lo && (p.causal || p.window > 0)) {
+    e.first = TokenPos(kv, pb, tok_lo);
+    e.last = TokenPos(kv, pb, tok_hi - 1);
+  }
+  return e;
+}
 // Whether the causal or window mask can hide any of a decode CTA's stream
 // tokens [tok_lo, tok_hi) (false when empty) from its query positions in
 // [qmin, qmax]: DecodeScores' cta_pos_mask (when false, no stage reads a
-// page position).
-__device__ __forceinline__ bool DecodeMaskMayHide(const AttnParams& p, const PagedKvView& kv, int pb, int tok_lo,
-                                                  int tok_hi, int qmin, int qmax) {
-  return tok_hi > tok_lo && ((p.causal && TokenPos(kv, pb, tok_hi - 1) > qmin) ||
-                             (p.window > 0 && TokenPos(kv, pb, tok_lo) <= qmax - p.window));
+// page position). `e`: DecodeStreamEnds of the stream.
+__device__ __forceinline__ bool DecodeMaskMayHide(const AttnParams& p, int tok_lo, int tok_hi, StreamEnds e, int qmin,
+                                                  int qmax) {
+  return tok_hi > tok_lo && ((p.causal && e.last > qmin) || (p.window > 0 && e.first <= qmax - p.window));
 }
 
 // S = Q K^T of one 16-token stage of a decode consumer warp (qa: the warp's

@@ -25,8 +25,9 @@ namespace {
 // Slots: 0 entry, 1 past the grid-dependency wait, 2 the producer's first
 // copy, 3 the first stage landed, 4 the producer's last copy issued, 5 every
 // stage consumed, 13 warps' partials in shared memory, 6 partial stored
-// (merge entry), 7 arrival counted, 10 the merger's loads issued, 11 its
-// LSEs in, 8 its partials in, 9 done; 15: SM id | merged << 32.
+// (merge entry), 7 arrival counted, 10 the merger's loads issued, 12 its
+// proxy fence passed, 14 its bulk copies issued, 11 its LSEs in, 8 its
+// partials in, 9 done; 15: SM id | merged << 32.
 constexpr int kTraceSlots = 16, kTraceCtas = 8192;
 __device__ unsigned long long g_decode_trace[kTraceCtas * kTraceSlots];
 __device__ __forceinline__ void Trace(int slot, unsigned long long v = 0) {
@@ -109,6 +110,7 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
     if (warp != 0) return;
     const int n = min(chunk, num_splits - s0);
     asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the partials (generic stores), before the bulk copies read them
+    KVRING_TRACE(threadIdx.x == 0 && s0 == 0, 12);
     FenceProxyAsync();  // buf's earlier generic-proxy use, before the async writes
     if (lane == 0) MbarArriveExpectTx(bar, (uint32_t)(n * nout * 16));
     __syncwarp();
@@ -121,6 +123,7 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
   };
   KVRING_TRACE(threadIdx.x == 0, 10);
   load(0);
+  KVRING_TRACE(threadIdx.x == 0, 14);
   for (int i = threadIdx.x; i < num_splits * nv; i += kThreads) {
     wgt[i] = __ldcg(part_lse + (size_t)(i / nv) * rows_heads + DecodeRowHead(w, q, w.v0 + i % nv));
   }
@@ -239,7 +242,7 @@ template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                           float* part_lse, int* counters, float* out, float* lse,
-                          const __grid_constant__ CUtensorMap pool_map, int prefetch_stages) {
+                          const __grid_constant__ CUtensorMap pool_map, int exp_knobs) {
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
   extern __shared__ uint8_t smem_raw[];
@@ -279,12 +282,15 @@ __global__ void __launch_bounds__(kPThreads, 2)
   // registers (lane l: pages wb + l and wb + 32 + l), so issuing a stage
   // never waits on a dependent global load.
   int wb = 0, cur = 0, nxt = 0;
+  StreamEnds ends;  // the consumers' mask check
   auto read_tables = [&] {
     has_work = DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w);
     if (has_work && warp == kPConsumers) {
       wb = w.tok_lo / bt;
       cur = wb + lane < w.npages ? kv.page_ids[w.pb + wb + lane] : 0;
       nxt = wb + 32 + lane < w.npages ? kv.page_ids[w.pb + wb + 32 + lane] : 0;
+    } else if (has_work) {
+      ends = DecodeStreamEnds(p, kv, w.pb, w.tok_lo, w.tok_hi);
     }
   };
   // TMA coordinates of stage t (16 tokens from tok_lo + 16 t, inside one
@@ -301,7 +307,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
     read_tables();
     if constexpr (kTma) {
       if (has_work && warp == kPConsumers) {
-        const int n = min(prefetch_stages, (w.tok_hi - w.tok_lo + kPStage - 1) / kPStage);  // EXPERIMENT: the first ring
+        const int n = min(exp_knobs & 255, (w.tok_hi - w.tok_lo + kPStage - 1) / kPStage);  // EXPERIMENT: the first ring
         for (int t = 0; t < n && (w.tok_lo + t * kPStage) / bt - wb < 64; ++t) {  // (pages in the window)
           int page, off;
           stage_box(t, &page, &off);
@@ -350,8 +356,14 @@ __global__ void __launch_bounds__(kPThreads, 2)
         if (lane == 0) {
           MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
           // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
-          TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
-          TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
+          if (exp_knobs & 256) {  // EXPERIMENT
+            const uint64_t pol = L2EvictFirstPolicy();
+            TmaLoad5dHint(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st, pol);
+            TmaLoad5dHint(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st, pol);
+          } else {
+            TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
+            TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
+          }
         }
       } else {
         constexpr int kPerLane = kPStage * kChunks / 32;
@@ -385,7 +397,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
     const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8], qmin = s_qmin, qmax = s_qmax;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    const bool cta_pos_mask = DecodeMaskMayHide(p, kv, pb, tok_lo, tok_hi, qmin, qmax);
+    const bool cta_pos_mask = DecodeMaskMayHide(p, tok_lo, tok_hi, ends, qmin, qmax);
     for (int t = warp; t < ntiles; t += kPConsumers) {
       const int st = t % C::kStages;
       MbarWait(full0 + 8 * st, (t / C::kStages) & 1);
@@ -472,7 +484,8 @@ cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const Pag
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  static const int pf = getenv("KVRING_DECODE_PREFETCH") ? atoi(getenv("KVRING_DECODE_PREFETCH")) : PipeCfg<D>::kStages;  // EXPERIMENT
+  static const int pf = (getenv("KVRING_DECODE_PREFETCH") ? atoi(getenv("KVRING_DECODE_PREFETCH")) : PipeCfg<D>::kStages) |
+                        (getenv("KVRING_DECODE_EVICT_FIRST") ? 256 * atoi(getenv("KVRING_DECODE_EVICT_FIRST")) : 0);  // EXPERIMENT
   return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, part_out, part_lse,
                             counters, out.out, out.lse, map, pf);
 }

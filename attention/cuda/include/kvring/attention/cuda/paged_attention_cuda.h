@@ -40,7 +40,7 @@ struct PagedKvView {
   const int32_t* seq_page_begin = nullptr;  // [num_seqs + 1] CSR into page_ids
   const int32_t* seq_tokens = nullptr; // [num_seqs] valid tokens of each sequence's listed pages
   int32_t num_seqs = 0;
-  // The caller's promise that the tables (page_ids, seq_page_begin,
+  // The caller's promise that the tables (page_ids, page_pos, seq_page_begin,
   // seq_tokens, and the query view's seq_row_begin) are not written by any
   // kernel that may still run when this launch starts: they were written
   // before the stream's previous kernel began (e.g. copied from the host,
