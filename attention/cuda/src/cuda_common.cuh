@@ -531,17 +531,25 @@ __device__ __forceinline__ void DecodeSoftmaxPV(float (&sc)[2][4], const float* 
 // The exact merge of the CTA's warps' partials (log2-domain maxima m and sums
 // l in m[w * rows + r], l[...]; O in o[(w * rows + r) * kStride + d], shared
 // memory, 16-byte aligned, kStride a multiple of 4) and its store: to
-// out/lse with one split, else to the split's partial slot. NaN propagates.
-// `fac` is shared scratch of kWarps * rows floats. Called by every thread of
-// the CTA (it holds a __syncthreads): the rows' merge factors first, a thread
-// a row, then the outputs a float4 a thread.
-template <int kWarps, int D, int kStride>
+// out/lse with one split, else to the split's partial slot: split-major
+// (part_out[split][row, head][D], part_lse[split][row, head], what
+// MergePartials reads) or with kSplitMinor each (row, head)'s splits
+// together (part_out[row, head][split][D], part_lse[row, head][split], what
+// the fused split merge reads). NaN propagates. `fac` is shared scratch of
+// kWarps * rows floats. Called by every thread of the CTA (it holds a
+// __syncthreads): the rows' merge factors first, a thread a row, then the
+// outputs a float4 a thread.
+template <int kWarps, int D, int kStride, bool kSplitMinor = false>
 __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const QueryView& q, int rows, int num_splits,
                                                 const float* m, const float* l, const float* o, float* fac,
                                                 float* part_out, float* part_lse, float* out, float* lse) {
   const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
-  float* dst_o = num_splits == 1 ? out : part_out + (size_t)w.sp * rows_heads * D;
-  float* dst_l = num_splits == 1 ? lse : part_lse + (size_t)w.sp * rows_heads;
+  // Element strides of a (row, head) in the destination, and its base.
+  const size_t rh_stride = num_splits > 1 && kSplitMinor ? (size_t)num_splits : 1;
+  float* dst_o = num_splits == 1 ? out
+                 : kSplitMinor   ? part_out + (size_t)w.sp * D
+                                 : part_out + (size_t)w.sp * rows_heads * D;
+  float* dst_l = num_splits == 1 ? lse : kSplitMinor ? part_lse + w.sp : part_lse + (size_t)w.sp * rows_heads;
   for (int r = threadIdx.x; r < w.nv; r += blockDim.x) {
     float M = -INFINITY;
 #pragma unroll
@@ -556,7 +564,7 @@ __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const Query
     const float inv = some ? 1.f / L : 0.f;  // (NaN when L is)
 #pragma unroll
     for (int k = 0; k < kWarps; ++k) fac[k * rows + r] = f[k] * inv;
-    dst_l[DecodeRowHead(w, q, w.v0 + r)] = some ? (M + log2f(L)) * kLn2 : -INFINITY;
+    dst_l[DecodeRowHead(w, q, w.v0 + r) * rh_stride] = some ? (M + log2f(L)) * kLn2 : -INFINITY;
   }
   __syncthreads();
   constexpr int kD4 = D / 4;
@@ -573,7 +581,7 @@ __device__ __forceinline__ void StoreDecodeRows(const DecodeWork& w, const Query
       acc.z += f * v.z;
       acc.w += f * v.w;
     }
-    float* dp = dst_o + DecodeRowHead(w, q, w.v0 + r) * D + d;
+    float* dp = dst_o + DecodeRowHead(w, q, w.v0 + r) * rh_stride * D + d;
     if (vec) {
       *reinterpret_cast<float4*>(dp) = acc;
     } else {

@@ -6,7 +6,6 @@
 // as the 16 rows of an m16n8k16 tile (GQA packing: a Llama-3 decode step,
 // 1 query x 4 heads, fills 4 of them). Warps and splits merge exactly by LSE.
 #include <cfloat>
-#include <cstdlib>
 
 #include "cuda_common.cuh"
 #include "tma_cuda.h"
@@ -49,10 +48,12 @@ __device__ __forceinline__ void Trace(int slot, unsigned long long v = 0) {
 constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16n8k16 tile
 
 // The split-merge of a decode CTA group, fused into the kernel: after a CTA
-// stored its split's partial rows (StoreDecodeRows with num_splits > 1), the
-// last of the group's num_splits CTAs to finish merges every split's partial
-// into out/lse (exact LSE merge, NaN propagates as in MergePartials) and
-// resets the group's counter to 0. `counter` is the group's int in the
+// stored its split's partial rows (StoreDecodeRows with num_splits > 1, in
+// the split-minor layout: the partials of (row, q head) rh at part_out[(rh *
+// num_splits + split) * D], its LSEs at part_lse[rh * num_splits + split]),
+// the last of the group's num_splits CTAs to finish merges every split's
+// partial into out/lse (exact LSE merge, NaN propagates as in MergePartials)
+// and resets the group's counter to 0. `counter` is the group's int in the
 // workspace (zero before the first call; each call leaves it zero),
 // `scratch` 16-byte aligned shared memory of `scratch_bytes` (at least
 // (num_splits + 1) * kRows floats, rounded up to 16 bytes, plus one split's
@@ -62,14 +63,14 @@ constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16
 // The merge is the tail of the launch (it starts when the group's slowest
 // CTA is done), so its loads are one round trip where they fit: the bulk-copy
 // engine brings the partial rows of as many splits as fit in shared memory
-// (all 33 splits of a batch-1 Llama-3 group: 4 rows x 2 KB each) while the
-// threads load the LSEs; the weights are computed a warp a row. Measured on
-// the H200 (bench/gpu/decode_trace.py, 1 x 32K): arrival to merged output
-// 3.5 us (LSEs in after 1.7 us, partials 0.7 us later, the sums 0.8 us);
-// per-thread 16-byte loads of the same 67 KB took 4.1 us (registers, two
-// batches of splits, the same weights and fence; 0.80 of copy against 0.81-
-// 0.82 end to end) and 4-6 us (cp.async). A first read of lines that other
-// SMs just wrote costs ~1.7 us there; the same LSEs read again, 0.6 us.
+// (all 33 splits of a batch-1 Llama-3 group: 4 vectors x 33 x 512 B), one
+// copy a vector (its splits are contiguous), while the threads load the
+// LSEs; the weights are computed a warp a row. Measured on the H200
+// (bench/gpu/decode_trace.py, 1 x 32K): with the split-major layout of
+// MergePartials, one bulk copy a split (33) took 1.4 us to issue, and the
+// LSEs (loaded after them) were in 1.9 us after arrival. Earlier, per-thread
+// 16-byte loads of the same 67 KB took 4.1 us (registers, two batches of
+// splits) and cp.async 4-6 us.
 // A merge inside thread block clusters (partials in shared memory, read
 // through distributed shared memory) cut this tail to ~3 us but was slower
 // end to end: on the H200 a batch-1 launch's clusters fit at once only as
@@ -95,18 +96,14 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 7);
   if (!s_last) return false;
-  const size_t rows_heads = (size_t)q.num_rows * q.q_heads;
   const int nv = w.nv, nout = nv * kD4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* wgt = reinterpret_cast<float*>(scratch);  // [num_splits][nv]: lse, then weight
   float* s_sum = wgt + num_splits * nv;            // [nv]
   const int head = ((num_splits + 1) * nv * 4 + 15) / 16 * 16;
-  float4* buf = reinterpret_cast<float4*>(scratch + head);  // [chunk][nv][D/4]
+  float4* buf = reinterpret_cast<float4*>(scratch + head);  // [nv][chunk][D/4]
   const int chunk = max(1, (scratch_bytes - head) / (nout * 16));
-  // The group's vectors v0 .. v0 + nv - 1 are runs of consecutive (row, q
-  // head) slots, one run per query row: one bulk copy per (split, run).
-  const int row0 = w.v0 / w.G, nruns = (w.v0 + nv - 1) / w.G - row0 + 1;
-  auto load = [&](int s0) {  // partial rows of splits s0 .. s0 + chunk - 1 into buf; warp 0 issues
+  auto load = [&](int s0) {  // partial rows of splits s0 .. s0 + chunk - 1 into buf, a copy a vector; warp 0 issues
     if (warp != 0) return;
     const int n = min(chunk, num_splits - s0);
     asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the partials (generic stores), before the bulk copies read them
@@ -114,18 +111,17 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
     FenceProxyAsync();  // buf's earlier generic-proxy use, before the async writes
     if (lane == 0) MbarArriveExpectTx(bar, (uint32_t)(n * nout * 16));
     __syncwarp();
-    for (int i = lane; i < n * nruns; i += 32) {
-      const int c = i / nruns, row = row0 + i % nruns;
-      const int a = max(w.v0, row * w.G), b = min(w.v0 + nv, (row + 1) * w.G);  // vectors [a, b)
-      BulkLoad(SmemAddr(buf + (size_t)(c * nv + a - w.v0) * kD4),
-               part_out + ((size_t)(s0 + c) * rows_heads + DecodeRowHead(w, q, a)) * D, (uint32_t)((b - a) * D * 4), bar);
+    for (int r = lane; r < nv; r += 32) {
+      BulkLoad(SmemAddr(buf + (size_t)r * chunk * kD4),
+               part_out + ((size_t)DecodeRowHead(w, q, w.v0 + r) * num_splits + s0) * D, (uint32_t)(n * D * 4), bar);
     }
   };
   KVRING_TRACE(threadIdx.x == 0, 10);
   load(0);
   KVRING_TRACE(threadIdx.x == 0, 14);
-  for (int i = threadIdx.x; i < num_splits * nv; i += kThreads) {
-    wgt[i] = __ldcg(part_lse + (size_t)(i / nv) * rows_heads + DecodeRowHead(w, q, w.v0 + i % nv));
+  for (int i = threadIdx.x; i < num_splits * nv; i += kThreads) {  // (r, split) order: each row's LSEs contiguous
+    const int r = i / num_splits, sp = i % num_splits;
+    wgt[sp * nv + r] = __ldcg(part_lse + (size_t)DecodeRowHead(w, q, w.v0 + r) * num_splits + sp);
   }
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 11);
@@ -162,10 +158,11 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
       const int o = threadIdx.x + k * kThreads;
       if (o < nout) {
         const int r = o / kD4;
+        const float4* src = buf + (size_t)r * chunk * kD4 + o % kD4;
 #pragma unroll 4
         for (int c = 0; c < n; ++c) {
           const float f = wgt[(s0 + c) * nv + r];  // 0 for an empty split, whose partial is 0
-          const float4 v = buf[c * nout + o];
+          const float4 v = src[c * kD4];
           acc[k].x += f * v.x;
           acc[k].y += f * v.y;
           acc[k].z += f * v.z;
@@ -222,6 +219,14 @@ struct PipeCfg {
   static constexpr int kPlaneBytes = kPStage * D * 2;        // K (or V) of one stage: [D/64][16 rows][128 B]
   static constexpr int kStageBytes = 2 * kPlaneBytes;        // K, then V
   static constexpr int kStages = (96 * 1024) / kStageBytes;  // 12 (D=128) or 24 (D=64)
+  // Stages prefetched into L2 before the grid-dependency wait (stable
+  // tables): half the ring, ~12 MB over a batch-1 Llama-3 launch's 264 CTAs.
+  // On the H200 (1 x 32K, stream loads evict-first) half and the whole ring
+  // ran alike (0.88 / 0.88 and 0.89 / 0.86 of copy in two rounds), two rings
+  // slower (0.85 / 0.85); the whole ring with the stream's lines left at
+  // normal priority 0.83 / 0.84, no early start at all 0.80-0.82
+  // (bench/RESULTS.md, 2026-12-03 fifth session).
+  static constexpr int kPrefetchStages = kStages / 2;
   static constexpr int kQOff = kStages * kStageBytes;        // stages first: 1024-aligned for the swizzle
   static constexpr int kBarOff = kQOff + kRows * D * 2;
   static constexpr int kBytes = kBarOff + 2 * kStages * 8;
@@ -242,7 +247,7 @@ template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                           float* part_lse, int* counters, float* out, float* lse,
-                          const __grid_constant__ CUtensorMap pool_map, int exp_knobs) {
+                          const __grid_constant__ CUtensorMap pool_map) {
   using C = PipeCfg<D>;
   constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
   extern __shared__ uint8_t smem_raw[];
@@ -307,7 +312,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
     read_tables();
     if constexpr (kTma) {
       if (has_work && warp == kPConsumers) {
-        const int n = min(exp_knobs & 255, (w.tok_hi - w.tok_lo + kPStage - 1) / kPStage);  // EXPERIMENT: the first ring
+        const int n = min(C::kPrefetchStages, (w.tok_hi - w.tok_lo + kPStage - 1) / kPStage);
         for (int t = 0; t < n && (w.tok_lo + t * kPStage) / bt - wb < 64; ++t) {  // (pages in the window)
           int page, off;
           stage_box(t, &page, &off);
@@ -344,6 +349,9 @@ __global__ void __launch_bounds__(kPThreads, 2)
     // ---- producer
     const char* pool = static_cast<const char*>(kv.pool);
     const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
+    // The stream is read once: its lines leave L2 first, so they do not push
+    // out the next launch's prefetched stages (nor anything else).
+    const uint64_t evict_first = L2EvictFirstPolicy();
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % C::kStages;
       if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
@@ -356,14 +364,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
         if (lane == 0) {
           MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
           // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
-          if (exp_knobs & 256) {  // EXPERIMENT
-            const uint64_t pol = L2EvictFirstPolicy();
-            TmaLoad5dHint(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st, pol);
-            TmaLoad5dHint(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st, pol);
-          } else {
-            TmaLoad5d(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st);
-            TmaLoad5d(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st);
-          }
+          TmaLoad5dHint(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st, evict_first);
+          TmaLoad5dHint(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st, evict_first);
         }
       } else {
         constexpr int kPerLane = kPStage * kChunks / 32;
@@ -451,7 +453,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
   }
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 13);
-  StoreDecodeRows<kPConsumers, D, kSoStride>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0], part_out,
+  StoreDecodeRows<kPConsumers, D, kSoStride, /*kSplitMinor=*/true>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0], part_out,
                                              part_lse, out, lse);
   bool merged = false;
   if (num_splits > 1) {  // (its first barrier: every thread is done reading `so`, which the merge reuses)
@@ -484,10 +486,8 @@ cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const Pag
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  static const int pf = (getenv("KVRING_DECODE_PREFETCH") ? atoi(getenv("KVRING_DECODE_PREFETCH")) : PipeCfg<D>::kStages) |
-                        (getenv("KVRING_DECODE_EVICT_FIRST") ? 256 * atoi(getenv("KVRING_DECODE_EVICT_FIRST")) : 0);  // EXPERIMENT
   return cudaLaunchKernelEx(&cfg, DecodePipelinedKernel<D, T, kTma>, p, q, kv, splits, row_groups, part_out, part_lse,
-                            counters, out.out, out.lse, map, pf);
+                            counters, out.out, out.lse, map);
 }
 
 template <int D, typename T>
@@ -560,7 +560,9 @@ int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages
 namespace {
 // Workspace layout: the split-merge counters first (one int per (row, q
 // head), at the same place whatever the split count, so partials of a call
-// with more splits never land on them), then the partial O and LSE.
+// with more splits never land on them), then the partial O and LSE (plain
+// pages: each (row, head)'s splits together, for the fused merge; quantized
+// pages: split-major, for MergePartials).
 size_t CounterBytes(const QueryView& q) {
   return ((size_t)q.num_rows * q.q_heads * sizeof(int) + 255) / 256 * 256;
 }
