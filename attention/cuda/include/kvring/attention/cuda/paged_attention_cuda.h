@@ -83,7 +83,9 @@ struct AttnParams {
 // split the workspace, and on plain pages `out.out`, must be 16-byte aligned
 // (the merge's bulk copies and float4 stores).
 // The kernel is launched with programmatic dependent launch (it overlaps its
-// launch with the previous kernel's tail, and the next kernel's with its own).
+// launch with the previous kernel's tail, and the next kernel's with its own;
+// with kv.tables_stable also its table reads and an L2 prefetch of each
+// split's first KV).
 // Plain (bf16/fp16) pages: a producer warp streams 16-token stages through a
 // deep mbarrier ring (TMA boxes for pages of a multiple of 16 tokens on
 // sm_90, cp.async gathers otherwise), four consumer warps take them in turn.
