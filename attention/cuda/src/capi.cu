@@ -4,8 +4,8 @@
 // kvring_cuda_decode's workspace (kvring_cuda_decode_workspace bytes) must be
 // zeroed once before its first use (torch.zeros); each call leaves it so.
 // Its `flags`: bit 0 PagedKvView::tables_stable (the caller promises that no
-// kernel still running writes the page table, seq_page_begin, seq_tokens or
-// seq_row_begin).
+// kernel still running writes page_ids, page_pos, seq_page_begin, seq_tokens
+// or seq_row_begin).
 #include "kvring/attention/cuda/paged_attention_cuda.h"
 
 using namespace kvring::cuda;
