@@ -346,6 +346,38 @@ __device__ __forceinline__ bool DecodeWorkOf(const QueryView& q, const PagedKvVi
   w->tok_hi = min(w->ntok, min(w->npages, w->sp * pps + pps) * bt);
   return true;
 }
+// The listed pages of a decode CTA's stream as a window of 64 page ids in the
+// registers of one warp (lane l: listed pages wb + l and wb + 32 + l), so a
+// producer issuing a stage never waits on a dependent global load: the next
+// 32 ids are loaded when the stream passes the window's first half, 32
+// pages before their use. Every lane of the warp calls every method.
+struct PageWindow {
+  int wb = 0, cur = 0, nxt = 0;
+  // The window from listed page `first` of the sequence whose pages start at
+  // pb (npages of them).
+  __device__ __forceinline__ void Load(const PagedKvView& kv, int pb, int npages, int first) {
+    const int lane = threadIdx.x & 31;
+    wb = first;
+    cur = wb + lane < npages ? kv.page_ids[pb + wb + lane] : 0;
+    nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
+  }
+  // Pool page of listed page pg, wb <= pg < wb + 64 (this lane's pg).
+  __device__ __forceinline__ int Page(int pg) const {
+    const int local = pg - wb;
+    const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
+    return local < 32 ? a : b;
+  }
+  // Slides by 32 pages when listed page `next` (the next stage's first) is
+  // past the window's first half.
+  __device__ __forceinline__ void Advance(const PagedKvView& kv, int pb, int npages, int next) {
+    if (next - wb >= 32) {
+      const int lane = threadIdx.x & 31;
+      wb += 32;
+      cur = nxt;
+      nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
+    }
+  }
+};
 // (row, q head) index of vector v.
 __device__ __forceinline__ size_t DecodeRowHead(const DecodeWork& w, const QueryView& q, int v) {
   return (size_t)(w.rb + v / w.G) * q.q_heads + w.h * w.G + v % w.G;

@@ -283,17 +283,12 @@ __global__ void __launch_bounds__(kPThreads, 2)
   }
   DecodeWork w;
   bool has_work = false;
-  // The producer's page ids: a sliding window of 64 listed pages held in
-  // registers (lane l: pages wb + l and wb + 32 + l), so issuing a stage
-  // never waits on a dependent global load.
-  int wb = 0, cur = 0, nxt = 0;
-  StreamEnds ends;  // the consumers' mask check
+  PageWindow win;    // the producer's page ids
+  StreamEnds ends;   // the consumers' mask check
   auto read_tables = [&] {
     has_work = DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w);
     if (has_work && warp == kPConsumers) {
-      wb = w.tok_lo / bt;
-      cur = wb + lane < w.npages ? kv.page_ids[w.pb + wb + lane] : 0;
-      nxt = wb + 32 + lane < w.npages ? kv.page_ids[w.pb + wb + 32 + lane] : 0;
+      win.Load(kv, w.pb, w.npages, w.tok_lo / bt);
     } else if (has_work) {
       ends = DecodeStreamEnds(p, kv, w.pb, w.tok_lo, w.tok_hi);
     }
@@ -302,9 +297,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
   // page: block_tokens % 16 == 0) while the window holds its page; every
   // lane of the producer warp calls it.
   auto stage_box = [&](int t, int* page, int* off) {
-    const int i0 = w.tok_lo + t * kPStage, pg = i0 / bt, local = pg - wb;
-    const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
-    *page = local < 32 ? a : b;
+    const int i0 = w.tok_lo + t * kPStage, pg = i0 / bt;
+    *page = win.Page(pg);
     *off = i0 - pg * bt;
   };
   const int kplane = (kv.layer * 2) * kv.kv_heads + (int)(blockIdx.y / row_groups), vplane = kplane + kv.kv_heads;
@@ -313,7 +307,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
     if constexpr (kTma) {
       if (has_work && warp == kPConsumers) {
         const int n = min(C::kPrefetchStages, (w.tok_hi - w.tok_lo + kPStage - 1) / kPStage);
-        for (int t = 0; t < n && (w.tok_lo + t * kPStage) / bt - wb < 64; ++t) {  // (pages in the window)
+        for (int t = 0; t < n && (w.tok_lo + t * kPStage) / bt - win.wb < 64; ++t) {  // (pages in the window)
           int page, off;
           stage_box(t, &page, &off);
           if (lane == 0) {
@@ -374,21 +368,16 @@ __global__ void __launch_bounds__(kPThreads, 2)
           const int id = k * 32 + lane, row = id / kChunks, ch = id % kChunks;
           const int i = tok_lo + t * kPStage + row;
           const bool valid = i < tok_hi;
-          const int pg = i / bt, local = pg - wb;  // local < 64: a stage spans at most 16 pages
-          const int a = __shfl_sync(0xffffffffu, cur, local & 31), b = __shfl_sync(0xffffffffu, nxt, local & 31);
+          const int pg = i / bt;  // in the window: a stage spans at most 16 pages
           const char* src =
-              pool + (uint64_t)(local < 32 ? a : b) * kv.page_stride + (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
+              pool + (uint64_t)win.Page(pg) * kv.page_stride + (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
           const uint32_t off = Sw128(kPStage, row, ch);
           CpAsync16(sk + off, valid ? src + koff : pool, valid);
           CpAsync16(sv + off, valid ? src + voff : pool, valid);
         }
         CpAsyncArriveNoInc(full0 + 8 * st);
       }
-      if ((tok_lo + (t + 1) * kPStage) / bt - wb >= 32) {  // the next stage starts past the first window
-        wb += 32;
-        cur = nxt;
-        nxt = wb + 32 + lane < npages ? kv.page_ids[pb + wb + 32 + lane] : 0;
-      }
+      win.Advance(kv, pb, npages, (tok_lo + (t + 1) * kPStage) / bt);
     }
     if constexpr (!kTma) CpAsyncWait<0>();
     KVRING_TRACE(lane == 0, 4);

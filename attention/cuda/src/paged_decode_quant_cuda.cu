@@ -330,26 +330,27 @@ __global__ void __launch_bounds__(kQPThreads, 2)
   // (a page's scales start at a multiple of 4 words).
   const int k_sub = ((L * 2) * H + h) & 3, v_sub = ((L * 2 + 1) * H + h) & 3;
   if (warp == kQPConsumers) {
-    // ---- producer: page ids one stage at a time (lane 0 reads the next
-    // stage's while this one's copies go out).
+    // ---- producer: the page ids from a window of 64 in registers (a page
+    // id loaded a stage ahead, as this kernel did until 2026-12-03, held
+    // every stage for a global load's latency: 0.69 us a stage a CTA).
     const int E = (int)(((uint64_t)2 * kv.layers * H * bt * D) / 4);  // first scale word of a page
     const int kplane = (L * 2) * H + h, vplane = kplane + H;
-    int next = ntiles > 0 && lane == 0 ? kv.page_ids[pb + tok_lo / bt] : 0;
+    // The codes are read once: their lines leave L2 first.
+    const uint64_t evict_first = L2EvictFirstPolicy();
+    PageWindow win;
+    win.Load(kv, pb, npages, tok_lo / bt);
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % kQPStages;
       const int i0 = tok_lo + t * kQPStage, pg = i0 / bt, off = i0 - pg * bt;
-      const int page = next;
-      if (lane == 0 && t + 1 < ntiles) {
-        const int pg1 = (i0 + kQPStage) / bt;
-        next = pg1 < npages ? kv.page_ids[pb + pg1] : 0;
-      }
+      const int page = win.Page(pg);
+      win.Advance(kv, pb, npages, (i0 + kQPStage) / bt);
       if (t >= kQPStages) MbarWait(empty0 + 8 * st, ((t / kQPStages) - 1) & 1);
       if (lane == 0) {
         const uint32_t kc = SmemAddr(smem + st * C::kStageBytes), vc = kc + C::kCodeBytes, sc = vc + C::kCodeBytes;
         const uint32_t bar = full0 + 8 * st;
         MbarArriveExpectTx(bar, C::kTxBytes);
-        TmaLoad5d(kc, &code_map, 0, off, kplane, 0, page, bar);
-        TmaLoad5d(vc, &code_map, 0, off, vplane, 0, page, bar);
+        TmaLoad5dHint(kc, &code_map, 0, off, kplane, 0, page, bar, evict_first);
+        TmaLoad5dHint(vc, &code_map, 0, off, vplane, 0, page, bar, evict_first);
         int kidx, vidx;  // word indices of the stage's first K and V scale in the page
         if constexpr (kMode == 0) {
           kidx = E + (L * 2) * H + h;
