@@ -227,6 +227,8 @@ struct PipeCfg {
   // normal priority 0.83 / 0.84, no early start at all 0.80-0.82
   // (bench/RESULTS.md, 2026-12-03 fifth session).
   static constexpr int kPrefetchStages = kStages / 2;
+  static_assert(kPrefetchStages * kPStage <= 64 * 16,
+                "the prefetched stages lie in the producer's first page-id window (TMA pages hold >= 16 tokens)");
   static constexpr int kQOff = kStages * kStageBytes;        // stages first: 1024-aligned for the swizzle
   static constexpr int kBarOff = kQOff + kRows * D * 2;
   static constexpr int kBytes = kBarOff + 2 * kStages * 8;
@@ -301,18 +303,19 @@ __global__ void __launch_bounds__(kPThreads, 2)
     *page = win.Page(pg);
     *off = i0 - pg * bt;
   };
-  const int kplane = (kv.layer * 2) * kv.kv_heads + (int)(blockIdx.y / row_groups), vplane = kplane + kv.kv_heads;
+  // The pool map's plane of this CTA's kv head: K (side 0) or V (side 1).
+  auto plane = [&](int side) { return (kv.layer * 2 + side) * kv.kv_heads + w.h; };
   if (kv.tables_stable) {
     read_tables();
     if constexpr (kTma) {
       if (has_work && warp == kPConsumers) {
         const int n = min(C::kPrefetchStages, (w.tok_hi - w.tok_lo + kPStage - 1) / kPStage);
-        for (int t = 0; t < n && (w.tok_lo + t * kPStage) / bt - win.wb < 64; ++t) {  // (pages in the window)
+        for (int t = 0; t < n; ++t) {
           int page, off;
           stage_box(t, &page, &off);
           if (lane == 0) {
-            TmaPrefetchL2_5d(&pool_map, 0, off, 0, kplane, page);
-            TmaPrefetchL2_5d(&pool_map, 0, off, 0, vplane, page);
+            TmaPrefetchL2_5d(&pool_map, 0, off, 0, plane(0), page);
+            TmaPrefetchL2_5d(&pool_map, 0, off, 0, plane(1), page);
           }
         }
       }
@@ -358,8 +361,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
         if (lane == 0) {
           MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
           // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
-          TmaLoad5dHint(sk, &pool_map, 0, off, 0, kplane, page, full0 + 8 * st, evict_first);
-          TmaLoad5dHint(sv, &pool_map, 0, off, 0, vplane, page, full0 + 8 * st, evict_first);
+          TmaLoad5dHint(sk, &pool_map, 0, off, 0, plane(0), page, full0 + 8 * st, evict_first);
+          TmaLoad5dHint(sv, &pool_map, 0, off, 0, plane(1), page, full0 + 8 * st, evict_first);
         }
       } else {
         constexpr int kPerLane = kPStage * kChunks / 32;
@@ -442,8 +445,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
   }
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 13);
-  StoreDecodeRows<kPConsumers, D, kSoStride, /*kSplitMinor=*/true>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0], part_out,
-                                             part_lse, out, lse);
+  StoreDecodeRows<kPConsumers, D, kSoStride, /*kSplitMinor=*/true>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so,
+                                                                    &s_fac[0][0], part_out, part_lse, out, lse);
   bool merged = false;
   if (num_splits > 1) {  // (its first barrier: every thread is done reading `so`, which the merge reuses)
     merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse,

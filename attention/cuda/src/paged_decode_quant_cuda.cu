@@ -385,7 +385,8 @@ __global__ void __launch_bounds__(kQPThreads, 2)
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     uint8_t* kt = smem + C::kPrivOff + warp * C::kPrivBytes;
     uint8_t* vt = kt + C::kPrivBytes / 2;
-    const bool cta_pos_mask = DecodeMaskMayHide(p, tok_lo, tok_hi, DecodeStreamEnds(p, kv, pb, tok_lo, tok_hi), qmin, qmax);
+    const bool cta_pos_mask =
+        DecodeMaskMayHide(p, tok_lo, tok_hi, DecodeStreamEnds(p, kv, pb, tok_lo, tok_hi), qmin, qmax);
     for (int t = warp; t < ntiles; t += kQPConsumers) {
       const int st = t % kQPStages;
       MbarWait(full0 + 8 * st, (t / kQPStages) & 1);
