@@ -54,7 +54,7 @@ def main():
         client.put_sequence("soak", 0, skeys, blocks, layout)
         q = rng.standard_normal((2, 16, 128)).astype(np.float32)
         qpos = np.array([seq_blocks * 16, seq_blocks * 16], np.int64)
-        ref_out, _ = client.attend("soak", seq_blocks, q, qpos)
+        ref_out, _ = client.attend("soak", layout, seq_blocks * 16, q, qpos)
         per_sec = defaultdict(lambda: defaultdict(list))  # second -> op -> latencies
         errors, mismatches = defaultdict(int), [0]
         stop = threading.Event()
@@ -96,7 +96,7 @@ def main():
                         client.lookup(keys)
                     else:
                         ts = time.time()
-                        out, _ = client.attend("soak", seq_blocks, q, qpos)
+                        out, _ = client.attend("soak", layout, seq_blocks * 16, q, qpos)
                         if np.max(np.abs(out - ref_out)) > 1e-5:
                             mismatches[0] += 1
                 except kvring.Error as e:

@@ -59,6 +59,19 @@ NamespaceId NamespaceIdOf(std::string_view namespace_name) {
   return XXH3_64bits(namespace_name.data(), namespace_name.size());
 }
 
+BlockKey SequenceBlockKey(NamespaceId ns, std::string_view sequence_id, uint64_t index, const BlockLayout& layout) {
+  std::string buf("kvring/seq/v1\0", 14);
+  AppendU64(&buf, ns);
+  AppendStr(&buf, sequence_id);
+  AppendU64(&buf, index);
+  AppendU32(&buf, layout.block_tokens);
+  AppendU32(&buf, layout.layers);
+  AppendU32(&buf, layout.kv_heads);
+  AppendU32(&buf, layout.head_dim);
+  buf.push_back(static_cast<char>(layout.dtype));
+  return Hash128(buf.data(), buf.size());
+}
+
 BlockKeyHasher::BlockKeyHasher(std::string model_id, std::string namespace_name, BlockLayout layout)
     : model_id_(std::move(model_id)),
       namespace_(std::move(namespace_name)),

@@ -21,7 +21,7 @@
 #include "kvring/common/flags.h"
 #include "kvring/common/process.h"
 #include "kvring/control/auth.h"
-#include "kvring/control/tls.h"
+#include "kvring/protocol/tls.h"
 
 using namespace kvring;
 using Clock = std::chrono::steady_clock;

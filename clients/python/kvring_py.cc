@@ -23,7 +23,7 @@
 #include "kvring/attention/merge.h"
 #include "kvring/cache/quantize.h"
 #include "kvring/client/client.h"
-#include "kvring/control/tls.h"
+#include "kvring/protocol/tls.h"
 
 namespace py = pybind11;
 
@@ -290,9 +290,9 @@ class PyClient {
   }
 
   // (out [rows, q_heads, head_dim] f32, lse [rows, q_heads] f32) of q over
-  // blocks [0, num_blocks) of the sequence; with report=True also a dict of
-  // what it took (shards, blocks, bytes sent and received, seconds).
-  py::object Attend(const std::string& sequence_id, uint64_t num_blocks, const py::array& q,
+  // the first num_tokens tokens of the sequence; with report=True also a dict
+  // of what it took (shards, blocks, bytes sent and received, seconds).
+  py::object Attend(const std::string& sequence_id, const BlockLayout& layout, uint64_t num_tokens, const py::array& q,
                     const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& positions, uint32_t layer,
                     bool causal, float softmax_scale, int64_t window, bool report) {
     if (q.ndim() != 3) Raise(absl::InvalidArgumentError("q must have shape (rows, q_heads, head_dim)"));
@@ -320,7 +320,7 @@ class PyClient {
     absl::StatusOr<PartialResult> r;
     {
       py::gil_scoped_release nogil;
-      r = c_->Attend(sequence_id, num_blocks, qt, o, &rep);
+      r = c_->Attend(sequence_id, layout, num_tokens, qt, o, &rep);
     }
     PartialResult p = Value(std::move(r));
     py::array_t<float> out({rows, heads, dim});
@@ -471,7 +471,7 @@ PYBIND11_MODULE(_kvring, m) {
            py::arg("keys"))
       .def("unpin", [](PyClient& c, const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& k) { c.Pin(k, true); },
            py::arg("keys"))
-      .def("attend", &PyClient::Attend, py::arg("sequence_id"), py::arg("num_blocks"), py::arg("q"), py::arg("positions"),
+      .def("attend", &PyClient::Attend, py::arg("sequence_id"), py::arg("layout"), py::arg("num_tokens"), py::arg("q"), py::arg("positions"),
            py::arg("layer") = 0, py::arg("causal") = true, py::arg("softmax_scale") = 0.0f, py::arg("window") = 0,
            py::arg("report") = false)
       .def("stats", &PyClient::Stats);

@@ -38,25 +38,6 @@ absl::StatusOr<std::string> BearerToken(const grpc::ServerContext& ctx) {
   return v.substr(7);
 }
 
-grpc::Status ToGrpc(const absl::Status& s) {
-  if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-
-absl::Status FromGrpc(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
-
-absl::StatusOr<std::string> ResolveNamespace(const v1::Tenant& tenant, const std::string& requested) {
-  if (requested.empty() || requested == tenant.namespace_()) return tenant.namespace_();
-  for (const auto& s : tenant.shared_namespaces()) {
-    if (s == requested) return s;
-  }
-  return absl::PermissionDeniedError(
-      absl::StrCat("tenant '", tenant.name(), "' may not use namespace '", requested, "'"));
-}
-
 void TenantDirectory::Update(const v1::TenantTable& table) {
   absl::MutexLock l(&mu_);
   if (table.tenants_version() < version_) return;

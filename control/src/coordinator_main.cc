@@ -13,7 +13,7 @@
 #include "kvring/common/logging.h"
 #include "kvring/common/process.h"
 #include "kvring/control/coordinator_service.h"
-#include "kvring/control/tls.h"
+#include "kvring/protocol/tls.h"
 
 using namespace kvring;
 

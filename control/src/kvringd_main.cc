@@ -16,7 +16,8 @@
 #include "kvring/common/logging.h"
 #include "kvring/common/process.h"
 #include "kvring/control/coordinator_link.h"
-#include "kvring/control/tls.h"
+#include "kvring/control/cpu_attention_backend.h"
+#include "kvring/protocol/tls.h"
 #include "kvring/control/metadata_store.h"
 #include "kvring/control/node_core.h"
 #include "kvring/control/node_service.h"
@@ -149,7 +150,9 @@ int main(int argc, char** argv) {
   co.node_id = *id;
   co.limits.max_payload_bytes = page_bytes;
   co.limits.max_request_bytes = max_message;
-  NodeCore core(co, store->get(), seqs->get(), &tenants, &pool, &metrics);
+  CpuAttentionBackend cpu_backend(store->get(), &pool);
+  AttentionBackend* backend = &cpu_backend;
+  NodeCore core(co, store->get(), seqs->get(), backend, &tenants, &metrics);
   NodeService service(&core);
 
   grpc::ServerBuilder builder;

@@ -3,8 +3,8 @@
 #include <chrono>
 #include <cstring>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "kvring/attention/partial_attention.h"
 #include "kvring/cache/quantize.h"
 #include "kvring/common/logging.h"
 #include "kvring/common/status_macros.h"
@@ -27,15 +27,20 @@ class OpScope {
 };
 
 namespace {
-void SetStatus(const absl::Status& s, v1::Status* out) {
-  out->set_code(static_cast<int32_t>(s.code()));
-  out->set_message(std::string(s.message()));
+void SetStatus(const absl::Status& s, v1::Status* out) { StatusToProto(s, out); }
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 }  // namespace
 
-NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* sequences, TenantDirectory* tenants,
-                   ThreadPool* pool, MetricsRegistry* metrics)
-    : options_(std::move(options)), store_(store), sequences_(sequences), tenants_(tenants), pool_(pool), metrics_(metrics) {
+NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* sequences, AttentionBackend* backend,
+                   TenantDirectory* tenants, MetricsRegistry* metrics)
+    : options_(std::move(options)),
+      store_(store),
+      sequences_(sequences),
+      backend_(backend),
+      tenants_(tenants),
+      metrics_(metrics) {
   lookup_ = Op("lookup");
   put_ = Op("put");
   get_ = Op("get");
@@ -45,6 +50,9 @@ NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* se
   put_bytes_ = metrics_->Counter("kvring_put_bytes_total", "Payload bytes accepted by Put");
   quantized_ = metrics_->Counter("kvring_quantized_blocks_total", "Plain blocks quantized by this node at Put");
   get_bytes_ = metrics_->Counter("kvring_get_bytes_total", "Payload bytes served by Get");
+  appended_tokens_ = metrics_->Counter("kvring_appended_tokens_total", "Tokens appended to attention sequences (per layer)");
+  sealed_blocks_ = metrics_->Counter("kvring_sealed_blocks_total", "Blocks built from appends and stored");
+  attend_kernel_ = metrics_->Histogram("kvring_attend_kernel_seconds", "Time of the attention computation of an Attend");
 }
 
 NodeCore::OpMetrics NodeCore::Op(const std::string& name) {
@@ -56,7 +64,11 @@ NodeCore::OpMetrics NodeCore::Op(const std::string& name) {
 
 absl::StatusOr<NamespaceId> NodeCore::Namespace(const v1::Tenant& t, const v1::RequestHeader& h) const {
   KVRING_RETURN_IF_ERROR(ValidateHeader(h, options_.limits));
-  KVRING_ASSIGN_OR_RETURN(std::string ns, ResolveNamespace(t, h.namespace_()));
+  return Namespace(t, h.namespace_());
+}
+
+absl::StatusOr<NamespaceId> NodeCore::Namespace(const v1::Tenant& t, const std::string& requested) const {
+  KVRING_ASSIGN_OR_RETURN(std::string ns, ResolveNamespace(t, requested));
   return NamespaceIdOf(ns);
 }
 
@@ -65,6 +77,7 @@ void NodeCore::ApplyQuotas() {
     TenantQuota q;
     if (t.max_pinned_bytes() > 0) q.max_pinned_bytes = t.max_pinned_bytes();
     store_->SetTenantQuota(t.id(), q);
+    backend_->SetTenantQuota(t.id(), q.max_pinned_bytes);
   }
 }
 
@@ -137,10 +150,37 @@ absl::Status NodeCore::Put(const v1::Tenant& t, const v1::PutRequest& req,
     a.parent = KeyFromProto(b.block().parent());
     a.meta = meta;
     a.pin = b.pin();
-    absl::StatusOr<PutResult> pr = store_->Put(a, payload);
-    if (pr.ok() && b.has_sequence()) {
-      absl::Status s = sequences_->Record(*ns, b.sequence().sequence_id(), b.sequence().block_index(), a.key);
-      if (!s.ok()) pr = s;
+    absl::StatusOr<PutResult> pr;
+    if (b.has_sequence()) {
+      // The sequence's lock covers the store write, so an append never
+      // races a Put of the same block.
+      SequenceTable::Handle h = sequences_->Lock(*ns, b.sequence().sequence_id());
+      const uint64_t index = b.sequence().block_index();
+      SequenceState& st = h.state();
+      if (st.open.count(index)) {
+        pr = absl::FailedPreconditionError(absl::StrCat("block ", index, " of sequence '", h.id(),
+                                                        "' is being filled by appends on this node"));
+      } else if (st.layout.has_value() && !(*st.layout == meta.layout)) {
+        pr = absl::FailedPreconditionError(absl::StrCat("block ", index, " of sequence '", h.id(),
+                                                        "' has another layout than the sequence's blocks"));
+      } else if (!st.blocks.empty() && st.layout.has_value() && !(st.encoding == meta.encoding)) {
+        pr = absl::FailedPreconditionError(absl::StrCat("block ", index, " of sequence '", h.id(),
+                                                        "' has another encoding than the sequence's blocks"));
+      } else {
+        pr = store_->Put(a, payload);
+        if (pr.ok()) {
+          if (absl::Status s = h.Record(index, a.key); !s.ok()) {
+            pr = s;
+          } else {
+            st.layout = meta.layout;
+            st.encoding = meta.encoding;
+            absl::Status adm = backend_->AdmitBlock(SequenceRef{*ns, h.id(), t.id()}, index, a.key, meta, payload);
+            if (!adm.ok()) KVRING_LOG(DEBUG) << "sequence block not admitted to the backend: " << adm;
+          }
+        }
+      }
+    } else {
+      pr = store_->Put(a, payload);
     }
     SetStatus(pr.status(), r->mutable_status());
     if (pr.ok()) {
@@ -207,68 +247,234 @@ absl::Status NodeCore::Pin(const v1::Tenant& t, const v1::PinRequest& req, v1::P
   return op.Done(absl::OkStatus());
 }
 
-absl::Status NodeCore::Attend(const v1::Tenant& t, const v1::AttendRequest& req, v1::AttendResponse* resp) {
+absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_ns, const AttendBatch& b,
+                             PartialOutput out, AttendStats* stats) {
   OpScope op(attend_);
-  auto ns = Namespace(t, req.header());
-  if (!ns.ok()) return op.Done(ns.status());
-  if (absl::Status s = ValidateAttendRequest(req, options_.limits); !s.ok()) return op.Done(s);
-  std::vector<uint64_t> indices(req.block_indices().begin(), req.block_indices().end());
-  absl::StatusOr<std::vector<BlockKey>> keys = sequences_->Resolve(*ns, req.sequence_id(), indices);
-  if (!keys.ok()) return op.Done(keys.status());
-  std::vector<PinnedBlock> held;
-  std::vector<KvBlockRef> refs;
-  held.reserve(keys->size());
-  BlockLayout layout;
-  KvEncoding enc;
-  for (size_t i = 0; i < keys->size(); ++i) {
-    absl::StatusOr<PinnedBlock> b = store_->Acquire(*ns, (*keys)[i]);
-    if (!b.ok()) {
-      return op.Done(absl::Status(b.status().code(), absl::StrCat("sequence '", req.sequence_id(), "' block ", indices[i],
-                                                                  ": ", b.status().message())));
-    }
-    if (i == 0) {
-      layout = b->meta().layout;
-      enc = b->meta().encoding;
-    } else if (!(b->meta().layout == layout) || !(b->meta().encoding == enc)) {
-      return op.Done(absl::FailedPreconditionError("the blocks of one sequence have different layouts or encodings"));
-    }
-    refs.push_back(KvBlockRef{b->payload().data(), static_cast<int64_t>(indices[i] * b->meta().layout.block_tokens),
-                              b->meta().layout.block_tokens});
-    held.push_back(std::move(*b));
-  }
-  if (held.empty()) {
-    layout.head_dim = req.head_dim();
-    layout.kv_heads = 1;
-  }
-  if (layout.head_dim != req.head_dim()) {
-    return op.Done(absl::InvalidArgumentError(absl::StrCat("query head_dim ", req.head_dim(), " but the sequence's blocks have ",
-                                                           layout.head_dim)));
-  }
-  std::vector<uint32_t> begin{0, static_cast<uint32_t>(refs.size())};
-  PagedKv kv{layout, enc, refs, begin};
-  std::vector<int64_t> positions(req.positions().begin(), req.positions().end());
-  QueryTensor q{req.queries().data(), static_cast<DType>(req.q_dtype()), req.num_rows(), req.q_heads(), req.head_dim(),
-                positions.data(), nullptr};
-  AttentionOptions o;
-  o.layer = req.layer();
-  o.causal = req.causal();
-  o.window = req.window();
-  o.softmax_scale = req.softmax_scale();
-  PartialResult out(req.num_rows(), req.q_heads(), req.head_dim());
   const auto t0 = std::chrono::steady_clock::now();
-  if (held.empty()) {
-    std::fill(out.lse.begin(), out.lse.end(), -std::numeric_limits<float>::infinity());
-  } else if (absl::Status s = PartialAttention(o, q, kv, out.view(), pool_); !s.ok()) {
+  auto ns = Namespace(t, requested_ns);
+  if (!ns.ok()) return op.Done(ns.status());
+  std::vector<std::string> ids;
+  ids.reserve(b.sequences.size());
+  for (const auto& s : b.sequences) ids.push_back(s.sequence_id);
+  std::vector<SequenceTable::Handle> hs = sequences_->LockMany(*ns, ids);
+
+  // One layout and one encoding for the step: the sequences' own, or the
+  // request's for a sequence this node has not seen yet.
+  std::optional<BlockLayout> layout = b.layout;
+  std::optional<KvEncoding> encoding;
+  std::vector<bool> learned(hs.size(), false);
+  for (size_t i = 0; i < hs.size(); ++i) {
+    SequenceState& st = hs[i].state();
+    const AttendSequenceSpec& spec = b.sequences[i];
+    auto err = [&](absl::StatusCode code, absl::string_view why) {
+      return op.Done(absl::Status(code, absl::StrCat("sequence '", spec.sequence_id, "': ", why)));
+    };
+    if (!st.layout.has_value() && !st.blocks.empty()) {
+      // Learn it from a block (after a restart the table holds only keys).
+      absl::StatusOr<PinnedBlock> pb = store_->Acquire(*ns, st.blocks.begin()->second);
+      if (!pb.ok()) return err(pb.status().code(), absl::StrCat("block ", st.blocks.begin()->first, ": ", pb.status().message()));
+      st.layout = pb->meta().layout;
+      st.encoding = pb->meta().encoding;
+    }
+    if (!st.layout.has_value()) {
+      if (spec.append_tokens == 0) return err(absl::StatusCode::kNotFound, "no blocks on this node");
+      learned[i] = true;  // set once the step succeeds
+    } else {
+      if (b.layout.has_value() && !(*b.layout == *st.layout)) {
+        return err(absl::StatusCode::kFailedPrecondition, "the request's layout differs from the sequence's blocks");
+      }
+      if (!layout.has_value()) layout = st.layout;
+      if (!(*layout == *st.layout)) {
+        return op.Done(absl::InvalidArgumentError("the sequences of one Attend must share one block layout"));
+      }
+    }
+    const KvEncoding e = st.blocks.empty() ? KvEncoding{} : st.encoding;
+    if (e.quantized() && spec.append_tokens > 0) {
+      return err(absl::StatusCode::kFailedPrecondition, "appends to a sequence of quantized blocks are not supported");
+    }
+    if (encoding.has_value() && !(*encoding == e)) {
+      return op.Done(absl::InvalidArgumentError("the sequences of one Attend must share one KV encoding"));
+    }
+    encoding = e;
+  }
+  const BlockLayout& L = *layout;
+  const uint32_t bt = L.block_tokens, layer = b.options.layer;
+  if (L.head_dim != b.head_dim) {
+    return op.Done(absl::InvalidArgumentError(absl::StrCat("query head_dim ", b.head_dim, " but the sequences' blocks have ", L.head_dim)));
+  }
+  if (b.q_heads % L.kv_heads != 0) {
+    return op.Done(absl::InvalidArgumentError(absl::StrCat("q_heads ", b.q_heads, " is not a multiple of the blocks' kv_heads ", L.kv_heads)));
+  }
+  if (layer >= L.layers) {
+    return op.Done(absl::InvalidArgumentError(absl::StrCat("layer ", layer, " but the blocks have ", L.layers, " layers")));
+  }
+
+  // The plan: appends (each continues its layer's tail here), then reads.
+  StepPlan plan;
+  plan.layout = L;
+  plan.encoding = *encoding;
+  plan.options = b.options;
+  plan.num_rows = b.num_rows;
+  plan.q_heads = b.q_heads;
+  plan.head_dim = b.head_dim;
+  plan.q_dtype = b.q_dtype;
+  plan.queries = b.queries;
+  plan.positions = b.positions;
+  plan.new_k = b.new_k;
+  plan.new_v = b.new_v;
+  std::vector<std::pair<size_t, uint64_t>> to_open;
+  uint32_t row = 0, arow = 0, nblocks = 0;
+  for (size_t i = 0; i < hs.size(); ++i) {
+    SequenceState& st = hs[i].state();
+    const AttendSequenceSpec& spec = b.sequences[i];
+    auto err = [&](absl::StatusCode code, absl::string_view why) {
+      return op.Done(absl::Status(code, absl::StrCat("sequence '", spec.sequence_id, "': ", why)));
+    };
+    StepSequence ss;
+    ss.seq = SequenceRef{*ns, spec.sequence_id, t.id()};
+    ss.row_begin = row;
+    ss.rows = spec.rows;
+    row += spec.rows;
+    absl::flat_hash_map<uint64_t, uint32_t> filled_after;  // blocks this request appends to: tokens after it
+    for (uint64_t p = spec.append_position, left = spec.append_tokens, src = arow; left > 0;) {
+      const uint64_t idx = p / bt;
+      const uint32_t off = static_cast<uint32_t>(p % bt);
+      const uint32_t cnt = static_cast<uint32_t>(std::min<uint64_t>(left, bt - off));
+      if (st.blocks.count(idx)) {
+        return err(absl::StatusCode::kFailedPrecondition,
+                   absl::StrCat("append at position ", p, ": block ", idx, " is already complete on this node"));
+      }
+      auto o = st.open.find(idx);
+      if (o != st.open.end()) {
+        if (o->second.filled[layer] != off) {
+          return err(absl::StatusCode::kFailedPrecondition,
+                     absl::StrCat("append at position ", p, " but block ", idx, " holds ", o->second.filled[layer],
+                                  " tokens of layer ", layer, " on this node"));
+        }
+      } else if (off != 0) {
+        return err(absl::StatusCode::kFailedPrecondition,
+                   absl::StrCat("append at position ", p, " starts inside block ", idx, ", which this node is not filling"));
+      } else {
+        to_open.emplace_back(i, idx);
+      }
+      ss.appends.push_back(StepAppend{idx, off, cnt, static_cast<uint32_t>(src)});
+      filled_after[idx] = off + cnt;
+      p += cnt;
+      left -= cnt;
+      src += cnt;
+    }
+    arow += spec.append_tokens;
+    const uint64_t last_block = (spec.tokens + bt - 1) / bt;
+    for (const BlockRange& rg : spec.ranges) {
+      if (rg.end > last_block) {
+        return op.Done(absl::InvalidArgumentError(absl::StrCat("sequence '", spec.sequence_id, "': block range ends at ",
+                                                                rg.end, " but ", spec.tokens, " tokens fill only ", last_block,
+                                                                " blocks")));
+      }
+      for (uint64_t idx = rg.begin; idx < rg.end; ++idx) {
+        const uint32_t expect = static_cast<uint32_t>(std::min<uint64_t>(bt, spec.tokens - idx * bt));
+        auto full = st.blocks.find(idx);
+        if (full != st.blocks.end()) {
+          if (expect != bt) {
+            return err(absl::StatusCode::kFailedPrecondition,
+                       absl::StrCat("block ", idx, " is complete here, but ", spec.tokens, " tokens end inside it"));
+          }
+          ss.blocks.push_back(StepBlock{idx, bt, full->second});
+          continue;
+        }
+        auto fa = filled_after.find(idx);
+        auto o = st.open.find(idx);
+        if (fa == filled_after.end() && o == st.open.end()) {
+          return err(absl::StatusCode::kNotFound, absl::StrCat("block ", idx, " is not on this node"));
+        }
+        const uint32_t have = fa != filled_after.end() ? fa->second : o->second.filled[layer];
+        if (have != expect) {
+          return err(absl::StatusCode::kNotFound, absl::StrCat("block ", idx, " holds ", have, " of ", expect, " tokens of layer ",
+                                                               layer, " on this node"));
+        }
+        ss.blocks.push_back(StepBlock{idx, expect, BlockKey{}});
+      }
+    }
+    nblocks += static_cast<uint32_t>(ss.blocks.size());
+    plan.sequences.push_back(std::move(ss));
+  }
+
+  // Apply: open the new blocks, run the step, then advance the counts.
+  size_t opened = 0;
+  absl::Status s = absl::OkStatus();
+  for (; opened < to_open.size() && s.ok(); ++opened) {
+    s = backend_->OpenBlock(plan.sequences[to_open[opened].first].seq, to_open[opened].second, L);
+    if (!s.ok()) break;
+  }
+  StepTimes times;
+  if (s.ok()) s = backend_->Step(plan, out, &times);
+  if (!s.ok()) {
+    for (size_t k = 0; k < opened; ++k) backend_->DiscardOpenBlock(plan.sequences[to_open[k].first].seq, to_open[k].second);
     return op.Done(s);
   }
-  resp->set_compute_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  resp->set_num_rows(req.num_rows());
-  resp->set_q_heads(req.q_heads());
-  resp->set_head_dim(req.head_dim());
-  resp->set_out(reinterpret_cast<const char*>(out.out.data()), out.out.size() * 4);
-  resp->set_lse(reinterpret_cast<const char*>(out.lse.data()), out.lse.size() * 4);
-  resp->set_blocks_used(static_cast<uint32_t>(held.size()));
+  uint32_t appended = 0, sealed = 0;
+  for (size_t i = 0; i < hs.size(); ++i) {
+    SequenceState& st = hs[i].state();
+    if (learned[i]) {
+      st.layout = L;
+      st.encoding = KvEncoding{};
+    }
+    for (const StepAppend& a : plan.sequences[i].appends) {
+      OpenBlockState& ob = st.open[a.index];
+      if (ob.filled.empty()) ob.filled.assign(L.layers, 0);
+      ob.filled[layer] = a.offset + a.count;
+      appended += a.count;
+    }
+    if (!plan.sequences[i].appends.empty()) sealed += SealCompleteBlocks(t.id(), hs[i]);
+  }
+  appended_tokens_->Add(appended);
+  attend_kernel_->Observe(times.kernel_seconds);
+  if (stats != nullptr) {
+    stats->blocks_used = nblocks;
+    stats->appended_tokens = appended;
+    stats->completed_blocks = sealed;
+    stats->kernel_seconds = times.kernel_seconds;
+    stats->copy_seconds = times.copy_seconds;
+    stats->compute_seconds = Since(t0);
+    stats->backend = backend_->name();
+  }
   return op.Done(absl::OkStatus());
+}
+
+uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h) {
+  SequenceState& st = h.state();
+  const BlockLayout& L = *st.layout;
+  uint32_t sealed = 0;
+  std::vector<uint8_t> buf;
+  for (auto it = st.open.begin(); it != st.open.end();) {
+    if (!it->second.Complete(L.block_tokens)) {
+      ++it;
+      continue;
+    }
+    const uint64_t idx = it->first;
+    const SequenceRef ref{h.ns(), h.id(), tenant};
+    PutArgs a;
+    a.tenant = tenant;
+    a.ns = h.ns();
+    a.key = SequenceBlockKey(h.ns(), h.id(), idx, L);
+    a.meta.layout = L;
+    a.meta.payload_bytes = static_cast<uint32_t>(L.bytes());
+    buf.resize(L.bytes());
+    absl::Status s = backend_->ReadOpenBlock(ref, idx, absl::MakeSpan(buf));
+    if (s.ok()) s = store_->Put(a, buf).status();
+    if (s.ok()) s = h.Record(idx, a.key);
+    if (!s.ok()) {
+      // Left open (its bytes stay in the backend); the next append retries.
+      KVRING_LOG(WARNING) << "sequence '" << h.id() << "' block " << idx << " is complete but not stored yet: " << s;
+      ++it;
+      continue;
+    }
+    backend_->SealBlock(ref, idx, a.key);
+    it = st.open.erase(it);
+    ++sealed;
+  }
+  sealed_blocks_->Add(sealed);
+  return sealed;
 }
 
 absl::Status NodeCore::Stats(const v1::Tenant& t, const v1::StatsRequest& req, v1::StatsResponse* resp) {
@@ -299,6 +505,16 @@ absl::Status NodeCore::Stats(const v1::Tenant& t, const v1::StatsRequest& req, v
     resp->set_cold_raw_bytes(c.raw_bytes);
   }
   resp->set_ucx_address(options_.ucx_address);
+  const BackendStats bs = backend_->stats();
+  resp->set_backend(bs.name);
+  resp->set_hbm_pages(bs.pages);
+  resp->set_hbm_free_pages(bs.free_pages);
+  resp->set_hbm_page_bytes(bs.page_bytes);
+  resp->set_hbm_blocks(bs.resident_blocks);
+  resp->set_hbm_hits(bs.hits);
+  resp->set_hbm_misses(bs.misses);
+  resp->set_hbm_demotions(bs.demotions);
+  resp->set_open_blocks(sequences_->open_blocks());
   return op.Done(absl::OkStatus());
 }
 

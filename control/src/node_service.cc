@@ -1,5 +1,7 @@
 #include "kvring/control/node_service.h"
 
+#include <cstring>
+
 namespace kvring {
 
 #define KVRING_NODE_RPC(Name, Req, Resp, call)                                                        \
@@ -13,9 +15,45 @@ KVRING_NODE_RPC(Lookup, LookupRequest, LookupResponse, core_->Lookup(*t, *req, r
 KVRING_NODE_RPC(Put, PutRequest, PutResponse, core_->Put(*t, *req, {}, resp))
 KVRING_NODE_RPC(Get, GetRequest, GetResponse, core_->Get(*t, *req, resp))
 KVRING_NODE_RPC(Pin, PinRequest, PinResponse, core_->Pin(*t, *req, resp))
-KVRING_NODE_RPC(Attend, AttendRequest, AttendResponse, core_->Attend(*t, *req, resp))
 KVRING_NODE_RPC(Stats, StatsRequest, StatsResponse, core_->Stats(*t, *req, resp))
 
 #undef KVRING_NODE_RPC
+
+absl::Status AttendInto(NodeCore& core, const v1::Tenant& t, const v1::AttendRequest& req, const AttendBatch& batch,
+                        v1::AttendResponse* resp, PartialOutput out) {
+  AttendStats st;
+  absl::Status s = core.Attend(t, req.header().namespace_(), batch, out, &st);
+  if (!s.ok()) return s;
+  resp->set_num_rows(batch.num_rows);
+  resp->set_q_heads(batch.q_heads);
+  resp->set_head_dim(batch.head_dim);
+  resp->set_blocks_used(st.blocks_used);
+  resp->set_compute_seconds(st.compute_seconds);
+  resp->set_kernel_seconds(st.kernel_seconds);
+  resp->set_copy_seconds(st.copy_seconds);
+  resp->set_appended_tokens(st.appended_tokens);
+  resp->set_completed_blocks(st.completed_blocks);
+  resp->set_backend(st.backend);
+  return absl::OkStatus();
+}
+
+grpc::Status NodeService::Attend(grpc::ServerContext* ctx, const v1::AttendRequest* req, v1::AttendResponse* resp) {
+  absl::StatusOr<v1::Tenant> t = core_->tenants()->Authenticate(*ctx);
+  if (!t.ok()) return ToGrpc(t.status());
+  absl::StatusOr<AttendBatch> batch = ParseAttendRequest(*req, core_->limits());
+  if (!batch.ok()) return ToGrpc(batch.status());
+  // The output is written straight into the response's bytes fields.
+  std::string* out = resp->mutable_out();
+  std::string* lse = resp->mutable_lse();
+  out->resize(size_t{batch->num_rows} * batch->q_heads * batch->head_dim * sizeof(float));
+  lse->resize(size_t{batch->num_rows} * batch->q_heads * sizeof(float));
+  absl::Status s = AttendInto(*core_, *t, *req, *batch, resp,
+                              PartialOutput{reinterpret_cast<float*>(out->data()), reinterpret_cast<float*>(lse->data())});
+  if (!s.ok()) {
+    resp->clear_out();
+    resp->clear_lse();
+  }
+  return ToGrpc(s);
+}
 
 }  // namespace kvring

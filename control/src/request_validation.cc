@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "absl/container/flat_hash_set.h"
+
 #include "absl/strings/str_cat.h"
 #include "kvring/common/status_macros.h"
 #include "kvring/layout/kv_encoding.h"
@@ -17,45 +19,12 @@ absl::Status ValidateHeader(const v1::RequestHeader& h, const RequestLimits& lim
   return absl::OkStatus();
 }
 
-absl::StatusOr<BlockLayout> LayoutFromProto(const v1::Layout& l) {
-  if (l.dtype() > static_cast<uint32_t>(DType::kBF16)) {
-    return absl::InvalidArgumentError(absl::StrCat("layout dtype ", l.dtype(), " is not f32 (0), f16 (1) or bf16 (2)"));
-  }
-  BlockLayout out{l.block_tokens(), l.layers(), l.kv_heads(), l.head_dim(), static_cast<DType>(l.dtype())};
-  const char* why = nullptr;
-  if (!out.IsValid(&why)) return absl::InvalidArgumentError(absl::StrCat("bad layout: ", why));
-  return out;
-}
-
-void LayoutToProto(const BlockLayout& l, v1::Layout* out) {
-  out->set_block_tokens(l.block_tokens);
-  out->set_layers(l.layers);
-  out->set_kv_heads(l.kv_heads);
-  out->set_head_dim(l.head_dim);
-  out->set_dtype(static_cast<uint32_t>(l.dtype));
-}
-
-BlockKey KeyFromProto(const v1::Key& k) { return BlockKey{k.lo(), k.hi()}; }
-void KeyToProto(const BlockKey& k, v1::Key* out) {
-  out->set_lo(k.lo);
-  out->set_hi(k.hi);
-}
-
 absl::Status ValidateKeys(const google::protobuf::RepeatedPtrField<v1::Key>& keys, const RequestLimits& limits) {
   if (static_cast<uint64_t>(keys.size()) > limits.max_keys) {
     return absl::InvalidArgumentError(absl::StrCat(keys.size(), " keys in one request; the limit is ", limits.max_keys));
   }
   for (int i = 0; i < keys.size(); ++i) {
     if (keys[i].lo() == 0 && keys[i].hi() == 0) return absl::InvalidArgumentError(absl::StrCat("key ", i, " is zero"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ValidateSequenceId(const std::string& id, const RequestLimits& limits) {
-  if (id.empty()) return absl::InvalidArgumentError("sequence_id is empty");
-  if (id.size() > limits.max_sequence_id_bytes) return absl::InvalidArgumentError("sequence_id too long");
-  for (unsigned char c : id) {
-    if (c < 0x21 || c > 0x7e || c == '/') return absl::InvalidArgumentError("sequence_id must be printable ASCII without '/' or spaces");
   }
   return absl::OkStatus();
 }
@@ -81,7 +50,7 @@ absl::Status ValidatePutBlock(const v1::PutBlock& b, const RequestLimits& limits
   if (!payload_external && b.payload().size() != expected) {
     return absl::InvalidArgumentError(absl::StrCat("payload has ", b.payload().size(), " bytes; the header says ", expected));
   }
-  if (b.has_sequence()) KVRING_RETURN_IF_ERROR(ValidateSequenceId(b.sequence().sequence_id(), limits));
+  if (b.has_sequence()) KVRING_RETURN_IF_ERROR(ValidateSequenceId(b.sequence().sequence_id(), limits.max_sequence_id_bytes));
   meta->layout = layout;
   meta->encoding = enc;
   meta->payload_bytes = static_cast<uint32_t>(expected);
@@ -105,33 +74,159 @@ absl::Status ValidatePutRequest(const v1::PutRequest& r, const RequestLimits& li
   return absl::OkStatus();
 }
 
-absl::Status ValidateAttendRequest(const v1::AttendRequest& r, const RequestLimits& limits) {
-  KVRING_RETURN_IF_ERROR(ValidateHeader(r.header(), limits));
-  KVRING_RETURN_IF_ERROR(ValidateSequenceId(r.sequence_id(), limits));
-  if (r.num_rows() == 0 || r.num_rows() > limits.max_attend_rows) {
-    return absl::InvalidArgumentError(absl::StrCat("num_rows must be in [1, ", limits.max_attend_rows, "]"));
+AttendPayloadSizes AttendPayloadSizesOf(const v1::AttendRequest& r) {
+  AttendPayloadSizes z;
+  if (r.q_dtype() <= static_cast<uint32_t>(DType::kBF16)) {
+    z.queries = uint64_t{r.num_rows()} * r.q_heads() * r.head_dim() * DTypeSize(static_cast<DType>(r.q_dtype()));
   }
+  uint64_t rows = 0;
+  for (const auto& s : r.sequences()) rows += s.append_tokens();
+  if (r.has_layout() && r.layout().dtype() <= static_cast<uint32_t>(DType::kBF16)) {
+    z.new_k = z.new_v = rows * r.layout().kv_heads() * r.layout().head_dim() * DTypeSize(static_cast<DType>(r.layout().dtype()));
+  }
+  return z;
+}
+
+absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const RequestLimits& limits,
+                                               std::optional<absl::Span<const uint8_t>> external) {
+  KVRING_RETURN_IF_ERROR(ValidateHeader(r.header(), limits));
+  AttendBatch b;
   if (r.q_heads() == 0 || r.q_heads() > 1024) return absl::InvalidArgumentError("q_heads must be in [1, 1024]");
   if (r.head_dim() == 0 || r.head_dim() > kMaxHeadDim || r.head_dim() % 8 != 0) {
     return absl::InvalidArgumentError("head_dim must be a multiple of 8 in [8, 512]");
   }
   if (r.q_dtype() > static_cast<uint32_t>(DType::kBF16)) return absl::InvalidArgumentError("q_dtype must be f32, f16 or bf16");
-  const uint64_t bytes = uint64_t{r.num_rows()} * r.q_heads() * r.head_dim() * DTypeSize(static_cast<DType>(r.q_dtype()));
-  if (r.queries().size() != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("queries have ", r.queries().size(), " bytes; num_rows x q_heads x head_dim x dtype = ", bytes));
+  if (r.num_rows() > limits.max_attend_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("num_rows ", r.num_rows(), " is over the limit of ", limits.max_attend_rows));
   }
-  if (static_cast<uint32_t>(r.positions_size()) != r.num_rows()) {
-    return absl::InvalidArgumentError(absl::StrCat(r.positions_size(), " positions for ", r.num_rows(), " query rows"));
-  }
-  for (int64_t p : r.positions()) {
-    if (p < 0) return absl::InvalidArgumentError("query positions must be >= 0");
-  }
-  if (static_cast<uint64_t>(r.block_indices_size()) > limits.max_attend_blocks) {
-    return absl::InvalidArgumentError("too many block indices");
-  }
+  if (r.layer() >= kMaxLayers) return absl::InvalidArgumentError(absl::StrCat("layer ", r.layer(), " out of range"));
   if (r.window() < 0) return absl::InvalidArgumentError("window must be >= 0");
-  if (!std::isfinite(r.softmax_scale()) || r.softmax_scale() < 0) return absl::InvalidArgumentError("softmax_scale must be finite and >= 0");
-  return absl::OkStatus();
+  if (!std::isfinite(r.softmax_scale()) || r.softmax_scale() < 0) {
+    return absl::InvalidArgumentError("softmax_scale must be finite and >= 0");
+  }
+  if (r.sequences_size() == 0) return absl::InvalidArgumentError("an Attend names at least one sequence");
+  if (static_cast<uint64_t>(r.sequences_size()) > limits.max_attend_sequences) {
+    return absl::InvalidArgumentError(absl::StrCat(r.sequences_size(), " sequences in one Attend; the limit is ",
+                                                   limits.max_attend_sequences));
+  }
+  b.options.layer = r.layer();
+  b.options.causal = r.causal();
+  b.options.window = r.window();
+  b.options.softmax_scale = r.softmax_scale();
+  b.num_rows = r.num_rows();
+  b.q_heads = r.q_heads();
+  b.head_dim = r.head_dim();
+  b.q_dtype = static_cast<DType>(r.q_dtype());
+  if (r.has_layout()) {
+    KVRING_ASSIGN_OR_RETURN(BlockLayout l, LayoutFromProto(r.layout()));
+    if (l.head_dim != r.head_dim()) {
+      return absl::InvalidArgumentError(absl::StrCat("query head_dim ", r.head_dim(), " but the layout's is ", l.head_dim));
+    }
+    if (r.q_heads() % l.kv_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("q_heads ", r.q_heads(), " is not a multiple of kv_heads ", l.kv_heads));
+    }
+    if (r.layer() >= l.layers) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", r.layer(), " but the layout has ", l.layers, " layers"));
+    }
+    b.layout = l;
+  }
+  // Sequences: ids, ranges, rows and appends.
+  uint64_t rows = 0, blocks = 0, append = 0;
+  absl::flat_hash_set<std::string> seen;
+  b.sequences.reserve(r.sequences_size());
+  for (int i = 0; i < r.sequences_size(); ++i) {
+    const v1::AttendSequence& s = r.sequences(i);
+    auto bad = [&](absl::string_view why) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " ('", s.sequence_id().substr(0, 64), "'): ", why));
+    };
+    if (absl::Status st = ValidateSequenceId(s.sequence_id(), limits.max_sequence_id_bytes); !st.ok()) {
+      return bad(st.message());
+    }
+    if (!seen.insert(s.sequence_id()).second) return bad("named twice in one Attend");
+    AttendSequenceSpec spec;
+    spec.sequence_id = s.sequence_id();
+    spec.tokens = s.tokens();
+    spec.rows = s.rows();
+    spec.append_tokens = s.append_tokens();
+    spec.append_position = s.append_position();
+    if (spec.tokens > kMaxSequenceTokens) return bad(absl::StrCat("tokens over the limit of ", kMaxSequenceTokens));
+    uint64_t prev_end = 0;
+    for (int k = 0; k < s.ranges_size(); ++k) {
+      const BlockRange rg{s.ranges(k).begin(), s.ranges(k).end()};
+      if (rg.begin >= rg.end) return bad(absl::StrCat("block range ", k, " [", rg.begin, ", ", rg.end, ") is empty"));
+      if (k > 0 && rg.begin < prev_end) {
+        return bad(absl::StrCat("block range ", k, " overlaps or precedes the one before it: ranges must be sorted and disjoint"));
+      }
+      if (b.layout.has_value() && rg.end > (spec.tokens + b.layout->block_tokens - 1) / b.layout->block_tokens) {
+        return bad(absl::StrCat("block range ", k, " ends at ", rg.end, " but ", spec.tokens, " tokens fill only ",
+                                (spec.tokens + b.layout->block_tokens - 1) / b.layout->block_tokens, " blocks"));
+      }
+      if (rg.end > kMaxSequenceTokens) return bad("block range beyond the longest sequence");
+      blocks += rg.size();
+      if (blocks > limits.max_attend_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat("over ", limits.max_attend_blocks, " blocks in one Attend"));
+      }
+      prev_end = rg.end;
+      spec.ranges.push_back(rg);
+    }
+    if (spec.rows > 0 && spec.ranges.empty()) return bad("query rows but no blocks to attend over");
+    if (spec.rows == 0 && !spec.ranges.empty()) return bad("blocks to attend over but no query rows");
+    if (spec.rows == 0 && spec.append_tokens == 0) return bad("neither query rows nor appended tokens");
+    if (spec.append_tokens > 0) {
+      if (!b.layout.has_value()) return bad("appending needs the request's layout");
+      if (spec.append_position + spec.append_tokens > spec.tokens) {
+        return bad(absl::StrCat("appends tokens [", spec.append_position, ", ", spec.append_position + spec.append_tokens,
+                                ") beyond the sequence's ", spec.tokens, " tokens"));
+      }
+    }
+    rows += spec.rows;
+    append += spec.append_tokens;
+    b.sequences.push_back(std::move(spec));
+  }
+  if (rows != r.num_rows()) {
+    return absl::InvalidArgumentError(absl::StrCat("the sequences have ", rows, " query rows in all; num_rows says ", r.num_rows()));
+  }
+  if (append > limits.max_attend_rows) {
+    return absl::InvalidArgumentError(absl::StrCat(append, " appended tokens; the limit is ", limits.max_attend_rows));
+  }
+  if (static_cast<uint64_t>(r.positions_size()) != rows) {
+    return absl::InvalidArgumentError(absl::StrCat(r.positions_size(), " positions for ", rows, " query rows"));
+  }
+  b.positions.assign(r.positions().begin(), r.positions().end());
+  for (int64_t p : b.positions) {
+    if (p < 0 || p >= static_cast<int64_t>(kMaxSequenceTokens)) {
+      return absl::InvalidArgumentError(absl::StrCat("query position ", p, " out of [0, ", kMaxSequenceTokens, ")"));
+    }
+  }
+  // Bulk bytes: sizes as declared.
+  const AttendPayloadSizes z = AttendPayloadSizesOf(r);
+  if (external.has_value()) {
+    if (!r.queries().empty() || !r.new_k().empty() || !r.new_v().empty()) {
+      return absl::InvalidArgumentError("bulk bytes both in the message and beside it");
+    }
+    const absl::Span<const uint8_t> p = *external;
+    if (p.size() != z.queries + z.new_k + z.new_v) {
+      return absl::InvalidArgumentError(absl::StrCat("payload has ", p.size(), " bytes; queries, new_k and new_v need ",
+                                                     z.queries + z.new_k + z.new_v));
+    }
+    b.queries = p.subspan(0, z.queries);
+    b.new_k = p.subspan(z.queries, z.new_k);
+    b.new_v = p.subspan(z.queries + z.new_k, z.new_v);
+  } else {
+    auto span = [](const std::string& s) { return absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(s.data()), s.size()); };
+    if (r.queries().size() != z.queries) {
+      return absl::InvalidArgumentError(absl::StrCat("queries have ", r.queries().size(),
+                                                     " bytes; num_rows x q_heads x head_dim x dtype = ", z.queries));
+    }
+    if (r.new_k().size() != z.new_k || r.new_v().size() != z.new_v) {
+      return absl::InvalidArgumentError(absl::StrCat("new_k / new_v have ", r.new_k().size(), " / ", r.new_v().size(),
+                                                     " bytes; appended tokens x kv_heads x head_dim x dtype = ", z.new_k));
+    }
+    b.queries = span(r.queries());
+    b.new_k = span(r.new_k());
+    b.new_v = span(r.new_v());
+  }
+  return b;
 }
 
 }  // namespace kvring

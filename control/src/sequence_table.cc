@@ -1,5 +1,6 @@
 #include "kvring/control/sequence_table.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/numbers.h"
@@ -30,40 +31,78 @@ absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(MetadataSto
     BlockKey key;
     std::memcpy(&key.lo, v.data(), 8);
     std::memcpy(&key.hi, v.data() + 8, 8);
-    t->seqs_[Id{ns, parts[2]}][index] = key;
+    t->FindOrAdd(ns, parts[2])->state.blocks[index] = key;
   }));
   KVRING_RETURN_IF_ERROR(bad);
   return t;
 }
 
-absl::Status SequenceTable::Record(NamespaceId ns, const std::string& id, uint64_t index, const BlockKey& key) {
-  absl::MutexLock l(&mu_);
-  auto& m = seqs_[Id{ns, id}];
-  auto it = m.find(index);
-  if (it != m.end() && it->second == key) return absl::OkStatus();
-  if (store_ != nullptr) {
+SequenceTable::Entry* SequenceTable::FindOrAdd(NamespaceId ns, const std::string& id) {
+  std::unique_ptr<Entry>& e = seqs_[Id{ns, id}];
+  if (e == nullptr) {
+    e = std::make_unique<Entry>();
+    e->ns = ns;
+    e->id = id;
+  }
+  return e.get();
+}
+
+SequenceTable::Handle& SequenceTable::Handle::operator=(Handle&& o) noexcept {
+  if (this != &o) {
+    Release();
+    table_ = o.table_;
+    entry_ = o.entry_;
+    open_at_lock_ = o.open_at_lock_;
+    o.table_ = nullptr;
+    o.entry_ = nullptr;
+  }
+  return *this;
+}
+
+void SequenceTable::Handle::Release() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (entry_ == nullptr) return;
+  table_->open_blocks_.fetch_add(static_cast<int64_t>(entry_->state.open.size()) - static_cast<int64_t>(open_at_lock_),
+                                 std::memory_order_relaxed);
+  entry_->mu.Unlock();
+  entry_ = nullptr;
+  table_ = nullptr;
+}
+
+absl::Status SequenceTable::Handle::Record(uint64_t index, const BlockKey& key) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  auto it = entry_->state.blocks.find(index);
+  if (it != entry_->state.blocks.end() && it->second == key) return absl::OkStatus();
+  if (table_->store_ != nullptr) {
     std::string v(16, '\0');
     std::memcpy(v.data(), &key.lo, 8);
     std::memcpy(v.data() + 8, &key.hi, 8);
-    KVRING_RETURN_IF_ERROR(store_->Put(RecordKey(ns, id, index), v));
+    KVRING_RETURN_IF_ERROR(table_->store_->Put(RecordKey(entry_->ns, entry_->id, index), v));
   }
-  m[index] = key;
+  entry_->state.blocks[index] = key;
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<BlockKey>> SequenceTable::Resolve(NamespaceId ns, const std::string& id,
-                                                             absl::Span<const uint64_t> indices) {
-  absl::MutexLock l(&mu_);
-  auto it = seqs_.find(Id{ns, id});
-  if (it == seqs_.end()) return absl::NotFoundError(absl::StrCat("sequence '", id, "' has no blocks on this node"));
-  std::vector<BlockKey> out;
-  out.reserve(indices.size());
-  for (uint64_t i : indices) {
-    auto b = it->second.find(i);
-    if (b == it->second.end()) {
-      return absl::NotFoundError(absl::StrCat("sequence '", id, "' block ", i, " is not on this node"));
-    }
-    out.push_back(b->second);
+SequenceTable::Handle SequenceTable::Lock(NamespaceId ns, const std::string& id) {
+  std::vector<Handle> h = LockMany(ns, absl::MakeConstSpan(&id, 1));
+  return std::move(h[0]);
+}
+
+std::vector<SequenceTable::Handle> SequenceTable::LockMany(NamespaceId ns, absl::Span<const std::string> ids)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  std::vector<Entry*> entries(ids.size());
+  {
+    absl::MutexLock l(&mu_);
+    for (size_t i = 0; i < ids.size(); ++i) entries[i] = FindOrAdd(ns, ids[i]);
+  }
+  // One global order: by entry address (entries are never freed).
+  std::vector<size_t> order(ids.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return entries[a] < entries[b]; });
+  std::vector<Handle> out(ids.size());
+  for (size_t i : order) {
+    entries[i]->mu.Lock();
+    out[i].table_ = this;
+    out[i].entry_ = entries[i];
+    out[i].open_at_lock_ = entries[i]->state.open.size();
   }
   return out;
 }

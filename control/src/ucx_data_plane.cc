@@ -1,6 +1,7 @@
 #include "kvring/control/ucx_data_plane.h"
 
 #include "absl/strings/str_cat.h"
+#include "kvring/control/node_service.h"
 
 namespace kvring {
 
@@ -101,20 +102,25 @@ void UcxDataPlane::Handle(UcxRequest&& req, UcxReplier reply) {
         reply.Send(absl::InvalidArgumentError("UCX Attend: request does not parse"), "");
         return;
       }
-      r.set_queries(reinterpret_cast<const char*>(req.payload.data()), req.payload.size());
-      auto resp = std::make_shared<v1::AttendResponse>();
-      absl::Status s = core_->Attend(*tenant, r, resp.get());
+      // Queries and appended K/V stay in the received payload; the output
+      // is written once, into the buffer the reply is sent from.
+      absl::StatusOr<AttendBatch> batch = ParseAttendRequest(r, core_->limits(), req.payload);
+      if (!batch.ok()) {
+        reply.Send(batch.status(), "");
+        return;
+      }
+      const size_t out_n = size_t{batch->num_rows} * batch->q_heads * batch->head_dim;
+      const size_t lse_n = size_t{batch->num_rows} * batch->q_heads;
+      auto buf = std::make_shared<std::vector<float>>(out_n + lse_n);
+      v1::AttendResponse head;
+      absl::Status s = AttendInto(*core_, *tenant, r, *batch, &head, PartialOutput{buf->data(), buf->data() + out_n});
       if (!s.ok()) {
         reply.Send(s, "");
         return;
       }
       std::vector<absl::Span<const uint8_t>> parts{
-          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(resp->out().data()), resp->out().size()),
-          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(resp->lse().data()), resp->lse().size())};
-      v1::AttendResponse head = *resp;
-      head.clear_out();
-      head.clear_lse();
-      reply.Send(absl::OkStatus(), head.SerializeAsString(), std::move(parts), resp);
+          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(buf->data()), buf->size() * sizeof(float))};
+      reply.Send(absl::OkStatus(), head.SerializeAsString(), std::move(parts), buf);
       return;
     }
     default:

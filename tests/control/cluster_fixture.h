@@ -24,7 +24,7 @@
 #include "gtest/gtest.h"
 #include "kvring.grpc.pb.h"
 #include "kvring/client/client.h"
-#include "kvring/control/tls.h"
+#include "kvring/protocol/tls.h"
 #include "kvring/layout/float_convert.h"
 
 #ifndef KVRING_BIN_DIR

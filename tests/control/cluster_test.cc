@@ -82,7 +82,7 @@ TEST(ClusterTest, PassQAttendAcrossFourDaemonsEqualsTheCpuReference) {
   AttentionOptions o;
   o.layer = 1;
   AttendReport rep;
-  auto out = (*c)->Attend("session-1", nblocks, qt, o, &rep);
+  auto out = (*c)->Attend("session-1", L, nblocks * 16, qt, o, &rep);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_GE(rep.shards, 2);
   EXPECT_EQ(rep.blocks, nblocks);
@@ -100,7 +100,7 @@ TEST(ClusterTest, PassQAttendAcrossFourDaemonsEqualsTheCpuReference) {
   EXPECT_LT(std::sqrt(num / den), 2e-5);
   for (size_t i = 0; i < ref.lse.size(); ++i) EXPECT_NEAR(out->lse[i], ref.lse[i], 1e-4 * std::max(1.0, std::abs(ref.lse[i])));
   // An unknown sequence is a clear error.
-  auto missing = (*c)->Attend("no-such-session", 10, qt, o);
+  auto missing = (*c)->Attend("no-such-session", L, 160, qt, o);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kUnavailable) << missing.status();
 }
 
@@ -158,7 +158,7 @@ TEST(ClusterTest, DaemonRestartRecoversTheColdTier) {
   std::vector<uint16_t> q(2 * 4 * 64, FloatToBf16(0.5f));
   std::vector<int64_t> pos = {127, 50};
   QueryTensor qt{q.data(), DType::kBF16, 2, 4, 64, pos.data(), nullptr};
-  auto out = (*c)->Attend("s", 8, qt, {});
+  auto out = (*c)->Attend("s", SmallLayout(), 8 * 16, qt, {});
   EXPECT_TRUE(out.ok()) << out.status();
   EXPECT_NE(cl.Log("node0.log").find("recovered 64 blocks"), std::string::npos) << cl.Log("node0.log");
 }
@@ -240,7 +240,11 @@ TEST(ClusterTest, MalformedRequestsGetClearErrorsAndTheDaemonKeepsServing) {
     ctx.AddMetadata("authorization", "Bearer " + *token);
     v1::AttendRequest a;
     a.mutable_header()->set_version(1);
-    a.set_sequence_id("s");
+    v1::AttendSequence* as = a.add_sequences();
+    as->set_sequence_id("s");
+    as->set_tokens(16);
+    as->set_rows(2);
+    as->add_ranges()->set_end(1);
     a.set_num_rows(2);
     a.set_q_heads(4);
     a.set_head_dim(64);
@@ -378,7 +382,7 @@ TEST(ClusterTest, NodesQuantizeAtPutForTheTenantOrTheRequestAndAttendReadsTheCod
   std::vector<int64_t> pos = {639, 300};
   QueryTensor qt{q.data(), DType::kBF16, rows, q_heads, 64, pos.data(), nullptr};
   AttentionOptions o;
-  auto out = (*c)->Attend("s", 40, qt, o);
+  auto out = (*c)->Attend("s", L, 40 * 16, qt, o);
   ASSERT_TRUE(out.ok()) << out.status();
   std::vector<KvBlockRef> refs;
   for (size_t i = 0; i < 40; ++i) refs.push_back(KvBlockRef{b.payloads[i].data(), static_cast<int64_t>(i * 16), 16});

@@ -84,7 +84,7 @@ TEST(FaultTest, KillNineUnderPutAndAttendLoadLosesNothingAndNeverAnswersWrong) {
     threads.emplace_back([&] {
       QueryTensor qt{q.data(), DType::kBF16, 1, q_heads, 64, pos.data(), nullptr};
       while (!stop) {
-        auto out = (*c)->Attend("long", nblocks, qt, AttentionOptions{});
+        auto out = (*c)->Attend("long", L, nblocks * 16, qt, AttentionOptions{});
         if (!out.ok()) {
           ++attend_err;
           continue;
@@ -113,7 +113,7 @@ TEST(FaultTest, KillNineUnderPutAndAttendLoadLosesNothingAndNeverAnswersWrong) {
   EXPECT_EQ(bad, 0u) << "of " << checked << " acknowledged blocks";
   // And the sequence still answers exactly.
   QueryTensor qt{q.data(), DType::kBF16, 1, q_heads, 64, pos.data(), nullptr};
-  auto out = (*c)->Attend("long", nblocks, qt, AttentionOptions{});
+  auto out = (*c)->Attend("long", L, nblocks * 16, qt, AttentionOptions{});
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_LT(RelL2(out->out, ref.out), 1e-4);
   std::printf("[fault] puts ok %d, failed %d; attends ok %d, failed %d, wrong %d; %zu acknowledged blocks verified\n",

@@ -35,32 +35,108 @@ TEST(RequestValidationTest, QuantizedBlocksNeedCodesPlusScales) {
   EXPECT_FALSE(ValidatePutBlock(b, RequestLimits{}, false, &m).ok());
 }
 
-TEST(RequestValidationTest, AttendShapesMustAgree) {
+v1::AttendRequest GoodAttend() {
   v1::AttendRequest a;
   a.mutable_header()->set_version(1);
-  a.set_sequence_id("seq-1");
   a.set_num_rows(1);
   a.set_q_heads(8);
   a.set_head_dim(128);
   a.set_q_dtype(2);
   a.set_queries(std::string(8 * 128 * 2, 'q'));
   a.add_positions(10);
-  EXPECT_TRUE(ValidateAttendRequest(a, RequestLimits{}).ok());
+  v1::AttendSequence* s = a.add_sequences();
+  s->set_sequence_id("seq-1");
+  s->set_tokens(40);
+  s->set_rows(1);
+  v1::BlockRange* r = s->add_ranges();
+  r->set_begin(0);
+  r->set_end(3);
+  return a;
+}
+
+TEST(RequestValidationTest, AttendShapesMustAgree) {
+  const v1::AttendRequest a = GoodAttend();
+  ASSERT_TRUE(ParseAttendRequest(a, RequestLimits{}).ok()) << ParseAttendRequest(a, RequestLimits{}).status();
   v1::AttendRequest b = a;
   b.add_positions(11);
-  EXPECT_FALSE(ValidateAttendRequest(b, RequestLimits{}).ok());
+  EXPECT_FALSE(ParseAttendRequest(b, RequestLimits{}).ok());
   b = a;
-  b.set_sequence_id("has/slash");
-  EXPECT_FALSE(ValidateAttendRequest(b, RequestLimits{}).ok());
+  b.mutable_sequences(0)->set_sequence_id("has/slash");
+  EXPECT_FALSE(ParseAttendRequest(b, RequestLimits{}).ok());
   b = a;
   b.set_softmax_scale(std::numeric_limits<float>::infinity());
-  EXPECT_FALSE(ValidateAttendRequest(b, RequestLimits{}).ok());
+  EXPECT_FALSE(ParseAttendRequest(b, RequestLimits{}).ok());
   b = a;
   b.set_num_rows(100000);
-  EXPECT_FALSE(ValidateAttendRequest(b, RequestLimits{}).ok());
+  EXPECT_FALSE(ParseAttendRequest(b, RequestLimits{}).ok());
   b = a;
   b.set_positions(0, -1);
-  EXPECT_FALSE(ValidateAttendRequest(b, RequestLimits{}).ok());
+  EXPECT_FALSE(ParseAttendRequest(b, RequestLimits{}).ok());
+  b = a;
+  b.set_queries("short");
+  EXPECT_NE(ParseAttendRequest(b, RequestLimits{}).status().message().find("queries have 5 bytes"), std::string::npos);
+}
+
+TEST(RequestValidationTest, AttendRangesMustBeSortedDisjointAndNonEmpty) {
+  v1::AttendRequest a = GoodAttend();
+  v1::BlockRange* r = a.mutable_sequences(0)->add_ranges();
+  r->set_begin(2);  // overlaps [0, 3)
+  r->set_end(4);
+  auto s = ParseAttendRequest(a, RequestLimits{});
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("overlaps"), std::string::npos) << s.status();
+  r->set_begin(5);
+  r->set_end(5);  // empty
+  EXPECT_NE(ParseAttendRequest(a, RequestLimits{}).status().message().find("is empty"), std::string::npos);
+  // A sequence named twice in one batch.
+  a = GoodAttend();
+  *a.add_sequences() = a.sequences(0);
+  a.set_num_rows(2);
+  a.add_positions(3);
+  a.set_queries(std::string(2 * 8 * 128 * 2, 'q'));
+  EXPECT_NE(ParseAttendRequest(a, RequestLimits{}).status().message().find("named twice"), std::string::npos);
+  // Rows must add up, and rows need blocks.
+  a = GoodAttend();
+  a.mutable_sequences(0)->clear_ranges();
+  EXPECT_NE(ParseAttendRequest(a, RequestLimits{}).status().message().find("no blocks"), std::string::npos);
+  // Huge ranges are bounded before anything is allocated.
+  a = GoodAttend();
+  a.mutable_sequences(0)->mutable_ranges(0)->set_end(~0ull);
+  EXPECT_FALSE(ParseAttendRequest(a, RequestLimits{}).ok());
+}
+
+TEST(RequestValidationTest, AppendsNeedTheLayoutAndMatchingKv) {
+  v1::AttendRequest a = GoodAttend();
+  v1::AttendSequence* s = a.mutable_sequences(0);
+  s->set_append_position(39);
+  s->set_append_tokens(1);
+  EXPECT_NE(ParseAttendRequest(a, RequestLimits{}).status().message().find("needs the request's layout"), std::string::npos);
+  v1::Layout* l = a.mutable_layout();
+  l->set_block_tokens(16);
+  l->set_layers(2);
+  l->set_kv_heads(2);
+  l->set_head_dim(128);
+  l->set_dtype(2);
+  EXPECT_NE(ParseAttendRequest(a, RequestLimits{}).status().message().find("new_k / new_v have 0 / 0"), std::string::npos);
+  a.set_new_k(std::string(2 * 128 * 2, 'k'));
+  a.set_new_v(std::string(2 * 128 * 2, 'v'));
+  ASSERT_TRUE(ParseAttendRequest(a, RequestLimits{}).ok()) << ParseAttendRequest(a, RequestLimits{}).status();
+  // Beyond the sequence's tokens.
+  s->set_append_position(40);
+  EXPECT_NE(ParseAttendRequest(a, RequestLimits{}).status().message().find("beyond the sequence"), std::string::npos);
+  // The same through an external payload (UCX): one buffer, cut by the sizes.
+  s->set_append_position(39);
+  std::string payload = a.queries() + a.new_k() + a.new_v();
+  a.clear_queries();
+  a.clear_new_k();
+  a.clear_new_v();
+  auto b = ParseAttendRequest(a, RequestLimits{}, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()));
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->new_k.size(), 2u * 128 * 2);
+  EXPECT_EQ(b->new_v.data(), b->new_k.data() + b->new_k.size());
+  EXPECT_FALSE(ParseAttendRequest(a, RequestLimits{}, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()),
+                                                                           payload.size() - 1))
+                   .ok());
 }
 
 TEST(RequestValidationTest, KeyListsAreBoundedAndNonZero) {

@@ -13,6 +13,7 @@
 #include "kvring/common/metrics.h"
 #include "kvring/common/thread_pool.h"
 #include "kvring/control/auth.h"
+#include "kvring/control/cpu_attention_backend.h"
 #include "kvring/control/node_core.h"
 #include "kvring/control/request_validation.h"
 #include "kvring/control/sequence_table.h"
@@ -25,6 +26,7 @@ struct Env {
   kvring::TenantDirectory tenants;
   kvring::ThreadPool pool{1};
   kvring::MetricsRegistry metrics;
+  std::unique_ptr<kvring::CpuAttentionBackend> backend;
   std::unique_ptr<kvring::NodeCore> core;
   kvring::v1::Tenant tenant;
 
@@ -39,7 +41,8 @@ struct Env {
     kvring::NodeCoreOptions no;
     no.node_id = "fuzz";
     no.limits.max_payload_bytes = o.page_bytes;
-    core = std::make_unique<kvring::NodeCore>(no, store.get(), sequences.get(), &tenants, &pool, &metrics);
+    backend = std::make_unique<kvring::CpuAttentionBackend>(store.get(), &pool);
+    core = std::make_unique<kvring::NodeCore>(no, store.get(), sequences.get(), backend.get(), &tenants, &metrics);
     tenant.set_id(7);
     tenant.set_name("fuzz");
     tenant.set_namespace_("tenant/fuzz");
@@ -91,9 +94,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     }
     case 4: {
+      // As the daemon's faces do: parse and validate, then the core (the
+      // output sized by the validated request, so bounded by the input).
       v1::AttendRequest r;
-      v1::AttendResponse resp;
-      if (r.ParseFromArray(body, static_cast<int>(n))) (void)env->core->Attend(env->tenant, r, &resp);
+      if (!r.ParseFromArray(body, static_cast<int>(n))) break;
+      absl::StatusOr<kvring::AttendBatch> b = kvring::ParseAttendRequest(r, env->core->limits());
+      if (!b.ok()) break;
+      std::vector<float> out(size_t{b->num_rows} * b->q_heads * b->head_dim), lse(size_t{b->num_rows} * b->q_heads);
+      (void)env->core->Attend(env->tenant, r.header().namespace_(), *b, kvring::PartialOutput{out.data(), lse.data()},
+                              nullptr);
       break;
     }
     case 5: {

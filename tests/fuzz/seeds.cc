@@ -71,8 +71,11 @@ int main(int argc, char** argv) {
   Write(root / "requests", "lookup", 0, 0, lookup.SerializeAsString());
   v1::AttendRequest at;
   *at.mutable_header() = h;
-  at.set_sequence_id("s1");
-  at.add_block_indices(0);
+  v1::AttendSequence* as = at.add_sequences();
+  as->set_sequence_id("s1");
+  as->set_tokens(16);
+  as->set_rows(1);
+  as->add_ranges()->set_end(1);
   at.set_num_rows(1);
   at.set_q_heads(1);
   at.set_head_dim(8);
@@ -81,6 +84,20 @@ int main(int argc, char** argv) {
   at.set_causal(true);
   at.set_queries(std::string(8 * 4, '\0'));
   Write(root / "requests", "attend", 4, 0, at.SerializeAsString());
+  // An append that opens a block, then attends over it.
+  v1::AttendRequest ap = at;
+  v1::Layout* al = ap.mutable_layout();
+  al->set_block_tokens(16);
+  al->set_layers(1);
+  al->set_kv_heads(1);
+  al->set_head_dim(8);
+  al->set_dtype(0);
+  ap.mutable_sequences(0)->set_sequence_id("s2");
+  ap.mutable_sequences(0)->set_tokens(2);
+  ap.mutable_sequences(0)->set_append_tokens(2);
+  ap.set_new_k(std::string(2 * 8 * 4, '\0'));
+  ap.set_new_v(std::string(2 * 8 * 4, '\0'));
+  Write(root / "requests", "attend-append", 4, 0, ap.SerializeAsString());
   v1::PinRequest pin;
   *pin.mutable_header() = h;
   KeyToProto(BlockKey{1, 2}, pin.add_keys());

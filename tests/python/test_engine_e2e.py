@@ -89,9 +89,9 @@ class EngineEndToEnd(unittest.TestCase):
         with self.assertRaises(kvring.NotFoundError):
             self.client.get(np.array([[5, 6]], np.uint64), self.layout)
         with self.assertRaises(kvring.UnavailableError):
-            self.client.attend("no-such-seq", 3, np.zeros((1, 8, 32), np.float32), np.array([100]))
+            self.client.attend("no-such-seq", self.layout, 48, np.zeros((1, 8, 32), np.float32), np.array([100]))
         with self.assertRaises(kvring.InvalidArgumentError):
-            self.client.attend("e2e-passq", 1, np.zeros((1, 8, 31), np.float32), np.array([100]))
+            self.client.attend("e2e-passq", self.layout, 16, np.zeros((1, 8, 31), np.float32), np.array([100]))
 
 
 if __name__ == "__main__":

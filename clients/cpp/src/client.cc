@@ -15,11 +15,10 @@
 #include "kvring/common/logging.h"
 #include "kvring/common/status_macros.h"
 #include "kvring/common/thread_pool.h"
-#include "kvring/control/auth.h"
-#include "kvring/control/request_validation.h"
-#include "kvring/control/shard_ring.h"
-#include "kvring/control/tls.h"
-#include "kvring/control/ucx_data_plane.h"
+#include "kvring/protocol/shard_ring.h"
+#include "kvring/protocol/tls.h"
+#include "kvring/protocol/ucx_methods.h"
+#include "kvring/protocol/wire.h"
 #include "kvring/transport/ucx_rpc.h"
 
 namespace kvring {
@@ -31,9 +30,8 @@ bool IsNodeFailure(const absl::Status& s) {
   return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsCancelled(s);
 }
 
-absl::Status StatusOf(const v1::Status& s) {
-  return absl::Status(static_cast<absl::StatusCode>(s.code()), s.message());
-}
+absl::Status StatusOf(const v1::Status& s) { return StatusFromProto(s); }
+double Since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 }  // namespace
 
 class ClientImpl {
@@ -304,26 +302,46 @@ class ClientImpl {
     return resp.prefix_length();
   }
 
-  absl::StatusOr<v1::AttendResponse> AttendOn(Node& n, v1::AttendRequest req, absl::Span<const uint8_t> q) {
+  // One Attend to one node: `parts` is the bulk payload (queries || new_k ||
+  // new_v, as spans); the reply's out || lse lands in `reply` (sized for it).
+  absl::StatusOr<v1::AttendResponse> AttendOn(Node& n, v1::AttendRequest req,
+                                              const std::vector<absl::Span<const uint8_t>>& parts,
+                                              const std::vector<absl::Span<const uint8_t>>& k_parts,
+                                              const std::vector<absl::Span<const uint8_t>>& v_parts,
+                                              absl::Span<uint8_t> reply) {
     if (UcxRpcClient* u = Ucx(n)) {
-      std::vector<absl::Span<const uint8_t>> parts{q};
-      auto r = u->Call(kUcxMethodAttend, o_.token, req.SerializeAsString(), parts, {}, o_.rpc_timeout);
+      std::vector<absl::Span<const uint8_t>> all;
+      all.reserve(parts.size() + k_parts.size() + v_parts.size());
+      all.insert(all.end(), parts.begin(), parts.end());
+      all.insert(all.end(), k_parts.begin(), k_parts.end());
+      all.insert(all.end(), v_parts.begin(), v_parts.end());
+      auto r = u->Call(kUcxMethodAttend, o_.token, req.SerializeAsString(), all, reply, o_.rpc_timeout);
       if (!r.ok()) return r.status();
       if (!r->status.ok()) return r->status;
       v1::AttendResponse resp;
       if (!resp.ParseFromString(r->meta)) return absl::DataLossError("bad UCX Attend reply");
-      const size_t out_bytes = size_t{resp.num_rows()} * resp.q_heads() * resp.head_dim() * 4;
-      const size_t lse_bytes = size_t{resp.num_rows()} * resp.q_heads() * 4;
-      if (r->payload.size() != out_bytes + lse_bytes) return absl::DataLossError("UCX Attend reply has the wrong size");
-      resp.set_out(reinterpret_cast<const char*>(r->payload.data()), out_bytes);
-      resp.set_lse(reinterpret_cast<const char*>(r->payload.data()) + out_bytes, lse_bytes);
+      if (r->payload_size != reply.size()) return absl::DataLossError("UCX Attend reply has the wrong size");
+      if (!r->payload_in_buffer) std::memcpy(reply.data(), r->payload.data(), reply.size());
       return resp;
     }
-    req.set_queries(reinterpret_cast<const char*>(q.data()), q.size());
+    auto cat = [](const std::vector<absl::Span<const uint8_t>>& ps, std::string* dst) {
+      size_t n = 0;
+      for (const auto& p : ps) n += p.size();
+      dst->reserve(n);
+      for (const auto& p : ps) dst->append(reinterpret_cast<const char*>(p.data()), p.size());
+    };
+    cat(parts, req.mutable_queries());
+    cat(k_parts, req.mutable_new_k());
+    cat(v_parts, req.mutable_new_v());
     v1::AttendResponse resp;
     auto ctx = Context(o_.rpc_timeout);
     grpc::Status s = n.stub->Attend(ctx.get(), req, &resp);
     if (!s.ok()) return FromGrpc(s);
+    if (resp.out().size() + resp.lse().size() != reply.size()) return absl::DataLossError("Attend reply has the wrong size");
+    std::memcpy(reply.data(), resp.out().data(), resp.out().size());
+    std::memcpy(reply.data() + resp.out().size(), resp.lse().data(), resp.lse().size());
+    resp.clear_out();
+    resp.clear_lse();
     return resp;
   }
 
@@ -544,97 +562,313 @@ class ClientImpl {
     return prefix;
   }
 
-  absl::StatusOr<PartialResult> Attend(const std::string& seq, uint64_t num_blocks, const QueryTensor& q,
-                                       const AttentionOptions& o, AttendReport* report) {
+  // ---- attention steps ----
+  // The plan of a step: which node attends which chunks of which sequence,
+  // and which nodes take which appended tokens.
+  struct SeqPart {
+    size_t seq = 0;                 // index into step.sequences
+    std::vector<uint64_t> chunks;   // chunks this node attends (ascending)
+    uint64_t append_begin = 0, append_end = 0;  // appended positions it takes
+  };
+  struct NodeJob {
+    int node = 0;
+    std::vector<SeqPart> parts;
+  };
+
+  absl::Status StepInto(const AttendStep& st, PartialOutput out, AttendReport* report) {
     const auto t0 = Clock::now();
-    if (q.num_rows == 0) return absl::InvalidArgumentError("Attend needs at least one query row");
-    if (q.data == nullptr || q.positions == nullptr) return absl::InvalidArgumentError("queries need data and positions");
-    if (q.seq_ids != nullptr) return absl::InvalidArgumentError("Attend serves one sequence; seq_ids must be null");
+    const QueryTensor& q = st.q;
+    const BlockLayout& L = st.layout;
+    const char* why = nullptr;
+    if (!L.IsValid(&why)) return absl::InvalidArgumentError(absl::StrCat("step layout: ", why));
+    if (st.sequences.empty()) return absl::InvalidArgumentError("a step names at least one sequence");
+    if (q.head_dim != L.head_dim) return absl::InvalidArgumentError("query head_dim differs from the layout's");
+    if (q.q_heads == 0 || q.q_heads % L.kv_heads != 0) {
+      return absl::InvalidArgumentError("q_heads must be a positive multiple of the layout's kv_heads");
+    }
+    if (!IsFloatKvDType(q.dtype)) return absl::InvalidArgumentError("queries must be f32, f16 or bf16");
+    if (st.options.layer >= L.layers) return absl::InvalidArgumentError("layer out of the layout's range");
+    uint64_t rows = 0, appended = 0;
+    absl::flat_hash_map<std::string, int> seen;
+    for (const auto& s : st.sequences) {
+      KVRING_RETURN_IF_ERROR(ValidateSequenceId(s.sequence_id));
+      if (!seen.emplace(s.sequence_id, 0).second) {
+        return absl::InvalidArgumentError(absl::StrCat("sequence '", s.sequence_id, "' named twice in one step"));
+      }
+      if (s.context_tokens + s.append_tokens > kMaxSequenceTokens) {
+        return absl::InvalidArgumentError(absl::StrCat("sequence '", s.sequence_id, "' would exceed ", kMaxSequenceTokens,
+                                                       " tokens"));
+      }
+      if (s.rows == 0 && s.append_tokens == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("sequence '", s.sequence_id, "' has neither rows nor appended tokens"));
+      }
+      rows += s.rows;
+      appended += s.append_tokens;
+    }
+    if (rows != q.num_rows) {
+      return absl::InvalidArgumentError(absl::StrCat("the sequences have ", rows, " rows; the queries have ", q.num_rows));
+    }
+    if (rows > 0 && (q.data == nullptr || q.positions == nullptr)) {
+      return absl::InvalidArgumentError("queries need data and positions");
+    }
+    if (appended > 0 && (st.new_k == nullptr || st.new_v == nullptr)) {
+      return absl::InvalidArgumentError("appending needs new_k and new_v");
+    }
+    const size_t hq = size_t{q.q_heads} * q.head_dim;
+    std::fill(out.out, out.out + rows * hq, 0.f);
+    std::fill(out.lse, out.lse + rows * q.q_heads, -std::numeric_limits<float>::infinity());
+
     auto ring = Ring();
-    const uint64_t chunk = ring->chunk_blocks();
-    const uint64_t nchunks = (num_blocks + chunk - 1) / chunk;
-    const size_t qbytes = size_t{q.num_rows} * q.q_heads * q.head_dim * DTypeSize(q.dtype);
-    absl::Span<const uint8_t> qspan(static_cast<const uint8_t*>(q.data), qbytes);
-    std::vector<std::vector<int>> cands(nchunks);
-    std::vector<size_t> next(nchunks, 0);
-    for (uint64_t c = 0; c < nchunks; ++c) cands[c] = Candidates(*ring, ShardRing::ChunkPosition(ns_, seq, c));
-    std::vector<uint64_t> pending(nchunks);
-    for (uint64_t c = 0; c < nchunks; ++c) pending[c] = c;
-    std::vector<PartialResult> partials;
+    if (ring->num_nodes() == 0) return absl::UnavailableError("the shard map has no nodes");
+    const uint64_t chunk = ring->chunk_blocks(), bt = L.block_tokens;
+    const int R = ring->replication(), W = ring->write_quorum();
+    const size_t nseq = st.sequences.size();
+    std::vector<uint32_t> row_begin(nseq), app_begin(nseq);
+    std::vector<uint64_t> total(nseq), nchunks(nseq);
+    for (size_t b = 0, r = 0, a = 0; b < nseq; ++b) {
+      row_begin[b] = static_cast<uint32_t>(r);
+      app_begin[b] = static_cast<uint32_t>(a);
+      r += st.sequences[b].rows;
+      a += st.sequences[b].append_tokens;
+      total[b] = st.sequences[b].context_tokens + st.sequences[b].append_tokens;
+      nchunks[b] = ((total[b] + bt - 1) / bt + chunk - 1) / chunk;
+    }
+    // Candidates per (sequence, chunk); the attending replica is the first
+    // that answers; appends go to the first R.
+    std::vector<std::vector<std::vector<int>>> cands(nseq);
+    std::vector<std::vector<size_t>> next(nseq);
+    for (size_t b = 0; b < nseq; ++b) {
+      cands[b].resize(nchunks[b]);
+      next[b].assign(nchunks[b], 0);
+      for (uint64_t c = 0; c < nchunks[b]; ++c) {
+        cands[b][c] = Candidates(*ring, ShardRing::ChunkPosition(ns_, st.sequences[b].sequence_id, c));
+      }
+    }
+    // Appended positions [a0, a1) of each chunk they touch, and their acks.
+    struct AppendUnit {
+      size_t seq;
+      uint64_t chunk, begin, end;
+      int acks = 0;
+      absl::Status last;
+    };
+    std::vector<AppendUnit> units;
+    for (size_t b = 0; b < nseq; ++b) {
+      const auto& s = st.sequences[b];
+      if (s.append_tokens == 0) continue;
+      const uint64_t span = chunk * bt;
+      for (uint64_t p = s.context_tokens; p < total[b];) {
+        const uint64_t c = p / span, e = std::min(total[b], (c + 1) * span);
+        units.push_back(AppendUnit{b, c, p, e});
+        p = e;
+      }
+    }
+    // Round 0: every node gets its chunks to attend and its appends.
+    std::map<int, std::map<size_t, SeqPart>> plan;  // node -> seq -> part
+    std::vector<std::vector<std::pair<size_t, uint64_t>>> pending_by_round(1);
+    for (size_t b = 0; b < nseq; ++b) {
+      if (st.sequences[b].rows == 0) continue;
+      for (uint64_t c = 0; c < nchunks[b]; ++c) pending_by_round[0].emplace_back(b, c);
+    }
+    bool two_phase = false;
+    for (size_t u = 0; u < units.size(); ++u) {
+      const auto& cs = cands[units[u].seq][units[u].chunk];
+      for (int k = 0; k < R && k < static_cast<int>(cs.size()); ++k) {
+        SeqPart& p = plan[cs[k]][units[u].seq];
+        p.seq = units[u].seq;
+        if (p.append_end == p.append_begin) {
+          p.append_begin = units[u].begin;
+          p.append_end = units[u].end;
+        } else if (p.append_end == units[u].begin) {
+          p.append_end = units[u].end;
+        } else {
+          two_phase = true;  // a node takes non-adjacent parts of one append
+        }
+      }
+    }
     AttendReport rep;
     absl::Status last_error = absl::OkStatus();
-    for (int round = 0; !pending.empty(); ++round) {
-      std::map<int, std::vector<uint64_t>> plan;  // node -> chunks
-      for (uint64_t c : pending) {
-        if (next[c] >= cands[c].size()) {
-          return absl::UnavailableError(absl::StrCat("no live replica holds chunk ", c, " of sequence '", seq,
-                                                     "'", last_error.ok() ? "" : ": ", std::string(last_error.message())));
+    std::vector<std::pair<size_t, uint64_t>> pending = std::move(pending_by_round[0]);
+    std::vector<absl::Status> unit_status(units.size());
+    if (two_phase) {
+      // Appends first (one request per node and contiguous part), attends after.
+      std::vector<NodeJob> jobs;
+      for (size_t u = 0; u < units.size(); ++u) {
+        const auto& cs = cands[units[u].seq][units[u].chunk];
+        for (int k = 0; k < R && k < static_cast<int>(cs.size()); ++k) {
+          jobs.push_back(NodeJob{cs[k], {SeqPart{units[u].seq, {}, units[u].begin, units[u].end}}});
         }
-        plan[cands[c][next[c]++]].push_back(c);
+      }
+      KVRING_RETURN_IF_ERROR(RunJobs(st, *ring, jobs, row_begin, app_begin, total, units, out, &rep, &last_error));
+      plan.clear();
+    }
+    for (int round = 0; !pending.empty() || !plan.empty(); ++round) {
+      for (const auto& [b, c] : pending) {
+        if (next[b][c] >= cands[b][c].size()) {
+          return absl::UnavailableError(absl::StrCat("no live replica holds chunk ", c, " of sequence '",
+                                                     st.sequences[b].sequence_id, "'", last_error.ok() ? "" : ": ",
+                                                     std::string(last_error.message())));
+        }
+        SeqPart& p = plan[cands[b][c][next[b][c]++]][b];
+        p.seq = b;
+        p.chunks.push_back(c);
       }
       if (round > 0) rep.retries += static_cast<int>(plan.size());
-      std::vector<std::pair<int, std::vector<uint64_t>>> jobs(plan.begin(), plan.end());
-      std::vector<absl::StatusOr<v1::AttendResponse>> res(jobs.size(), absl::UnknownError(""));
-      std::vector<uint64_t> req_bytes(jobs.size(), 0);
-      pool_.ParallelFor(jobs.size(), [&](size_t j) {
-        auto node = NodeFor(ring->node(jobs[j].first).node_id());
-        if (!node) {
-          res[j] = absl::UnavailableError("unknown node");
-          return;
-        }
-        v1::AttendRequest req;
-        *req.mutable_header() = Header();
-        req.set_sequence_id(seq);
-        for (uint64_t c : jobs[j].second) {
-          for (uint64_t b = c * chunk; b < std::min(num_blocks, (c + 1) * chunk); ++b) req.add_block_indices(b);
-        }
-        req.set_layer(o.layer);
-        req.set_num_rows(q.num_rows);
-        req.set_q_heads(q.q_heads);
-        req.set_head_dim(q.head_dim);
-        req.set_q_dtype(static_cast<uint32_t>(q.dtype));
-        for (uint32_t r = 0; r < q.num_rows; ++r) req.add_positions(q.positions[r]);
-        req.set_causal(o.causal);
-        req.set_window(o.window);
-        req.set_softmax_scale(o.softmax_scale);
-        req_bytes[j] = req.ByteSizeLong();
-        res[j] = AttendOn(*node, std::move(req), qspan);
-      });
-      pending.clear();
-      for (size_t j = 0; j < jobs.size(); ++j) {
-        if (!res[j].ok()) {
-          last_error = res[j].status();
-          if (IsNodeFailure(res[j].status())) Suspect(ring->node(jobs[j].first).node_id());
-          if (!IsNodeFailure(res[j].status()) && !absl::IsNotFound(res[j].status())) return res[j].status();
-          pending.insert(pending.end(), jobs[j].second.begin(), jobs[j].second.end());
-          continue;
-        }
-        const v1::AttendResponse& r = *res[j];
-        PartialResult p(q.num_rows, q.q_heads, q.head_dim);
-        if (r.num_rows() != q.num_rows || r.q_heads() != q.q_heads || r.head_dim() != q.head_dim ||
-            r.out().size() != p.out.size() * 4 || r.lse().size() != p.lse.size() * 4) {
-          return absl::DataLossError("Attend reply has the wrong shape");
-        }
-        std::memcpy(p.out.data(), r.out().data(), r.out().size());
-        std::memcpy(p.lse.data(), r.lse().data(), r.lse().size());
-        partials.push_back(std::move(p));
-        rep.blocks += r.blocks_used();
-        rep.bytes_sent += qbytes + req_bytes[j];  // the queries and the request around them
-        rep.bytes_received += r.ByteSizeLong();
-        ++rep.shards;
+      std::vector<NodeJob> jobs;
+      for (auto& [node, parts] : plan) {
+        NodeJob j{node, {}};
+        for (auto& [b, p] : parts) j.parts.push_back(std::move(p));
+        jobs.push_back(std::move(j));
       }
+      plan.clear();
+      std::vector<std::pair<size_t, uint64_t>> failed;
+      KVRING_RETURN_IF_ERROR(RunJobs(st, *ring, jobs, row_begin, app_begin, total, units, out, &rep, &last_error, &failed));
+      pending = std::move(failed);
     }
-    PartialResult merged(q.num_rows, q.q_heads, q.head_dim);
-    if (partials.empty()) {
-      std::fill(merged.lse.begin(), merged.lse.end(), -std::numeric_limits<float>::infinity());
-    } else {
-      std::vector<ConstPartial> views;
-      for (auto& p : partials) views.push_back(p.cview());
-      KVRING_RETURN_IF_ERROR(MergePartials(views, q.num_rows, q.q_heads, q.head_dim, merged.view()));
+    for (const AppendUnit& u : units) {
+      if (u.acks < W) {
+        return absl::Status(u.last.ok() ? absl::StatusCode::kUnavailable : u.last.code(),
+                            absl::StrCat("tokens [", u.begin, ", ", u.end, ") of sequence '", st.sequences[u.seq].sequence_id,
+                                         "' appended on ", u.acks, " of ", W, " required replicas",
+                                         u.last.ok() ? "" : ": ", std::string(u.last.message())));
+      }
+      rep.appended_tokens += static_cast<uint32_t>((u.end - u.begin) * u.acks);
     }
-    rep.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    rep.seconds = Since(t0);
     if (report) *report = rep;
-    return merged;
+    return absl::OkStatus();
+  }
+
+  // Sends one request per job (in parallel), merges the partials into `out`
+  // and counts append acks. Attended chunks whose node failed or did not hold
+  // them go to `failed` (retried on the next replica); any other refusal is
+  // the step's error.
+  template <typename Units>
+  absl::Status RunJobs(const AttendStep& st, const ShardRing& ring, const std::vector<NodeJob>& jobs,
+                       const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
+                       const std::vector<uint64_t>& total, Units& units, PartialOutput out, AttendReport* rep,
+                       absl::Status* last_error, std::vector<std::pair<size_t, uint64_t>>* failed = nullptr) {
+    const QueryTensor& q = st.q;
+    const BlockLayout& L = st.layout;
+    const uint64_t chunk = ring.chunk_blocks(), bt = L.block_tokens;
+    const size_t qrow = size_t{q.q_heads} * q.head_dim * DTypeSize(q.dtype);
+    const size_t kvrow = size_t{L.kv_heads} * L.head_dim * DTypeSize(L.dtype);
+    const size_t hq = size_t{q.q_heads} * q.head_dim;
+    struct Result {
+      absl::StatusOr<v1::AttendResponse> resp = absl::UnknownError("");
+      std::vector<uint8_t> reply;
+      uint32_t rows = 0;
+      uint64_t sent = 0;
+    };
+    std::vector<Result> res(jobs.size());
+    pool_.ParallelFor(jobs.size(), [&](size_t j) {
+      auto node = NodeFor(ring.node(jobs[j].node).node_id());
+      if (!node) {
+        res[j].resp = absl::UnavailableError("unknown node");
+        return;
+      }
+      v1::AttendRequest req;
+      *req.mutable_header() = Header();
+      req.set_layer(st.options.layer);
+      req.set_q_heads(q.q_heads);
+      req.set_head_dim(q.head_dim);
+      req.set_q_dtype(static_cast<uint32_t>(q.dtype));
+      req.set_causal(st.options.causal);
+      req.set_window(st.options.window);
+      req.set_softmax_scale(st.options.softmax_scale);
+      LayoutToProto(L, req.mutable_layout());
+      std::vector<absl::Span<const uint8_t>> qp, kp, vp;
+      uint32_t rows = 0;
+      uint64_t bytes = 0;
+      for (const SeqPart& p : jobs[j].parts) {
+        const auto& s = st.sequences[p.seq];
+        v1::AttendSequence* as = req.add_sequences();
+        as->set_sequence_id(s.sequence_id);
+        as->set_tokens(total[p.seq]);
+        const uint64_t nblocks = (total[p.seq] + bt - 1) / bt;
+        for (uint64_t c : p.chunks) {
+          const uint64_t b0 = c * chunk, b1 = std::min(nblocks, (c + 1) * chunk);
+          if (as->ranges_size() > 0 && as->ranges(as->ranges_size() - 1).end() == b0) {
+            as->mutable_ranges(as->ranges_size() - 1)->set_end(b1);
+          } else {
+            v1::BlockRange* r = as->add_ranges();
+            r->set_begin(b0);
+            r->set_end(b1);
+          }
+        }
+        if (!p.chunks.empty()) {
+          as->set_rows(s.rows);
+          rows += s.rows;
+          for (uint32_t r = 0; r < s.rows; ++r) req.add_positions(q.positions[row_begin[p.seq] + r]);
+          qp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, s.rows * qrow));
+          bytes += s.rows * qrow;
+        }
+        if (p.append_end > p.append_begin) {
+          const uint64_t n = p.append_end - p.append_begin;
+          const uint64_t src = app_begin[p.seq] + (p.append_begin - s.context_tokens);
+          as->set_append_position(p.append_begin);
+          as->set_append_tokens(static_cast<uint32_t>(n));
+          kp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_k) + src * kvrow, n * kvrow));
+          vp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_v) + src * kvrow, n * kvrow));
+          bytes += 2 * n * kvrow;
+        }
+      }
+      req.set_num_rows(rows);
+      res[j].rows = rows;
+      res[j].sent = bytes + req.ByteSizeLong();
+      res[j].reply.resize(size_t{rows} * (hq + q.q_heads) * sizeof(float));
+      res[j].resp = AttendOn(*node, std::move(req), qp, kp, vp, absl::MakeSpan(res[j].reply));
+    });
+    const auto tm = Clock::now();
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const absl::Status& s = res[j].resp.status();
+      auto unit_of = [&](size_t seq, uint64_t begin, uint64_t end, auto f) {
+        for (auto& u : units) {
+          if (u.seq == seq && u.begin < end && begin < u.end) f(u);
+        }
+      };
+      if (!s.ok()) {
+        *last_error = s;
+        if (IsNodeFailure(s)) Suspect(ring.node(jobs[j].node).node_id());
+        for (const SeqPart& p : jobs[j].parts) {
+          unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { u.last = s; });
+        }
+        if (!IsNodeFailure(s) && !absl::IsNotFound(s) && !absl::IsFailedPrecondition(s)) return s;
+        if (absl::IsFailedPrecondition(s) && failed == nullptr) return s;
+        for (const SeqPart& p : jobs[j].parts) {
+          for (uint64_t c : p.chunks) {
+            if (failed) failed->emplace_back(p.seq, c);
+          }
+        }
+        continue;
+      }
+      const v1::AttendResponse& r = *res[j].resp;
+      for (const SeqPart& p : jobs[j].parts) {
+        unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { ++u.acks; });
+      }
+      if (res[j].rows == 0) continue;
+      if (r.num_rows() != res[j].rows || r.q_heads() != q.q_heads || r.head_dim() != q.head_dim) {
+        return absl::DataLossError("Attend reply has the wrong shape");
+      }
+      const float* po = reinterpret_cast<const float*>(res[j].reply.data());
+      const float* pl = po + size_t{res[j].rows} * hq;
+      uint32_t off = 0;
+      for (const SeqPart& p : jobs[j].parts) {
+        if (p.chunks.empty()) continue;
+        const uint32_t n = st.sequences[p.seq].rows, r0 = row_begin[p.seq];
+        MergeInto(PartialOutput{out.out + size_t{r0} * hq, out.lse + size_t{r0} * q.q_heads},
+                  ConstPartial{po + size_t{off} * hq, pl + size_t{off} * q.q_heads}, n, q.q_heads, q.head_dim);
+        off += n;
+      }
+      ++rep->shards;
+      rep->blocks += r.blocks_used();
+      rep->bytes_sent += res[j].sent;
+      rep->bytes_received += r.ByteSizeLong() + res[j].reply.size();
+      rep->node_seconds = std::max(rep->node_seconds, r.compute_seconds());
+      rep->kernel_seconds = std::max(rep->kernel_seconds, r.kernel_seconds());
+      rep->copy_seconds = std::max(rep->copy_seconds, r.copy_seconds());
+    }
+    rep->merge_seconds += Since(tm);
+    return absl::OkStatus();
   }
 
   std::vector<NodeStats> Stats() {
@@ -755,13 +989,27 @@ std::vector<GetResult> Client::GetInto(absl::Span<const BlockKey> keys, absl::Sp
 absl::Status Client::Pin(absl::Span<const BlockKey> keys, bool unpin) { return impl_->PinBlocks(keys, unpin); }
 absl::StatusOr<PutReport> Client::PutSequence(const std::string& sequence_id, uint64_t first_block,
                                               absl::Span<const BlockData> blocks) {
-  KVRING_RETURN_IF_ERROR(ValidateSequenceId(sequence_id, RequestLimits{}));
+  KVRING_RETURN_IF_ERROR(ValidateSequenceId(sequence_id));
   return impl_->PutBlocks(blocks, &sequence_id, first_block);
 }
-absl::StatusOr<PartialResult> Client::Attend(const std::string& sequence_id, uint64_t num_blocks, const QueryTensor& q,
-                                             const AttentionOptions& options, AttendReport* report) {
-  KVRING_RETURN_IF_ERROR(ValidateSequenceId(sequence_id, RequestLimits{}));
-  return impl_->Attend(sequence_id, num_blocks, q, options, report);
+absl::Status Client::StepInto(const AttendStep& step, PartialOutput out, AttendReport* report) {
+  return impl_->StepInto(step, out, report);
+}
+absl::StatusOr<PartialResult> Client::Step(const AttendStep& step, AttendReport* report) {
+  PartialResult r(step.q.num_rows, step.q.q_heads, step.q.head_dim);
+  KVRING_RETURN_IF_ERROR(impl_->StepInto(step, r.view(), report));
+  return r;
+}
+absl::StatusOr<PartialResult> Client::Attend(const std::string& sequence_id, const BlockLayout& layout, uint64_t num_tokens,
+                                             const QueryTensor& q, const AttentionOptions& options, AttendReport* report) {
+  if (q.seq_ids != nullptr) return absl::InvalidArgumentError("Attend serves one sequence; seq_ids must be null");
+  if (q.num_rows == 0) return absl::InvalidArgumentError("Attend needs at least one query row");
+  AttendStep st;
+  st.layout = layout;
+  st.sequences.push_back(AttendSequence{sequence_id, num_tokens, q.num_rows, 0});
+  st.q = q;
+  st.options = options;
+  return Step(st, report);
 }
 std::vector<NodeStats> Client::Stats() { return impl_->Stats(); }
 uint64_t Client::map_version() const {

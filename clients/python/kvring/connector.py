@@ -121,7 +121,7 @@ class PassQSession:
         tail_pos = np.arange(self.stored_blocks * bt, self.stored_blocks * bt + len(self.tail_k[layer]), dtype=np.int64)
         lo, llse = partial_attention(q, self.tail_k[layer], self.tail_v[layer], pos, tail_pos)
         if self.stored_blocks:
-            ro, rlse, rep = self.client.attend(self.seq, self.stored_blocks, np.ascontiguousarray(q, np.float32), pos,
+            ro, rlse, rep = self.client.attend(self.seq, self.layout, self.stored_blocks * bt, np.ascontiguousarray(q, np.float32), pos,
                                                layer=layer, report=True)
             self.bytes_sent += rep["bytes_sent"]
             self.bytes_received += rep["bytes_received"]

@@ -46,6 +46,13 @@ struct BlockKey {
 using NamespaceId = uint64_t;
 NamespaceId NamespaceIdOf(std::string_view namespace_name);
 
+// The key of block `index` of attention sequence `sequence_id` when a node
+// builds the block itself from appended K/V (decode in place): the daemon
+// does not see token ids, so the key names the block's place instead of its
+// tokens (docs/KEYS.md, "Sequence blocks"). Every replica computes the same
+// key. Sequence ids are unique within a namespace.
+BlockKey SequenceBlockKey(NamespaceId ns, std::string_view sequence_id, uint64_t index, const BlockLayout& layout);
+
 // Keys of one (model, namespace, layout) context.
 class BlockKeyHasher {
  public:

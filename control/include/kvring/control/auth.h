@@ -19,6 +19,7 @@
 #include "grpcpp/server_context.h"
 #include "kvring.pb.h"
 #include "kvring/cache/block_key.h"
+#include "kvring/protocol/wire.h"
 
 namespace kvring {
 
@@ -27,13 +28,6 @@ std::string Sha256(std::string_view data);
 absl::StatusOr<std::string> GenerateToken();
 // The token of "authorization: Bearer <token>"; UNAUTHENTICATED if absent.
 absl::StatusOr<std::string> BearerToken(const grpc::ServerContext& ctx);
-
-grpc::Status ToGrpc(const absl::Status& s);
-absl::Status FromGrpc(const grpc::Status& s);
-
-// The namespace a request acts in: the tenant's own (requested empty or equal
-// to it) or one of its shared namespaces; PERMISSION_DENIED otherwise.
-absl::StatusOr<std::string> ResolveNamespace(const v1::Tenant& tenant, const std::string& requested);
 
 class TenantDirectory {
  public:

@@ -1,5 +1,14 @@
 // NodeCore: what a daemon does for each request, independent of how the
-// request arrived (gRPC: NodeService; UCX: the daemon's UcxRpcServer).
+// request arrived (gRPC: NodeService; UCX: UcxDataPlane, both thin adapters).
+//
+// Attend takes native types (attend_batch.h: spans into the request's own
+// buffers) and writes its output into the caller's buffers; the attention
+// itself runs on the node's AttentionBackend (CPU or CUDA). Attention
+// sequences: blocks stored with PutSequence and blocks the node builds from
+// appended K/V (Attend with new_k/new_v: decode in place). An append must
+// continue each layer's tail on this node; once every layer of a block is
+// filled the block is stored like any other (key: SequenceBlockKey) and
+// recorded in the sequence table.
 //
 // Every request is authenticated (the tenant comes from the token, the
 // namespace from the tenant) and validated (request_validation.h) before any
@@ -18,7 +27,8 @@
 #include "kvring.pb.h"
 #include "kvring/cache/block_store.h"
 #include "kvring/common/metrics.h"
-#include "kvring/common/thread_pool.h"
+#include "kvring/control/attend_batch.h"
+#include "kvring/control/attention_backend.h"
 #include "kvring/control/auth.h"
 #include "kvring/control/request_validation.h"
 #include "kvring/control/sequence_table.h"
@@ -26,16 +36,19 @@
 namespace kvring {
 
 struct NodeCoreOptions {
+  // This node's id, reported by Stats. Default: empty.
   std::string node_id;
-  std::string ucx_address;  // advertised in Stats
+  // The UCX data plane's address, advertised in Stats. Default: empty (none).
+  std::string ucx_address;
+  // Limits every request is validated against (request_validation.h).
   RequestLimits limits;
 };
 
 class NodeCore {
  public:
   // None of the pointers is owned; all must outlive the core.
-  NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* sequences, TenantDirectory* tenants,
-           ThreadPool* pool, MetricsRegistry* metrics);
+  NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* sequences, AttentionBackend* backend,
+           TenantDirectory* tenants, MetricsRegistry* metrics);
 
   absl::StatusOr<v1::Tenant> Authenticate(const std::string& token) const { return tenants_->ByToken(token); }
   TenantDirectory* tenants() const { return tenants_; }
@@ -53,7 +66,13 @@ class NodeCore {
   // memory or not held; a request that fails validation counts as staying).
   bool GetStaysInMemory(const v1::Tenant& t, const v1::GetRequest& req);
   absl::Status Pin(const v1::Tenant& t, const v1::PinRequest& req, v1::PinResponse* resp);
-  absl::Status Attend(const v1::Tenant& t, const v1::AttendRequest& req, v1::AttendResponse* resp);
+  // Appends, then attends, for every sequence of the batch; writes
+  // out.out [num_rows, q_heads, head_dim] and out.lse [num_rows, q_heads].
+  // `requested_ns`: the request header's namespace (empty: the tenant's).
+  // On error nothing was appended (the sequences are as before).
+  absl::Status Attend(const v1::Tenant& t, const std::string& requested_ns, const AttendBatch& batch, PartialOutput out,
+                      AttendStats* stats);
+  const RequestLimits& limits() const { return options_.limits; }
   absl::Status Stats(const v1::Tenant& t, const v1::StatsRequest& req, v1::StatsResponse* resp);
 
   // Applies every tenant's pinned-bytes quota to the store (after the
@@ -68,17 +87,26 @@ class NodeCore {
   };
   OpMetrics Op(const std::string& name);
   absl::StatusOr<NamespaceId> Namespace(const v1::Tenant& t, const v1::RequestHeader& h) const;
+  absl::StatusOr<NamespaceId> Namespace(const v1::Tenant& t, const std::string& requested) const;
+  // A sequence block that arrived by Put: recorded, then offered to the backend.
+  absl::Status AddSequenceBlock(const v1::Tenant& t, NamespaceId ns, const std::string& id, uint64_t index,
+                                const BlockKey& key, const BlockMeta& meta, absl::Span<const uint8_t> payload);
+  // Stores every complete open block of the sequence as an ordinary block.
+  uint32_t SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h);
 
   NodeCoreOptions options_;
   BlockStore* store_;
   SequenceTable* sequences_;
+  AttentionBackend* backend_;
   TenantDirectory* tenants_;
-  ThreadPool* pool_;
   MetricsRegistry* metrics_;
   OpMetrics lookup_, put_, get_, pin_, attend_, stats_;
   CounterMetric* put_bytes_;
   CounterMetric* quantized_;
   CounterMetric* get_bytes_;
+  CounterMetric* appended_tokens_;
+  CounterMetric* sealed_blocks_;
+  HistogramMetric* attend_kernel_;
   friend class OpScope;
 };
 

@@ -22,4 +22,10 @@ class NodeService final : public v1::Node::Service {
   NodeCore* core_;
 };
 
+// Runs a parsed Attend on the core and fills the response's header fields
+// (the caller owns `out`, sized for the batch). Shared by the gRPC and UCX
+// faces.
+absl::Status AttendInto(NodeCore& core, const v1::Tenant& t, const v1::AttendRequest& req, const AttendBatch& batch,
+                        v1::AttendResponse* resp, PartialOutput out);
+
 }  // namespace kvring

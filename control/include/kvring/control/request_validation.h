@@ -10,6 +10,8 @@
 #include "kvring.pb.h"
 #include "kvring/cache/block_key.h"
 #include "kvring/cache/block_meta.h"
+#include "kvring/control/attend_batch.h"
+#include "kvring/protocol/wire.h"
 
 namespace kvring {
 
@@ -19,18 +21,14 @@ struct RequestLimits {
   uint64_t max_payload_bytes = 64ull << 20;  // per block (the daemon sets its page size)
   uint64_t max_request_bytes = 512ull << 20;
   uint32_t max_attend_rows = 4096;
-  uint32_t max_attend_blocks = 1u << 20;
-  uint32_t max_sequence_id_bytes = 256;
-  uint32_t max_namespace_bytes = 256;
+  uint32_t max_attend_blocks = 1u << 20;       // blocks over all ranges of one Attend
+  uint32_t max_attend_sequences = 1024;        // sequences in one Attend
+  uint32_t max_sequence_id_bytes = kMaxSequenceIdBytes;
+  uint32_t max_namespace_bytes = kMaxNamespaceBytes;
 };
 
 absl::Status ValidateHeader(const v1::RequestHeader& h, const RequestLimits& limits);
-absl::StatusOr<BlockLayout> LayoutFromProto(const v1::Layout& l);
-void LayoutToProto(const BlockLayout& l, v1::Layout* out);
-BlockKey KeyFromProto(const v1::Key& k);
-void KeyToProto(const BlockKey& k, v1::Key* out);
 absl::Status ValidateKeys(const google::protobuf::RepeatedPtrField<v1::Key>& keys, const RequestLimits& limits);
-absl::Status ValidateSequenceId(const std::string& id, const RequestLimits& limits);
 
 // A block of a Put: header fields, sizes, and (unless it travels separately,
 // `payload_external`) that the payload has exactly payload_bytes bytes.
@@ -39,7 +37,19 @@ absl::Status ValidatePutBlock(const v1::PutBlock& b, const RequestLimits& limits
                               BlockMeta* meta);
 absl::Status ValidatePutRequest(const v1::PutRequest& r, const RequestLimits& limits, bool payload_external);
 
-// Shapes, dtype, sizes and index lists of an Attend.
-absl::Status ValidateAttendRequest(const v1::AttendRequest& r, const RequestLimits& limits);
+// Parses and validates an Attend: shapes, dtypes, sizes, row and append
+// counts, block ranges (sorted, disjoint, within the sequence's tokens),
+// positions, one entry per sequence. The bulk bytes come from the message's
+// own fields unless `external` is set (the UCX payload, cut by the sizes the
+// message declares: queries || new_k || new_v). The result views the message
+// (or `external`), which must outlive it.
+absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const RequestLimits& limits,
+                                               std::optional<absl::Span<const uint8_t>> external = std::nullopt);
+// The bytes ParseAttendRequest cuts from an external payload: queries, new_k
+// and new_v (each 0 when the message does not declare them).
+struct AttendPayloadSizes {
+  uint64_t queries = 0, new_k = 0, new_v = 0;
+};
+AttendPayloadSizes AttendPayloadSizesOf(const v1::AttendRequest& r);
 
 }  // namespace kvring

@@ -1,12 +1,25 @@
-// SequenceTable: the attention sequences a daemon holds blocks of:
-// (namespace, sequence id) -> block index -> block key. Entries are written
-// through to the daemon's MetadataStore (when given) and reloaded at start,
-// so Attend keeps working after a restart for every block the cold tier
-// recovered. Thread-safe.
+// SequenceTable: the attention sequences a daemon holds blocks of.
+//
+// Per sequence (namespace, id): the full blocks held here (block index ->
+// store key, written through to the daemon's MetadataStore when given and
+// reloaded at start, so Attend keeps working after a restart for every block
+// the cold tier recovered), and, in memory only, the sequence's layout and
+// encoding and its open blocks: blocks being filled by appends, with the
+// tokens filled so far on each layer. An open block's bytes live in the
+// attention backend; a daemon that dies loses its open blocks (their
+// replicas keep them).
+//
+// Access to a sequence's state goes through a Handle, which holds the
+// sequence's lock: calls on one sequence are serialized, calls on different
+// sequences run in parallel. Lock() and LockMany() (several sequences, taken
+// in one global order, so two batches never deadlock) may be called from any
+// thread. Sequences are never removed.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,30 +28,81 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
-#include "kvring/cache/block_key.h"
+#include "kvring/cache/block_meta.h"
 #include "kvring/control/metadata_store.h"
 
 namespace kvring {
 
+struct OpenBlockState {
+  std::vector<uint32_t> filled;  // tokens filled, per layer
+  bool Complete(uint32_t block_tokens) const {
+    for (uint32_t f : filled) {
+      if (f != block_tokens) return false;
+    }
+    return true;
+  }
+};
+
+struct SequenceState {
+  std::optional<BlockLayout> layout;  // known once a block was put, appended or read here
+  KvEncoding encoding;                // of its full blocks
+  std::map<uint64_t, BlockKey> blocks;
+  std::map<uint64_t, OpenBlockState> open;
+};
+
 class SequenceTable {
+ private:
+  struct Entry {
+    NamespaceId ns = 0;
+    std::string id;
+    absl::Mutex mu;
+    SequenceState state ABSL_GUARDED_BY(mu);
+  };
+
  public:
   // `store` may be null (nothing persisted); it must outlive the table.
   static absl::StatusOr<std::unique_ptr<SequenceTable>> Create(MetadataStore* store);
 
-  absl::Status Record(NamespaceId ns, const std::string& sequence_id, uint64_t block_index, const BlockKey& key)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // Keys of the given blocks; NOT_FOUND naming the first block this node
-  // does not hold.
-  absl::StatusOr<std::vector<BlockKey>> Resolve(NamespaceId ns, const std::string& sequence_id,
-                                                absl::Span<const uint64_t> block_indices) ABSL_LOCKS_EXCLUDED(mu_);
+  // Exclusive access to one sequence; movable. Releases the lock when
+  // destroyed.
+  class Handle {
+   public:
+    Handle() = default;
+    Handle(Handle&& o) noexcept { *this = std::move(o); }
+    Handle& operator=(Handle&& o) noexcept;
+    Handle(const Handle&) = delete;
+    ~Handle() { Release(); }
+    NamespaceId ns() const { return entry_->ns; }
+    const std::string& id() const { return entry_->id; }
+    SequenceState& state() ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry_->state; }
+    // Block `index` is full block `key` here: persisted, then in state().blocks.
+    absl::Status Record(uint64_t index, const BlockKey& key);
+    void Release();
+
+   private:
+    friend class SequenceTable;
+    SequenceTable* table_ = nullptr;
+    Entry* entry_ = nullptr;
+    size_t open_at_lock_ = 0;
+  };
+
+  Handle Lock(NamespaceId ns, const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Handles in the order of `ids` (which must be distinct), locked in a
+  // global order.
+  std::vector<Handle> LockMany(NamespaceId ns, absl::Span<const std::string> ids) ABSL_LOCKS_EXCLUDED(mu_);
+
   size_t num_sequences() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Open blocks over all sequences (as of the last handle released).
+  uint64_t open_blocks() const { return open_blocks_.load(std::memory_order_relaxed); }
 
  private:
   explicit SequenceTable(MetadataStore* store) : store_(store) {}
   using Id = std::pair<NamespaceId, std::string>;
+  Entry* FindOrAdd(NamespaceId ns, const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   MetadataStore* store_;
   mutable absl::Mutex mu_;
-  std::map<Id, absl::flat_hash_map<uint64_t, BlockKey>> seqs_ ABSL_GUARDED_BY(mu_);
+  std::map<Id, std::unique_ptr<Entry>> seqs_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int64_t> open_blocks_{0};
 };
 
 }  // namespace kvring

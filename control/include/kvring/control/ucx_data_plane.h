@@ -14,14 +14,10 @@
 
 #include "absl/status/statusor.h"
 #include "kvring/control/node_core.h"
+#include "kvring/protocol/ucx_methods.h"
 #include "kvring/transport/ucx_rpc.h"
 
 namespace kvring {
-
-inline constexpr uint32_t kUcxMethodPing = 0;
-inline constexpr uint32_t kUcxMethodPut = 1;
-inline constexpr uint32_t kUcxMethodGet = 2;
-inline constexpr uint32_t kUcxMethodAttend = 3;
 
 class UcxDataPlane {
  public:

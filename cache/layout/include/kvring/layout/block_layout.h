@@ -55,6 +55,8 @@ inline constexpr uint32_t kMaxLayers = 256;
 inline constexpr uint32_t kMaxKvHeads = 256;
 inline constexpr uint32_t kMaxHeadDim = 512;
 inline constexpr uint64_t kMaxBlockBytes = 64ull << 20;
+// Longest attention sequence (positions fit the kernels' int32).
+inline constexpr uint64_t kMaxSequenceTokens = 1ull << 30;
 
 struct BlockLayout {
   uint32_t block_tokens = 16;

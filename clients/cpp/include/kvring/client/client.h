@@ -11,10 +11,15 @@
 // when it advertises one, gRPC otherwise.
 //
 // Attention sequences are placed by sequence (contiguous chunks of blocks,
-// each chunk on R shards). Attend() sends the queries to one live replica of
-// every chunk at once (pass-Q fan-out), each shard attends over exactly the
-// blocks it is told to, and the partials merge exactly; if some chunk has no
-// live replica the answer is UNAVAILABLE, never a partial result.
+// each chunk on R shards). Step() sends the queries to one live replica
+// of every chunk at once (pass-Q fan-out), each shard attends over exactly
+// the block ranges it is told to, and the partials merge exactly; if some
+// chunk has no live replica the answer is UNAVAILABLE, never a partial
+// result. A step may also carry the new tokens' K and V for its layer (decode
+// in place, or a prefill chunk): they are appended on the write replicas of
+// the chunks that own the sequence's tail (the attending replica in the same
+// request), so an engine that offloads a sequence keeps no KV for it. One
+// request per shard carries every sequence of the batch.
 //
 // Thread-safe: one Client may be used from many threads.
 #pragma once
@@ -82,10 +87,41 @@ struct PutReport {
 struct AttendReport {
   int shards = 0;
   uint64_t blocks = 0;
-  // Serialized request and reply bytes (queries, block list, partials).
+  // Serialized request and reply bytes (queries, appended K/V, block ranges,
+  // partials).
   uint64_t bytes_sent = 0, bytes_received = 0;
   int retries = 0;
-  double seconds = 0;
+  uint32_t appended_tokens = 0;  // per replica that acknowledged
+  double seconds = 0;            // the whole call
+  // The slowest shard's own time on its request, and within it the
+  // attention computation and the host<->device copies (GPU nodes).
+  double node_seconds = 0, kernel_seconds = 0, copy_seconds = 0;
+  double merge_seconds = 0;      // merging the shards' partials here
+};
+
+// One sequence of an attention step.
+struct AttendSequence {
+  std::string sequence_id;
+  // Tokens of the sequence already in kvring on the step's layer.
+  uint64_t context_tokens = 0;
+  // Query rows of this sequence: the next `rows` rows of the step's queries.
+  uint32_t rows = 0;
+  // New tokens whose K/V this step appends (the next `append_tokens` rows of
+  // new_k / new_v), at positions [context_tokens, context_tokens + append_tokens).
+  uint32_t append_tokens = 0;
+};
+
+// A batched step of one layer: query rows grouped by sequence, positions
+// required (q.seq_ids unused); rows see the sequence's tokens causally,
+// appended ones included.
+struct AttendStep {
+  BlockLayout layout;  // the sequences' block layout
+  std::vector<AttendSequence> sequences;
+  QueryTensor q;
+  // [sum of append_tokens, kv_heads, head_dim] each, in layout.dtype.
+  const void* new_k = nullptr;
+  const void* new_v = nullptr;
+  AttentionOptions options;  // layer, softmax scale, causal, window
 };
 
 struct NodeStats {
@@ -125,10 +161,16 @@ class Client {
   // Stores blocks [first_block, first_block + blocks.size()) of `sequence_id`.
   absl::StatusOr<PutReport> PutSequence(const std::string& sequence_id, uint64_t first_block,
                                         absl::Span<const BlockData> blocks);
-  // Attention of `q` over blocks [0, num_blocks) of the sequence (layer
-  // `options.layer`), merged over the shards: (O, LSE) for every row.
-  absl::StatusOr<PartialResult> Attend(const std::string& sequence_id, uint64_t num_blocks, const QueryTensor& q,
-                                       const AttentionOptions& options, AttendReport* report = nullptr);
+  // Runs `step`: appends its new K/V, then attends; writes every row's
+  // merged O [rows, q_heads, head_dim] and LSE [rows, q_heads] into `out`.
+  // A row whose sequence holds no token gets O = 0, LSE = -inf.
+  absl::Status StepInto(const AttendStep& step, PartialOutput out, AttendReport* report = nullptr);
+  absl::StatusOr<PartialResult> Step(const AttendStep& step, AttendReport* report = nullptr);
+  // Attention of `q` over the first `num_tokens` tokens of one sequence
+  // (layer `options.layer`), no append.
+  absl::StatusOr<PartialResult> Attend(const std::string& sequence_id, const BlockLayout& layout, uint64_t num_tokens,
+                                       const QueryTensor& q, const AttentionOptions& options,
+                                       AttendReport* report = nullptr);
 
   std::vector<NodeStats> Stats();
   // The cached shard map version, and a forced refresh.

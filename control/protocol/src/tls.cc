@@ -1,4 +1,4 @@
-#include "kvring/control/tls.h"
+#include "kvring/protocol/tls.h"
 
 #include <fstream>
 #include <iterator>

@@ -1,4 +1,4 @@
-#include "kvring/control/shard_ring.h"
+#include "kvring/protocol/shard_ring.h"
 
 #include <algorithm>
 

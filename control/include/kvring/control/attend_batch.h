@@ -1,0 +1,66 @@
+// AttendBatch: a batched, appending Attend in kvring's native types, as the
+// node core takes it (the gRPC and UCX faces parse the wire request into it,
+// request_validation.h). Views: the spans point into the request's buffers,
+// which must outlive the batch.
+//
+// Rows are grouped by sequence in the order of `sequences`; appended K/V rows
+// likewise. The output of a batch is [num_rows, q_heads, head_dim] fp32 and
+// [num_rows, q_heads] fp32 LSE (natural log), rows in the same order.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "kvring/attention/tensors.h"
+#include "kvring/layout/block_layout.h"
+
+namespace kvring {
+
+// [begin, end) of a sequence's block indices.
+struct BlockRange {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  uint64_t size() const { return end - begin; }
+};
+
+struct AttendSequenceSpec {
+  std::string sequence_id;
+  std::vector<BlockRange> ranges;  // sorted, disjoint, non-empty
+  uint64_t tokens = 0;             // tokens on the layer once the append is applied
+  uint32_t rows = 0;               // query rows (0: append only)
+  uint32_t append_tokens = 0;
+  uint64_t append_position = 0;
+};
+
+struct AttendBatch {
+  AttentionOptions options;  // layer, scale, causal, window
+  uint32_t num_rows = 0, q_heads = 0, head_dim = 0;
+  DType q_dtype = DType::kBF16;
+  absl::Span<const uint8_t> queries;  // [num_rows, q_heads, head_dim] in q_dtype
+  std::vector<int64_t> positions;     // [num_rows]
+  std::vector<AttendSequenceSpec> sequences;
+  std::optional<BlockLayout> layout;  // required when appending
+  absl::Span<const uint8_t> new_k, new_v;  // [append rows, kv_heads, head_dim] in layout->dtype
+
+  uint32_t append_rows() const {
+    uint32_t n = 0;
+    for (const auto& s : sequences) n += s.append_tokens;
+    return n;
+  }
+};
+
+// What the node reports about one Attend beside its output.
+struct AttendStats {
+  uint32_t blocks_used = 0;
+  uint32_t appended_tokens = 0;
+  uint32_t completed_blocks = 0;
+  double compute_seconds = 0;  // the core's whole handling of the request
+  double kernel_seconds = 0;   // the attention computation
+  double copy_seconds = 0;     // staging and host<->device copies (GPU backends)
+  std::string backend;
+};
+
+}  // namespace kvring

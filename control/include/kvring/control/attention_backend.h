@@ -1,0 +1,127 @@
+// AttentionBackend: where a node keeps the KV of the attention sequences it
+// serves and how it computes attention over it. Two implementations answer
+// the same protocol: CpuAttentionBackend (host pages, the CPU kernels) and
+// CudaAttentionBackend (HBM pages with device-resident page tables, the CUDA
+// kernels), so a cluster may mix CPU and GPU nodes.
+//
+// The node core (node_core.h) owns the sequences' bookkeeping (which blocks
+// are held, which are open and how far each layer is filled, validation,
+// replication semantics) and tells the backend only what to hold and what to
+// compute:
+//  - a full block of a sequence is named by its store key; its bytes are in
+//    the node's BlockStore (host DRAM or the cold tier), and the backend may
+//    keep a copy of its own (a GPU node keeps sequence blocks in HBM);
+//  - an open block (one being filled by appends) lives only in the backend
+//    until every layer of it is filled; then the core reads its bytes out,
+//    stores them as an ordinary block, and seals it under its key.
+//
+// Thread safety: calls may come from many threads at once, but the core
+// never runs two calls naming the same sequence at the same time (it holds
+// the sequence's lock around each). On error a call changes nothing the core
+// can observe (a Step's partial writes into open blocks lie beyond their
+// filled counts, which only the core advances).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kvring/attention/tensors.h"
+#include "kvring/cache/block_meta.h"
+
+namespace kvring {
+
+// A sequence as the backend knows it: its namespace, id and the tenant that
+// acts on it (charged for the memory the backend holds for it).
+struct SequenceRef {
+  NamespaceId ns = 0;
+  std::string id;
+  TenantId tenant = 0;
+};
+
+// One block a Step reads.
+struct StepBlock {
+  uint64_t index = 0;   // block index in the sequence: its token 0 is at index * block_tokens
+  uint32_t tokens = 0;  // valid tokens on the step's layer (block_tokens but for the last block)
+  BlockKey key;         // the store key of a full block; zero for an open block
+};
+
+// `count` appended tokens, rows [src_row, src_row + count) of new_k / new_v,
+// written into open block `index` from token `offset` on.
+struct StepAppend {
+  uint64_t index = 0;
+  uint32_t offset = 0;
+  uint32_t count = 0;
+  uint32_t src_row = 0;
+};
+
+struct StepSequence {
+  SequenceRef seq;
+  std::vector<StepBlock> blocks;    // ascending; only the last may be partial
+  std::vector<StepAppend> appends;  // applied before the attention
+  uint32_t row_begin = 0, rows = 0; // its query rows (rows > 0 iff blocks is non-empty)
+};
+
+// One step on one layer: appends, then attention of every query row over its
+// sequence's listed blocks.
+struct StepPlan {
+  BlockLayout layout;    // of every sequence in the step
+  KvEncoding encoding;   // of the full blocks (open blocks are plain)
+  AttentionOptions options;
+  uint32_t num_rows = 0, q_heads = 0, head_dim = 0;
+  DType q_dtype = DType::kBF16;
+  absl::Span<const uint8_t> queries;         // [num_rows, q_heads, head_dim]
+  absl::Span<const int64_t> positions;       // [num_rows]
+  absl::Span<const uint8_t> new_k, new_v;    // [append rows, kv_heads, head_dim] in layout.dtype
+  std::vector<StepSequence> sequences;
+};
+
+struct StepTimes {
+  double kernel_seconds = 0;
+  double copy_seconds = 0;
+};
+
+struct BackendStats {
+  std::string name;
+  uint64_t pages = 0, free_pages = 0, page_bytes = 0;  // the backend's own page pool (HBM); 0 on the CPU
+  uint64_t resident_blocks = 0, hits = 0, misses = 0, demotions = 0, open_blocks = 0;
+  bool healthy = true;
+};
+
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+  // "cpu" or "cuda:<device>".
+  virtual std::string name() const = 0;
+
+  // A full block of `seq` was stored on this node (PutSequence). `payload`
+  // is the store's host copy. A GPU backend copies it into HBM now;
+  // RESOURCE_EXHAUSTED when HBM cannot take it (the block stays in the store
+  // and is promoted when attended).
+  virtual absl::Status AdmitBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key, const BlockMeta& meta,
+                                  absl::Span<const uint8_t> payload) = 0;
+  // A new open block `index` of `seq`, zero-filled, plain `layout`.
+  // RESOURCE_EXHAUSTED when there is no memory for it.
+  virtual absl::Status OpenBlock(const SequenceRef& seq, uint64_t index, const BlockLayout& layout) = 0;
+  // Gives an open block's memory back (the core rolls a failed step back).
+  virtual void DiscardOpenBlock(const SequenceRef& seq, uint64_t index) = 0;
+  // Runs the plan's appends, then its attention; writes every row's O
+  // [num_rows, q_heads, head_dim] and LSE [num_rows, q_heads] into `out`.
+  // Every open block the plan names was opened; every full block is in the
+  // node's store under its key.
+  virtual absl::Status Step(const StepPlan& plan, PartialOutput out, StepTimes* times) = 0;
+  // Copies open block `index` (every layer filled) into `dst`
+  // (layout.bytes()).
+  virtual absl::Status ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) = 0;
+  // The open block is now full block `key` in the store: the backend keeps
+  // its copy (GPU) or frees it (CPU).
+  virtual void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key) = 0;
+  // Per-tenant cap on the bytes the backend holds for a tenant's sequences
+  // (the tenant's pinned-bytes quota; UINT64_MAX: none).
+  virtual void SetTenantQuota(TenantId tenant, uint64_t max_bytes) = 0;
+  virtual BackendStats stats() = 0;
+};
+
+}  // namespace kvring

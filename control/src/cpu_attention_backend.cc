@@ -1,0 +1,129 @@
+#include "kvring/control/cpu_attention_backend.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kvring/attention/partial_attention.h"
+
+namespace kvring {
+
+absl::Status CpuAttentionBackend::OpenBlock(const SequenceRef& seq, uint64_t index, const BlockLayout& layout) {
+  absl::MutexLock l(&mu_);
+  OpenId id{seq.ns, seq.id, index};
+  if (open_.contains(id)) return absl::AlreadyExistsError(absl::StrCat("block ", index, " is already open"));
+  auto q = tenant_quota_.find(seq.tenant);
+  uint64_t& used = tenant_bytes_[seq.tenant];
+  if (q != tenant_quota_.end() && used + layout.bytes() > q->second) {
+    return absl::ResourceExhaustedError(absl::StrCat("tenant's open sequence blocks would exceed its quota of ", q->second,
+                                                     " pinned bytes"));
+  }
+  auto b = std::make_unique<OpenBuffer>();
+  b->tenant = seq.tenant;
+  b->bytes.assign(layout.bytes(), 0);
+  used += layout.bytes();
+  open_[id] = std::move(b);
+  return absl::OkStatus();
+}
+
+void CpuAttentionBackend::DiscardOpenBlock(const SequenceRef& seq, uint64_t index) {
+  absl::MutexLock l(&mu_);
+  auto it = open_.find(OpenId{seq.ns, seq.id, index});
+  if (it == open_.end()) return;
+  tenant_bytes_[it->second->tenant] -= it->second->bytes.size();
+  open_.erase(it);
+}
+
+absl::StatusOr<CpuAttentionBackend::OpenBuffer*> CpuAttentionBackend::Find(const SequenceRef& seq, uint64_t index) {
+  absl::MutexLock l(&mu_);
+  auto it = open_.find(OpenId{seq.ns, seq.id, index});
+  if (it == open_.end()) return absl::InternalError(absl::StrCat("block ", index, " of '", seq.id, "' is not open"));
+  return it->second.get();
+}
+
+absl::Status CpuAttentionBackend::ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) {
+  absl::StatusOr<OpenBuffer*> b = Find(seq, index);
+  if (!b.ok()) return b.status();
+  if (dst.size() < (*b)->bytes.size()) return absl::InvalidArgumentError("destination smaller than the block");
+  std::memcpy(dst.data(), (*b)->bytes.data(), (*b)->bytes.size());
+  return absl::OkStatus();
+}
+
+absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, StepTimes* times) {
+  const BlockLayout& L = plan.layout;
+  const size_t esz = DTypeSize(L.dtype);
+  const size_t row_bytes = size_t{L.head_dim} * esz;
+  // Appends: each token's heads into [layer][K|V][head][token][dim].
+  for (const StepSequence& s : plan.sequences) {
+    for (const StepAppend& a : s.appends) {
+      absl::StatusOr<OpenBuffer*> b = Find(s.seq, a.index);
+      if (!b.ok()) return b.status();
+      uint8_t* base = (*b)->bytes.data();
+      for (uint32_t t = 0; t < a.count; ++t) {
+        const size_t src = (size_t{a.src_row} + t) * L.kv_heads * row_bytes;
+        for (uint32_t h = 0; h < L.kv_heads; ++h) {
+          std::memcpy(base + L.index(plan.options.layer, 0, h, a.offset + t, 0) * esz, plan.new_k.data() + src + h * row_bytes,
+                      row_bytes);
+          std::memcpy(base + L.index(plan.options.layer, 1, h, a.offset + t, 0) * esz, plan.new_v.data() + src + h * row_bytes,
+                      row_bytes);
+        }
+      }
+    }
+  }
+  if (plan.num_rows == 0) return absl::OkStatus();
+  // Attention over every listed block, read in place.
+  std::vector<PinnedBlock> held;
+  std::vector<KvBlockRef> refs;
+  std::vector<uint32_t> seq_begin{0};
+  std::vector<uint32_t> seq_ids(plan.num_rows, 0);
+  for (const StepSequence& s : plan.sequences) {
+    if (s.rows == 0) continue;
+    const uint32_t kseq = static_cast<uint32_t>(seq_begin.size() - 1);
+    for (uint32_t r = 0; r < s.rows; ++r) seq_ids[s.row_begin + r] = kseq;
+    for (const StepBlock& b : s.blocks) {
+      const uint8_t* data;
+      if (b.key.is_zero()) {
+        absl::StatusOr<OpenBuffer*> ob = Find(s.seq, b.index);
+        if (!ob.ok()) return ob.status();
+        data = (*ob)->bytes.data();
+      } else {
+        absl::StatusOr<PinnedBlock> pb = store_->Acquire(s.seq.ns, b.key);
+        if (!pb.ok()) {
+          return absl::Status(pb.status().code(),
+                              absl::StrCat("sequence '", s.seq.id, "' block ", b.index, ": ", pb.status().message()));
+        }
+        if (!(pb->meta().layout == L) || !(pb->meta().encoding == plan.encoding)) {
+          return absl::FailedPreconditionError(absl::StrCat("sequence '", s.seq.id, "' block ", b.index,
+                                                            " has another layout or encoding than the sequence"));
+        }
+        data = pb->payload().data();
+        held.push_back(std::move(*pb));
+      }
+      refs.push_back(KvBlockRef{data, static_cast<int64_t>(b.index * L.block_tokens), b.tokens});
+    }
+    seq_begin.push_back(static_cast<uint32_t>(refs.size()));
+  }
+  // Open blocks are plain; a step never mixes them with quantized blocks.
+  PagedKv kv{L, plan.encoding, refs, seq_begin};
+  QueryTensor q{plan.queries.data(), plan.q_dtype, plan.num_rows, plan.q_heads, plan.head_dim, plan.positions.data(),
+                seq_ids.data()};
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = PartialAttention(plan.options, q, kv, out, pool_);
+  if (times != nullptr) times->kernel_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return s;
+}
+
+void CpuAttentionBackend::SetTenantQuota(TenantId tenant, uint64_t max_bytes) {
+  absl::MutexLock l(&mu_);
+  tenant_quota_[tenant] = max_bytes;
+}
+
+BackendStats CpuAttentionBackend::stats() {
+  BackendStats s;
+  s.name = name();
+  absl::MutexLock l(&mu_);
+  s.open_blocks = open_.size();
+  return s;
+}
+
+}  // namespace kvring
