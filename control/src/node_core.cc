@@ -253,35 +253,44 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
   const auto t0 = std::chrono::steady_clock::now();
   auto ns = Namespace(t, requested_ns);
   if (!ns.ok()) return op.Done(ns.status());
+  const size_t n = b.sequences.size();
   std::vector<std::string> ids;
-  ids.reserve(b.sequences.size());
+  ids.reserve(n);
   for (const auto& s : b.sequences) ids.push_back(s.sequence_id);
   std::vector<SequenceTable::Handle> hs = sequences_->LockMany(*ns, ids);
+  std::vector<absl::Status> seq_status(n);
+  auto fail = [&](size_t i, absl::StatusCode code, absl::string_view why) {
+    seq_status[i] = absl::Status(code, absl::StrCat("sequence '", b.sequences[i].sequence_id, "': ", why));
+  };
 
   // One layout and one encoding for the step: the sequences' own, or the
   // request's for a sequence this node has not seen yet.
   std::optional<BlockLayout> layout = b.layout;
   std::optional<KvEncoding> encoding;
-  std::vector<bool> learned(hs.size(), false);
-  for (size_t i = 0; i < hs.size(); ++i) {
+  std::vector<bool> learned(n, false);
+  for (size_t i = 0; i < n; ++i) {
     SequenceState& st = hs[i].state();
     const AttendSequenceSpec& spec = b.sequences[i];
-    auto err = [&](absl::StatusCode code, absl::string_view why) {
-      return op.Done(absl::Status(code, absl::StrCat("sequence '", spec.sequence_id, "': ", why)));
-    };
     if (!st.layout.has_value() && !st.blocks.empty()) {
       // Learn it from a block (after a restart the table holds only keys).
       absl::StatusOr<PinnedBlock> pb = store_->Acquire(*ns, st.blocks.begin()->second);
-      if (!pb.ok()) return err(pb.status().code(), absl::StrCat("block ", st.blocks.begin()->first, ": ", pb.status().message()));
+      if (!pb.ok()) {
+        fail(i, pb.status().code(), absl::StrCat("block ", st.blocks.begin()->first, ": ", pb.status().message()));
+        continue;
+      }
       st.layout = pb->meta().layout;
       st.encoding = pb->meta().encoding;
     }
     if (!st.layout.has_value()) {
-      if (spec.append_tokens == 0) return err(absl::StatusCode::kNotFound, "no blocks on this node");
-      learned[i] = true;  // set once the step succeeds
+      if (spec.append_tokens == 0) {
+        fail(i, absl::StatusCode::kNotFound, "no blocks on this node");
+        continue;
+      }
+      learned[i] = true;  // recorded once the step succeeds
     } else {
       if (b.layout.has_value() && !(*b.layout == *st.layout)) {
-        return err(absl::StatusCode::kFailedPrecondition, "the request's layout differs from the sequence's blocks");
+        fail(i, absl::StatusCode::kFailedPrecondition, "the request's layout differs from the sequence's blocks");
+        continue;
       }
       if (!layout.has_value()) layout = st.layout;
       if (!(*layout == *st.layout)) {
@@ -290,12 +299,17 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
     }
     const KvEncoding e = st.blocks.empty() ? KvEncoding{} : st.encoding;
     if (e.quantized() && spec.append_tokens > 0) {
-      return err(absl::StatusCode::kFailedPrecondition, "appends to a sequence of quantized blocks are not supported");
+      fail(i, absl::StatusCode::kFailedPrecondition, "appends to a sequence of quantized blocks are not supported");
+      continue;
     }
     if (encoding.has_value() && !(*encoding == e)) {
       return op.Done(absl::InvalidArgumentError("the sequences of one Attend must share one KV encoding"));
     }
     encoding = e;
+  }
+  if (!layout.has_value()) {
+    // Every sequence failed before its layout was known.
+    return Finish(op, t0, b, seq_status, out, stats, 0, 0, 0, StepTimes{});
   }
   const BlockLayout& L = *layout;
   const uint32_t bt = L.block_tokens, layer = b.options.layer;
@@ -309,123 +323,127 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
     return op.Done(absl::InvalidArgumentError(absl::StrCat("layer ", layer, " but the blocks have ", L.layers, " layers")));
   }
 
-  // The plan: appends (each continues its layer's tail here), then reads.
+  // The plan of each sequence: appends (each continues its layer's tail
+  // here, or repeats tokens held), then the blocks its rows read.
+  std::vector<StepSequence> planned(n);
+  std::vector<std::vector<uint64_t>> opens(n);  // blocks the step opens
+  std::vector<uint32_t> row_of(n), arow_of(n);
+  for (size_t i = 0, row = 0, arow = 0; i < n; ++i) {
+    row_of[i] = static_cast<uint32_t>(row);
+    arow_of[i] = static_cast<uint32_t>(arow);
+    row += b.sequences[i].rows;
+    arow += b.sequences[i].append_tokens;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!seq_status[i].ok()) continue;
+    absl::Status s = PlanSequence(*ns, t.id(), b, i, row_of[i], arow_of[i], L, hs[i], &planned[i], &opens[i]);
+    if (!s.ok()) seq_status[i] = absl::Status(s.code(), absl::StrCat("sequence '", b.sequences[i].sequence_id, "': ", s.message()));
+  }
+
+  // The step over the sequences that planned; their query rows compacted
+  // when some did not.
   StepPlan plan;
   plan.layout = L;
   plan.encoding = *encoding;
   plan.options = b.options;
-  plan.num_rows = b.num_rows;
   plan.q_heads = b.q_heads;
   plan.head_dim = b.head_dim;
   plan.q_dtype = b.q_dtype;
-  plan.queries = b.queries;
-  plan.positions = b.positions;
   plan.new_k = b.new_k;
   plan.new_v = b.new_v;
-  std::vector<std::pair<size_t, uint64_t>> to_open;
-  uint32_t row = 0, arow = 0, nblocks = 0;
-  for (size_t i = 0; i < hs.size(); ++i) {
-    SequenceState& st = hs[i].state();
-    const AttendSequenceSpec& spec = b.sequences[i];
-    auto err = [&](absl::StatusCode code, absl::string_view why) {
-      return op.Done(absl::Status(code, absl::StrCat("sequence '", spec.sequence_id, "': ", why)));
-    };
-    StepSequence ss;
-    ss.seq = SequenceRef{*ns, spec.sequence_id, t.id()};
-    ss.row_begin = row;
-    ss.rows = spec.rows;
-    row += spec.rows;
-    absl::flat_hash_map<uint64_t, uint32_t> filled_after;  // blocks this request appends to: tokens after it
-    for (uint64_t p = spec.append_position, left = spec.append_tokens, src = arow; left > 0;) {
-      const uint64_t idx = p / bt;
-      const uint32_t off = static_cast<uint32_t>(p % bt);
-      const uint32_t cnt = static_cast<uint32_t>(std::min<uint64_t>(left, bt - off));
-      if (st.blocks.count(idx)) {
-        return err(absl::StatusCode::kFailedPrecondition,
-                   absl::StrCat("append at position ", p, ": block ", idx, " is already complete on this node"));
-      }
-      auto o = st.open.find(idx);
-      if (o != st.open.end()) {
-        if (o->second.filled[layer] != off) {
-          return err(absl::StatusCode::kFailedPrecondition,
-                     absl::StrCat("append at position ", p, " but block ", idx, " holds ", o->second.filled[layer],
-                                  " tokens of layer ", layer, " on this node"));
-        }
-      } else if (off != 0) {
-        return err(absl::StatusCode::kFailedPrecondition,
-                   absl::StrCat("append at position ", p, " starts inside block ", idx, ", which this node is not filling"));
-      } else {
-        to_open.emplace_back(i, idx);
-      }
-      ss.appends.push_back(StepAppend{idx, off, cnt, static_cast<uint32_t>(src)});
-      filled_after[idx] = off + cnt;
-      p += cnt;
-      left -= cnt;
-      src += cnt;
+  const size_t qrow = size_t{b.q_heads} * b.head_dim * DTypeSize(b.q_dtype);
+  const size_t orow = size_t{b.q_heads} * b.head_dim;
+  bool compact = false;
+  for (size_t i = 0; i < n; ++i) compact |= !seq_status[i].ok() && b.sequences[i].rows > 0;
+  std::vector<uint8_t> q_compact;
+  std::vector<int64_t> pos_compact;
+  std::vector<float> out_compact, lse_compact;
+  std::vector<std::pair<uint32_t, uint32_t>> row_map;  // (batch row, rows) per planned sequence with rows
+  for (size_t i = 0; i < n; ++i) {
+    if (!seq_status[i].ok()) continue;
+    StepSequence ss = std::move(planned[i]);
+    ss.row_begin = plan.num_rows;
+    if (compact && ss.rows > 0) {
+      q_compact.insert(q_compact.end(), b.queries.begin() + row_of[i] * qrow, b.queries.begin() + (row_of[i] + ss.rows) * qrow);
+      pos_compact.insert(pos_compact.end(), b.positions.begin() + row_of[i], b.positions.begin() + row_of[i] + ss.rows);
+      row_map.emplace_back(row_of[i], ss.rows);
     }
-    arow += spec.append_tokens;
-    const uint64_t last_block = (spec.tokens + bt - 1) / bt;
-    for (const BlockRange& rg : spec.ranges) {
-      if (rg.end > last_block) {
-        return op.Done(absl::InvalidArgumentError(absl::StrCat("sequence '", spec.sequence_id, "': block range ends at ",
-                                                                rg.end, " but ", spec.tokens, " tokens fill only ", last_block,
-                                                                " blocks")));
-      }
-      for (uint64_t idx = rg.begin; idx < rg.end; ++idx) {
-        const uint32_t expect = static_cast<uint32_t>(std::min<uint64_t>(bt, spec.tokens - idx * bt));
-        auto full = st.blocks.find(idx);
-        if (full != st.blocks.end()) {
-          if (expect != bt) {
-            return err(absl::StatusCode::kFailedPrecondition,
-                       absl::StrCat("block ", idx, " is complete here, but ", spec.tokens, " tokens end inside it"));
-          }
-          ss.blocks.push_back(StepBlock{idx, bt, full->second});
-          continue;
-        }
-        auto fa = filled_after.find(idx);
-        auto o = st.open.find(idx);
-        if (fa == filled_after.end() && o == st.open.end()) {
-          return err(absl::StatusCode::kNotFound, absl::StrCat("block ", idx, " is not on this node"));
-        }
-        const uint32_t have = fa != filled_after.end() ? fa->second : o->second.filled[layer];
-        if (have != expect) {
-          return err(absl::StatusCode::kNotFound, absl::StrCat("block ", idx, " holds ", have, " of ", expect, " tokens of layer ",
-                                                               layer, " on this node"));
-        }
-        ss.blocks.push_back(StepBlock{idx, expect, BlockKey{}});
-      }
-    }
-    nblocks += static_cast<uint32_t>(ss.blocks.size());
+    plan.num_rows += ss.rows;
     plan.sequences.push_back(std::move(ss));
   }
-
-  // Apply: open the new blocks, run the step, then advance the counts.
-  size_t opened = 0;
-  absl::Status s = absl::OkStatus();
-  for (; opened < to_open.size() && s.ok(); ++opened) {
-    s = backend_->OpenBlock(plan.sequences[to_open[opened].first].seq, to_open[opened].second, L);
-    if (!s.ok()) break;
+  PartialOutput step_out = out;
+  if (compact) {
+    plan.queries = q_compact;
+    plan.positions = pos_compact;
+    out_compact.resize(plan.num_rows * orow);
+    lse_compact.resize(size_t{plan.num_rows} * b.q_heads);
+    step_out = PartialOutput{out_compact.data(), lse_compact.data()};
+  } else {
+    plan.queries = b.queries;
+    plan.positions = b.positions;
+  }
+  // Open the new blocks (a sequence that cannot is dropped from the step).
+  std::vector<std::pair<size_t, uint64_t>> opened;  // (plan index, block)
+  for (size_t i = 0, k = 0; i < n; ++i) {
+    if (!seq_status[i].ok()) continue;
+    for (uint64_t idx : opens[i]) {
+      absl::Status s = backend_->OpenBlock(plan.sequences[k].seq, idx, L);
+      if (!s.ok()) return op.Done(RollBack(plan, opened, s));
+      opened.emplace_back(k, idx);
+    }
+    ++k;
   }
   StepTimes times;
-  if (s.ok()) s = backend_->Step(plan, out, &times);
-  if (!s.ok()) {
-    for (size_t k = 0; k < opened; ++k) backend_->DiscardOpenBlock(plan.sequences[to_open[k].first].seq, to_open[k].second);
-    return op.Done(s);
+  if (!plan.sequences.empty()) {
+    absl::Status s = backend_->Step(plan, step_out, &times);
+    if (!s.ok()) return op.Done(RollBack(plan, opened, s));
   }
-  uint32_t appended = 0, sealed = 0;
-  for (size_t i = 0; i < hs.size(); ++i) {
+  if (compact) {
+    for (size_t r = 0, k = 0; k < row_map.size(); ++k) {
+      std::memcpy(out.out + size_t{row_map[k].first} * orow, out_compact.data() + r * orow, row_map[k].second * orow * 4);
+      std::memcpy(out.lse + size_t{row_map[k].first} * b.q_heads, lse_compact.data() + r * b.q_heads,
+                  size_t{row_map[k].second} * b.q_heads * 4);
+      r += row_map[k].second;
+    }
+  }
+  // Commit: advance the filled counts, store the blocks that are complete.
+  uint32_t appended = 0, sealed = 0, nblocks = 0;
+  for (size_t i = 0, k = 0; i < n; ++i) {
+    if (!seq_status[i].ok()) continue;
+    const StepSequence& ss = plan.sequences[k++];
     SequenceState& st = hs[i].state();
     if (learned[i]) {
       st.layout = L;
       st.encoding = KvEncoding{};
     }
-    for (const StepAppend& a : plan.sequences[i].appends) {
+    for (const StepAppend& a : ss.appends) {
       OpenBlockState& ob = st.open[a.index];
       if (ob.filled.empty()) ob.filled.assign(L.layers, 0);
       ob.filled[layer] = a.offset + a.count;
       appended += a.count;
     }
-    if (!plan.sequences[i].appends.empty()) sealed += SealCompleteBlocks(t.id(), hs[i]);
+    nblocks += static_cast<uint32_t>(ss.blocks.size());
+    if (!ss.appends.empty()) sealed += SealCompleteBlocks(t.id(), hs[i]);
+  }
+  return Finish(op, t0, b, seq_status, out, stats, appended, sealed, nblocks, times);
+}
+
+absl::Status NodeCore::RollBack(const StepPlan& plan, const std::vector<std::pair<size_t, uint64_t>>& opened,
+                                absl::Status why) {
+  for (const auto& [k, idx] : opened) backend_->DiscardOpenBlock(plan.sequences[k].seq, idx);
+  return why;
+}
+
+absl::Status NodeCore::Finish(OpScope& op, std::chrono::steady_clock::time_point t0, const AttendBatch& b,
+                              const std::vector<absl::Status>& seq_status, PartialOutput out, AttendStats* stats,
+                              uint32_t appended, uint32_t sealed, uint32_t nblocks, const StepTimes& times) {
+  // Rows of the sequences that failed see nothing: O = 0, LSE = -inf.
+  const size_t orow = size_t{b.q_heads} * b.head_dim;
+  for (size_t i = 0, row = 0; i < b.sequences.size(); row += b.sequences[i].rows, ++i) {
+    if (seq_status[i].ok() || b.sequences[i].rows == 0) continue;
+    std::fill(out.out + row * orow, out.out + (row + b.sequences[i].rows) * orow, 0.f);
+    std::fill(out.lse + row * b.q_heads, out.lse + (row + b.sequences[i].rows) * b.q_heads,
+              -std::numeric_limits<float>::infinity());
   }
   appended_tokens_->Add(appended);
   attend_kernel_->Observe(times.kernel_seconds);
@@ -437,8 +455,119 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
     stats->copy_seconds = times.copy_seconds;
     stats->compute_seconds = Since(t0);
     stats->backend = backend_->name();
+    stats->sequence_status = seq_status;
   }
+  // One sequence of one: its error is the request's.
+  if (b.sequences.size() == 1 && !seq_status[0].ok()) return op.Done(seq_status[0]);
   return op.Done(absl::OkStatus());
+}
+
+absl::Status NodeCore::PlanSequence(NamespaceId ns, TenantId tenant, const AttendBatch& b, size_t i, uint32_t row,
+                                    uint32_t arow, const BlockLayout& L, SequenceTable::Handle& h, StepSequence* ss,
+                                    std::vector<uint64_t>* opens) {
+  SequenceState& st = h.state();
+  const AttendSequenceSpec& spec = b.sequences[i];
+  const uint32_t bt = L.block_tokens, layer = b.options.layer;
+  ss->seq = SequenceRef{ns, spec.sequence_id, tenant};
+  ss->row_begin = row;
+  ss->rows = spec.rows;
+  absl::flat_hash_map<uint64_t, uint32_t> filled_after;  // blocks this request appends to: tokens after it
+  for (uint64_t p = spec.append_position, left = spec.append_tokens, src = arow; left > 0;) {
+    const uint64_t idx = p / bt;
+    const uint32_t off = static_cast<uint32_t>(p % bt);
+    const uint32_t cnt = static_cast<uint32_t>(std::min<uint64_t>(left, bt - off));
+    // Tokens this node already holds at these positions (a retried step):
+    // they must be the same bytes, and are not written again.
+    uint32_t have = 0;
+    auto full = st.blocks.find(idx);
+    auto o = st.open.find(idx);
+    if (full != st.blocks.end()) {
+      have = bt;
+    } else if (o != st.open.end()) {
+      have = o->second.filled[layer];
+    }
+    if (have < off) {
+      return absl::FailedPreconditionError(
+          o != st.open.end()
+              ? absl::StrCat("append at position ", p, " but block ", idx, " holds ", have, " tokens of layer ", layer,
+                             " on this node")
+              : absl::StrCat("append at position ", p, " starts inside block ", idx, ", which this node is not filling"));
+    }
+    const uint32_t dup = std::min(cnt, have - off);
+    if (dup > 0) KVRING_RETURN_IF_ERROR(SameTokens(ns, h, idx, layer, off, dup, b, static_cast<uint32_t>(src), L));
+    if (dup < cnt) {
+      if (full == st.blocks.end() && o == st.open.end()) opens->push_back(idx);
+      ss->appends.push_back(StepAppend{idx, off + dup, cnt - dup, static_cast<uint32_t>(src + dup)});
+      filled_after[idx] = off + cnt;
+    }
+    p += cnt;
+    left -= cnt;
+    src += cnt;
+  }
+  const uint64_t last_block = (spec.tokens + bt - 1) / bt;
+  for (const BlockRange& rg : spec.ranges) {
+    if (rg.end > last_block) {
+      return absl::InvalidArgumentError(absl::StrCat("block range ends at ", rg.end, " but ", spec.tokens,
+                                                     " tokens fill only ", last_block, " blocks"));
+    }
+    for (uint64_t idx = rg.begin; idx < rg.end; ++idx) {
+      const uint32_t expect = static_cast<uint32_t>(std::min<uint64_t>(bt, spec.tokens - idx * bt));
+      auto full = st.blocks.find(idx);
+      if (full != st.blocks.end()) {
+        if (expect != bt) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("block ", idx, " is complete here, but ", spec.tokens, " tokens end inside it"));
+        }
+        ss->blocks.push_back(StepBlock{idx, bt, full->second});
+        continue;
+      }
+      auto fa = filled_after.find(idx);
+      auto o = st.open.find(idx);
+      if (fa == filled_after.end() && o == st.open.end()) {
+        return absl::NotFoundError(absl::StrCat("block ", idx, " is not on this node"));
+      }
+      const uint32_t have = fa != filled_after.end() ? fa->second : o->second.filled[layer];
+      if (have != expect) {
+        return absl::NotFoundError(absl::StrCat("block ", idx, " holds ", have, " of ", expect, " tokens of layer ", layer,
+                                                " on this node"));
+      }
+      ss->blocks.push_back(StepBlock{idx, expect, BlockKey{}});
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NodeCore::SameTokens(NamespaceId ns, SequenceTable::Handle& h, uint64_t idx, uint32_t layer, uint32_t off,
+                                  uint32_t count, const AttendBatch& b, uint32_t src_row, const BlockLayout& L) {
+  std::vector<uint8_t> block;
+  const uint8_t* base = nullptr;
+  PinnedBlock pb;
+  auto full = h.state().blocks.find(idx);
+  if (full != h.state().blocks.end()) {
+    absl::StatusOr<PinnedBlock> got = store_->Acquire(ns, full->second);
+    if (!got.ok()) return got.status();
+    if (got->meta().encoding.quantized()) {
+      return absl::FailedPreconditionError(absl::StrCat("block ", idx, " is complete (quantized) on this node"));
+    }
+    pb = std::move(*got);
+    base = pb.payload().data();
+  } else {
+    block.resize(L.bytes());
+    KVRING_RETURN_IF_ERROR(backend_->ReadOpenBlock(SequenceRef{ns, h.id(), 0}, idx, absl::MakeSpan(block)));
+    base = block.data();
+  }
+  const size_t esz = DTypeSize(L.dtype), row = size_t{L.head_dim} * esz;
+  for (uint32_t t = 0; t < count; ++t) {
+    for (uint32_t hd = 0; hd < L.kv_heads; ++hd) {
+      const size_t src = ((size_t{src_row} + t) * L.kv_heads + hd) * row;
+      if (std::memcmp(base + L.index(layer, 0, hd, off + t, 0) * esz, b.new_k.data() + src, row) != 0 ||
+          std::memcmp(base + L.index(layer, 1, hd, off + t, 0) * esz, b.new_v.data() + src, row) != 0) {
+        return absl::FailedPreconditionError(absl::StrCat("append at position ", idx * L.block_tokens + off + t,
+                                                          " differs from the token this node already holds there"));
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h) {

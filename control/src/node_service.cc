@@ -34,6 +34,11 @@ absl::Status AttendInto(NodeCore& core, const v1::Tenant& t, const v1::AttendReq
   resp->set_appended_tokens(st.appended_tokens);
   resp->set_completed_blocks(st.completed_blocks);
   resp->set_backend(st.backend);
+  bool all_ok = true;
+  for (const absl::Status& q : st.sequence_status) all_ok &= q.ok();
+  if (!all_ok) {
+    for (const absl::Status& q : st.sequence_status) StatusToProto(q, resp->add_sequence_status());
+  }
   return absl::OkStatus();
 }
 

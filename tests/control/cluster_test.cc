@@ -10,6 +10,7 @@
 #include "kvring/cache/quantize.h"
 #include "kvring/control/request_validation.h"
 #include "kvring/layout/float_convert.h"
+#include "step_test_util.h"
 
 namespace kvring {
 namespace {
@@ -102,6 +103,59 @@ TEST(ClusterTest, PassQAttendAcrossFourDaemonsEqualsTheCpuReference) {
   // An unknown sequence is a clear error.
   auto missing = (*c)->Attend("no-such-session", L, 160, qt, o);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kUnavailable) << missing.status();
+}
+
+// Decode in place across shards: a batch of three sequences is prefilled
+// by appended chunks and then decoded token by token through the client;
+// the engine keeps no KV. Chunks of 4 blocks make the appends cross chunk
+// (and so shard) boundaries; R=2 puts every append on two shards.
+TEST(ClusterTest, DecodeInPlaceAcrossFourDaemonsWithReplicasEqualsTheReference) {
+  Cluster cl(ClusterOptions{.nodes = 4, .replication = 2, .extra_coordinator_flags = {"--sequence_chunk_blocks=4"}});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("decode");
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  testing::StepSim sim(SmallLayout(), 8, 5);
+  auto run = [&](uint32_t layer, const std::vector<testing::StepSim::Part>& parts, AttendReport* rep) {
+    auto b = sim.Build(layer, parts);
+    auto out = (*c)->Step(b.step, rep);
+    if (!out.ok()) return out.status();
+    sim.Commit(b);
+    auto [err, lse_err] = sim.Check(b, *out);
+    EXPECT_GE(err, 0) << "NaN in the output";
+    EXPECT_LT(err, 2e-5) << "layer " << layer;
+    EXPECT_LT(lse_err, 1e-4) << "layer " << layer;
+    return absl::OkStatus();
+  };
+  // Prefill chunks: 150 tokens (3 chunks of 64 tokens), 40, and 1; each row
+  // attends causally to the chunk's own tokens.
+  AttendReport rep;
+  for (uint32_t l = 0; l < 2; ++l) {
+    ASSERT_TRUE(run(l, {{"a", 150, 150}, {"b", 40, 40}, {"c", 1, 1}}, &rep).ok());
+    EXPECT_EQ(rep.appended_tokens, 2u * 191) << "every token on two replicas";
+  }
+  // 20 decode steps of the batch, both layers.
+  for (int step = 0; step < 20; ++step) {
+    for (uint32_t l = 0; l < 2; ++l) {
+      absl::Status s = run(l, {{"a", 1, 1}, {"b", 1, 1}, {"c", 1, 1}}, &rep);
+      ASSERT_TRUE(s.ok()) << "step " << step << ": " << s;
+    }
+  }
+  EXPECT_GE(rep.shards, 2);
+  // A long chunk: 200 tokens across four chunks in one step (a shard may
+  // take non-adjacent parts of it: appends are then sent first).
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(run(l, {{"a", 4, 200}}, &rep).ok());
+  EXPECT_EQ(sim.tokens("a", 1), 370u);
+  // Blocks filled by appends were stored like Puts: every node holds some.
+  uint64_t blocks = 0;
+  for (const NodeStats& s : (*c)->Stats()) blocks += s.blocks;
+  EXPECT_GE(blocks, 2u * (370 / 16 + 60 / 16 + 21 / 16));
+  // Appends that do not continue the tail are refused, and nothing changes.
+  auto bad = sim.Build(0, {{"b", 1, 1}});
+  bad.step.sequences[0].context_tokens += 3;
+  EXPECT_FALSE((*c)->Step(bad.step).ok());
+  ASSERT_TRUE(run(0, {{"b", 1, 1}}, &rep).ok());
 }
 
 TEST(ClusterTest, KillNineOneDaemonWithR2AndEveryAcknowledgedBlockIsStillReadable) {

@@ -12,6 +12,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "cluster_fixture.h"
+#include "step_test_util.h"
 #include "gtest/gtest.h"
 #include "kvring/attention/reference.h"
 #include "kvring/control/request_validation.h"
@@ -118,6 +119,72 @@ TEST(FaultTest, KillNineUnderPutAndAttendLoadLosesNothingAndNeverAnswersWrong) {
   EXPECT_LT(RelL2(out->out, ref.out), 1e-4);
   std::printf("[fault] puts ok %d, failed %d; attends ok %d, failed %d, wrong %d; %zu acknowledged blocks verified\n",
               put_ok.load(), put_err.load(), attend_ok.load(), attend_err.load(), attend_wrong.load(), checked);
+}
+
+// Decode in place under kill -9: an engine appends and attends a batch of
+// two sequences layer by layer (R=2, W=1) while a daemon is killed. Steps
+// fail over to the surviving replica (a failed step is retried as it was:
+// appends are idempotent), no answer is ever wrong, and at the end every
+// acknowledged token is still attended over exactly.
+TEST(FaultTest, KillNineUnderAppendAndAttendLoadLosesNoAcknowledgedAppend) {
+  Cluster cl(ClusterOptions{.nodes = 4, .replication = 2,
+                            .extra_coordinator_flags = {"--write_quorum=1", "--sequence_chunk_blocks=2"}});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("decode");
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  testing::StepSim sim(SmallLayout(), 4, 9);
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, retried{0}, wrong{0}, gave_up{0};
+  auto step = [&](uint32_t layer, const std::vector<testing::StepSim::Part>& parts) {
+    auto b = sim.Build(layer, parts);
+    for (int attempt = 0; attempt < 50; ++attempt) {
+      auto out = (*c)->Step(b.step);
+      if (out.ok()) {
+        sim.Commit(b);
+        auto [err, lse_err] = sim.Check(b, *out);
+        if (err < 0 || err > 2e-5 || lse_err > 1e-4) ++wrong;
+        ++ok;
+        return true;
+      }
+      ++retried;
+      if (attempt == 49) std::printf("[fault] gave up: %s\n", out.status().ToString().c_str());
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    ++gave_up;
+    return false;
+  };
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(step(l, {{"x", 50, 50}, {"y", 1, 30}}));
+  std::thread engine([&] {
+    while (!stop) {
+      for (uint32_t l = 0; l < 2; ++l) {
+        if (!step(l, {{"x", 1, 1}, {"y", 1, 1}})) return;
+      }
+    }
+  });
+  absl::SleepFor(absl::Seconds(1));
+  const int ok_before = ok.load();
+  cl.KillDaemon(1);
+  absl::SleepFor(absl::Seconds(3));
+  stop = true;
+  engine.join();
+  EXPECT_GT(ok_before, 0);
+  EXPECT_GT(ok.load(), ok_before + 4) << "steps did not go on after the kill";
+  EXPECT_EQ(wrong.load(), 0) << "a step returned a wrong answer";
+  EXPECT_EQ(gave_up.load(), 0);
+  // Every acknowledged token, attended over from the survivors.
+  for (uint32_t l = 0; l < 2; ++l) {
+    auto b = sim.Build(l, {{"x", 2, 0}, {"y", 2, 0}});
+    auto out = (*c)->Step(b.step);
+    ASSERT_TRUE(out.ok()) << out.status();
+    auto [err, lse_err] = sim.Check(b, *out);
+    EXPECT_LT(err, 2e-5);
+    EXPECT_GE(err, 0);
+    EXPECT_LT(lse_err, 1e-4);
+  }
+  std::printf("[fault] decode steps ok %d, retried %d, wrong %d; %llu tokens of x acknowledged and verified\n", ok.load(),
+              retried.load(), wrong.load(), static_cast<unsigned long long>(sim.tokens("x", 1)));
 }
 
 // The daemon's disk "fills up" (RLIMIT_FSIZE on its process) under a

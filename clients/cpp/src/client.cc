@@ -8,6 +8,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/create_channel.h"
 #include "kvring.grpc.pb.h"
@@ -574,6 +575,14 @@ class ClientImpl {
     int node = 0;
     std::vector<SeqPart> parts;
   };
+  // An attended chunk a node did not serve: retried on the next replica, or
+  // (same_node_again) on the same one without the append that was refused.
+  struct FailedChunk {
+    size_t seq = 0;
+    uint64_t chunk = 0;
+    bool same_node_again = false;
+    std::string why;
+  };
 
   absl::Status StepInto(const AttendStep& st, PartialOutput out, AttendReport* report) {
     const auto t0 = Clock::now();
@@ -688,7 +697,7 @@ class ClientImpl {
     AttendReport rep;
     absl::Status last_error = absl::OkStatus();
     std::vector<std::pair<size_t, uint64_t>> pending = std::move(pending_by_round[0]);
-    std::vector<absl::Status> unit_status(units.size());
+    std::map<std::pair<size_t, uint64_t>, std::vector<std::string>> tried;  // why each replica did not serve a chunk
     if (two_phase) {
       // Appends first (one request per node and contiguous part), attends after.
       std::vector<NodeJob> jobs;
@@ -705,8 +714,8 @@ class ClientImpl {
       for (const auto& [b, c] : pending) {
         if (next[b][c] >= cands[b][c].size()) {
           return absl::UnavailableError(absl::StrCat("no live replica holds chunk ", c, " of sequence '",
-                                                     st.sequences[b].sequence_id, "'", last_error.ok() ? "" : ": ",
-                                                     std::string(last_error.message())));
+                                                     st.sequences[b].sequence_id, "' (",
+                                                     absl::StrJoin(tried[{b, c}], "; "), ")"));
         }
         SeqPart& p = plan[cands[b][c][next[b][c]++]][b];
         p.seq = b;
@@ -720,9 +729,14 @@ class ClientImpl {
         jobs.push_back(std::move(j));
       }
       plan.clear();
-      std::vector<std::pair<size_t, uint64_t>> failed;
+      std::vector<FailedChunk> failed;
       KVRING_RETURN_IF_ERROR(RunJobs(st, *ring, jobs, row_begin, app_begin, total, units, out, &rep, &last_error, &failed));
-      pending = std::move(failed);
+      pending.clear();
+      for (FailedChunk& f : failed) {
+        pending.emplace_back(f.seq, f.chunk);
+        if (f.same_node_again) --next[f.seq][f.chunk];  // the same replica once more, attend only
+        tried[{f.seq, f.chunk}].push_back(std::move(f.why));
+      }
     }
     for (const AppendUnit& u : units) {
       if (u.acks < W) {
@@ -746,7 +760,7 @@ class ClientImpl {
   absl::Status RunJobs(const AttendStep& st, const ShardRing& ring, const std::vector<NodeJob>& jobs,
                        const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
                        const std::vector<uint64_t>& total, Units& units, PartialOutput out, AttendReport* rep,
-                       absl::Status* last_error, std::vector<std::pair<size_t, uint64_t>>* failed = nullptr) {
+                       absl::Status* last_error, std::vector<FailedChunk>* failed = nullptr) {
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
     const uint64_t chunk = ring.chunk_blocks(), bt = L.block_tokens;
@@ -785,7 +799,9 @@ class ClientImpl {
         as->set_sequence_id(s.sequence_id);
         as->set_tokens(total[p.seq]);
         const uint64_t nblocks = (total[p.seq] + bt - 1) / bt;
-        for (uint64_t c : p.chunks) {
+        std::vector<uint64_t> chunks = p.chunks;
+        std::sort(chunks.begin(), chunks.end());
+        for (uint64_t c : chunks) {
           const uint64_t b0 = c * chunk, b1 = std::min(nblocks, (c + 1) * chunk);
           if (as->ranges_size() > 0 && as->ranges(as->ranges_size() - 1).end() == b0) {
             as->mutable_ranges(as->ranges_size() - 1)->set_end(b1);
@@ -836,14 +852,37 @@ class ClientImpl {
         if (absl::IsFailedPrecondition(s) && failed == nullptr) return s;
         for (const SeqPart& p : jobs[j].parts) {
           for (uint64_t c : p.chunks) {
-            if (failed) failed->emplace_back(p.seq, c);
+            if (failed) failed->push_back(FailedChunk{p.seq, c, false, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", s.ToString())});
           }
         }
         continue;
       }
       const v1::AttendResponse& r = *res[j].resp;
-      for (const SeqPart& p : jobs[j].parts) {
-        unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { ++u.acks; });
+      if (r.sequence_status_size() != 0 && r.sequence_status_size() != static_cast<int>(jobs[j].parts.size())) {
+        return absl::DataLossError("Attend reply has the wrong number of sequence statuses");
+      }
+      std::vector<bool> served(jobs[j].parts.size(), true);
+      for (size_t k = 0; k < jobs[j].parts.size(); ++k) {
+        const SeqPart& p = jobs[j].parts[k];
+        const absl::Status ps = r.sequence_status_size() ? StatusOf(r.sequence_status(static_cast<int>(k))) : absl::OkStatus();
+        if (ps.ok()) {
+          unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { ++u.acks; });
+          continue;
+        }
+        // This node did not serve the sequence: its appends are not acked
+        // here and its chunks go to the next replica.
+        served[k] = false;
+        *last_error = ps;
+        unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { u.last = ps; });
+        if (!absl::IsNotFound(ps) && !absl::IsFailedPrecondition(ps)) return ps;
+        // A refused append (a replica behind on another chunk's tail) also
+        // refuses the attends beside it: those are retried on this node
+        // without the append first.
+        const bool again_here = absl::IsFailedPrecondition(ps) && p.append_end > p.append_begin;
+        for (uint64_t c : p.chunks) {
+          if (failed == nullptr) return ps;
+          failed->push_back(FailedChunk{p.seq, c, again_here, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", ps.ToString())});
+        }
       }
       if (res[j].rows == 0) continue;
       if (r.num_rows() != res[j].rows || r.q_heads() != q.q_heads || r.head_dim() != q.head_dim) {
@@ -852,9 +891,14 @@ class ClientImpl {
       const float* po = reinterpret_cast<const float*>(res[j].reply.data());
       const float* pl = po + size_t{res[j].rows} * hq;
       uint32_t off = 0;
-      for (const SeqPart& p : jobs[j].parts) {
+      for (size_t k = 0; k < jobs[j].parts.size(); ++k) {
+        const SeqPart& p = jobs[j].parts[k];
         if (p.chunks.empty()) continue;
         const uint32_t n = st.sequences[p.seq].rows, r0 = row_begin[p.seq];
+        if (!served[k]) {
+          off += n;
+          continue;
+        }
         MergeInto(PartialOutput{out.out + size_t{r0} * hq, out.lse + size_t{r0} * q.q_heads},
                   ConstPartial{po + size_t{off} * hq, pl + size_t{off} * q.q_heads}, n, q.q_heads, q.head_dim);
         off += n;

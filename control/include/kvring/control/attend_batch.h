@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kvring/attention/tensors.h"
 #include "kvring/layout/block_layout.h"
@@ -61,6 +62,8 @@ struct AttendStats {
   double kernel_seconds = 0;   // the attention computation
   double copy_seconds = 0;     // staging and host<->device copies (GPU backends)
   std::string backend;
+  // Per sequence of the batch, in order: OK, or why this node did not serve it.
+  std::vector<absl::Status> sequence_status;
 };
 
 }  // namespace kvring

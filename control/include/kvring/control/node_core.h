@@ -19,6 +19,7 @@
 // Thread-safe: handlers run concurrently on the server's threads.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,6 +44,8 @@ struct NodeCoreOptions {
   // Limits every request is validated against (request_validation.h).
   RequestLimits limits;
 };
+
+class OpScope;
 
 class NodeCore {
  public:
@@ -69,7 +72,12 @@ class NodeCore {
   // Appends, then attends, for every sequence of the batch; writes
   // out.out [num_rows, q_heads, head_dim] and out.lse [num_rows, q_heads].
   // `requested_ns`: the request header's namespace (empty: the tenant's).
-  // On error nothing was appended (the sequences are as before).
+  // Sequences succeed or fail one by one: a sequence this node cannot serve
+  // (a block it does not hold, an append that does not continue its tail)
+  // gets its own status in stats->sequence_status, its rows O = 0 and
+  // LSE = -inf, and is left unchanged; the others are served. The returned
+  // status is the request's (malformed, unauthorized, a backend failure: then
+  // nothing was appended), or the sequence's own for a batch of one.
   absl::Status Attend(const v1::Tenant& t, const std::string& requested_ns, const AttendBatch& batch, PartialOutput out,
                       AttendStats* stats);
   const RequestLimits& limits() const { return options_.limits; }
@@ -91,6 +99,17 @@ class NodeCore {
   // A sequence block that arrived by Put: recorded, then offered to the backend.
   absl::Status AddSequenceBlock(const v1::Tenant& t, NamespaceId ns, const std::string& id, uint64_t index,
                                 const BlockKey& key, const BlockMeta& meta, absl::Span<const uint8_t> payload);
+  absl::Status PlanSequence(NamespaceId ns, TenantId tenant, const AttendBatch& b, size_t i, uint32_t row, uint32_t arow,
+                            const BlockLayout& L, SequenceTable::Handle& h, StepSequence* ss, std::vector<uint64_t>* opens);
+  absl::Status RollBack(const StepPlan& plan, const std::vector<std::pair<size_t, uint64_t>>& opened, absl::Status why);
+  absl::Status Finish(OpScope& op, std::chrono::steady_clock::time_point t0, const AttendBatch& b,
+                      const std::vector<absl::Status>& seq_status, PartialOutput out, AttendStats* stats,
+                      uint32_t appended, uint32_t sealed, uint32_t nblocks, const StepTimes& times);
+  // OK when this node holds exactly the appended tokens [off, off + count)
+  // of block `idx` on `layer` (a retried append); FAILED_PRECONDITION if
+  // they differ.
+  absl::Status SameTokens(NamespaceId ns, SequenceTable::Handle& h, uint64_t idx, uint32_t layer, uint32_t off,
+                          uint32_t count, const AttendBatch& b, uint32_t src_row, const BlockLayout& L);
   // Stores every complete open block of the sequence as an ordinary block.
   uint32_t SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h);
 

@@ -1,0 +1,343 @@
+// NodeCore with the CPU attention backend: decode in place (appends that
+// cross block boundaries, layer by layer), batched steps, sequences mixing
+// PutSequence blocks and appended ones, and the refusals that leave a
+// sequence unchanged. Every answer is checked against the float64 reference
+// over the same K/V.
+#include "kvring/control/node_core.h"
+
+#include <cmath>
+#include <map>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "kvring/attention/reference.h"
+#include "kvring/control/cpu_attention_backend.h"
+#include "kvring/control/request_validation.h"
+
+namespace kvring {
+namespace {
+
+// One sequence's K/V as the engine would hold it: per layer, per token,
+// [kv_heads, head_dim] of K and of V (f32).
+struct EngineKv {
+  std::map<uint32_t, std::vector<float>> k, v;  // layer -> [tokens, kv_heads, head_dim]
+  uint64_t tokens(uint32_t layer) const {
+    auto it = k.find(layer);
+    return it == k.end() ? 0 : it->second.size();
+  }
+};
+
+class NodeCoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    BlockStoreOptions so;
+    so.page_bytes = 1 << 16;
+    so.num_pages = 256;
+    so.prefault = false;
+    store_ = std::move(BlockStore::Create(so).value());
+    seqs_ = std::move(SequenceTable::Create(nullptr).value());
+    backend_ = std::make_unique<CpuAttentionBackend>(store_.get(), nullptr);
+    NodeCoreOptions no;
+    no.node_id = "test";
+    no.limits.max_payload_bytes = so.page_bytes;
+    core_ = std::make_unique<NodeCore>(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_);
+    tenant_.set_id(3);
+    tenant_.set_name("t");
+    tenant_.set_namespace_("tenant/t");
+  }
+
+  // One sequence's part of a step.
+  struct Part {
+    std::string id;
+    uint32_t rows = 0;         // queries at the last `rows` positions of its tokens after the append
+    uint32_t append = 0;       // new tokens (random K/V, recorded in kv_[id])
+    std::vector<BlockRange> ranges;  // empty: every block
+  };
+
+  // Runs one step on `layer` and checks every row against the reference.
+  absl::Status Step(uint32_t layer, const std::vector<Part>& parts, double tol = 2e-5) {
+    AttendBatch b;
+    b.options.layer = layer;
+    b.q_heads = kQHeads;
+    b.head_dim = L_.head_dim;
+    b.q_dtype = DType::kF32;
+    b.layout = L_;
+    std::vector<float> q, nk, nv;
+    std::normal_distribution<float> nd;
+    std::vector<std::pair<std::string, uint32_t>> checks;  // id, first row
+    for (const Part& p : parts) {
+      EngineKv& e = kv_[p.id];
+      const uint64_t before = e.tokens(layer) / (L_.kv_heads * L_.head_dim);
+      AttendSequenceSpec s;
+      s.sequence_id = p.id;
+      s.append_position = before;
+      s.append_tokens = p.append;
+      s.tokens = before + p.append;
+      s.rows = p.rows;
+      for (uint32_t t = 0; t < p.append * L_.kv_heads * L_.head_dim; ++t) {
+        nk.push_back(nd(rng_));
+        nv.push_back(nd(rng_));
+      }
+      if (p.rows > 0) {
+        s.ranges = p.ranges.empty() ? std::vector<BlockRange>{{0, (s.tokens + L_.block_tokens - 1) / L_.block_tokens}} : p.ranges;
+        checks.emplace_back(p.id, b.num_rows);
+        for (uint32_t r = 0; r < p.rows; ++r) {
+          b.positions.push_back(static_cast<int64_t>(s.tokens - p.rows + r));
+          for (uint32_t i = 0; i < kQHeads * L_.head_dim; ++i) q.push_back(nd(rng_));
+        }
+        b.num_rows += p.rows;
+      }
+      b.sequences.push_back(s);
+    }
+    b.queries = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(q.data()), q.size() * 4);
+    b.new_k = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(nk.data()), nk.size() * 4);
+    b.new_v = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(nv.data()), nv.size() * 4);
+    std::vector<float> out(size_t{b.num_rows} * kQHeads * L_.head_dim, std::nanf("")), lse(size_t{b.num_rows} * kQHeads);
+    AttendStats st;
+    absl::Status s = core_->Attend(tenant_, "", b, PartialOutput{out.data(), lse.data()}, &st);
+    if (!s.ok()) return s;
+    // The append is now part of the engine's view of the sequence.
+    size_t off = 0;
+    for (const Part& p : parts) {
+      const size_t n = size_t{p.append} * L_.kv_heads * L_.head_dim;
+      auto& k = kv_[p.id].k[layer];
+      auto& v = kv_[p.id].v[layer];
+      k.insert(k.end(), nk.begin() + off, nk.begin() + off + n);
+      v.insert(v.end(), nv.begin() + off, nv.begin() + off + n);
+      off += n;
+    }
+    // Each sequence's rows against the reference over the blocks named.
+    size_t seq_i = 0;
+    for (const Part& p : parts) {
+      const AttendSequenceSpec& spec = b.sequences[seq_i++];
+      if (p.rows == 0) continue;
+      uint32_t row0 = 0;
+      for (const auto& [id, r] : checks) {
+        if (id == p.id) row0 = r;
+      }
+      reference::DenseKv d;
+      d.kv_heads = L_.kv_heads;
+      d.head_dim = L_.head_dim;
+      const auto& k = kv_[p.id].k[layer];
+      const auto& v = kv_[p.id].v[layer];
+      for (const BlockRange& rg : spec.ranges) {
+        for (uint64_t t = rg.begin * L_.block_tokens; t < std::min(spec.tokens, rg.end * L_.block_tokens); ++t) {
+          d.positions.push_back(static_cast<int64_t>(t));
+          const size_t e = t * L_.kv_heads * L_.head_dim;
+          d.k.insert(d.k.end(), k.begin() + e, k.begin() + e + L_.kv_heads * L_.head_dim);
+          d.v.insert(d.v.end(), v.begin() + e, v.begin() + e + L_.kv_heads * L_.head_dim);
+        }
+      }
+      const size_t qn = size_t{kQHeads} * L_.head_dim;
+      std::vector<double> qd(q.begin() + row0 * qn, q.begin() + (row0 + p.rows) * qn);
+      std::vector<int64_t> pos(b.positions.begin() + row0, b.positions.begin() + row0 + p.rows);
+      AttentionOptions o;
+      o.layer = layer;
+      auto ref = reference::Attention(qd, pos, kQHeads, d, o);
+      double num = 0, den = 0;
+      for (size_t i = 0; i < ref.out.size(); ++i) {
+        const double g = out[row0 * qn + i];
+        EXPECT_FALSE(std::isnan(g)) << p.id << " output not written";
+        num += (g - ref.out[i]) * (g - ref.out[i]);
+        den += ref.out[i] * ref.out[i];
+      }
+      EXPECT_GT(den, 0);
+      EXPECT_LT(std::sqrt(num / den), tol) << p.id << " layer " << layer;
+      for (size_t i = 0; i < ref.lse.size(); ++i) {
+        EXPECT_NEAR(lse[row0 * kQHeads + i], ref.lse[i], 1e-4 * std::max(1.0, std::abs(ref.lse[i]))) << p.id;
+      }
+    }
+    last_ = st;
+    return absl::OkStatus();
+  }
+
+  static constexpr uint32_t kQHeads = 4;
+  const BlockLayout L_{4, 2, 2, 16, DType::kF32};
+  std::mt19937_64 rng_{42};
+  std::unique_ptr<BlockStore> store_;
+  std::unique_ptr<SequenceTable> seqs_;
+  std::unique_ptr<CpuAttentionBackend> backend_;
+  TenantDirectory tenants_;
+  MetricsRegistry metrics_;
+  std::unique_ptr<NodeCore> core_;
+  v1::Tenant tenant_;
+  std::map<std::string, EngineKv> kv_;
+  AttendStats last_;
+};
+
+TEST_F(NodeCoreTest, DecodeInPlaceCrossesBlockBoundariesAndSealsFullBlocks) {
+  // A 6-token prefill chunk on both layers (rows see their causal prefix),
+  // then 7 decode steps of one token each.
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 6, 6}}).ok());
+  EXPECT_EQ(last_.appended_tokens, 6u);
+  EXPECT_EQ(last_.completed_blocks, 1u);  // block 0 (tokens 0-3) filled on both layers
+  for (int step = 0; step < 7; ++step) {
+    for (uint32_t l = 0; l < 2; ++l) {
+      absl::Status s = Step(l, {{"s", 1, 1}});
+      ASSERT_TRUE(s.ok()) << "step " << step << " layer " << l << ": " << s;
+    }
+  }
+  // 13 tokens: blocks 0-2 sealed into the store under their sequence keys,
+  // block 3 open with one token on each layer.
+  const NamespaceId ns = NamespaceIdOf("tenant/t");
+  SequenceTable::Handle h = seqs_->Lock(ns, "s");
+  EXPECT_EQ(h.state().blocks.size(), 3u);
+  ASSERT_EQ(h.state().open.size(), 1u);
+  EXPECT_EQ(h.state().open.begin()->first, 3u);
+  for (uint64_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(h.state().blocks.count(i));
+    EXPECT_EQ(h.state().blocks[i], SequenceBlockKey(ns, "s", i, L_));
+    auto pb = store_->Acquire(ns, h.state().blocks[i]);
+    ASSERT_TRUE(pb.ok()) << pb.status();
+    // Bit-exact: the block holds the engine's K/V in the block layout.
+    const float* f = reinterpret_cast<const float*>(pb->payload().data());
+    for (uint32_t l = 0; l < 2; ++l)
+      for (uint32_t t = 0; t < L_.block_tokens; ++t)
+        for (uint32_t hd = 0; hd < L_.kv_heads; ++hd)
+          for (uint32_t d = 0; d < L_.head_dim; ++d) {
+            const size_t e = ((i * L_.block_tokens + t) * L_.kv_heads + hd) * L_.head_dim + d;
+            ASSERT_EQ(f[L_.index(l, 0, hd, t, d)], kv_["s"].k[l][e]);
+            ASSERT_EQ(f[L_.index(l, 1, hd, t, d)], kv_["s"].v[l][e]);
+          }
+  }
+  h.Release();
+  EXPECT_EQ(seqs_->open_blocks(), 1u);
+  EXPECT_EQ(backend_->stats().open_blocks, 1u);
+}
+
+TEST_F(NodeCoreTest, RefusedAppendsAndAttendsChangeNothing) {
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 5}}).ok());
+  // A gap: position 7 on a node whose tail is at 5.
+  AttendBatch b;
+  b.options.layer = 0;
+  b.q_heads = kQHeads;
+  b.head_dim = L_.head_dim;
+  b.q_dtype = DType::kF32;
+  b.layout = L_;
+  std::vector<float> kv(L_.kv_heads * L_.head_dim, 1.f);
+  b.new_k = b.new_v = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(kv.data()), kv.size() * 4);
+  AttendSequenceSpec s;
+  s.sequence_id = "s";
+  s.append_position = 7;
+  s.append_tokens = 1;
+  s.tokens = 8;
+  b.sequences = {s};
+  absl::Status st = core_->Attend(tenant_, "", b, PartialOutput{}, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("holds 1 tokens of layer 0"), std::string::npos) << st;
+  // A repeat of a sealed block's position with other bytes.
+  b.sequences[0].append_position = 2;
+  b.sequences[0].tokens = 3;
+  st = core_->Attend(tenant_, "", b, PartialOutput{}, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("differs from the token this node already holds"), std::string::npos) << st;
+  // The same repeat with the bytes the node holds (a retried step) is a
+  // no-op, in a sealed block and in the open one.
+  for (uint64_t pos : {2, 4}) {
+    const size_t e = pos * L_.kv_heads * L_.head_dim;
+    std::vector<float> rk(kv_["s"].k[0].begin() + e, kv_["s"].k[0].begin() + e + L_.kv_heads * L_.head_dim);
+    std::vector<float> rv(kv_["s"].v[0].begin() + e, kv_["s"].v[0].begin() + e + L_.kv_heads * L_.head_dim);
+    AttendBatch r = b;
+    r.new_k = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(rk.data()), rk.size() * 4);
+    r.new_v = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(rv.data()), rv.size() * 4);
+    r.sequences[0].append_position = pos;
+    r.sequences[0].tokens = pos + 1;
+    AttendStats rs;
+    st = core_->Attend(tenant_, "", r, PartialOutput{}, &rs);
+    EXPECT_TRUE(st.ok()) << pos << ": " << st;
+    EXPECT_EQ(rs.appended_tokens, 0u);
+  }
+  // An attend that expects tokens this node does not hold: NOT_FOUND (the
+  // client moves to another replica).
+  std::vector<float> q(kQHeads * L_.head_dim, 0.5f);
+  AttendBatch a = b;
+  a.new_k = a.new_v = {};
+  a.queries = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(q.data()), q.size() * 4);
+  a.num_rows = 1;
+  a.positions = {6};
+  a.sequences[0] = AttendSequenceSpec{"s", {{0, 2}}, 7, 1, 0, 0};
+  std::vector<float> out(kQHeads * L_.head_dim), lse(kQHeads);
+  st = core_->Attend(tenant_, "", a, PartialOutput{out.data(), lse.data()}, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
+  EXPECT_NE(st.message().find("holds 1 of 3 tokens"), std::string::npos) << st;
+  // An unknown sequence.
+  a.sequences[0].sequence_id = "nope";
+  EXPECT_EQ(core_->Attend(tenant_, "", a, PartialOutput{out.data(), lse.data()}, nullptr).code(),
+            absl::StatusCode::kNotFound);
+  // Another layout than the sequence's.
+  b.layout = BlockLayout{8, 2, 2, 16, DType::kF32};
+  b.sequences[0].append_position = 5;
+  b.sequences[0].tokens = 6;
+  EXPECT_EQ(core_->Attend(tenant_, "", b, PartialOutput{}, nullptr).code(), absl::StatusCode::kFailedPrecondition);
+  // Nothing changed: the next in-order step still matches the reference.
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 2, 3}}).ok());
+  // Another tenant's namespace does not see the sequence.
+  v1::Tenant other;
+  other.set_id(4);
+  other.set_name("o");
+  other.set_namespace_("tenant/o");
+  a.sequences[0] = AttendSequenceSpec{"s", {{0, 2}}, 8, 1, 0, 0};
+  a.positions = {7};
+  EXPECT_EQ(core_->Attend(other, "", a, PartialOutput{out.data(), lse.data()}, nullptr).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(NodeCoreTest, OneStepServesABatchOfSequences) {
+  for (uint32_t l = 0; l < 2; ++l) {
+    ASSERT_TRUE(Step(l, {{"a", 3, 9}, {"b", 1, 2}, {"c", 5, 17}}).ok());
+  }
+  for (int step = 0; step < 5; ++step) {
+    for (uint32_t l = 0; l < 2; ++l) {
+      // "b" only appends on this node this time (its rows are served elsewhere).
+      ASSERT_TRUE(Step(l, {{"a", 1, 1}, {"b", 0, 1}, {"c", 2, 2}}).ok());
+    }
+  }
+  // Part of a sequence: its blocks [1, 3) only (another shard holds the rest).
+  ASSERT_TRUE(Step(0, {{"c", 1, 0, {{1, 3}}}}).ok());
+  EXPECT_EQ(last_.blocks_used, 2u);
+}
+
+TEST_F(NodeCoreTest, PutSequenceBlocksAndAppendedBlocksFormOneSequence) {
+  // Blocks 0 and 1 arrive by Put (the engine's prefill), then decode appends.
+  const NamespaceId ns = NamespaceIdOf("tenant/t");
+  std::normal_distribution<float> nd;
+  v1::PutRequest put;
+  put.mutable_header()->set_version(1);
+  for (uint64_t i = 0; i < 2; ++i) {
+    std::vector<float> blk(L_.elements());
+    for (uint32_t l = 0; l < 2; ++l)
+      for (uint32_t t = 0; t < L_.block_tokens; ++t)
+        for (uint32_t hd = 0; hd < L_.kv_heads; ++hd)
+          for (uint32_t d = 0; d < L_.head_dim; ++d) {
+            const float kx = nd(rng_), vx = nd(rng_);
+            blk[L_.index(l, 0, hd, t, d)] = kx;
+            blk[L_.index(l, 1, hd, t, d)] = vx;
+            kv_["p"].k[l].push_back(kx);  // token order matches (t, hd, d) loops
+            kv_["p"].v[l].push_back(vx);
+          }
+    v1::PutBlock* pb = put.add_blocks();
+    KeyToProto(BlockKey{100 + i, 7}, pb->mutable_block()->mutable_key());
+    LayoutToProto(L_, pb->mutable_block()->mutable_layout());
+    pb->mutable_block()->set_payload_bytes(static_cast<uint32_t>(L_.bytes()));
+    pb->set_payload(reinterpret_cast<const char*>(blk.data()), L_.bytes());
+    pb->mutable_sequence()->set_sequence_id("p");
+    pb->mutable_sequence()->set_block_index(i);
+  }
+  v1::PutResponse resp;
+  ASSERT_TRUE(core_->Put(tenant_, put, {}, &resp).ok());
+  for (const auto& r : resp.results()) ASSERT_EQ(r.status().code(), 0) << r.status().message();
+  for (int step = 0; step < 6; ++step) {
+    for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"p", 1, 1}}).ok()) << step;
+  }
+  // A Put into the block being appended to is refused.
+  v1::PutRequest clash = put;
+  clash.mutable_blocks()->DeleteSubrange(1, 1);
+  clash.mutable_blocks(0)->mutable_sequence()->set_block_index(3);
+  ASSERT_TRUE(core_->Put(tenant_, clash, {}, &resp).ok());
+  EXPECT_EQ(resp.results(resp.results_size() - 1).status().code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  SequenceTable::Handle h = seqs_->Lock(ns, "p");
+  EXPECT_EQ(h.state().blocks.size(), 3u);  // 0, 1 put; 2 sealed from appends
+  EXPECT_EQ(h.state().blocks[0], (BlockKey{100, 7}));
+}
+
+}  // namespace
+}  // namespace kvring
