@@ -16,6 +16,10 @@ namespace kvring {
 HttpServer::~HttpServer() { Stop(); }
 
 void HttpServer::Handle(const std::string& path, Handler handler, std::string content_type) {
+  routes_[path] = Route{[h = std::move(handler)] { return Response{"200 OK", h()}; }, std::move(content_type)};
+}
+
+void HttpServer::HandleWithStatus(const std::string& path, StatusHandler handler, std::string content_type) {
   routes_[path] = Route{std::move(handler), std::move(content_type)};
 }
 
@@ -69,8 +73,9 @@ void HttpServer::Loop() {
         if (size_t q = path.find('?'); q != std::string::npos) path.resize(q);
         auto it = routes_.find(path);
         if (it != routes_.end()) {
-          status = "200 OK";
-          body = it->second.handler();
+          Response r = it->second.handler();
+          status = std::move(r.status);
+          body = std::move(r.body);
           type = it->second.content_type;
         } else {
           status = "404 Not Found";

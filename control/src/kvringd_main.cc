@@ -1,7 +1,12 @@
 // kvringd: the kvring node daemon. Holds a block store (host DRAM + RocksDB
-// cold tier on local SSD), serves the Node gRPC service (and the UCX data
-// plane when enabled), registers and heartbeats with the coordinator, and
-// exports Prometheus metrics.
+// cold tier on local SSD; with --gpu an HBM tier in front for the attention
+// sequences, attended on the GPU), serves the Node gRPC service (and the UCX
+// data plane when enabled), registers and heartbeats with the coordinator,
+// and exports Prometheus metrics.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 
@@ -17,6 +22,7 @@
 #include "kvring/common/process.h"
 #include "kvring/control/coordinator_link.h"
 #include "kvring/control/cpu_attention_backend.h"
+#include "kvring/control/cuda_attention_backend.h"
 #include "kvring/protocol/tls.h"
 #include "kvring/control/metadata_store.h"
 #include "kvring/control/node_core.h"
@@ -59,6 +65,8 @@ int main(int argc, char** argv) {
   std::string listen = "0.0.0.0:7100", advertise, coordinator = "127.0.0.1:7000", cluster_token, cluster_token_file;
   std::string data_dir, node_id, eviction = "lru", cold_codec = "zstd", metrics_listen = "127.0.0.1:0", port_file;
   std::string log_level = "info", ucx_listen;
+  int64_t gpu = -1, gpu_lanes = 4;
+  uint64_t hbm_bytes = 0;
   uint64_t host_bytes = 1ull << 30, page_bytes = 2ull << 20, max_message = 256ull << 20;
   int64_t threads = 0;
   bool write_through = false, cold_sync = false, lock_memory = false, check_config = false;
@@ -78,6 +86,9 @@ int main(int argc, char** argv) {
   flags.AddBool("cold_sync", &cold_sync, "fsync cold-tier writes (survive power loss, not just crashes)");
   flags.AddBool("lock_memory", &lock_memory, "mlock the host tier");
   flags.AddInt("threads", &threads, "attention compute threads (0: all cores)");
+  flags.AddInt("gpu", &gpu, "CUDA device for the HBM tier and GPU attention (-1: none, attention on the CPU)");
+  flags.AddBytes("hbm_bytes", &hbm_bytes, "with --gpu: HBM for attention sequences (e.g. 40G; required with --gpu)");
+  flags.AddInt("gpu_lanes", &gpu_lanes, "with --gpu: requests on the GPU at once, each with its own stream (1-64)");
   flags.AddBytes("max_message_bytes", &max_message, "largest gRPC message accepted or sent");
   flags.AddString("metrics_listen", &metrics_listen, "Prometheus /metrics address host:port (empty: off)");
   flags.AddString("ucx_listen", &ucx_listen, "UCX data-plane listen address host:port (empty: off; clients use gRPC payloads)");
@@ -112,6 +123,11 @@ int main(int argc, char** argv) {
   if (page_bytes == 0 || page_bytes % 64 != 0 || host_bytes < page_bytes) {
     return Fail(absl::InvalidArgumentError("page_bytes must be a positive multiple of 64 and at most host_bytes"), "flags");
   }
+  if (gpu >= 0 && hbm_bytes < page_bytes) {
+    return Fail(absl::InvalidArgumentError("--gpu needs --hbm_bytes of at least one page (--page_bytes)"), "flags");
+  }
+  if (gpu < -1) return Fail(absl::InvalidArgumentError("--gpu must be a device ordinal, or -1 for none"), "flags");
+  if (gpu_lanes < 1 || gpu_lanes > 64) return Fail(absl::InvalidArgumentError("--gpu_lanes must be in [1, 64]"), "flags");
   if (!ParseHostPort(listen).ok()) return Fail(ParseHostPort(listen).status(), "--listen");
   if (!ParseHostPort(coordinator).ok()) return Fail(ParseHostPort(coordinator).status(), "--coordinator");
   if (check_config) {
@@ -134,6 +150,11 @@ int main(int argc, char** argv) {
   so.eviction_policy = eviction;
   so.lock_memory = lock_memory;
   so.cold_write_through = write_through;
+  if (gpu >= 0) {
+    // Promotions into HBM copy from the host pages: pin them for DMA.
+    so.register_memory = CudaRegisterHostMemory;
+    so.unregister_memory = CudaUnregisterHostMemory;
+  }
   KVRING_LOG(INFO) << "node " << *id << ": host tier " << so.num_pages << " pages x " << page_bytes << " bytes, cold tier "
                    << data_dir << "/cold (" << cold_codec << "), recovering...";
   auto store = BlockStore::Create(so, std::move(*cold));
@@ -152,6 +173,27 @@ int main(int argc, char** argv) {
   co.limits.max_request_bytes = max_message;
   CpuAttentionBackend cpu_backend(store->get(), &pool);
   AttentionBackend* backend = &cpu_backend;
+  std::unique_ptr<AttentionBackend> gpu_backend;
+  std::atomic<bool> gpu_failed{false};
+  if (gpu >= 0) {
+    CudaBackendOptions go;
+    go.device = static_cast<int>(gpu);
+    go.hbm_bytes = hbm_bytes;
+    go.page_bytes = page_bytes;
+    go.lanes = static_cast<int>(gpu_lanes);
+    // A poisoned CUDA context cannot recover in this process: report
+    // unhealthy and shut down, so that a supervisor restarts the daemon (the
+    // host and cold tiers keep their blocks; replicas serve meanwhile).
+    go.on_fatal = [&gpu_failed](const absl::Status& why) {
+      gpu_failed = true;
+      KVRING_LOG(ERROR) << "GPU failed (" << why << "): shutting down for a restart";
+      kill(getpid(), SIGTERM);
+    };
+    auto b = MakeCudaAttentionBackend(go, store->get(), &pool);
+    if (!b.ok()) return Fail(b.status(), "--gpu");
+    gpu_backend = std::move(*b);
+    backend = gpu_backend.get();
+  }
   NodeCore core(co, store->get(), seqs->get(), backend, &tenants, &metrics);
   NodeService service(&core);
 
@@ -192,6 +234,14 @@ int main(int argc, char** argv) {
   GaugeMetric* g_cold = metrics.Gauge("kvring_cold_blocks", "Blocks only in the cold tier");
   GaugeMetric* g_evict = metrics.Gauge("kvring_evictions", "Host-tier evictions since start");
   GaugeMetric* g_cold_bytes = metrics.Gauge("kvring_cold_stored_bytes", "Bytes in the cold tier after compression");
+  GaugeMetric* g_hbm_pages = metrics.Gauge("kvring_hbm_pages", "HBM pages of the attention backend (0 on a CPU node)");
+  GaugeMetric* g_hbm_free = metrics.Gauge("kvring_hbm_free_pages", "Free HBM pages");
+  GaugeMetric* g_hbm_bytes = metrics.Gauge("kvring_hbm_used_bytes", "HBM bytes holding sequence blocks");
+  GaugeMetric* g_hbm_blocks = metrics.Gauge("kvring_hbm_blocks", "Full sequence blocks resident in HBM");
+  GaugeMetric* g_hbm_hits = metrics.Gauge("kvring_hbm_hits", "Blocks attention found in HBM, since start");
+  GaugeMetric* g_hbm_misses = metrics.Gauge("kvring_hbm_misses", "Blocks promoted into HBM to be attended, since start");
+  GaugeMetric* g_hbm_demotions = metrics.Gauge("kvring_hbm_demotions", "Blocks dropped from HBM to make room, since start");
+  GaugeMetric* g_open = metrics.Gauge("kvring_open_blocks", "Sequence blocks being filled by appends");
   HttpServer http;
   int metrics_port = 0;
   if (!metrics_listen.empty()) {
@@ -204,9 +254,21 @@ int main(int argc, char** argv) {
       g_cold->Set(static_cast<double>(s.cold_only_blocks));
       g_evict->Set(static_cast<double>(s.evictions));
       if ((*store)->cold_tier()) g_cold_bytes->Set(static_cast<double>((*store)->cold_tier()->stats().stored_bytes));
+      const BackendStats b = backend->stats();
+      g_hbm_pages->Set(static_cast<double>(b.pages));
+      g_hbm_free->Set(static_cast<double>(b.free_pages));
+      g_hbm_bytes->Set(static_cast<double>((b.pages - b.free_pages) * b.page_bytes));
+      g_hbm_blocks->Set(static_cast<double>(b.resident_blocks));
+      g_hbm_hits->Set(static_cast<double>(b.hits));
+      g_hbm_misses->Set(static_cast<double>(b.misses));
+      g_hbm_demotions->Set(static_cast<double>(b.demotions));
+      g_open->Set(static_cast<double>(b.open_blocks));
       return metrics.Render();
     }, "text/plain; version=0.0.4");
-    http.Handle("/healthz", [] { return std::string("ok\n"); });
+    http.HandleWithStatus("/healthz", [backend] {
+      return backend->stats().healthy ? HttpServer::Response{"200 OK", "ok\n"}
+                                      : HttpServer::Response{"503 Service Unavailable", "gpu failed\n"};
+    });
     auto mp = http.Start(mhp->host, mhp->port);
     if (!mp.ok()) return Fail(mp.status(), "metrics server");
     metrics_port = *mp;
@@ -244,5 +306,9 @@ int main(int argc, char** argv) {
   KVRING_LOG(INFO) << "signal " << sig << ": shutting down";
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   ucx.reset();
+  if (gpu_failed) {
+    KVRING_LOG(ERROR) << "exiting with status 3: the GPU context failed";
+    std::_Exit(3);  // the CUDA context cannot be torn down cleanly
+  }
   return 0;
 }

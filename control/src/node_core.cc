@@ -312,7 +312,7 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
     return Finish(op, t0, b, seq_status, out, stats, 0, 0, 0, StepTimes{});
   }
   const BlockLayout& L = *layout;
-  const uint32_t bt = L.block_tokens, layer = b.options.layer;
+  const uint32_t layer = b.options.layer;
   if (L.head_dim != b.head_dim) {
     return op.Done(absl::InvalidArgumentError(absl::StrCat("query head_dim ", b.head_dim, " but the sequences' blocks have ", L.head_dim)));
   }

@@ -5,16 +5,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kvring/common/cuda_status.h"
 
 namespace kvring::cuda {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-absl::Status Cuda(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
+absl::Status Cuda(cudaError_t e, const char* what) { return CudaStatus(e, what); }
 #define KVRING_CUDA_OK(expr, what)                              \
   do {                                                          \
     if (absl::Status s_ = Cuda((expr), what); !s_.ok()) return s_; \

@@ -3,14 +3,11 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvring/common/cuda_status.h"
 
 namespace kvring {
 namespace {
-absl::Status Cuda(cudaError_t e, const std::string& what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  if (e == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-  return absl::UnavailableError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
+absl::Status Cuda(cudaError_t e, const std::string& what) { return CudaStatus(e, what); }
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DevicePagePool>> DevicePagePool::Create(const DevicePagePoolOptions& o) {
@@ -33,7 +30,7 @@ absl::StatusOr<std::unique_ptr<DevicePagePool>> DevicePagePool::Create(const Dev
 }
 
 DevicePagePool::~DevicePagePool() {
-  for (uint8_t* s : slabs_) cudaFree(s);
+  for (uint8_t* s : slabs_) (void)cudaFree(s);  // nothing to report to from a destructor
 }
 
 // ------------------------------------------------------------ DeviceBlock
@@ -94,14 +91,21 @@ absl::Status DeviceBlockTier::StartDemotionLocked() {
   const ScopedKey key = page_owner_[page];
   Entry& e = entries_[key];
   const size_t slot = free_staging_.back();
+  cudaEvent_t done = nullptr;
+  absl::Status s = Cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "demotion event");
+  if (s.ok()) {
+    s = Cuda(cudaMemcpyAsync(staging_ + slot * pool_->page_bytes(), pool_->page_address(page), e.meta.payload_bytes,
+                             cudaMemcpyDeviceToHost, demote_stream_),
+             "demotion copy");
+  }
+  if (s.ok()) s = Cuda(cudaEventRecord(done, demote_stream_), "demotion event record");
+  if (!s.ok()) {
+    if (done != nullptr) (void)cudaEventDestroy(done);  // the error reported is the one above
+    return s;
+  }
   free_staging_.pop_back();
   lru_.Pin(page);  // not a victim again while it is copied out
   e.demoting = true;
-  cudaEvent_t done = nullptr;
-  cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
-  cudaMemcpyAsync(staging_ + slot * pool_->page_bytes(), pool_->page_address(page), e.meta.payload_bytes,
-                  cudaMemcpyDeviceToHost, demote_stream_);
-  cudaEventRecord(done, demote_stream_);
   inflight_.push_back(Demotion{key, page, slot, done});
   ++stats_.demotions_started;
   return absl::OkStatus();
@@ -112,16 +116,26 @@ absl::Status DeviceBlockTier::FinishDemotionsLocked(absl::MutexLock& lock, bool 
   bool must_wait = wait_oldest || wait_all;
   while (!inflight_.empty()) {
     Demotion d = inflight_.front();
-    if (cudaEventQuery(d.done) != cudaSuccess) {
+    cudaError_t copy = cudaEventQuery(d.done);
+    if (copy == cudaErrorNotReady) {
       if (!must_wait) break;
       mu_.Unlock();
-      cudaEventSynchronize(d.done);
+      copy = cudaEventSynchronize(d.done);
       mu_.Lock();
     }
     inflight_.pop_front();
     if (!wait_all) must_wait = false;
-    cudaEventDestroy(d.done);
+    (void)cudaEventDestroy(d.done);  // a completed event; its destruction cannot fail usefully
     auto it = entries_.find(d.key);
+    if (copy != cudaSuccess) {
+      // The copy out failed: the block stays in HBM; nothing is lost.
+      free_staging_.push_back(d.staging);
+      it->second.demoting = false;
+      ++stats_.demotion_errors;
+      if (it->second.holds == 0) lru_.Unpin(d.page);
+      if (first.ok()) first = Cuda(copy, "demotion copy");
+      continue;
+    }
     PutArgs a;
     a.tenant = it->second.meta.owner;
     a.ns = d.key.ns;
@@ -235,10 +249,11 @@ absl::StatusOr<DeviceBlock> DeviceBlockTier::Acquire(NamespaceId ns, const Block
   if (it != entries_.end()) return grant(it->second);
   absl::StatusOr<PageId> page = AllocateLocked(lock);
   if (!page.ok()) return page.status();
-  cudaMemcpyAsync(pool_->page_address(*page), hb->payload().data(), hb->payload().size(), cudaMemcpyHostToDevice, stream);
+  cudaError_t e =
+      cudaMemcpyAsync(pool_->page_address(*page), hb->payload().data(), hb->payload().size(), cudaMemcpyHostToDevice, stream);
   // The host hold must outlive the copy.
   mu_.Unlock();
-  cudaError_t e = cudaStreamSynchronize(stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
   mu_.Lock();
   if (e != cudaSuccess) {
     (void)pool_->Free(*page);

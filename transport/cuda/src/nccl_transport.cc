@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "kvring/common/cuda_status.h"
 #include "absl/synchronization/mutex.h"
 
 namespace kvring {
@@ -17,10 +18,7 @@ absl::Status NcclError(ncclResult_t r, const char* what) {
   if (r == ncclSuccess) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
 }
-absl::Status CudaError(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
+absl::Status CudaError(cudaError_t e, const char* what) { return CudaStatus(e, what); }
 
 // Polls `ev` until it completes or `timeout` passes.
 absl::Status WaitEvent(cudaEvent_t ev, absl::Duration timeout, ncclComm_t comm) {

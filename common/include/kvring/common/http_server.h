@@ -29,13 +29,21 @@ class HttpServer {
 
   // Register before Start(). `content_type` e.g. "text/plain; version=0.0.4".
   void Handle(const std::string& path, Handler handler, std::string content_type = "text/plain");
+  // A handler that also chooses the status line (e.g. "503 Service
+  // Unavailable" from a health check).
+  struct Response {
+    std::string status = "200 OK";
+    std::string body;
+  };
+  using StatusHandler = std::function<Response()>;
+  void HandleWithStatus(const std::string& path, StatusHandler handler, std::string content_type = "text/plain");
   // Binds host:port (port 0 = any) and starts serving; returns the port.
   absl::StatusOr<int> Start(const std::string& host, int port);
   void Stop();
 
  private:
   void Loop();
-  struct Route { Handler handler; std::string content_type; };
+  struct Route { StatusHandler handler; std::string content_type; };
   std::map<std::string, Route> routes_;
   int fd_ = -1;
   std::atomic<bool> stop_{false};

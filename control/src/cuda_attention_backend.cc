@@ -1,0 +1,861 @@
+#include "kvring/control/cuda_attention_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "kvring/attention/cuda/paged_attention_cuda.h"
+#include "kvring/attention/cuda/paged_kv_update.h"
+#include "kvring/cache/device_page_pool.h"
+#include "kvring/common/cuda_status.h"
+#include "kvring/common/logging.h"
+#include "kvring/common/status_macros.h"
+#include "kvring/control/cpu_attention_backend.h"
+#include "kvring/layout/float_convert.h"
+
+namespace kvring {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// A host staging buffer in pinned memory, or a device buffer, that grows.
+struct Buffer {
+  uint8_t* p = nullptr;
+  size_t cap = 0;
+  bool pinned = false;  // host (cudaHostAlloc) vs device (cudaMalloc)
+  void Free() {
+    if (p != nullptr) (void)(pinned ? cudaFreeHost(p) : cudaFree(p));  // at teardown or before a larger one
+    p = nullptr;
+    cap = 0;
+  }
+  // Grows to at least `n` bytes (contents are lost). The lane's stream must
+  // be idle (it is, between requests).
+  cudaError_t Reserve(size_t n) {
+    if (n <= cap) return cudaSuccess;
+    Free();
+    const size_t c = std::max<size_t>(AlignUp(n), 1 << 20);
+    void* q = nullptr;
+    const cudaError_t e = pinned ? cudaHostAlloc(&q, c, cudaHostAllocDefault) : cudaMalloc(&q, c);
+    if (e != cudaSuccess) return e;
+    p = static_cast<uint8_t*>(q);
+    cap = c;
+    return cudaSuccess;
+  }
+};
+
+// One request at a time on the GPU: a stream and the buffers a step needs.
+struct Lane {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, kernel_begin = nullptr, kernel_end = nullptr, done = nullptr;
+  Buffer h_in{.pinned = true}, d_in, h_out{.pinned = true}, d_out, d_tables, d_workspace;
+  ~Lane() {
+    for (Buffer* b : {&h_in, &d_in, &h_out, &d_out, &d_tables, &d_workspace}) b->Free();
+    for (cudaEvent_t e : {start, kernel_begin, kernel_end, done}) {
+      if (e != nullptr) (void)cudaEventDestroy(e);
+    }
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  }
+};
+
+// The blob a step sends in its one host-to-device copy, section by section
+// (each 256-byte aligned).
+class Blob {
+ public:
+  size_t Add(size_t bytes) {
+    const size_t at = size_;
+    size_ = AlignUp(size_ + bytes);
+    return at;
+  }
+  size_t size() const { return size_; }
+
+ private:
+  size_t size_ = 0;
+};
+
+struct SeqId {
+  NamespaceId ns;
+  std::string id;
+  friend bool operator==(const SeqId& a, const SeqId& b) { return a.ns == b.ns && a.id == b.id; }
+  template <typename H>
+  friend H AbslHashValue(H h, const SeqId& k) {
+    return H::combine(std::move(h), k.ns, k.id);
+  }
+};
+
+// A sequence's blocks in HBM: sorted block indices, their pages, and the
+// device copy of its page tables (ids and token-0 positions, same order).
+struct DevSeq {
+  TenantId tenant = 0;
+  uint32_t block_tokens = 0;
+  std::vector<uint64_t> idx;
+  std::vector<int32_t> page;
+  std::vector<uint8_t> open;        // 1: an open block (only in HBM; never dropped)
+  std::vector<uint8_t> needs_zero;  // an open page not yet cleared on the device
+  int32_t* d_ids = nullptr;
+  int32_t* d_pos = nullptr;
+  size_t cap = 0;
+  size_t synced = 0;  // device entries [0, synced) are current
+  uint64_t last_use = 0;
+  int busy = 0;
+  size_t Find(uint64_t i) const { return static_cast<size_t>(std::lower_bound(idx.begin(), idx.end(), i) - idx.begin()); }
+  bool Has(uint64_t i) const {
+    const size_t k = Find(i);
+    return k < idx.size() && idx[k] == i;
+  }
+  void Insert(uint64_t i, int32_t pg, bool is_open) {
+    const size_t k = Find(i);
+    idx.insert(idx.begin() + k, i);
+    page.insert(page.begin() + k, pg);
+    open.insert(open.begin() + k, is_open ? 1 : 0);
+    needs_zero.insert(needs_zero.begin() + k, is_open ? 1 : 0);
+    synced = std::min(synced, k);
+  }
+  void Erase(size_t k) {
+    idx.erase(idx.begin() + k);
+    page.erase(page.begin() + k);
+    open.erase(open.begin() + k);
+    needs_zero.erase(needs_zero.begin() + k);
+    synced = std::min(synced, k);
+  }
+  size_t full_pages() const {
+    size_t n = 0;
+    for (uint8_t o : open) n += o == 0;
+    return n;
+  }
+};
+
+bool KernelsTake(const BlockLayout& l) {
+  return (l.dtype == DType::kBF16 || l.dtype == DType::kF16) && (l.head_dim == 64 || l.head_dim == 128);
+}
+
+class CudaAttentionBackend final : public AttentionBackend {
+ public:
+  CudaAttentionBackend(const CudaBackendOptions& o, BlockStore* store, ThreadPool* cpu_pool)
+      : o_(o), store_(store), cpu_(store, cpu_pool) {}
+
+  absl::Status Init() {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || o_.device < 0 || o_.device >= n) {
+      return absl::FailedPreconditionError(absl::StrCat("no CUDA device ", o_.device, " (", n, " visible)"));
+    }
+    KVRING_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(o_.device), "cudaSetDevice"));
+    KVRING_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, o_.device),
+                                      "device attributes"));
+    if (o_.page_bytes == 0 || o_.page_bytes % kAlign != 0) {
+      return absl::InvalidArgumentError("HBM page bytes must be a positive multiple of 256");
+    }
+    const uint64_t pages = o_.hbm_bytes / o_.page_bytes;
+    if (pages == 0) return absl::InvalidArgumentError("hbm_bytes must hold at least one page");
+    if (o_.lanes < 1 || o_.lanes > 64) return absl::InvalidArgumentError("lanes must be in [1, 64]");
+    // One slab: the kernels address pages as pool + id * page_bytes.
+    DevicePagePoolOptions po;
+    po.page_bytes = o_.page_bytes;
+    po.num_pages = pages;
+    po.device = o_.device;
+    po.slab_bytes = pages * o_.page_bytes;
+    KVRING_ASSIGN_OR_RETURN(pool_, DevicePagePool::Create(po));
+    pool_base_ = pool_->page_address(0);
+    KVRING_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&admin_stream_, cudaStreamNonBlocking), "admin stream"));
+    for (int i = 0; i < o_.lanes; ++i) {
+      auto l = std::make_unique<Lane>();
+      KVRING_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking), "lane stream"));
+      for (cudaEvent_t* e : {&l->start, &l->kernel_begin, &l->kernel_end, &l->done}) {
+        KVRING_RETURN_IF_ERROR(CudaStatus(cudaEventCreate(e), "lane event"));
+      }
+      absl::MutexLock lk(&lanes_mu_);
+      free_lanes_.push_back(l.get());
+      lanes_.push_back(std::move(l));
+    }
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, o_.device) == cudaSuccess) device_name_ = prop.name;
+    KVRING_LOG(INFO) << "CUDA backend on device " << o_.device << " (" << device_name_ << ", " << sm_count_ << " SMs): "
+                     << pages << " HBM pages x " << o_.page_bytes << " bytes, " << o_.lanes << " lanes";
+    return absl::OkStatus();
+  }
+
+  ~CudaAttentionBackend() override {
+    if (healthy_) (void)cudaDeviceSynchronize();  // nothing may still read the pool or tables
+    absl::MutexLock l(&mu_);
+    for (auto& [id, d] : seqs_) FreeTables(*d);
+    lanes_.clear();
+    if (admin_stream_ != nullptr) (void)cudaStreamDestroy(admin_stream_);
+  }
+
+  std::string name() const override { return absl::StrCat("cuda:", o_.device); }
+
+  absl::Status AdmitBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key, const BlockMeta& meta,
+                          absl::Span<const uint8_t> payload) override {
+    if (!KernelsTake(meta.layout)) {
+      MarkCpu(seq);
+      return cpu_.AdmitBlock(seq, index, key, meta, payload);
+    }
+    KVRING_RETURN_IF_ERROR(Healthy());
+    if (payload.size() > o_.page_bytes) return absl::InvalidArgumentError("block larger than an HBM page");
+    const SeqId id{seq.ns, seq.id};
+    int32_t page;
+    {
+      absl::MutexLock l(&mu_);
+      DevSeq& d = SeqLocked(id);
+      d.tenant = seq.tenant;
+      d.block_tokens = meta.layout.block_tokens;
+      if (d.Has(index)) return absl::OkStatus();  // resident already
+      KVRING_ASSIGN_OR_RETURN(page, AllocatePageLocked(seq.tenant, &id));
+      d.Insert(index, page, /*is_open=*/false);
+      d.last_use = ++clock_;
+      ++d.busy;
+    }
+    // The payload is host memory the caller keeps until we return.
+    absl::Status s;
+    {
+      absl::MutexLock a(&admin_mu_);
+      s = Check(cudaMemcpyAsync(PageAddress(page), payload.data(), payload.size(), cudaMemcpyHostToDevice, admin_stream_),
+                "copy of a sequence block into HBM");
+      if (s.ok()) s = Check(cudaStreamSynchronize(admin_stream_), "copy of a sequence block into HBM");
+    }
+    absl::MutexLock l(&mu_);
+    DevSeq& d = SeqLocked(id);
+    --d.busy;
+    if (!s.ok()) {
+      const size_t k = d.Find(index);
+      if (k < d.idx.size() && d.idx[k] == index) {
+        FreePageLocked(d.tenant, d.page[k]);
+        d.Erase(k);
+      }
+    }
+    return s;
+  }
+
+  absl::Status OpenBlock(const SequenceRef& seq, uint64_t index, const BlockLayout& layout) override {
+    if (!KernelsTake(layout)) {
+      MarkCpu(seq);
+      return cpu_.OpenBlock(seq, index, layout);
+    }
+    KVRING_RETURN_IF_ERROR(Healthy());
+    if (layout.bytes() > o_.page_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("a block of ", layout.bytes(), " bytes is larger than this node's ",
+                                                     o_.page_bytes, "-byte HBM pages"));
+    }
+    const SeqId id{seq.ns, seq.id};
+    absl::MutexLock l(&mu_);
+    DevSeq& d = SeqLocked(id);
+    d.tenant = seq.tenant;
+    d.block_tokens = layout.block_tokens;
+    if (d.Has(index)) return absl::AlreadyExistsError(absl::StrCat("block ", index, " is already in HBM"));
+    KVRING_ASSIGN_OR_RETURN(int32_t page, AllocatePageLocked(seq.tenant, &id));
+    d.Insert(index, page, /*is_open=*/true);
+    ++open_blocks_;
+    return absl::OkStatus();
+  }
+
+  void DiscardOpenBlock(const SequenceRef& seq, uint64_t index) override {
+    if (OnCpu(seq)) return cpu_.DiscardOpenBlock(seq, index);
+    absl::MutexLock l(&mu_);
+    DevSeq* dp = FindLocked(SeqId{seq.ns, seq.id});
+    if (dp == nullptr) return;
+    DevSeq& d = *dp;
+    const size_t k = d.Find(index);
+    if (k >= d.idx.size() || d.idx[k] != index || !d.open[k]) return;
+    FreePageLocked(d.tenant, d.page[k]);
+    d.Erase(k);
+    --open_blocks_;
+  }
+
+  absl::Status ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) override {
+    if (OnCpu(seq)) return cpu_.ReadOpenBlock(seq, index, dst);
+    KVRING_RETURN_IF_ERROR(Healthy());
+    int32_t page;
+    {
+      absl::MutexLock l(&mu_);
+      DevSeq* d = FindLocked(SeqId{seq.ns, seq.id});
+      if (d == nullptr || !d->Has(index)) {
+        return absl::InternalError(absl::StrCat("block ", index, " of '", seq.id, "' is not in HBM"));
+      }
+      page = d->page[d->Find(index)];
+    }
+    absl::MutexLock a(&admin_mu_);
+    KVRING_RETURN_IF_ERROR(Check(cudaMemcpyAsync(dst.data(), PageAddress(page), std::min<size_t>(dst.size(), o_.page_bytes),
+                                                 cudaMemcpyDeviceToHost, admin_stream_),
+                                 "copy of a filled block out of HBM"));
+    return Check(cudaStreamSynchronize(admin_stream_), "copy of a filled block out of HBM");
+  }
+
+  void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key) override {
+    if (OnCpu(seq)) return cpu_.SealBlock(seq, index, key);
+    absl::MutexLock l(&mu_);
+    DevSeq* d = FindLocked(SeqId{seq.ns, seq.id});
+    if (d == nullptr) return;
+    const size_t k = d->Find(index);
+    if (k < d->idx.size() && d->idx[k] == index && d->open[k]) {
+      d->open[k] = 0;  // now a full block whose home is the store: droppable
+      --open_blocks_;
+    }
+  }
+
+  void SetTenantQuota(TenantId tenant, uint64_t max_bytes) override {
+    cpu_.SetTenantQuota(tenant, max_bytes);
+    absl::MutexLock l(&mu_);
+    quota_[tenant] = max_bytes;
+  }
+
+  BackendStats stats() override {
+    BackendStats s;
+    s.name = name();
+    s.pages = pool_->num_pages();
+    s.free_pages = pool_->free_pages();
+    s.page_bytes = o_.page_bytes;
+    absl::MutexLock l(&mu_);
+    for (const auto& [id, d] : seqs_) s.resident_blocks += d->full_pages();
+    s.hits = hits_;
+    s.misses = misses_;
+    s.demotions = demotions_;
+    s.open_blocks = open_blocks_ + cpu_.stats().open_blocks;
+    s.healthy = healthy_;
+    return s;
+  }
+
+  absl::Status Step(const StepPlan& plan, PartialOutput out, StepTimes* times) override;
+
+ private:
+  void* PageAddress(int32_t page) const { return static_cast<uint8_t*>(pool_base_) + uint64_t(page) * o_.page_bytes; }
+
+  absl::Status Healthy() const {
+    if (healthy_) return absl::OkStatus();
+    return absl::UnavailableError("this node's GPU context failed; the node is restarting");
+  }
+
+  // The status of a CUDA call; a context-poisoning error also marks the
+  // backend unhealthy and runs on_fatal once.
+  absl::Status Check(cudaError_t e, absl::string_view what) {
+    if (e == cudaSuccess) return absl::OkStatus();
+    absl::Status s = CudaStatus(e, what);
+    if (CudaErrorIsSticky(e) && healthy_.exchange(false)) {
+      KVRING_LOG(ERROR) << "GPU context poisoned: " << s;
+      if (o_.on_fatal) o_.on_fatal(s);
+    }
+    return s;
+  }
+
+  void MarkCpu(const SequenceRef& seq) {
+    absl::MutexLock l(&mu_);
+    on_cpu_[SeqId{seq.ns, seq.id}] = true;
+  }
+  bool OnCpu(const SequenceRef& seq) {
+    absl::MutexLock l(&mu_);
+    return on_cpu_.contains(SeqId{seq.ns, seq.id});
+  }
+
+  // A free HBM page for `tenant`, dropping the full pages of the least
+  // recently used idle sequence (not `self`) when none is free.
+  absl::StatusOr<int32_t> AllocatePageLocked(TenantId tenant, const SeqId* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto q = quota_.find(tenant);
+    if (q != quota_.end() && (tenant_pages_[tenant] + 1) * o_.page_bytes > q->second) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the tenant's HBM pages would exceed its quota of ", q->second, " pinned bytes"));
+    }
+    for (;;) {
+      absl::StatusOr<PageId> p = pool_->Allocate();
+      if (p.ok()) {
+        ++tenant_pages_[tenant];
+        return static_cast<int32_t>(*p);
+      }
+      DevSeq* victim = nullptr;
+      for (auto& [id, d] : seqs_) {
+        if (d->busy > 0 || d->full_pages() == 0 || (self != nullptr && id == *self)) continue;
+        if (victim == nullptr || d->last_use < victim->last_use) victim = d.get();
+      }
+      if (victim == nullptr) {
+        return absl::ResourceExhaustedError(absl::StrCat("HBM full: all ", pool_->num_pages(),
+                                                         " pages hold open blocks or blocks of sequences in use"));
+      }
+      for (size_t k = victim->idx.size(); k-- > 0;) {
+        if (victim->open[k]) continue;
+        FreePageLocked(victim->tenant, victim->page[k]);
+        victim->Erase(k);
+        ++demotions_;
+      }
+    }
+  }
+
+  DevSeq& SeqLocked(const SeqId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::unique_ptr<DevSeq>& d = seqs_[id];
+    if (d == nullptr) d = std::make_unique<DevSeq>();
+    return *d;
+  }
+  DevSeq* FindLocked(const SeqId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = seqs_.find(id);
+    return it == seqs_.end() ? nullptr : it->second.get();
+  }
+
+  void FreePageLocked(TenantId tenant, int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    (void)pool_->Free(static_cast<PageId>(page));  // a page this backend allocated
+    --tenant_pages_[tenant];
+  }
+
+  void FreeTables(DevSeq& d) {
+    if (d.d_ids != nullptr) (void)cudaFree(d.d_ids);  // the device is idle at teardown
+    d.d_ids = d.d_pos = nullptr;
+    d.cap = 0;
+  }
+
+  Lane* AcquireLane() {
+    absl::MutexLock l(&lanes_mu_);
+    lanes_mu_.Await(absl::Condition(
+        +[](std::vector<Lane*>* v) { return !v->empty(); }, &free_lanes_));
+    Lane* lane = free_lanes_.back();
+    free_lanes_.pop_back();
+    return lane;
+  }
+  void ReleaseLane(Lane* lane) {
+    absl::MutexLock l(&lanes_mu_);
+    free_lanes_.push_back(lane);
+  }
+
+  const CudaBackendOptions o_;
+  BlockStore* store_;
+  CpuAttentionBackend cpu_;
+  int sm_count_ = 0;
+  std::string device_name_;
+  std::unique_ptr<DevicePagePool> pool_;
+  void* pool_base_ = nullptr;
+  std::atomic<bool> healthy_{true};
+
+  absl::Mutex admin_mu_;  // the admin stream (block copies in and out of HBM)
+  cudaStream_t admin_stream_ = nullptr;
+
+  absl::Mutex lanes_mu_;
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  std::vector<Lane*> free_lanes_ ABSL_GUARDED_BY(lanes_mu_);
+
+  absl::Mutex mu_;
+  absl::flat_hash_map<SeqId, std::unique_ptr<DevSeq>> seqs_ ABSL_GUARDED_BY(mu_);  // stable addresses
+  absl::flat_hash_map<SeqId, bool> on_cpu_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<TenantId, uint64_t> quota_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<TenantId, uint64_t> tenant_pages_ ABSL_GUARDED_BY(mu_);
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t hits_ ABSL_GUARDED_BY(mu_) = 0, misses_ ABSL_GUARDED_BY(mu_) = 0, demotions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t open_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Converts `rows` query rows into the KV dtype (the kernels read queries in
+// the dtype of the pages).
+void ConvertQueries(const uint8_t* src, DType from, size_t n, DType to, uint8_t* dst) {
+  if (from == to) {
+    std::memcpy(dst, src, n * DTypeSize(from));
+    return;
+  }
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  for (size_t i = 0; i < n; ++i) {
+    float f;
+    switch (from) {
+      case DType::kF32: std::memcpy(&f, src + 4 * i, 4); break;
+      case DType::kBF16: f = Bf16ToFloat(reinterpret_cast<const uint16_t*>(src)[i]); break;
+      default: f = F16ToFloat(reinterpret_cast<const uint16_t*>(src)[i]); break;
+    }
+    d[i] = to == DType::kBF16 ? FloatToBf16(f) : FloatToF16(f);
+  }
+}
+
+absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out, StepTimes* times) {
+  const BlockLayout& L = plan.layout;
+  if (!KernelsTake(L)) return cpu_.Step(plan, out, times);
+  KVRING_RETURN_IF_ERROR(Healthy());
+  const uint32_t G = plan.q_heads / L.kv_heads;
+  const bool quantized = plan.encoding.quantized();
+  uint32_t max_rows = 0;
+  for (const StepSequence& s : plan.sequences) max_rows = std::max(max_rows, s.rows);
+  // Few rows a sequence (decode) or quantized pages: the split-KV decode
+  // kernel; many rows (a prefill chunk): the prefill kernel.
+  const bool decode = quantized || max_rows * G <= 64;
+  if (quantized && max_rows > 64) {
+    return absl::UnimplementedError("attention over int8/fp8 pages takes at most 64 query rows a sequence");
+  }
+  Lane* lane = AcquireLane();
+  struct LaneGuard {
+    CudaAttentionBackend* self;
+    Lane* lane;
+    ~LaneGuard() { self->ReleaseLane(lane); }
+  } lane_guard{this, lane};
+  const cudaStream_t st = lane->stream;
+
+  // Phase 1 (under mu_): every sequence marked busy (never dropped while in
+  // the step); the listed blocks not in HBM found.
+  struct Missing {
+    size_t seq;
+    uint64_t index;
+    BlockKey key;
+    PinnedBlock host;
+    int32_t page = -1;
+  };
+  std::vector<Missing> missing;
+  std::vector<DevSeq*> dseq(plan.sequences.size());
+  {
+    absl::MutexLock l(&mu_);
+    const uint64_t now = ++clock_;
+    for (size_t i = 0; i < plan.sequences.size(); ++i) {
+      const StepSequence& s = plan.sequences[i];
+      DevSeq& d = SeqLocked(SeqId{s.seq.ns, s.seq.id});
+      d.tenant = s.seq.tenant;
+      d.block_tokens = L.block_tokens;
+      d.last_use = now;
+      ++d.busy;
+      dseq[i] = &d;
+    }
+    for (size_t i = 0; i < plan.sequences.size(); ++i) {
+      const StepSequence& s = plan.sequences[i];
+      for (const StepBlock& b : s.blocks) {
+        if (dseq[i]->Has(b.index)) {
+          ++hits_;
+          continue;
+        }
+        if (b.key.is_zero()) {
+          for (DevSeq* d : dseq) --d->busy;
+          return absl::InternalError(absl::StrCat("open block ", b.index, " of '", s.seq.id, "' is not in HBM"));
+        }
+        ++misses_;
+        missing.push_back(Missing{i, b.index, b.key, {}});
+      }
+    }
+  }
+  // On failure from here on: promoted pages are dropped again (their
+  // contents are not known to have landed) and the sequences released.
+  auto fail = [&](absl::Status s) {
+    absl::MutexLock l(&mu_);
+    for (Missing& m : missing) {
+      if (m.page < 0) continue;
+      DevSeq& d = *dseq[m.seq];
+      const size_t k = d.Find(m.index);
+      if (k < d.idx.size() && d.idx[k] == m.index) {
+        FreePageLocked(d.tenant, d.page[k]);
+        d.Erase(k);
+      }
+    }
+    for (DevSeq* d : dseq) --d->busy;
+    return s;
+  };
+
+  // Phase 2: the missing blocks' host copies (store I/O, no lock), then
+  // their pages.
+  for (Missing& m : missing) {
+    const StepSequence& s = plan.sequences[m.seq];
+    absl::StatusOr<PinnedBlock> pb = store_->Acquire(s.seq.ns, m.key);
+    if (!pb.ok()) {
+      return fail(absl::Status(pb.status().code(),
+                               absl::StrCat("sequence '", s.seq.id, "' block ", m.index, ": ", pb.status().message())));
+    }
+    if (!(pb->meta().layout == L) || !(pb->meta().encoding == plan.encoding) || pb->payload().size() > o_.page_bytes) {
+      return fail(absl::FailedPreconditionError(
+          absl::StrCat("sequence '", s.seq.id, "' block ", m.index, " has another layout or encoding than the sequence")));
+    }
+    m.host = std::move(*pb);
+  }
+  absl::Status pages_ok = absl::OkStatus();
+  {
+    absl::MutexLock l(&mu_);
+    for (Missing& m : missing) {
+      const StepSequence& s = plan.sequences[m.seq];
+      const SeqId self{s.seq.ns, s.seq.id};
+      absl::StatusOr<int32_t> page = AllocatePageLocked(s.seq.tenant, &self);
+      if (!page.ok()) {
+        pages_ok = page.status();
+        break;
+      }
+      m.page = *page;
+      dseq[m.seq]->Insert(m.index, *page, /*is_open=*/false);
+    }
+  }
+  if (!pages_ok.ok()) return fail(pages_ok);
+
+  // Phase 3: device page tables large enough (only this step touches the
+  // tables of its sequences).
+  for (DevSeq* d : dseq) {
+    size_t need, synced;
+    {
+      absl::MutexLock l(&mu_);
+      need = d->idx.size();
+      synced = d->synced;
+    }
+    if (need <= d->cap) continue;
+    const size_t cap = std::max<size_t>(64, need * 2);
+    void* nt = nullptr;
+    if (absl::Status s = Check(cudaMallocAsync(&nt, cap * 8, st), "page table"); !s.ok()) return fail(s);
+    int32_t* ni = static_cast<int32_t*>(nt);
+    absl::Status s = absl::OkStatus();
+    if (d->d_ids != nullptr) {
+      if (synced > 0) {  // entries from `synced` on are written below
+        s = Check(cudaMemcpyAsync(ni, d->d_ids, synced * 4, cudaMemcpyDeviceToDevice, st), "page table copy");
+        if (s.ok()) s = Check(cudaMemcpyAsync(ni + cap, d->d_pos, synced * 4, cudaMemcpyDeviceToDevice, st), "page table copy");
+      }
+      if (s.ok()) s = Check(cudaFreeAsync(d->d_ids, st), "page table");
+    }
+    d->d_ids = ni;
+    d->d_pos = ni + cap;
+    d->cap = cap;
+    if (!s.ok()) return fail(s);
+  }
+
+  // Phase 4 (under mu_): the step's blob, section by section, into pinned
+  // staging: queries (in the KV dtype), appended K/V, positions, the batch's
+  // CSR arrays, append ops, table writes, gather segments.
+  const size_t esz = 2;  // bf16/fp16 pages
+  const size_t q_elems = size_t{plan.num_rows} * plan.q_heads * plan.head_dim;
+  const size_t kv_row = size_t{L.kv_heads} * L.head_dim * esz;
+  uint32_t append_rows = 0, append_ops = 0;
+  for (const StepSequence& s : plan.sequences) {
+    for (const StepAppend& a : s.appends) {
+      append_rows = std::max(append_rows, a.src_row + a.count);
+      append_ops += a.count;
+    }
+  }
+  struct KSeq {  // a kernel sequence: a plan sequence with rows
+    size_t plan_i;
+    std::vector<std::pair<size_t, size_t>> runs;  // slots [k0, k1) of its table
+    int32_t tokens = 0;
+  };
+  std::vector<KSeq> kseqs;
+  size_t num_writes = 0, num_segments = 0;
+  int32_t total_pages = 0;
+  std::vector<int32_t> zero_pages;
+  {
+    absl::MutexLock l(&mu_);
+    for (size_t i = 0; i < plan.sequences.size(); ++i) {
+      DevSeq& d = *dseq[i];
+      num_writes += 2 * (d.idx.size() - d.synced);
+      for (size_t k = 0; k < d.idx.size(); ++k) {
+        if (d.needs_zero[k]) {
+          zero_pages.push_back(d.page[k]);
+          d.needs_zero[k] = 0;
+        }
+      }
+      const StepSequence& s = plan.sequences[i];
+      if (s.rows == 0) continue;
+      KSeq ks{i, {}, 0};
+      for (const StepBlock& b : s.blocks) {
+        const size_t k = d.Find(b.index);
+        if (!ks.runs.empty() && ks.runs.back().second == k) {
+          ++ks.runs.back().second;
+        } else {
+          ks.runs.emplace_back(k, k + 1);
+        }
+        ks.tokens += static_cast<int32_t>(b.tokens);
+        ++total_pages;
+      }
+      num_segments += ks.runs.size();
+      kseqs.push_back(std::move(ks));
+    }
+  }
+  const bool direct = kseqs.size() == 1 && kseqs[0].runs.size() == 1;
+  Blob blob;
+  const size_t off_q = blob.Add(q_elems * esz);
+  const size_t off_k = blob.Add(size_t{append_rows} * kv_row);
+  const size_t off_v = blob.Add(size_t{append_rows} * kv_row);
+  const size_t off_pos = blob.Add(size_t{plan.num_rows} * 4);
+  const size_t off_rows = blob.Add((kseqs.size() + 1) * 4);
+  const size_t off_pages = blob.Add((kseqs.size() + 1) * 4);
+  const size_t off_tokens = blob.Add(kseqs.size() * 4);
+  const size_t off_appends = blob.Add(size_t{append_ops} * sizeof(cuda::KvAppendOp));
+  const size_t off_writes = blob.Add(num_writes * sizeof(cuda::TableWriteOp));
+  const size_t off_segs = blob.Add(num_segments * sizeof(cuda::TableSegment));
+  const size_t out_o = AlignUp(q_elems * 4);
+  const size_t out_bytes = out_o + AlignUp(size_t{plan.num_rows} * plan.q_heads * 4);
+  const size_t ids_bytes = AlignUp(size_t(total_pages) * 4);
+  for (auto [buf, n, what] : {std::tuple{&lane->h_in, blob.size(), "pinned staging"},
+                              std::tuple{&lane->d_in, blob.size(), "device staging"},
+                              std::tuple{&lane->h_out, out_bytes, "pinned output"},
+                              std::tuple{&lane->d_out, out_bytes, "device output"},
+                              std::tuple{&lane->d_tables, 2 * ids_bytes, "batch page tables"}}) {
+    if (absl::Status s = Check(buf->Reserve(n), what); !s.ok()) return fail(s);
+  }
+  uint8_t* h = lane->h_in.p;
+  uint8_t* dv = lane->d_in.p;
+  ConvertQueries(plan.queries.data(), plan.q_dtype, q_elems, L.dtype, h + off_q);
+  if (append_rows > 0) {
+    std::memcpy(h + off_k, plan.new_k.data(), size_t{append_rows} * kv_row);
+    std::memcpy(h + off_v, plan.new_v.data(), size_t{append_rows} * kv_row);
+  }
+  int32_t* pos = reinterpret_cast<int32_t*>(h + off_pos);
+  for (uint32_t r = 0; r < plan.num_rows; ++r) pos[r] = static_cast<int32_t>(plan.positions[r]);
+  int32_t* row_begin = reinterpret_cast<int32_t*>(h + off_rows);
+  int32_t* page_begin = reinterpret_cast<int32_t*>(h + off_pages);
+  int32_t* seq_tokens = reinterpret_cast<int32_t*>(h + off_tokens);
+  auto* appends = reinterpret_cast<cuda::KvAppendOp*>(h + off_appends);
+  auto* writes = reinterpret_cast<cuda::TableWriteOp*>(h + off_writes);
+  auto* segs = reinterpret_cast<cuda::TableSegment*>(h + off_segs);
+  int max_count = 0, max_pages = 0;
+  {
+    absl::MutexLock l(&mu_);
+    size_t nw = 0, na = 0, ns = 0;
+    for (size_t i = 0; i < plan.sequences.size(); ++i) {
+      const DevSeq& d = *dseq[i];
+      for (size_t k = d.synced; k < d.idx.size(); ++k) {
+        writes[nw++] = cuda::TableWriteOp{d.d_ids + k, d.page[k], 0};
+        writes[nw++] = cuda::TableWriteOp{d.d_pos + k, static_cast<int32_t>(d.idx[k] * d.block_tokens), 0};
+      }
+      for (const StepAppend& a : plan.sequences[i].appends) {
+        const int32_t page = d.page[d.Find(a.index)];
+        for (uint32_t t = 0; t < a.count; ++t) {
+          appends[na++] = cuda::KvAppendOp{page, static_cast<int32_t>(a.offset + t), static_cast<int32_t>(a.src_row + t), 0};
+        }
+      }
+    }
+    int32_t rb = 0, pb = 0;
+    for (size_t j = 0; j < kseqs.size(); ++j) {
+      const KSeq& ks = kseqs[j];
+      const DevSeq& d = *dseq[ks.plan_i];
+      row_begin[j] = rb;
+      page_begin[j] = pb;
+      seq_tokens[j] = ks.tokens;
+      rb += static_cast<int32_t>(plan.sequences[ks.plan_i].rows);
+      int32_t np = 0;
+      for (const auto& [k0, k1] : ks.runs) {
+        segs[ns++] = cuda::TableSegment{d.d_ids + k0, d.d_pos + k0, static_cast<int32_t>(k1 - k0), pb + np};
+        max_count = std::max<int>(max_count, static_cast<int>(k1 - k0));
+        np += static_cast<int32_t>(k1 - k0);
+      }
+      pb += np;
+      max_pages = std::max<int>(max_pages, np);
+    }
+    row_begin[kseqs.size()] = rb;
+    page_begin[kseqs.size()] = pb;
+  }
+
+  // Phase 5: the device work, enqueued without a host synchronization until
+  // the end.
+  absl::Status s = Check(cudaEventRecord(lane->start, st), "event");
+  for (const Missing& m : missing) {
+    if (!s.ok()) break;
+    s = Check(cudaMemcpyAsync(PageAddress(m.page), m.host.payload().data(), m.host.payload().size(), cudaMemcpyHostToDevice,
+                              st),
+              "promotion of a block into HBM");
+  }
+  for (int32_t page : zero_pages) {
+    if (!s.ok()) break;
+    s = Check(cudaMemsetAsync(PageAddress(page), 0, o_.page_bytes, st), "clearing an open page");
+  }
+  if (s.ok()) s = Check(cudaMemcpyAsync(dv, h, blob.size(), cudaMemcpyHostToDevice, st), "copy of the step to the device");
+  cuda::PagedKvView kv;
+  kv.pool = pool_base_;
+  kv.page_stride = o_.page_bytes;
+  kv.block_tokens = static_cast<int32_t>(L.block_tokens);
+  kv.layers = static_cast<int32_t>(L.layers);
+  kv.kv_heads = static_cast<int32_t>(L.kv_heads);
+  kv.head_dim = static_cast<int32_t>(L.head_dim);
+  kv.dtype = L.dtype == DType::kBF16 ? cuda::KvType::kBF16 : cuda::KvType::kF16;
+  kv.layer = static_cast<int32_t>(plan.options.layer);
+  if (s.ok() && (append_ops > 0 || num_writes > 0)) {
+    s = Check(cuda::ApplyKvUpdates(kv, reinterpret_cast<const cuda::KvAppendOp*>(dv + off_appends),
+                                   static_cast<int>(append_ops), dv + off_k, dv + off_v,
+                                   reinterpret_cast<const cuda::TableWriteOp*>(dv + off_writes),
+                                   static_cast<int>(num_writes), st),
+              "appending K/V into HBM pages");
+  }
+  if (quantized) {
+    kv.codec = static_cast<int32_t>(plan.encoding.codec);
+    kv.scales = static_cast<int32_t>(plan.encoding.scales);
+  }
+  kv.num_seqs = static_cast<int32_t>(kseqs.size());
+  kv.seq_page_begin = reinterpret_cast<const int32_t*>(dv + off_pages);
+  kv.seq_tokens = reinterpret_cast<const int32_t*>(dv + off_tokens);
+  if (direct) {
+    // One sequence served from one run of its own table: no gather.
+    kv.page_ids = segs[0].ids;
+    kv.page_pos = segs[0].pos;
+  } else if (!kseqs.empty()) {
+    int32_t* ids = reinterpret_cast<int32_t*>(lane->d_tables.p);
+    int32_t* tpos = reinterpret_cast<int32_t*>(lane->d_tables.p + ids_bytes);
+    if (s.ok()) {
+      s = Check(cuda::GatherPageTables(reinterpret_cast<const cuda::TableSegment*>(dv + off_segs),
+                                       static_cast<int>(num_segments), max_count, ids, tpos, st),
+                "gathering the batch's page tables");
+    }
+    kv.page_ids = ids;
+    kv.page_pos = tpos;
+  }
+  float* d_o = reinterpret_cast<float*>(lane->d_out.p);
+  float* d_l = reinterpret_cast<float*>(lane->d_out.p + out_o);
+  if (s.ok() && !kseqs.empty()) {
+    cuda::QueryView qv;
+    qv.q = dv + off_q;
+    qv.positions = reinterpret_cast<const int32_t*>(dv + off_pos);
+    qv.seq_row_begin = reinterpret_cast<const int32_t*>(dv + off_rows);
+    qv.num_rows = static_cast<int32_t>(plan.num_rows);
+    qv.q_heads = static_cast<int32_t>(plan.q_heads);
+    qv.max_rows_per_seq = static_cast<int32_t>(max_rows);
+    cuda::AttnParams p;
+    p.softmax_scale = plan.options.softmax_scale;
+    p.causal = plan.options.causal;
+    p.window = static_cast<int32_t>(std::min<int64_t>(plan.options.window, INT32_MAX));
+    if (const char* why = cuda::CheckViews(qv, kv); why != nullptr) {
+      s = absl::InvalidArgumentError(absl::StrCat("attention on the GPU: ", why));
+    }
+    if (s.ok()) s = Check(cudaEventRecord(lane->kernel_begin, st), "event");
+    if (s.ok() && decode) {
+      const int splits = cuda::DefaultDecodeSplits(qv, kv, max_pages, sm_count_);
+      const size_t ws = cuda::DecodeWorkspaceBytes(qv, splits, kv.head_dim);
+      if (ws > lane->d_workspace.cap) {
+        // A new workspace starts zeroed (the merge's counters).
+        s = Check(lane->d_workspace.Reserve(ws), "decode workspace");
+        if (s.ok()) s = Check(cudaMemsetAsync(lane->d_workspace.p, 0, lane->d_workspace.cap, st), "decode workspace");
+      }
+      if (s.ok()) {
+        s = Check(cuda::PagedDecode(p, qv, kv, cuda::OutputView{d_o, d_l}, splits, lane->d_workspace.p,
+                                    lane->d_workspace.cap, st),
+                  "decode attention kernel");
+      }
+    } else if (s.ok()) {
+      s = Check(cuda::PagedPrefill(p, qv, kv, cuda::OutputView{d_o, d_l}, st), "prefill attention kernel");
+    }
+    if (s.ok()) s = Check(cudaEventRecord(lane->kernel_end, st), "event");
+    if (s.ok()) s = Check(cudaMemcpyAsync(lane->h_out.p, lane->d_out.p, out_bytes, cudaMemcpyDeviceToHost, st), "copy of O and LSE");
+  }
+  if (s.ok()) s = Check(cudaEventRecord(lane->done, st), "event");
+  if (s.ok()) s = Check(cudaEventSynchronize(lane->done), "the step on the GPU");
+  if (!s.ok()) {
+    if (healthy_) {
+      // Drain what was enqueued before the lane is used again.
+      (void)Check(cudaStreamSynchronize(st), "draining a failed step");
+    }
+    return fail(s);
+  }
+  if (!kseqs.empty()) {
+    std::memcpy(out.out, lane->h_out.p, q_elems * 4);
+    std::memcpy(out.lse, lane->h_out.p + out_o, size_t{plan.num_rows} * plan.q_heads * 4);
+  }
+  if (times != nullptr) {
+    float total_ms = 0, kernel_ms = 0;
+    (void)cudaEventElapsedTime(&total_ms, lane->start, lane->done);  // both recorded and complete
+    if (!kseqs.empty()) (void)cudaEventElapsedTime(&kernel_ms, lane->kernel_begin, lane->kernel_end);
+    times->kernel_seconds = kernel_ms * 1e-3;
+    times->copy_seconds = std::max(0.f, total_ms - kernel_ms) * 1e-3;
+  }
+  absl::MutexLock l(&mu_);
+  for (DevSeq* d : dseq) {
+    d->synced = d->idx.size();
+    --d->busy;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCudaAttentionBackend(const CudaBackendOptions& options,
+                                                                           BlockStore* store, ThreadPool* cpu_pool) {
+  auto b = std::make_unique<CudaAttentionBackend>(options, store, cpu_pool);
+  KVRING_RETURN_IF_ERROR(b->Init());
+  return std::unique_ptr<AttentionBackend>(std::move(b));
+}
+
+absl::Status CudaRegisterHostMemory(void* p, size_t n) {
+  return CudaStatus(cudaHostRegister(p, n, cudaHostRegisterDefault), "cudaHostRegister of the host tier");
+}
+
+void CudaUnregisterHostMemory(void* p) { (void)cudaHostUnregister(p); }
+
+}  // namespace kvring
