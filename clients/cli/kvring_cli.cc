@@ -236,23 +236,21 @@ int CmdTenant(const Opts& o, const std::string& cmd) {
   ctx.AddMetadata("authorization", "Bearer " + o.token);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   if (cmd == "tenant-create") {
-    v1::CreateTenantRequest req;
-    req.set_version(1);
-    req.set_name(o.name);
-    req.set_max_pinned_bytes(o.quota);
-    req.set_kv_encoding(o.kv_encoding);
+    TenantSpec spec;
+    spec.name = o.name;
+    spec.max_pinned_bytes = o.quota;
+    spec.kv_encoding = o.kv_encoding;
     if (!o.shared.empty()) {
-      for (auto s : absl::StrSplit(o.shared, ',')) req.add_shared_namespaces(std::string(s));
+      for (auto s : absl::StrSplit(o.shared, ',')) spec.shared_namespaces.push_back(std::string(s));
     }
-    v1::CreateTenantResponse resp;
-    grpc::Status s = stub->CreateTenant(&ctx, req, &resp);
-    if (!s.ok()) {
-      std::fprintf(stderr, "tenant-create: %s\n", s.error_message().c_str());
+    auto t = CreateTenant(o.coordinator, o.token, spec, o.tls);
+    if (!t.ok()) {
+      std::fprintf(stderr, "tenant-create: %s\n", std::string(t.status().message()).c_str());
       return 1;
     }
-    std::printf("%s\n", resp.token().c_str());
-    std::fprintf(stderr, "tenant '%s' (id %u, namespace %s) created; the token above is shown once\n",
-                 resp.tenant().name().c_str(), resp.tenant().id(), resp.tenant().namespace_().c_str());
+    std::printf("%s\n", t->token.c_str());
+    std::fprintf(stderr, "tenant '%s' (id %u, namespace %s) created; the token above is shown once\n", o.name.c_str(), t->id,
+                 t->namespace_name.c_str());
     return 0;
   }
   if (cmd == "tenant-delete") {

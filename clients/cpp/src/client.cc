@@ -13,6 +13,7 @@
 #include "grpcpp/create_channel.h"
 #include "kvring.grpc.pb.h"
 #include "kvring/attention/merge.h"
+#include "kvring/client/device_memory.h"
 #include "kvring/common/logging.h"
 #include "kvring/common/status_macros.h"
 #include "kvring/common/thread_pool.h"
@@ -127,6 +128,15 @@ class ClientImpl {
     return it == nodes_.end() ? nullptr : it->second;
   }
 
+  // The device copier, created on first use (the process may have no GPU).
+  absl::StatusOr<DeviceMemory*> Dev() {
+    absl::MutexLock l(&dev_mu_);
+    if (dev_ == nullptr) {
+      KVRING_ASSIGN_OR_RETURN(dev_, DeviceMemory::Create());
+    }
+    return dev_.get();
+  }
+
   void Suspect(const std::string& id) {
     {
       absl::MutexLock l(&mu_);
@@ -197,18 +207,31 @@ class ClientImpl {
 
   // `dsts` (empty, or one per key): where payloads go; else into results.
   absl::StatusOr<std::vector<GetResult>> GetOn(Node& n, const std::vector<BlockKey>& keys,
-                                               const std::vector<absl::Span<uint8_t>>& dsts) {
+                                               const std::vector<absl::Span<uint8_t>>& dsts, bool on_device = false) {
+    // Device destinations: the payloads land in pinned staging (over UCX,
+    // straight from the reply), are checked there, then copied to the GPU.
+    DeviceMemory* dev = nullptr;
+    DeviceMemory::Staging staging;
+    if (on_device) {
+      KVRING_ASSIGN_OR_RETURN(dev, Dev());
+      size_t total = 0;
+      for (const auto& d : dsts) total += d.size();
+      KVRING_ASSIGN_OR_RETURN(staging, dev->Pinned(total));
+    }
     v1::GetRequest req;
     *req.mutable_header() = Header();
     for (const auto& k : keys) KeyToProto(k, req.add_keys());
     v1::GetResponse resp;
     std::vector<uint8_t> bulk;
+    absl::Span<const uint8_t> bulk_view;  // the UCX payload: `bulk`, or the staging it landed in
     bool via_ucx = false;
     std::vector<GetResult> out(keys.size());
     bool landed = false;  // a single block landed straight in its destination
     if (UcxRpcClient* u = Ucx(n)) {
       absl::Span<uint8_t> into;
-      if (keys.size() == 1) {
+      if (on_device) {
+        into = absl::MakeSpan(staging.data(), staging.size());
+      } else if (keys.size() == 1) {
         if (!dsts.empty()) {
           into = dsts[0];
         } else {
@@ -220,7 +243,9 @@ class ClientImpl {
       if (!r.ok()) return r.status();
       if (!r->status.ok()) return r->status;
       if (!resp.ParseFromString(r->meta)) return absl::DataLossError("bad UCX Get reply");
-      if (r->payload_in_buffer) {
+      if (r->payload_in_buffer && on_device) {
+        bulk_view = absl::MakeConstSpan(staging.data(), r->payload_size);
+      } else if (r->payload_in_buffer) {
         if (dsts.empty()) out[0].payload.resize(r->payload_size);
         landed = true;
       } else {
@@ -259,11 +284,12 @@ class ClientImpl {
       if (landed) {
         // already in place
       } else if (via_ucx) {
-        if (off + size > bulk.size()) {
+        if (bulk_view.data() == nullptr) bulk_view = bulk;
+        if (off + size > bulk_view.size()) {
           r.status = absl::DataLossError("UCX Get reply shorter than its headers");
           continue;
         }
-        src = bulk.data() + off;
+        src = bulk_view.data() + off;
         off += size;
       } else {
         if (b.payload().size() != size) {
@@ -279,6 +305,15 @@ class ClientImpl {
           continue;
         }
         dst = dsts[i].data();
+        if (on_device) {
+          // Checked in host memory, then one copy to the device.
+          if (PayloadChecksum(src, size) != r.meta.checksum) {
+            r.status = absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id, " fails its checksum"));
+          } else {
+            r.status = dev->ToDevice(dst, src, size);
+          }
+          continue;
+        }
       } else {
         if (!landed) r.payload.resize(size);
         dst = r.payload.data();
@@ -348,6 +383,27 @@ class ClientImpl {
 
   // ---- public operations ----
   absl::StatusOr<PutReport> PutBlocks(absl::Span<const BlockData> blocks, const std::string* seq, uint64_t first_block) {
+    // Payloads in GPU memory: one copy each into pinned staging, sent from there.
+    std::vector<BlockData> staged;
+    DeviceMemory::Staging staging;
+    bool any_device = false;
+    for (const BlockData& b : blocks) any_device |= b.payload_on_device;
+    if (any_device) {
+      KVRING_ASSIGN_OR_RETURN(DeviceMemory * dev, Dev());
+      size_t total = 0;
+      for (const BlockData& b : blocks) total += b.payload_on_device ? b.payload.size() : 0;
+      KVRING_ASSIGN_OR_RETURN(staging, dev->Pinned(total));
+      staged.assign(blocks.begin(), blocks.end());
+      size_t off = 0;
+      for (BlockData& b : staged) {
+        if (!b.payload_on_device) continue;
+        KVRING_RETURN_IF_ERROR(dev->ToHost(staging.data() + off, b.payload.data(), b.payload.size()));
+        b.payload = absl::MakeConstSpan(staging.data() + off, b.payload.size());
+        b.payload_on_device = false;
+        off += b.payload.size();
+      }
+      blocks = staged;
+    }
     auto ring = Ring();
     if (ring->num_nodes() == 0) return absl::UnavailableError("the shard map has no nodes");
     const int R = ring->replication(), W = ring->write_quorum();
@@ -472,7 +528,8 @@ class ClientImpl {
     return rep;
   }
 
-  std::vector<GetResult> GetBlocks(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts) {
+  std::vector<GetResult> GetBlocks(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts,
+                                   bool on_device = false) {
     auto ring = Ring();
     const size_t n = keys.size();
     std::vector<GetResult> out(n);
@@ -504,7 +561,7 @@ class ClientImpl {
           ks.push_back(keys[i]);
           if (!dsts.empty()) ds.push_back(dsts[i]);
         }
-        res[j] = GetOn(*node, ks, ds);
+        res[j] = GetOn(*node, ks, ds, on_device);
       });
       for (size_t j = 0; j < jobs.size(); ++j) {
         if (!res[j].ok()) {
@@ -584,7 +641,36 @@ class ClientImpl {
     std::string why;
   };
 
-  absl::Status StepInto(const AttendStep& st, PartialOutput out, AttendReport* report) {
+  absl::Status StepInto(const AttendStep& in, PartialOutput out, AttendReport* report) {
+    if (!in.device_buffers) return StepOnHost(in, out, report);
+    // Device buffers: inputs to pinned staging once, the merged output back once.
+    KVRING_ASSIGN_OR_RETURN(DeviceMemory * dev, Dev());
+    const BlockLayout& L = in.layout;
+    uint64_t app = 0;
+    for (const auto& s : in.sequences) app += s.append_tokens;
+    const size_t qb = size_t{in.q.num_rows} * in.q.q_heads * in.q.head_dim * DTypeSize(in.q.dtype);
+    const size_t kvb = app * L.kv_heads * L.head_dim * DTypeSize(L.dtype);
+    const size_t ob = size_t{in.q.num_rows} * in.q.q_heads * in.q.head_dim * 4, lb = size_t{in.q.num_rows} * in.q.q_heads * 4;
+    KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging stage, dev->Pinned(qb + 2 * kvb + ob + lb));
+    AttendStep st = in;
+    st.device_buffers = false;
+    uint8_t* p = stage.data();
+    if (qb > 0) KVRING_RETURN_IF_ERROR(dev->ToHost(p, in.q.data, qb));
+    if (kvb > 0) {
+      KVRING_RETURN_IF_ERROR(dev->ToHost(p + qb, in.new_k, kvb));
+      KVRING_RETURN_IF_ERROR(dev->ToHost(p + qb + kvb, in.new_v, kvb));
+    }
+    st.q.data = p;
+    st.new_k = p + qb;
+    st.new_v = p + qb + kvb;
+    float* ho = reinterpret_cast<float*>(p + qb + 2 * kvb);
+    float* hl = ho + ob / 4;
+    KVRING_RETURN_IF_ERROR(StepOnHost(st, PartialOutput{ho, hl}, report));
+    KVRING_RETURN_IF_ERROR(dev->ToDevice(out.out, ho, ob));
+    return dev->ToDevice(out.lse, hl, lb);
+  }
+
+  absl::Status StepOnHost(const AttendStep& st, PartialOutput out, AttendReport* report) {
     const auto t0 = Clock::now();
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
@@ -951,6 +1037,15 @@ class ClientImpl {
       s.sequences = r.sequences();
       s.cold_stored_bytes = r.cold_stored_bytes();
       s.cold_raw_bytes = r.cold_raw_bytes();
+      s.backend = r.backend();
+      s.hbm_pages = r.hbm_pages();
+      s.hbm_free_pages = r.hbm_free_pages();
+      s.hbm_page_bytes = r.hbm_page_bytes();
+      s.hbm_blocks = r.hbm_blocks();
+      s.hbm_hits = r.hbm_hits();
+      s.hbm_misses = r.hbm_misses();
+      s.hbm_demotions = r.hbm_demotions();
+      s.open_blocks = r.open_blocks();
     });
     return out;
   }
@@ -990,6 +1085,8 @@ class ClientImpl {
   }
 
   std::atomic<size_t> last_block_bytes_{0};
+  absl::Mutex dev_mu_;
+  std::unique_ptr<DeviceMemory> dev_ ABSL_GUARDED_BY(dev_mu_);
   ClientOptions o_;
   std::shared_ptr<grpc::ChannelCredentials> creds_;
   v1::Tenant tenant_;
@@ -1022,13 +1119,14 @@ BlockKeyHasher Client::Hasher(const std::string& model_id, const BlockLayout& la
 absl::StatusOr<size_t> Client::LookupPrefix(absl::Span<const BlockKey> chain) { return impl_->Lookup(chain); }
 absl::StatusOr<PutReport> Client::Put(absl::Span<const BlockData> blocks) { return impl_->PutBlocks(blocks, nullptr, 0); }
 std::vector<GetResult> Client::Get(absl::Span<const BlockKey> keys) { return impl_->GetBlocks(keys, {}); }
-std::vector<GetResult> Client::GetInto(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts) {
+std::vector<GetResult> Client::GetInto(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts,
+                                       bool on_device) {
   if (dsts.size() != keys.size()) {
     std::vector<GetResult> out(keys.size());
     for (auto& r : out) r.status = absl::InvalidArgumentError("GetInto needs one destination per key");
     return out;
   }
-  return impl_->GetBlocks(keys, dsts);
+  return impl_->GetBlocks(keys, dsts, on_device);
 }
 absl::Status Client::Pin(absl::Span<const BlockKey> keys, bool unpin) { return impl_->PinBlocks(keys, unpin); }
 absl::StatusOr<PutReport> Client::PutSequence(const std::string& sequence_id, uint64_t first_block,
@@ -1061,5 +1159,24 @@ uint64_t Client::map_version() const {
   return impl_->ring_ ? impl_->ring_->version() : 0;
 }
 absl::Status Client::RefreshMap() { return impl_->RefreshMap(); }
+
+absl::StatusOr<CreatedTenant> CreateTenant(const std::string& coordinator, const std::string& admin_token,
+                                           const TenantSpec& spec, const TlsConfig& tls) {
+  KVRING_ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator, creds));
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer " + admin_token);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::CreateTenantRequest req;
+  req.set_version(1);
+  req.set_name(spec.name);
+  req.set_max_pinned_bytes(spec.max_pinned_bytes);
+  req.set_kv_encoding(spec.kv_encoding);
+  for (const auto& n : spec.shared_namespaces) req.add_shared_namespaces(n);
+  v1::CreateTenantResponse resp;
+  grpc::Status s = stub->CreateTenant(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return CreatedTenant{resp.token(), resp.tenant().id(), resp.tenant().namespace_()};
+}
 
 }  // namespace kvring

@@ -17,7 +17,7 @@ Not thread-safe per object: one Connector/PassQSession per engine thread
 """
 import numpy as np
 
-from . import _kvring
+import kvring as _kvring
 from .engine import partial_attention
 
 

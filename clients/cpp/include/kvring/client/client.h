@@ -70,6 +70,9 @@ struct BlockData {
   KvEncoding encoding;
   absl::Span<const uint8_t> payload;
   bool pin = false;
+  // The payload is GPU memory (e.g. a slice of an engine's KV pool): it is
+  // copied to pinned host memory once, then sent.
+  bool payload_on_device = false;
 };
 
 struct GetResult {
@@ -122,6 +125,10 @@ struct AttendStep {
   const void* new_k = nullptr;
   const void* new_v = nullptr;
   AttentionOptions options;  // layer, softmax scale, causal, window
+  // q.data, new_k, new_v and the output are GPU memory (positions stay on
+  // the host): the inputs cross to the host once, the merged output back
+  // once.
+  bool device_buffers = false;
 };
 
 struct NodeStats {
@@ -129,8 +136,28 @@ struct NodeStats {
   uint64_t blocks = 0, host_blocks = 0, cold_blocks = 0, pinned_blocks = 0, free_pages = 0, num_pages = 0;
   uint64_t puts = 0, hits = 0, misses = 0, evictions = 0, demotions = 0, promotions = 0, sequences = 0;
   uint64_t cold_stored_bytes = 0, cold_raw_bytes = 0;
+  // The node's attention backend ("cpu", "cuda:0") and its HBM tier.
+  std::string backend;
+  uint64_t hbm_pages = 0, hbm_free_pages = 0, hbm_page_bytes = 0, hbm_blocks = 0, hbm_hits = 0, hbm_misses = 0,
+           hbm_demotions = 0, open_blocks = 0;
   absl::Status status;
 };
+
+// Administration (the coordinator's admin token): creates a tenant and
+// returns its token, shown once.
+struct TenantSpec {
+  std::string name;
+  std::vector<std::string> shared_namespaces;
+  uint64_t max_pinned_bytes = 0;  // 0: unlimited
+  std::string kv_encoding;        // the tenant's default quantization ("" = plain)
+};
+struct CreatedTenant {
+  std::string token;
+  uint32_t id = 0;
+  std::string namespace_name;
+};
+absl::StatusOr<CreatedTenant> CreateTenant(const std::string& coordinator, const std::string& admin_token,
+                                           const TenantSpec& spec, const TlsConfig& tls = {});
 
 class ClientImpl;
 
@@ -154,7 +181,11 @@ class Client {
   // The same, into caller buffers (one per key, each at least the block's
   // size): no allocation per block; over UCX the bytes land in place.
   // results[i].payload stays empty; results[i].meta says how many bytes.
-  std::vector<GetResult> GetInto(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts);
+  // With `on_device`, the destinations are GPU memory (an engine's KV pool):
+  // the bytes land in pinned staging, are checked there, and go to the
+  // device in one copy per block.
+  std::vector<GetResult> GetInto(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts,
+                                 bool on_device = false);
   absl::Status Pin(absl::Span<const BlockKey> keys, bool unpin = false);
 
   // --- attention sequences (sequence placement) ---

@@ -1,0 +1,69 @@
+// DeviceMemory: how the client moves bytes between host and GPU memory when
+// a caller hands it device pointers (GetInto into an engine's GPU KV pool,
+// Put or Step from device tensors). Bytes cross the bus once, through pinned
+// staging buffers the object keeps and reuses (payloads land in them from
+// the network, are checksummed there, and go to the device in one copy).
+//
+// Thread-safe. In a build without CUDA, Create() returns UNIMPLEMENTED and
+// IsDevicePointer() is false.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+
+namespace kvring {
+
+class DeviceMemory {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceMemory>> Create();
+  virtual ~DeviceMemory() = default;
+
+  // A pinned host buffer of at least `bytes`, owned by the handle until it
+  // goes (then reused).
+  class Staging {
+   public:
+    Staging() = default;
+    Staging(Staging&& o) noexcept : owner_(o.owner_), p_(o.p_), n_(o.n_) { o.owner_ = nullptr; }
+    Staging& operator=(Staging&& o) noexcept {
+      if (this != &o) {
+        Release();
+        owner_ = o.owner_;
+        p_ = o.p_;
+        n_ = o.n_;
+        o.owner_ = nullptr;
+      }
+      return *this;
+    }
+    ~Staging() { Release(); }
+    uint8_t* data() const { return p_; }
+    size_t size() const { return n_; }
+
+   private:
+    friend class DeviceMemory;
+    void Release();
+    DeviceMemory* owner_ = nullptr;
+    uint8_t* p_ = nullptr;
+    size_t n_ = 0;
+  };
+  virtual absl::StatusOr<Staging> Pinned(size_t bytes) = 0;
+  // Synchronous copies (complete on return).
+  virtual absl::Status ToDevice(void* dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status ToHost(void* dst, const void* src, size_t bytes) = 0;
+  // Whether `p` is device (or managed) memory of this process's CUDA context.
+  static bool IsDevicePointer(const void* p);
+
+ protected:
+  virtual void Return(uint8_t* p, size_t n) = 0;
+  Staging Make(uint8_t* p, size_t n) {
+    Staging s;
+    s.owner_ = this;
+    s.p_ = p;
+    s.n_ = n;
+    return s;
+  }
+};
+
+}  // namespace kvring
