@@ -2,16 +2,21 @@
 # A kvring cluster on this machine: one coordinator and N daemons on loopback.
 #
 #   deploy/local-cluster.sh start  [--nodes N] [--dir DIR] [--port P] [--replication R] [--host-bytes B] [--page-bytes B] [--no-ucx]
+#                                  [--gpu DEV --hbm-bytes B] [--chunk-blocks N] [--write-quorum W] [--bin BUILD_DIR]
 #   deploy/local-cluster.sh stop   [--dir DIR]
 #   deploy/local-cluster.sh status [--dir DIR]
 #
 # Ports: coordinator P (default 7400), daemon i gRPC P+1+i, UCX P+101+i,
 # metrics P+201+i. State, logs and tokens live in DIR (default
 # /tmp/kvring-cluster): DIR/admin.token, DIR/cluster.token, and
-# DIR/tenant.token for a tenant 'demo' created at start.
+# DIR/tenant.token for a tenant 'demo' created at start. --gpu makes every
+# daemon a GPU node on device DEV with --hbm-bytes of HBM each (several
+# daemons may share one GPU). --bin: where the binaries are (default
+# $KVRING_BIN, else ./build).
 set -euo pipefail
 cmd=${1:-}; shift || true
-NODES=4; DIR=/tmp/kvring-cluster; PORT=7400; R=2; HOST_BYTES=512M; PAGE_BYTES=2M; UCX=1
+NODES=4; DIR=/tmp/kvring-cluster; PORT=7400; R=2; HOST_BYTES=512M; PAGE_BYTES=2M; UCX=1; GPU=-1; HBM_BYTES=0
+CHUNK=64; W=0
 BIN=${KVRING_BIN:-$(cd "$(dirname "$0")/.." && pwd)/build}
 while (($#)); do
   case "$1" in
@@ -22,6 +27,11 @@ while (($#)); do
     --host-bytes) HOST_BYTES=$2; shift 2;;
     --page-bytes) PAGE_BYTES=$2; shift 2;;
     --no-ucx) UCX=0; shift;;
+    --gpu) GPU=$2; shift 2;;
+    --hbm-bytes) HBM_BYTES=$2; shift 2;;
+    --chunk-blocks) CHUNK=$2; shift 2;;
+    --write-quorum) W=$2; shift 2;;
+    --bin) BIN=$2; shift 2;;
     -h|--help) sed -n '2,12p' "$0"; exit 0;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
@@ -60,11 +70,13 @@ start() {
   setsid "$BIN/control/kvring-coordinator" --listen=127.0.0.1:$PORT --data_dir="$DIR/coordinator" \
     --admin_token_file="$DIR/admin.token" --cluster_token_file="$DIR/cluster.token" --replication=$R \
     --heartbeat_interval=250ms --heartbeat_timeout=1500ms --metrics_listen=127.0.0.1:$((PORT+200)) \
+    --sequence_chunk_blocks=$CHUNK --write_quorum=$W \
     >"$DIR/logs/coordinator.log" 2>&1 < /dev/null &
   echo $! > "$DIR/pids/coordinator"
   for i in $(seq 0 $((NODES-1))); do
     ucx_flag=""
     [ $UCX = 1 ] && ucx_flag="--ucx_listen=127.0.0.1:$((PORT+101+i))"
+    [ "$GPU" -ge 0 ] && ucx_flag="$ucx_flag --gpu=$GPU --hbm_bytes=$HBM_BYTES"
     setsid "$BIN/control/kvringd" --listen=127.0.0.1:$((PORT+1+i)) --coordinator=127.0.0.1:$PORT \
       --cluster_token_file="$DIR/cluster.token" --data_dir="$DIR/node$i" --node_id=node$i \
       --host_bytes=$HOST_BYTES --page_bytes=$PAGE_BYTES $ucx_flag --metrics_listen=127.0.0.1:$((PORT+201+i)) \
@@ -73,7 +85,7 @@ start() {
   done
   # Wait for every daemon to be serving.
   for i in $(seq 0 $((NODES-1))); do
-    for _ in $(seq 100); do
+    for _ in $(seq 600); do
       grep -q "kvringd ready" "$DIR/logs/node$i.log" 2>/dev/null && break
       if ! kill -0 "$(cat "$DIR/pids/node$i")" 2>/dev/null; then
         echo "[cluster] node$i exited:" >&2; tail -5 "$DIR/logs/node$i.log" >&2; exit 1
@@ -87,7 +99,7 @@ start() {
       > "$DIR/tenant.token" 2>/dev/null
     chmod 600 "$DIR/tenant.token"
   fi
-  echo "[cluster] coordinator 127.0.0.1:$PORT, $NODES daemons (R=$R, UCX=$UCX), state in $DIR"
+  echo "[cluster] coordinator 127.0.0.1:$PORT, $NODES daemons (R=$R, UCX=$UCX$([ "$GPU" -ge 0 ] && echo ", GPU $GPU, $HBM_BYTES HBM each")), state in $DIR"
 }
 
 status() {

@@ -4,8 +4,10 @@ demos and workloads, driven through deploy/local-cluster.sh.
     with LocalCluster(nodes=4, port=7600) as cl:
         c = kvring.Client(cl.coordinator, cl.tenant_token)
 
-Binaries come from KVRING_BIN (default: the build directory this package
-was built into), the script from KVRING_ROOT (default: its parent).
+Binaries come from `bin` (default: KVRING_BIN, else the build directory this
+package was built into), the script from `root` (default: KVRING_ROOT, else
+the binaries' parent). gpu=DEV makes every daemon a GPU node with hbm_bytes
+of HBM; chunk_blocks and write_quorum go to the coordinator.
 """
 import os
 import shutil
@@ -15,10 +17,12 @@ from pathlib import Path
 
 
 class LocalCluster:
-    def __init__(self, nodes=4, port=7600, replication=2, host_bytes="512M", page_bytes="2M", directory=None, keep=False):
+    def __init__(self, nodes=4, port=7600, replication=2, host_bytes="512M", page_bytes="2M", directory=None, keep=False,
+                 gpu=-1, hbm_bytes="0", chunk_blocks=64, write_quorum=0, bin=None, root=None):
         here = Path(__file__).resolve()
-        self.bin = Path(os.environ.get("KVRING_BIN", here.parents[2]))
-        self.root = Path(os.environ.get("KVRING_ROOT", self.bin.parent))
+        self.bin = Path(bin or os.environ.get("KVRING_BIN", here.parents[2]))
+        self.root = Path(root or os.environ.get("KVRING_ROOT", self.bin.parent))
+        self.gpu, self.hbm_bytes, self.chunk_blocks, self.write_quorum = gpu, hbm_bytes, chunk_blocks, write_quorum
         self.nodes, self.port, self.replication = nodes, port, replication
         self.host_bytes, self.page_bytes = host_bytes, page_bytes
         self._own_dir = directory is None
@@ -28,7 +32,8 @@ class LocalCluster:
 
     def _script(self, *args):
         env = dict(os.environ, KVRING_BIN=str(self.bin))
-        r = subprocess.run(["bash", str(self.root / "deploy/local-cluster.sh"), *args, "--dir", str(self.dir)],
+        r = subprocess.run(["bash", str(self.root / "deploy/local-cluster.sh"), *args, "--dir", str(self.dir), "--bin",
+                            str(self.bin)],
                            env=env, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"local-cluster.sh {args[0]} failed:\n{r.stdout}{r.stderr}")
@@ -36,13 +41,19 @@ class LocalCluster:
 
     def start(self):
         self._script("start", "--nodes", str(self.nodes), "--port", str(self.port), "--replication",
-                     str(self.replication), "--host-bytes", self.host_bytes, "--page-bytes", self.page_bytes)
+                     str(self.replication), "--host-bytes", self.host_bytes, "--page-bytes", self.page_bytes,
+                     "--gpu", str(self.gpu), "--hbm-bytes", str(self.hbm_bytes), "--chunk-blocks",
+                     str(self.chunk_blocks), "--write-quorum", str(self.write_quorum))
         return self
 
     def stop(self):
         self._script("stop")
         if self._own_dir and not self.keep:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def log(self, name):
+        """The text of a process's log (name: "coordinator" or "node<i>")."""
+        return (self.dir / "logs" / f"{name}.log").read_text(errors="replace")
 
     def kill9(self, node):
         """SIGKILL daemon `node` (fault tests)."""

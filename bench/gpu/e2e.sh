@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# GPU nodes end to end on a GPU host (the README's third command).
+#   here:          bash bench/gpu/pack.sh          (builds and packs .gpu/ and .gpu.tar.gz)
+#   on the host:   bash bench/gpu/e2e.sh [--quick] [--tests-only | --no-tests] [e2e.py options]
+# On a Debian 12 GPU host with a full build (bash deploy/setup.sh), the
+# binaries come from build/ instead. Runs the GPU tests (gtest, label gpu),
+# then bench/gpu/e2e.py: a coordinator and kvringd --gpu daemons sharing the
+# GPU, checked against torch and timed. Logs and results go to $OUT (or
+# ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+[ -d .gpu ] || { [ -f .gpu.tar.gz ] && tar xzf .gpu.tar.gz; }
+if [ -d .gpu ]; then
+  BIN=$PWD/.gpu; TEST=$BIN/bin/gpu_test; PY=$BIN/python
+  export LD_LIBRARY_PATH=$BIN/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+  export UCX_MODULE_DIR=$BIN/lib/ucx
+else
+  BIN=$PWD/build; TEST=$BIN/tests/gpu/gpu_test; PY=$BIN/python
+fi
+export PYTHONPATH=$PY:${PYTHONPATH:-}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+TESTS=1; E2E=1; ARGS=()
+for a in "$@"; do
+  case "$a" in
+    --tests-only) E2E=0;;
+    --no-tests) TESTS=0;;
+    *) ARGS+=("$a");;
+  esac
+done
+echo "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee "$OUT/nvidia-smi.txt"
+rc=0
+if [ $TESTS = 1 ]; then
+  echo "== gpu tests"
+  timeout 300 "$TEST" --gtest_color=no 2>&1 | tee "$OUT/gpu_test.log" | grep -E "^\[ +(OK|FAILED|SKIPPED|PASSED) |Failure|error:|Expected|Which|Value of|Actual" | head -80
+  grep -q "^\[  PASSED  \]" "$OUT/gpu_test.log" && ! grep -q "^\[  FAILED  \]" "$OUT/gpu_test.log" || rc=1
+fi
+if [ $E2E = 1 ]; then
+  echo "== e2e"
+  timeout 480 python3 bench/gpu/e2e.py --bin "$BIN" --out "$OUT" "${ARGS[@]}" 2>&1 | tee "$OUT/e2e.log" | grep -v "UCX  ERROR\|UCX  WARN"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+exit $rc
