@@ -461,7 +461,14 @@ def main():
     for part in args.only.split(","):
         log(f"== {part}")
         t0 = time.time()
-        r = {"correctness": correctness, "latency": latency, "getinto": getinto, "faults": faults}[part](args, kvring, kt, dev, results)
+        try:
+            r = {"correctness": correctness, "latency": latency, "getinto": getinto, "faults": faults}[part](args, kvring, kt, dev,
+                                                                                                            results)
+        except Exception as e:  # noqa: BLE001 (a failed part is reported; the others still run)
+            import traceback
+            traceback.print_exc()
+            results.setdefault("errors", {})[part] = repr(e)
+            r = False
         ok &= r is not False
         log(f"   ({time.time() - t0:.0f} s)")
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -80,26 +80,29 @@ absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, 
     if (s.rows == 0) continue;
     const uint32_t kseq = static_cast<uint32_t>(seq_begin.size() - 1);
     for (uint32_t r = 0; r < s.rows; ++r) seq_ids[s.row_begin + r] = kseq;
-    for (const StepBlock& b : s.blocks) {
-      const uint8_t* data;
-      if (b.key.is_zero()) {
-        absl::StatusOr<OpenBuffer*> ob = Find(s.seq, b.index);
-        if (!ob.ok()) return ob.status();
-        data = (*ob)->bytes.data();
-      } else {
-        absl::StatusOr<PinnedBlock> pb = store_->Acquire(s.seq.ns, b.key);
-        if (!pb.ok()) {
-          return absl::Status(pb.status().code(),
-                              absl::StrCat("sequence '", s.seq.id, "' block ", b.index, ": ", pb.status().message()));
+    for (const BlockRange& rg : s.ranges) {
+      for (uint64_t idx = rg.begin; idx < rg.end; ++idx) {
+        const uint8_t* data;
+        auto full = s.full->find(idx);
+        if (full == s.full->end()) {
+          absl::StatusOr<OpenBuffer*> ob = Find(s.seq, idx);
+          if (!ob.ok()) return ob.status();
+          data = (*ob)->bytes.data();
+        } else {
+          absl::StatusOr<PinnedBlock> pb = store_->Acquire(s.seq.ns, full->second);
+          if (!pb.ok()) {
+            return absl::Status(pb.status().code(),
+                                absl::StrCat("sequence '", s.seq.id, "' block ", idx, ": ", pb.status().message()));
+          }
+          if (!(pb->meta().layout == L) || !(pb->meta().encoding == plan.encoding)) {
+            return absl::FailedPreconditionError(absl::StrCat("sequence '", s.seq.id, "' block ", idx,
+                                                              " has another layout or encoding than the sequence"));
+          }
+          data = pb->payload().data();
+          held.push_back(std::move(*pb));
         }
-        if (!(pb->meta().layout == L) || !(pb->meta().encoding == plan.encoding)) {
-          return absl::FailedPreconditionError(absl::StrCat("sequence '", s.seq.id, "' block ", b.index,
-                                                            " has another layout or encoding than the sequence"));
-        }
-        data = pb->payload().data();
-        held.push_back(std::move(*pb));
+        refs.push_back(KvBlockRef{data, static_cast<int64_t>(idx * L.block_tokens), s.BlockTokens(idx, L.block_tokens)});
       }
-      refs.push_back(KvBlockRef{data, static_cast<int64_t>(b.index * L.block_tokens), b.tokens});
     }
     seq_begin.push_back(static_cast<uint32_t>(refs.size()));
   }

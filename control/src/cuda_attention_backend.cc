@@ -56,6 +56,9 @@ struct Lane {
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, kernel_begin = nullptr, kernel_end = nullptr, done = nullptr;
   Buffer h_in{.pinned = true}, d_in, h_out{.pinned = true}, d_out, d_tables, d_workspace;
+  // Bytes at the start of d_workspace known to be zero (the decode merge's
+  // counters must be; earlier calls leave partials after their own).
+  size_t counters_clean = 0;
   ~Lane() {
     for (Buffer* b : {&h_in, &d_in, &h_out, &d_out, &d_tables, &d_workspace}) b->Free();
     for (cudaEvent_t e : {start, kernel_begin, kernel_end, done}) {
@@ -109,6 +112,11 @@ struct DevSeq {
   bool Has(uint64_t i) const {
     const size_t k = Find(i);
     return k < idx.size() && idx[k] == i;
+  }
+  // Every index of [b, e) resident (idx is sorted and unique).
+  bool HasRange(uint64_t b, uint64_t e) const {
+    const size_t k = Find(b);
+    return k + (e - b) <= idx.size() && idx[k] == b && idx[k + (e - b) - 1] == e - 1;
   }
   void Insert(uint64_t i, int32_t pg, bool is_open) {
     const size_t k = Find(i);
@@ -510,17 +518,24 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
     }
     for (size_t i = 0; i < plan.sequences.size(); ++i) {
       const StepSequence& s = plan.sequences[i];
-      for (const StepBlock& b : s.blocks) {
-        if (dseq[i]->Has(b.index)) {
-          ++hits_;
+      for (const BlockRange& rg : s.ranges) {
+        if (dseq[i]->HasRange(rg.begin, rg.end)) {  // the common case: O(log n)
+          hits_ += rg.size();
           continue;
         }
-        if (b.key.is_zero()) {
-          for (DevSeq* d : dseq) --d->busy;
-          return absl::InternalError(absl::StrCat("open block ", b.index, " of '", s.seq.id, "' is not in HBM"));
+        for (uint64_t idx = rg.begin; idx < rg.end; ++idx) {
+          if (dseq[i]->Has(idx)) {
+            ++hits_;
+            continue;
+          }
+          auto full = s.full->find(idx);
+          if (full == s.full->end()) {
+            for (DevSeq* d : dseq) --d->busy;
+            return absl::InternalError(absl::StrCat("open block ", idx, " of '", s.seq.id, "' is not in HBM"));
+          }
+          ++misses_;
+          missing.push_back(Missing{i, idx, full->second, {}});
         }
-        ++misses_;
-        missing.push_back(Missing{i, b.index, b.key, {}});
       }
     }
   }
@@ -637,15 +652,16 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
       const StepSequence& s = plan.sequences[i];
       if (s.rows == 0) continue;
       KSeq ks{i, {}, 0};
-      for (const StepBlock& b : s.blocks) {
-        const size_t k = d.Find(b.index);
-        if (!ks.runs.empty() && ks.runs.back().second == k) {
-          ++ks.runs.back().second;
+      for (const BlockRange& rg : s.ranges) {
+        // Every block of the range is resident: one run of the table.
+        const size_t k0 = d.Find(rg.begin), k1 = k0 + rg.size();
+        if (!ks.runs.empty() && ks.runs.back().second == k0) {
+          ks.runs.back().second = k1;
         } else {
-          ks.runs.emplace_back(k, k + 1);
+          ks.runs.emplace_back(k0, k1);
         }
-        ks.tokens += static_cast<int32_t>(b.tokens);
-        ++total_pages;
+        ks.tokens += static_cast<int32_t>((rg.size() - 1) * L.block_tokens + s.BlockTokens(rg.end - 1, L.block_tokens));
+        total_pages += static_cast<int32_t>(rg.size());
       }
       num_segments += ks.runs.size();
       kseqs.push_back(std::move(ks));
@@ -799,15 +815,24 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
     if (s.ok() && decode) {
       const int splits = cuda::DefaultDecodeSplits(qv, kv, max_pages, sm_count_);
       const size_t ws = cuda::DecodeWorkspaceBytes(qv, splits, kv.head_dim);
+      const size_t counters = cuda::DecodeCounterBytes(qv);
       if (ws > lane->d_workspace.cap) {
         // A new workspace starts zeroed (the merge's counters).
         s = Check(lane->d_workspace.Reserve(ws), "decode workspace");
         if (s.ok()) s = Check(cudaMemsetAsync(lane->d_workspace.p, 0, lane->d_workspace.cap, st), "decode workspace");
+        lane->counters_clean = lane->d_workspace.cap;
+      }
+      if (s.ok() && splits > 1 && lane->counters_clean < counters) {
+        // More rows than the last call: its partials lie where these counters go.
+        s = Check(cudaMemsetAsync(lane->d_workspace.p, 0, counters, st), "decode workspace counters");
+        lane->counters_clean = counters;
       }
       if (s.ok()) {
         s = Check(cuda::PagedDecode(p, qv, kv, cuda::OutputView{d_o, d_l}, splits, lane->d_workspace.p,
                                     lane->d_workspace.cap, st),
                   "decode attention kernel");
+        // The call leaves its counters zero and writes partials after them.
+        if (splits > 1) lane->counters_clean = std::min(lane->counters_clean, counters);
       }
     } else if (s.ok()) {
       s = Check(cuda::PagedPrefill(p, qv, kv, cuda::OutputView{d_o, d_l}, st), "prefill attention kernel");
@@ -818,6 +843,7 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   if (s.ok()) s = Check(cudaEventRecord(lane->done, st), "event");
   if (s.ok()) s = Check(cudaEventSynchronize(lane->done), "the step on the GPU");
   if (!s.ok()) {
+    lane->counters_clean = 0;  // unknown after a failed step: cleared before the next decode
     if (healthy_) {
       // Drain what was enqueued before the lane is used again.
       (void)Check(cudaStreamSynchronize(st), "draining a failed step");

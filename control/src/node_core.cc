@@ -422,7 +422,7 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
       ob.filled[layer] = a.offset + a.count;
       appended += a.count;
     }
-    nblocks += static_cast<uint32_t>(ss.blocks.size());
+    nblocks += static_cast<uint32_t>(ss.num_blocks());
     if (!ss.appends.empty()) sealed += SealCompleteBlocks(t.id(), hs[i]);
   }
   return Finish(op, t0, b, seq_status, out, stats, appended, sealed, nblocks, times);
@@ -504,36 +504,49 @@ absl::Status NodeCore::PlanSequence(NamespaceId ns, TenantId tenant, const Atten
     left -= cnt;
     src += cnt;
   }
+  // Reads: each range's blocks are full here, or open with exactly the
+  // tokens the request expects. Open blocks are few (the tail); the rest is
+  // checked against the runs of full blocks, O(log n) a range.
+  ss->tokens = spec.tokens;
   const uint64_t last_block = (spec.tokens + bt - 1) / bt;
+  const bool last_partial = spec.tokens % bt != 0;
   for (const BlockRange& rg : spec.ranges) {
     if (rg.end > last_block) {
       return absl::InvalidArgumentError(absl::StrCat("block range ends at ", rg.end, " but ", spec.tokens,
                                                      " tokens fill only ", last_block, " blocks"));
     }
-    for (uint64_t idx = rg.begin; idx < rg.end; ++idx) {
-      const uint32_t expect = static_cast<uint32_t>(std::min<uint64_t>(bt, spec.tokens - idx * bt));
-      auto full = st.blocks.find(idx);
-      if (full != st.blocks.end()) {
-        if (expect != bt) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("block ", idx, " is complete here, but ", spec.tokens, " tokens end inside it"));
-        }
-        ss->blocks.push_back(StepBlock{idx, bt, full->second});
-        continue;
-      }
+    std::vector<uint64_t> opens_here;
+    for (auto it = st.open.lower_bound(rg.begin); it != st.open.end() && it->first < rg.end; ++it) {
+      opens_here.push_back(it->first);
+    }
+    for (const auto& [idx, n] : filled_after) {
+      if (idx >= rg.begin && idx < rg.end && !st.open.count(idx)) opens_here.push_back(idx);
+    }
+    std::sort(opens_here.begin(), opens_here.end());
+    uint64_t from = rg.begin;
+    for (uint64_t idx : opens_here) {
+      const uint32_t expect = ss->BlockTokens(idx, bt);
       auto fa = filled_after.find(idx);
-      auto o = st.open.find(idx);
-      if (fa == filled_after.end() && o == st.open.end()) {
-        return absl::NotFoundError(absl::StrCat("block ", idx, " is not on this node"));
-      }
-      const uint32_t have = fa != filled_after.end() ? fa->second : o->second.filled[layer];
+      const uint32_t have = fa != filled_after.end() ? fa->second : st.open.at(idx).filled[layer];
       if (have != expect) {
         return absl::NotFoundError(absl::StrCat("block ", idx, " holds ", have, " of ", expect, " tokens of layer ", layer,
                                                 " on this node"));
       }
-      ss->blocks.push_back(StepBlock{idx, expect, BlockKey{}});
+      if (!st.runs.Covers(from, idx)) {
+        return absl::NotFoundError(absl::StrCat("block ", st.runs.FirstMissing(from, idx), " is not on this node"));
+      }
+      from = idx + 1;
     }
+    if (!st.runs.Covers(from, rg.end)) {
+      return absl::NotFoundError(absl::StrCat("block ", st.runs.FirstMissing(from, rg.end), " is not on this node"));
+    }
+    if (last_partial && last_block - 1 >= from && last_block - 1 < rg.end) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("block ", last_block - 1, " is complete here, but ", spec.tokens, " tokens end inside it"));
+    }
+    ss->ranges.push_back(rg);
   }
+  ss->full = &st.blocks;
   return absl::OkStatus();
 }
 

@@ -31,7 +31,9 @@ absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(MetadataSto
     BlockKey key;
     std::memcpy(&key.lo, v.data(), 8);
     std::memcpy(&key.hi, v.data() + 8, 8);
-    t->FindOrAdd(ns, parts[2])->state.blocks[index] = key;
+    SequenceState& st = t->FindOrAdd(ns, parts[2])->state;
+    st.blocks[index] = key;
+    st.runs.Insert(index);
   }));
   KVRING_RETURN_IF_ERROR(bad);
   return t;
@@ -78,6 +80,7 @@ absl::Status SequenceTable::Handle::Record(uint64_t index, const BlockKey& key) 
     KVRING_RETURN_IF_ERROR(table_->store_->Put(RecordKey(entry_->ns, entry_->id, index), v));
   }
   entry_->state.blocks[index] = key;
+  entry_->state.runs.Insert(index);
   return absl::OkStatus();
 }
 

@@ -26,7 +26,8 @@ using namespace gpu_testing;
 
 class GpuNode {
  public:
-  GpuNode(BlockLayout layout, uint32_t q_heads, uint64_t hbm_pages, std::function<void(const absl::Status&)> on_fatal = nullptr)
+  GpuNode(BlockLayout layout, uint32_t q_heads, uint64_t hbm_pages, std::function<void(const absl::Status&)> on_fatal = nullptr,
+          int lanes = 2)
       : L_(layout), q_heads_(q_heads) {
     BlockStoreOptions so;
     so.page_bytes = std::max<uint64_t>(layout.bytes(), 1 << 16);
@@ -39,7 +40,7 @@ class GpuNode {
     CudaBackendOptions co;
     co.hbm_bytes = hbm_pages * so.page_bytes;
     co.page_bytes = so.page_bytes;
-    co.lanes = 2;
+    co.lanes = lanes;
     co.on_fatal = std::move(on_fatal);
     auto b = MakeCudaAttentionBackend(co, store_.get(), nullptr);
     status_ = b.status();
@@ -67,15 +68,16 @@ class GpuNode {
     b.head_dim = L_.head_dim;
     b.q_dtype = DType::kBF16;
     b.layout = L_;
-    std::vector<uint16_t> q, nk, nv;
+    std::vector<uint16_t> q;
+    std::vector<double> nk, nv;  // the appended values, as the layout's dtype holds them
     std::normal_distribution<float> nd;
     const size_t kvn = size_t{L_.kv_heads} * L_.head_dim, qn = size_t{q_heads_} * L_.head_dim;
     for (const Part& p : parts) {
       const uint64_t before = k_[p.id][layer].size() / kvn;
       AttendSequenceSpec s{p.id, {}, before + p.append, p.rows, p.append, before};
       for (size_t i = 0; i < p.append * kvn; ++i) {
-        nk.push_back(FloatToBf16(nd(rng_)));
-        nv.push_back(FloatToBf16(nd(rng_)));
+        nk.push_back(Round(nd(rng_)));
+        nv.push_back(Round(nd(rng_)));
       }
       if (p.rows > 0) s.ranges = {{0, (s.tokens + L_.block_tokens - 1) / L_.block_tokens}};
       for (uint32_t r = 0; r < p.rows; ++r) {
@@ -86,8 +88,9 @@ class GpuNode {
       b.sequences.push_back(s);
     }
     b.queries = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(q.data()), q.size() * 2);
-    b.new_k = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(nk.data()), nk.size() * 2);
-    b.new_v = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(nv.data()), nv.size() * 2);
+    const std::vector<uint8_t> kb = Encode(nk), vb = Encode(nv);
+    b.new_k = kb;
+    b.new_v = vb;
     std::vector<float> out(size_t{b.num_rows} * qn, std::nanf("")), lse(size_t{b.num_rows} * q_heads_, std::nanf(""));
     absl::Status s = core_->Attend(tenant_, "", b, PartialOutput{out.data(), lse.data()}, &last_);
     if (!s.ok()) return s;
@@ -136,9 +139,25 @@ class GpuNode {
     const auto& k = k_[id][layer];
     const auto& v = v_[id][layer];
     for (size_t t = 0; t < k.size() / (size_t{L_.kv_heads} * L_.head_dim); ++t) d.positions.push_back(static_cast<int64_t>(t));
-    for (uint16_t x : k) d.k.push_back(Bf16ToFloat(x));
-    for (uint16_t x : v) d.v.push_back(Bf16ToFloat(x));
+    d.k = k;
+    d.v = v;
     return d;
+  }
+
+  // A value as the layout's dtype stores it, and values as its bytes.
+  double Round(float x) const { return L_.dtype == DType::kF32 ? x : Bf16ToFloat(FloatToBf16(x)); }
+  std::vector<uint8_t> Encode(const std::vector<double>& xs) const {
+    std::vector<uint8_t> out(xs.size() * DTypeSize(L_.dtype));
+    for (size_t i = 0; i < xs.size(); ++i) {
+      if (L_.dtype == DType::kF32) {
+        const float f = static_cast<float>(xs[i]);
+        std::memcpy(out.data() + 4 * i, &f, 4);
+      } else {
+        const uint16_t h = FloatToBf16(static_cast<float>(xs[i]));
+        std::memcpy(out.data() + 2 * i, &h, 2);
+      }
+    }
+    return out;
   }
 
   // Puts `n` random full blocks of sequence `id` (PutSequence), recording
@@ -158,8 +177,8 @@ class GpuNode {
               const uint16_t kx = FloatToBf16(nd(rng_)), vx = FloatToBf16(nd(rng_));
               blocks[i][L_.index(l, 0, h, t, d)] = kx;
               blocks[i][L_.index(l, 1, h, t, d)] = vx;
-              k_[id][l].push_back(kx);
-              v_[id][l].push_back(vx);
+              k_[id][l].push_back(Bf16ToFloat(kx));
+              v_[id][l].push_back(Bf16ToFloat(vx));
             }
       v1::PutBlock* pb = put.add_blocks();
       KeyToProto(BlockKey{rng_() | 1, rng_()}, pb->mutable_block()->mutable_key());
@@ -195,7 +214,7 @@ class GpuNode {
   std::unique_ptr<NodeCore> core_;
   v1::Tenant tenant_;
   AttendStats last_;
-  std::map<std::string, std::map<uint32_t, std::vector<uint16_t>>> k_, v_;
+  std::map<std::string, std::map<uint32_t, std::vector<double>>> k_, v_;
 };
 
 TEST(GpuNodeTest, DecodeInPlaceInHbmMatchesTheReference) {
@@ -226,6 +245,23 @@ TEST(GpuNodeTest, DecodeInPlaceInHbmMatchesTheReference) {
     EXPECT_EQ(st.resident_blocks, (90u / 16) + (73u / 16) + (21u / 16));
     EXPECT_EQ(st.open_blocks, 3u);
     EXPECT_TRUE(st.healthy);
+  }
+}
+
+// One lane serves steps of growing batches (more rows a call than the last):
+// the decode merge's counters must be cleared where earlier calls left
+// partials. Llama-3-70B's grouping (8 q heads a kv head), one lane.
+TEST(GpuNodeTest, GrowingBatchesOnOneLaneStayExact) {
+  KVRING_REQUIRE_GPU();
+  GpuNode node(BlockLayout{16, 1, 8, 128, DType::kBF16}, 64, 256, nullptr, /*lanes=*/1);
+  ASSERT_TRUE(node.status().ok()) << node.status();
+  for (const char* id : {"a", "b", "c", "d"}) ASSERT_TRUE(node.Step(0, {{id, 1, 3000}}).ok());
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE(node.Step(0, {{"a", 1, 1}}).ok()) << step;
+    absl::Status s = node.Step(0, {{"a", 1, 1}, {"b", 1, 1}, {"c", 1, 1}});
+    ASSERT_TRUE(s.ok()) << "step " << step << ": " << s;
+    s = node.Step(0, {{"a", 1, 1}, {"b", 1, 1}, {"c", 1, 1}, {"d", 2, 2}});
+    ASSERT_TRUE(s.ok()) << "step " << step << ": " << s;
   }
 }
 

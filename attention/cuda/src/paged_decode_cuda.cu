@@ -560,6 +560,8 @@ size_t CounterBytes(const QueryView& q) {
 }
 }  // namespace
 
+size_t DecodeCounterBytes(const QueryView& q) { return CounterBytes(q); }
+
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim) {
   if (num_splits <= 1) return 0;
   const size_t rh = (size_t)q.num_rows * q.q_heads;

@@ -547,7 +547,24 @@ class ClientImpl {
         if (!done[i] && next[i] < cands[i].size()) plan[cands[i][next[i]++]].push_back(i);
       }
       if (plan.empty()) break;
-      std::vector<std::pair<int, std::vector<size_t>>> jobs(plan.begin(), plan.end());
+      // One request per node, cut where it would exceed max_batch_bytes (the
+      // destinations' sizes, else the last block size seen): the node's
+      // message limit holds, and a node's requests run in parallel.
+      std::vector<std::pair<int, std::vector<size_t>>> jobs;
+      const uint64_t est = std::max<uint64_t>(1, last_block_bytes_.load(std::memory_order_relaxed));
+      for (auto& [node_idx, idx] : plan) {
+        uint64_t bytes = 0;
+        jobs.emplace_back(node_idx, std::vector<size_t>{});
+        for (size_t i : idx) {
+          const uint64_t b = dsts.empty() ? est : dsts[i].size();
+          if (!jobs.back().second.empty() && bytes + b > o_.max_batch_bytes) {
+            jobs.emplace_back(node_idx, std::vector<size_t>{});
+            bytes = 0;
+          }
+          jobs.back().second.push_back(i);
+          bytes += b;
+        }
+      }
       std::vector<absl::StatusOr<std::vector<GetResult>>> res(jobs.size(), absl::UnknownError(""));
       pool_.ParallelFor(jobs.size(), [&](size_t j) {
         auto node = NodeFor(ring->node(jobs[j].first).node_id());

@@ -22,7 +22,9 @@
 // filled counts, which only the core advances).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,7 @@
 #include "absl/types/span.h"
 #include "kvring/attention/tensors.h"
 #include "kvring/cache/block_meta.h"
+#include "kvring/control/attend_batch.h"
 
 namespace kvring {
 
@@ -41,13 +44,6 @@ struct SequenceRef {
   TenantId tenant = 0;
 };
 
-// One block a Step reads.
-struct StepBlock {
-  uint64_t index = 0;   // block index in the sequence: its token 0 is at index * block_tokens
-  uint32_t tokens = 0;  // valid tokens on the step's layer (block_tokens but for the last block)
-  BlockKey key;         // the store key of a full block; zero for an open block
-};
-
 // `count` appended tokens, rows [src_row, src_row + count) of new_k / new_v,
 // written into open block `index` from token `offset` on.
 struct StepAppend {
@@ -57,11 +53,28 @@ struct StepAppend {
   uint32_t src_row = 0;
 };
 
+// One sequence of a step. Its rows read the blocks of `ranges` (sorted,
+// disjoint), which the core checked: each is a full block of `full` (its key
+// there, its bytes in the store) or an open block of this backend; block i
+// holds min(block_tokens, tokens - i * block_tokens) valid tokens on the
+// step's layer (all but the sequence's last block are whole). `full` stays
+// valid and unchanged for the call.
 struct StepSequence {
   SequenceRef seq;
-  std::vector<StepBlock> blocks;    // ascending; only the last may be partial
+  std::vector<BlockRange> ranges;
+  uint64_t tokens = 0;
+  const std::map<uint64_t, BlockKey>* full = nullptr;
   std::vector<StepAppend> appends;  // applied before the attention
-  uint32_t row_begin = 0, rows = 0; // its query rows (rows > 0 iff blocks is non-empty)
+  uint32_t row_begin = 0, rows = 0; // its query rows (rows > 0 iff ranges is non-empty)
+
+  uint64_t num_blocks() const {
+    uint64_t n = 0;
+    for (const BlockRange& r : ranges) n += r.size();
+    return n;
+  }
+  uint32_t BlockTokens(uint64_t index, uint32_t block_tokens) const {
+    return static_cast<uint32_t>(std::min<uint64_t>(block_tokens, tokens - index * block_tokens));
+  }
 };
 
 // One step on one layer: appends, then attention of every query row over its

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <atomic>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
@@ -33,6 +34,58 @@
 
 namespace kvring {
 
+// Disjoint runs [begin, end) of block indices, merged where they touch: the
+// full blocks a node holds of a sequence, so that a step checks a block
+// range in O(log n) instead of block by block.
+class BlockRuns {
+ public:
+  void Insert(uint64_t i) {
+    auto next = runs_.upper_bound(i);  // first run starting after i
+    if (next != runs_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->second > i) return;  // already in
+      if (prev->second == i) {
+        prev->second = i + 1;
+        if (next != runs_.end() && next->first == i + 1) {
+          prev->second = next->second;
+          runs_.erase(next);
+        }
+        return;
+      }
+    }
+    if (next != runs_.end() && next->first == i + 1) {
+      const uint64_t end = next->second;
+      runs_.erase(next);
+      runs_[i] = end;
+      return;
+    }
+    runs_[i] = i + 1;
+  }
+  // Whether every index in [begin, end) is in.
+  bool Covers(uint64_t begin, uint64_t end) const {
+    if (begin >= end) return true;
+    auto it = runs_.upper_bound(begin);
+    if (it == runs_.begin()) return false;
+    --it;
+    return it->first <= begin && it->second >= end;
+  }
+  // The first index in [begin, end) that is not in (end if none).
+  uint64_t FirstMissing(uint64_t begin, uint64_t end) const {
+    for (uint64_t i = begin; i < end;) {
+      auto it = runs_.upper_bound(i);
+      if (it == runs_.begin()) return i;
+      --it;
+      if (it->second <= i) return i;
+      i = it->second;
+    }
+    return end;
+  }
+  size_t num_runs() const { return runs_.size(); }
+
+ private:
+  std::map<uint64_t, uint64_t> runs_;  // begin -> end
+};
+
 struct OpenBlockState {
   std::vector<uint32_t> filled;  // tokens filled, per layer
   bool Complete(uint32_t block_tokens) const {
@@ -46,7 +99,8 @@ struct OpenBlockState {
 struct SequenceState {
   std::optional<BlockLayout> layout;  // known once a block was put, appended or read here
   KvEncoding encoding;                // of its full blocks
-  std::map<uint64_t, BlockKey> blocks;
+  std::map<uint64_t, BlockKey> blocks;  // full blocks held here
+  BlockRuns runs;                        // the same indices, as runs
   std::map<uint64_t, OpenBlockState> open;
 };
 

@@ -77,9 +77,13 @@ struct AttnParams {
 // With num_splits > 1 the splits' partials go to `workspace` and the last
 // CTA of each (sequence, kv head) to finish merges them into `out` (quantized
 // pages: a second kernel merges). The workspace (DecodeWorkspaceBytes; none
-// for one split) must be zeroed once before its first use (cudaMemset): it
-// holds the merge's counters, which every call leaves at zero. One call at a
-// time per workspace. num_splits: 1..kMaxDecodeSplits; with more than one
+// for one split) starts with the merge's counters, bytes
+// [0, DecodeCounterBytes(q)), which must be zero when a call starts; every
+// call leaves its own counters at zero but writes partials after them. So:
+// zero the workspace once before its first use (cudaMemset), and before a
+// call whose DecodeCounterBytes is larger than the previous call's on the
+// same workspace, zero the counter bytes again (earlier partials may lie
+// there). One call at a time per workspace. num_splits: 1..kMaxDecodeSplits; with more than one
 // split the workspace, and on plain pages `out.out`, must be 16-byte aligned
 // (the merge's bulk copies and float4 stores).
 // The kernel is launched with programmatic dependent launch (it overlaps its
@@ -93,6 +97,7 @@ struct AttnParams {
 inline constexpr int kMaxDecodeSplits = 1024;  // the fused merge keeps (splits + 1) x 16 weights in shared memory
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count);
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim);
+size_t DecodeCounterBytes(const QueryView& q);
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
                         void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
