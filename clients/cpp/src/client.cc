@@ -392,6 +392,23 @@ class ClientImpl {
       KVRING_ASSIGN_OR_RETURN(DeviceMemory * dev, Dev());
       size_t total = 0;
       for (const BlockData& b : blocks) total += b.payload_on_device ? b.payload.size() : 0;
+      if (total > 4 * o_.max_batch_bytes && blocks.size() > 1) {
+        // Bounded staging: put the blocks in parts, each staged on its own.
+        PutReport rep;
+        for (size_t i = 0; i < blocks.size();) {
+          size_t j = i, part = 0;
+          while (j < blocks.size() && (j == i || part + blocks[j].payload.size() <= o_.max_batch_bytes)) {
+            part += blocks[j++].payload.size();
+          }
+          KVRING_ASSIGN_OR_RETURN(PutReport r, PutBlocks(blocks.subspan(i, j - i), seq, first_block + i));
+          rep.blocks += r.blocks;
+          rep.inserted += r.inserted;
+          rep.replicas_written += r.replicas_written;
+          rep.bytes += r.bytes;
+          i = j;
+        }
+        return rep;
+      }
       KVRING_ASSIGN_OR_RETURN(staging, dev->Pinned(total));
       staged.assign(blocks.begin(), blocks.end());
       size_t off = 0;
