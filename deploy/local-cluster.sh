@@ -3,6 +3,7 @@
 #
 #   deploy/local-cluster.sh start  [--nodes N] [--dir DIR] [--port P] [--replication R] [--host-bytes B] [--page-bytes B] [--no-ucx]
 #                                  [--gpu DEV --hbm-bytes B] [--chunk-blocks N] [--write-quorum W] [--bin BUILD_DIR]
+#                                  [--daemon-flags "FLAGS"]  (more kvringd flags, e.g. "--ucx_spin_us=200")
 #   deploy/local-cluster.sh stop   [--dir DIR]
 #   deploy/local-cluster.sh status [--dir DIR]
 #
@@ -16,7 +17,7 @@
 set -euo pipefail
 cmd=${1:-}; shift || true
 NODES=4; DIR=/tmp/kvring-cluster; PORT=7400; R=2; HOST_BYTES=512M; PAGE_BYTES=2M; UCX=1; GPU=-1; HBM_BYTES=0
-CHUNK=64; W=0
+CHUNK=64; W=0; DAEMON_FLAGS=""
 BIN=${KVRING_BIN:-$(cd "$(dirname "$0")/.." && pwd)/build}
 while (($#)); do
   case "$1" in
@@ -32,6 +33,7 @@ while (($#)); do
     --chunk-blocks) CHUNK=$2; shift 2;;
     --write-quorum) W=$2; shift 2;;
     --bin) BIN=$2; shift 2;;
+    --daemon-flags) DAEMON_FLAGS=$2; shift 2;;
     -h|--help) sed -n '2,12p' "$0"; exit 0;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
@@ -77,6 +79,7 @@ start() {
     ucx_flag=""
     [ $UCX = 1 ] && ucx_flag="--ucx_listen=127.0.0.1:$((PORT+101+i))"
     [ "$GPU" -ge 0 ] && ucx_flag="$ucx_flag --gpu=$GPU --hbm_bytes=$HBM_BYTES"
+    ucx_flag="$ucx_flag $DAEMON_FLAGS"
     setsid "$BIN/control/kvringd" --listen=127.0.0.1:$((PORT+1+i)) --coordinator=127.0.0.1:$PORT \
       --cluster_token_file="$DIR/cluster.token" --data_dir="$DIR/node$i" --node_id=node$i \
       --host_bytes=$HOST_BYTES --page_bytes=$PAGE_BYTES $ucx_flag --metrics_listen=127.0.0.1:$((PORT+201+i)) \

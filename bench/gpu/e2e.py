@@ -261,13 +261,20 @@ def latency(args, kvring, kt, dev, results):
     ctx = 32768 if dev.type == "cuda" else 2048
     rows_out = []
     steps = 60 if args.quick else 200
-    for shards in (1, 4):
+    # (shards, batches, UCX progress: spin microseconds of daemons and client, busy poll)
+    configs = [(1, (1, 8, 32), -1, False), (4, (1, 8, 32), -1, False)]
+    if dev.type == "cuda":
+        configs += [(1, (1,), 200, False), (1, (1,), 0, True), (4, (1,), 0, True)]
+    else:
+        configs = [(1, (1, 4), -1, False), (4, (1,), -1, False)]
+    for shards, batches, spin, busy in configs:
         chunk = max(1, (ctx // BT + shards - 1) // shards)
+        dflags = (f"--ucx_spin_us={spin}" if spin >= 0 else "") + (" --ucx_busy_poll" if busy else "")
         with LocalCluster(nodes=shards, port=7800, replication=1, host_bytes="8G" if args.gpu >= 0 else "512M",
                           page_bytes=str(layout.bytes), gpu=args.gpu, hbm_bytes="10G", chunk_blocks=chunk, bin=args.bin,
-                          root=ROOT) as cl:
-            c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60)
-            for batch in ((1, 8, 32) if dev.type == "cuda" else (1, 4)):
+                          root=ROOT, daemon_flags=dflags) as cl:
+            c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60, ucx_spin_us=spin, ucx_busy_poll=busy)
+            for batch in batches:
                 seqs = [Seq(f"lat-{shards}-{batch}-{i}", 1, ctx - 5, dev) for i in range(batch)]
                 for s in seqs:
                     put_sequence(c, kt, layout, s)
@@ -299,7 +306,7 @@ def latency(args, kvring, kt, dev, results):
 
                 rt = [r["seconds"] for r in reps]
                 row = {
-                    "shards": shards, "batch": batch, "context": ctx,
+                    "shards": shards, "batch": batch, "context": ctx, "ucx_spin_us": spin, "ucx_busy_poll": busy,
                     "round_trip_p50_us": pct(rt, 50) * 1e6, "round_trip_p99_us": pct(rt, 99) * 1e6,
                     "python_wall_p50_us": pct(walls, 50) * 1e6,
                     "node_p50_us": pct([r["node_seconds"] for r in reps], 50) * 1e6,
@@ -313,11 +320,12 @@ def latency(args, kvring, kt, dev, results):
                 row["transfer_p50_us"] = row["round_trip_p50_us"] - row["node_p50_us"] - row["merge_p50_us"]
                 row["over_local_us"] = row["round_trip_p50_us"] - row["local_kernel_us"]
                 rows_out.append(row)
-                log(f"  {shards} shard(s), batch {batch:2d}, {ctx // 1024}K: round trip p50 {row['round_trip_p50_us']:7.1f} us "
-                    f"p99 {row['round_trip_p99_us']:7.1f} (python {row['python_wall_p50_us']:.0f}); node {row['node_p50_us']:.1f} "
-                    f"= kernel {row['kernel_p50_us']:.1f} + copies {row['copies_p50_us']:.1f}; merge {row['merge_p50_us']:.1f}; "
-                    f"local kernel {row['local_kernel_us']:.1f}, SDPA {row['local_sdpa_us']:.1f}; "
-                    f"{row['bytes_per_step'] / 1e3:.0f} KB/step vs pull {row['pull_bytes_per_step'] / 1e6:.0f} MB")
+                log(f"  {shards} shard(s), batch {batch:2d}, {ctx // 1024}K, UCX {'busy-poll' if busy else f'spin {spin}'}: "
+                    f"round trip p50 {row['round_trip_p50_us']:7.1f} us p99 {row['round_trip_p99_us']:7.1f} "
+                    f"(python {row['python_wall_p50_us']:.0f}); node {row['node_p50_us']:.1f} = kernel {row['kernel_p50_us']:.1f} "
+                    f"+ copies {row['copies_p50_us']:.1f}; merge {row['merge_p50_us']:.1f}; local kernel "
+                    f"{row['local_kernel_us']:.1f}, SDPA {row['local_sdpa_us']:.1f}; {row['bytes_per_step'] / 1e3:.0f} KB/step "
+                    f"vs pull {row['pull_bytes_per_step'] / 1e6:.0f} MB")
             c.close()
     results["latency"] = rows_out
 
@@ -332,14 +340,23 @@ def getinto(args, kvring, kt, dev, results):
         src = torch.randint(0, 1 << 14, (n, layout.bytes // 2), dtype=torch.int16, device=dev)
         keys = np.stack([np.arange(1, n + 1, dtype=np.uint64), np.full(n, 77, np.uint64)], 1)
         kt.put(c, keys, src, layout)
+        def best(f, reps=4):
+            ts = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                f()
+                ts.append(time.perf_counter() - t0)
+            return min(ts)
+
         dst = torch.empty_like(src)
-        ts = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            found = kt.get_into(c, keys, layout, dst)
-            ts.append(time.perf_counter() - t0)
+        t_dev = best(lambda: kt.get_into(c, keys, layout, dst))
+        found = kt.get_into(c, keys, layout, dst)
         assert found.all() and torch.equal(dst, src), "GetInto returned other bytes"
+        host = torch.empty(src.shape, dtype=torch.int16).pin_memory()
+        t_host = best(lambda: kt.get_into(c, keys, layout, host))
+        t_np = best(lambda: c.get_into(keys, layout, np.empty((n, layout.bytes), np.uint8)))
+        ts = [t_dev]
         pinned = torch.empty(n * layout.bytes // 2, dtype=torch.int16).pin_memory()
         h2d = []
         for _ in range(5):
@@ -349,11 +366,13 @@ def getinto(args, kvring, kt, dev, results):
             torch.cuda.synchronize()
             h2d.append(time.perf_counter() - t0)
         gb = n * layout.bytes / 1e9
-        r = {"blocks": n, "block_bytes": layout.bytes, "getinto_gbps": gb / min(ts), "h2d_gbps": gb / min(h2d)}
+        r = {"blocks": n, "block_bytes": layout.bytes, "getinto_gbps": gb / min(ts), "h2d_gbps": gb / min(h2d),
+             "getinto_pinned_host_gbps": gb / t_host, "getinto_numpy_gbps": gb / t_np}
         r["ratio"] = r["getinto_gbps"] / r["h2d_gbps"]
         results["getinto"] = r
-        log(f"  GetInto {n} x 2 MiB into device memory: {r['getinto_gbps']:.1f} GB/s; pinned H2D {r['h2d_gbps']:.1f} GB/s; "
-            f"ratio {r['ratio']:.2f}")
+        log(f"  GetInto {n} x 2 MiB into device memory: {r['getinto_gbps']:.1f} GB/s; into pinned host memory "
+            f"{r['getinto_pinned_host_gbps']:.1f}, into numpy {r['getinto_numpy_gbps']:.1f}; pinned H2D {r['h2d_gbps']:.1f} GB/s; "
+            f"device/H2D {r['ratio']:.2f}")
         c.close()
 
 

@@ -65,7 +65,8 @@ int main(int argc, char** argv) {
   std::string listen = "0.0.0.0:7100", advertise, coordinator = "127.0.0.1:7000", cluster_token, cluster_token_file;
   std::string data_dir, node_id, eviction = "lru", cold_codec = "zstd", metrics_listen = "127.0.0.1:0", port_file;
   std::string log_level = "info", ucx_listen;
-  int64_t gpu = -1, gpu_lanes = 4;
+  int64_t gpu = -1, gpu_lanes = 4, ucx_spin_us = -1;
+  bool ucx_busy_poll = false;
   uint64_t hbm_bytes = 0;
   uint64_t host_bytes = 1ull << 30, page_bytes = 2ull << 20, max_message = 256ull << 20;
   int64_t threads = 0;
@@ -92,6 +93,9 @@ int main(int argc, char** argv) {
   flags.AddBytes("max_message_bytes", &max_message, "largest gRPC message accepted or sent");
   flags.AddString("metrics_listen", &metrics_listen, "Prometheus /metrics address host:port (empty: off)");
   flags.AddString("ucx_listen", &ucx_listen, "UCX data-plane listen address host:port (empty: off; clients use gRPC payloads)");
+  flags.AddInt("ucx_spin_us", &ucx_spin_us,
+               "UCX progress thread: busy-poll this long after each message before sleeping (-1: 20 with 8+ cores, else 0)");
+  flags.AddBool("ucx_busy_poll", &ucx_busy_poll, "UCX progress thread: poll without ever sleeping (lowest latency, one core busy)");
   flags.AddString("port_file", &port_file, "write the bound gRPC port here once serving (for scripts and tests)");
   flags.AddString("log_level", &log_level, "debug, info, warning or error");
   TlsConfig tls;
@@ -222,7 +226,10 @@ int main(int argc, char** argv) {
   std::unique_ptr<UcxDataPlane> ucx;
   std::string ucx_address;
   if (!ucx_listen.empty()) {
-    auto u = UcxDataPlane::Start(&core, ucx_listen, max_message, 4);
+    UcxLoopOptions lo;
+    lo.spin_us = static_cast<int>(ucx_spin_us);
+    lo.wakeup = !ucx_busy_poll;
+    auto u = UcxDataPlane::Start(&core, ucx_listen, max_message, 4, lo);
     if (!u.ok()) return Fail(u.status(), "UCX data plane");
     ucx = std::move(*u);
     ucx_address = ucx->address();

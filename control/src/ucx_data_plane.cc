@@ -6,14 +6,15 @@
 namespace kvring {
 
 absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(NodeCore* core, const std::string& listen,
-                                                                  uint64_t max_message_bytes, size_t threads) {
+                                                                  uint64_t max_message_bytes, size_t threads,
+                                                                  const UcxLoopOptions& loop) {
   std::unique_ptr<UcxDataPlane> p(new UcxDataPlane());
   p->core_ = core;
   p->pool_ = std::make_unique<ThreadPool>(std::max<size_t>(1, threads));
   UcxDataPlane* raw = p.get();
   auto server = UcxRpcServer::Start(
       listen, [raw](UcxRequest&& req, UcxReplier reply) { raw->Handle(std::move(req), std::move(reply)); }, p->pool_.get(),
-      max_message_bytes, [raw](UcxRequest& req, UcxReplier& reply) { return raw->HandleFast(req, reply); });
+      max_message_bytes, [raw](UcxRequest& req, UcxReplier& reply) { return raw->HandleFast(req, reply); }, loop);
   if (!server.ok()) return server.status();
   p->server_ = std::move(*server);
   return p;

@@ -512,9 +512,9 @@ void UcxReplier::Send(const absl::Status& status, std::string meta, std::vector<
 
 absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::string& listen, UcxHandler handler,
                                                                   ThreadPool* pool, uint64_t max_message_bytes,
-                                                                  UcxFastHandler fast_handler) {
+                                                                  UcxFastHandler fast_handler, const UcxLoopOptions& lo) {
   (void)listen;
-  auto loop = UcxWorkerLoop::Create(UCP_FEATURE_AM, "kvring-ucx-server");
+  auto loop = UcxWorkerLoop::Create(UCP_FEATURE_AM, "kvring-ucx-server", lo);
   if (!loop.ok()) return loop.status();
   std::unique_ptr<UcxRpcServer> srv(new UcxRpcServer());
   srv->loop_ = std::move(*loop);
@@ -584,7 +584,8 @@ bool UcxRpcClient::WaitFor(F& f, absl::Duration timeout) {
 }
 
 absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::string& address, absl::Duration timeout,
-                                                                     std::function<bool()> peer_alive) {
+                                                                     std::function<bool()> peer_alive,
+                                                                     const UcxLoopOptions& lo) {
   const size_t at = address.find('@');
   const std::string hex_part = address.substr(0, at);
   const std::string host_key = at == std::string::npos ? "" : address.substr(at + 1);
@@ -601,7 +602,7 @@ absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::s
     if (hi < 0 || lo < 0) return absl::InvalidArgumentError("a UCX address is 'ucxw:<hex worker address>'");
     server_addr.push_back(static_cast<uint8_t>(hi * 16 + lo));
   }
-  auto loop = UcxWorkerLoop::Create(UCP_FEATURE_AM, "kvring-ucx-client");
+  auto loop = UcxWorkerLoop::Create(UCP_FEATURE_AM, "kvring-ucx-client", lo);
   if (!loop.ok()) return loop.status();
   std::unique_ptr<UcxRpcClient> c(new UcxRpcClient());
   c->loop_ = std::move(*loop);

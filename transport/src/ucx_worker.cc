@@ -57,14 +57,15 @@ absl::Status ToSockaddr(const std::string& host_port, sockaddr_storage* out, soc
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t features, const std::string& name) {
+absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t features, const std::string& name,
+                                                                    const UcxLoopOptions& options) {
   std::unique_ptr<UcxWorkerLoop> l(new UcxWorkerLoop());
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return UcsError(s, "ucp_config_read");
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
-  p.features = features | (std::getenv("KVRING_UCX_NOWAKEUP") ? 0 : UCP_FEATURE_WAKEUP);
+  p.features = features | (options.wakeup ? UCP_FEATURE_WAKEUP : 0);
   p.name = name.c_str();
   s = ucp_init(&p, config, &l->context_);
   ucp_config_release(config);
@@ -77,17 +78,13 @@ absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t fe
   ucp_worker_attr_t wa{};
   wa.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
   if (ucp_worker_query(l->worker_, &wa) == UCS_OK) l->max_am_header_ = wa.max_am_header;
-  if (!std::getenv("KVRING_UCX_NOWAKEUP")) {
+  if (options.wakeup) {
     s = ucp_worker_get_efd(l->worker_, &l->worker_fd_);
     if (s != UCS_OK) return UcsError(s, "ucp_worker_get_efd");
   }
   l->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  // Busy-poll a little after activity (saves a sleep/wake round trip per
-  // message) only where there are cores to spare: on a small machine every
-  // process's loop spinning takes the cores from the work itself (2 cores,
-  // 2 daemons + a client: 256 KiB gets 1.2 GB/s spinning, 1.7 without).
-  l->spin_us_ = std::thread::hardware_concurrency() >= 8 ? 20 : 0;
-  if (const char* e = std::getenv("KVRING_UCX_SPIN_US")) l->spin_us_ = std::atoi(e);
+  // UcxLoopOptions::spin_us says why the default depends on the core count.
+  l->spin_us_ = options.spin_us >= 0 ? options.spin_us : (std::thread::hardware_concurrency() >= 8 ? 20 : 0);
   if (l->wake_fd_ < 0) return absl::InternalError("eventfd failed");
   UcxWorkerLoop* raw = l.get();
   l->thread_ = std::thread([raw] { raw->Loop(); });

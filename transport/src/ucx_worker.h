@@ -7,6 +7,8 @@
 
 #include <ucp/api/ucp.h>
 
+#include "kvring/transport/ucx_rpc.h"
+
 #include <atomic>
 #include <chrono>
 #include <deque>
@@ -30,7 +32,8 @@ std::string HostKey();
 
 class UcxWorkerLoop {
  public:
-  static absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> Create(uint64_t features, const std::string& name);
+  static absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> Create(uint64_t features, const std::string& name,
+                                                              const UcxLoopOptions& options);
   ~UcxWorkerLoop();
   UcxWorkerLoop(const UcxWorkerLoop&) = delete;
   UcxWorkerLoop& operator=(const UcxWorkerLoop&) = delete;
@@ -64,7 +67,7 @@ class UcxWorkerLoop {
   ucp_worker_h worker_ = nullptr;
   int worker_fd_ = -1;
   int wake_fd_ = -1;
-  int spin_us_ = 0;  // Create(): 20 with 8+ cores, else 0; KVRING_UCX_SPIN_US overrides
+  int spin_us_ = 0;  // UcxLoopOptions::spin_us, resolved
   size_t max_am_header_ = 0;
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;

@@ -66,6 +66,8 @@ int kvring_connect(const kvring_options* o, kvring_client** out) {
   if (o->rpc_timeout_s > 0) co.rpc_timeout = absl::Seconds(o->rpc_timeout_s);
   co.tls = TlsConfig{Str(o->tls_cert), Str(o->tls_key), Str(o->tls_ca), false};
   co.threads = o->threads;
+  co.ucx_loop.spin_us = o->ucx_spin_us;
+  co.ucx_loop.wakeup = o->ucx_busy_poll == 0;
   auto c = Client::Connect(co);
   if (!c.ok()) return Code(c.status());
   *out = new kvring_client{std::move(*c)};

@@ -170,12 +170,14 @@ class ClientImpl {
     n.ucx.reset();
     // The daemon's gRPC channel doubles as the liveness signal for UCX calls.
     std::shared_ptr<grpc::Channel> ch = n.channel;
-    auto c = UcxRpcClient::Connect(n.ucx_address, absl::Seconds(2), [ch] {
+    auto c = UcxRpcClient::Connect(
+        n.ucx_address, absl::Seconds(2),
+        [ch] {
       // try_to_connect: a dropped connection goes IDLE; reconnecting to a dead
       // daemon turns it TRANSIENT_FAILURE within milliseconds.
       const grpc_connectivity_state s = ch->GetState(/*try_to_connect=*/true);
       return s != GRPC_CHANNEL_TRANSIENT_FAILURE && s != GRPC_CHANNEL_SHUTDOWN;
-    });
+    }, o_.ucx_loop);
     if (!c.ok()) {
       KVRING_LOG(WARNING) << "UCX to " << n.id << " failed (" << c.status().message() << "); using gRPC payloads";
       n.ucx_retry_after = absl::Now() + absl::Seconds(10);

@@ -21,7 +21,7 @@ class Layout_(ctypes.Structure):
 class Options(ctypes.Structure):
     _fields_ = [("coordinator", c_char_p), ("token", c_char_p), ("ns", c_char_p), ("use_ucx", c_int),
                 ("quantize", c_char_p), ("rpc_timeout_s", c_double), ("tls_ca", c_char_p), ("tls_cert", c_char_p),
-                ("tls_key", c_char_p), ("threads", c_u32)]
+                ("tls_key", c_char_p), ("threads", c_u32), ("ucx_spin_us", ctypes.c_int32), ("ucx_busy_poll", ctypes.c_int32)]
 
 
 class PutReport(ctypes.Structure):

@@ -18,11 +18,12 @@ from pathlib import Path
 
 class LocalCluster:
     def __init__(self, nodes=4, port=7600, replication=2, host_bytes="512M", page_bytes="2M", directory=None, keep=False,
-                 gpu=-1, hbm_bytes="0", chunk_blocks=64, write_quorum=0, bin=None, root=None):
+                 gpu=-1, hbm_bytes="0", chunk_blocks=64, write_quorum=0, bin=None, root=None, daemon_flags=""):
         here = Path(__file__).resolve()
         self.bin = Path(bin or os.environ.get("KVRING_BIN", here.parents[2]))
         self.root = Path(root or os.environ.get("KVRING_ROOT", self.bin.parent))
         self.gpu, self.hbm_bytes, self.chunk_blocks, self.write_quorum = gpu, hbm_bytes, chunk_blocks, write_quorum
+        self.daemon_flags = daemon_flags
         self.nodes, self.port, self.replication = nodes, port, replication
         self.host_bytes, self.page_bytes = host_bytes, page_bytes
         self._own_dir = directory is None
@@ -43,7 +44,8 @@ class LocalCluster:
         self._script("start", "--nodes", str(self.nodes), "--port", str(self.port), "--replication",
                      str(self.replication), "--host-bytes", self.host_bytes, "--page-bytes", self.page_bytes,
                      "--gpu", str(self.gpu), "--hbm-bytes", str(self.hbm_bytes), "--chunk-blocks",
-                     str(self.chunk_blocks), "--write-quorum", str(self.write_quorum))
+                     str(self.chunk_blocks), "--write-quorum", str(self.write_quorum), "--daemon-flags",
+                     self.daemon_flags)
         return self
 
     def stop(self):

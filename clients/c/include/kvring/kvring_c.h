@@ -44,6 +44,8 @@ typedef struct {
   const char* tls_cert;
   const char* tls_key;
   uint32_t threads;        /* fan-out threads; 0: 16 */
+  int32_t ucx_spin_us;     /* UCX progress threads: busy-poll this long after a message (-1: by core count) */
+  int32_t ucx_busy_poll;   /* UCX progress threads never sleep */
 } kvring_options;
 
 typedef struct {

@@ -23,7 +23,8 @@ class UcxDataPlane {
  public:
   // Starts serving on `listen` (host:port); `core` must outlive the plane.
   static absl::StatusOr<std::unique_ptr<UcxDataPlane>> Start(NodeCore* core, const std::string& listen,
-                                                             uint64_t max_message_bytes, size_t threads);
+                                                             uint64_t max_message_bytes, size_t threads,
+                                                             const UcxLoopOptions& loop = {});
   ~UcxDataPlane();
   const std::string& address() const { return server_->address(); }
 

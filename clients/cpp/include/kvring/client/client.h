@@ -35,22 +35,36 @@
 #include "kvring/cache/block_key.h"
 #include "kvring/cache/block_meta.h"
 #include "kvring/common/tls_config.h"
+#include "kvring/transport/ucx_rpc.h"
 
 namespace kvring {
 
 struct ClientOptions {
+  // The coordinator's gRPC address (host:port). Default: 127.0.0.1:7000.
   std::string coordinator = "127.0.0.1:7000";
+  // The tenant's bearer token (required).
   std::string token;
   // Namespace to act in: empty for the tenant's own, or one of its shared
-  // namespaces ("shared/<name>").
+  // namespaces ("shared/<name>"). Default: empty.
   std::string ns;
-  // Use a daemon's UCX data plane for payloads when it has one. Default: true.
+  // Use a daemon's UCX data plane for payloads when it has one (else gRPC
+  // carries them). Default: true.
   bool use_ucx = true;
+  // How the client's UCX progress threads wait (latency against a busy
+  // core; ucx_rpc.h). Default: the host-size-dependent spin, sleeping between.
+  UcxLoopOptions ucx_loop;
+  // Deadline of each call to one node; a node that misses it counts as down
+  // for this call (its replicas are tried). Default: 10 s.
   absl::Duration rpc_timeout = absl::Seconds(10);
+  // How often the shard map is refreshed from the coordinator (also at once
+  // after a node failure). Shorter: node changes seen sooner, more
+  // coordinator calls. Default: 2 s.
   absl::Duration map_refresh = absl::Seconds(2);
-  // Largest Put/Get message to one node; bigger batches are split.
+  // Largest Put/Get message to one node; bigger batches are split (and their
+  // parts sent in parallel). Must not exceed the daemons' max_message_bytes.
+  // Default: 64 MiB.
   uint64_t max_batch_bytes = 64ull << 20;
-  // Fan-out threads (0: 16).
+  // Fan-out threads: the most calls to nodes in flight at once. 0: 16.
   size_t threads = 0;
   // Have the nodes quantize plain blocks at Put: "int8" or "fp8", optionally
   // "/per-head", "/per-token" or "/kivi"; "none" stores them plain; empty:

@@ -1,0 +1,268 @@
+"""kvring inside Hugging Face transformers: its model code, Cache classes and
+generate loop, unchanged.
+
+Pass-Q attention (the sequence's KV lives on kvring GPU nodes; the model's
+own cache holds nothing):
+
+    import kvring, kvring.hf as khf
+    sess = khf.PassQSession(client, model, ["req-1"])       # registers "kvring" attention, attaches to the model
+    out = model.generate(ids, past_key_values=sess.cache(), max_new_tokens=32, do_sample=False)
+
+Every attention layer ships its queries and the new tokens' K/V to the
+shards (append, then attend: kvring.torch.step) and gets back the exact
+merge; PassQCache only counts tokens. Rows are unpadded (one sequence per
+batch row, all of one length).
+
+Prefix cache (kvring as the engine's prefix store):
+
+    pc = khf.PrefixCache(client, model, "llama-3-8b")
+    out, info = pc.generate(ids, max_new_tokens=16, do_sample=False)
+
+looks the prompt's blocks up, loads the hits into a DynamicCache on the GPU
+(kvring.torch.get_into straight into device memory), lets generate prefill
+only the rest, and saves the new full blocks afterwards. Blocks evicted
+between the lookup and the load are recomputed.
+"""
+import time
+
+import numpy as np
+import torch
+
+from . import Layout, NotFoundError
+from . import torch as kt
+
+ATTENTION_NAME = "kvring"
+
+
+def layout_for(config, block_tokens=16, layers=None):
+    """The block layout of a transformers config's KV (bf16; all layers, or `layers`)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return Layout(block_tokens, layers or c.num_hidden_layers, kv_heads, head_dim, "bf16")
+
+
+def _set_attention(model, name):
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # older transformers
+        model.config._attn_implementation = name
+
+
+def _attention_modules(model):
+    """(layer index, attention module) of every decoder layer."""
+    out = []
+    for name, m in model.named_modules():
+        if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and hasattr(m, "k_proj"):
+            out.append((m.layer_idx, m))
+    return out
+
+
+def kvring_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function signature: query [B, Hq, T, D], key/value [B, Hkv, T, D] (the new
+    tokens only: PassQCache keeps nothing). Appends key/value to the sequences on kvring and attends;
+    returns ([B, T, Hq, D], None)."""
+    sess = getattr(module, "kvring_session", None)
+    if sess is None:
+        raise RuntimeError("kvring attention on a module without a PassQSession (use PassQSession(client, model, ids))")
+    return sess.attend(module.layer_idx, query, key, value, scaling), None
+
+
+def _no_mask(*args, **kwargs):
+    """kvring masks causally by position on the shards: no mask tensor is built."""
+    return None
+
+
+def register():
+    """Registers the "kvring" attention function (and its mask function) with transformers."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTENTION_NAME, kvring_attention)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+        AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    except ImportError:  # transformers without mask interfaces
+        pass
+
+
+def _cache_classes():
+    from transformers.cache_utils import Cache
+    try:
+        from transformers.cache_utils import CacheLayerMixin as Base
+    except ImportError:
+        from transformers.cache_utils import DynamicLayer as Base
+
+    class PassQLayer(Base):
+        """Counts a layer's tokens; keeps no K/V (they are on kvring)."""
+
+        is_compileable = False
+        is_sliding = False
+
+        def __init__(self):
+            super().__init__()
+            self.length = 0
+
+        def lazy_initialization(self, key_states):
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.keys = torch.empty(0, dtype=self.dtype, device=self.device)
+            self.values = torch.empty(0, dtype=self.dtype, device=self.device)
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, cache_kwargs=None):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states)
+            self.length += key_states.shape[-2]
+            return key_states, value_states
+
+        def get_mask_sizes(self, cache_position):
+            return self.length + cache_position.shape[0], 0
+
+        def get_seq_length(self):
+            return self.length
+
+        def get_max_cache_shape(self):
+            return -1
+
+    class PassQCache(Cache):
+        """A transformers Cache for pass-Q sequences: it only counts tokens."""
+
+        def __init__(self, num_layers):
+            super().__init__(layers=[PassQLayer() for _ in range(num_layers)])
+
+    return PassQCache
+
+
+class PassQSession:
+    """Pass-Q attention for one batch of sequences (one per batch row) of `model` over `client`."""
+
+    def __init__(self, client, model, sequence_ids, block_tokens=16, max_rows_per_step=2048):
+        register()
+        self.client, self.model = client, model
+        self.ids = list(sequence_ids)
+        self.layout = layout_for(model.config, block_tokens)
+        self.max_rows = max_rows_per_step
+        self.tokens = [[0] * len(self.ids) for _ in range(self.layout.layers)]  # per layer, per sequence
+        self.steps = 0
+        self.bytes_sent = self.bytes_received = 0
+        self.seconds = 0.0
+        for _, m in _attention_modules(model):
+            m.kvring_session = self
+        _set_attention(model, ATTENTION_NAME)
+
+    def cache(self):
+        """A fresh PassQCache for generate(past_key_values=...)."""
+        return _cache_classes()(self.layout.layers)
+
+    def detach(self, attention="sdpa"):
+        for _, m in _attention_modules(self.model):
+            if getattr(m, "kvring_session", None) is self:
+                del m.kvring_session
+        _set_attention(self.model, attention)
+
+    def attend(self, layer, query, key, value, scaling):
+        B, Hq, T, D = query.shape
+        if B != len(self.ids):
+            raise ValueError(f"batch of {B} rows but the session has {len(self.ids)} sequences")
+        q = query.transpose(1, 2).contiguous()   # [B, T, Hq, D]
+        k = key.transpose(1, 2).contiguous()     # [B, T, Hkv, D]
+        v = value.transpose(1, 2).contiguous()
+        if k.dtype != torch.bfloat16:
+            k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+        out = torch.empty((B, T, Hq, D), dtype=torch.float32, device=query.device)
+        t0 = time.perf_counter()
+        # Chunks of at most max_rows rows a sequence (a long prompt is a chunked prefill).
+        for c0 in range(0, T, self.max_rows):
+            c1 = min(T, c0 + self.max_rows)
+            n = c1 - c0
+            spec, pos = [], []
+            for b, sid in enumerate(self.ids):
+                ctx = self.tokens[layer][b]
+                spec.append((sid, ctx, n, n))
+                pos.append(torch.arange(ctx, ctx + n))
+            qs = q[:, c0:c1].reshape(B * n, Hq, D)
+            ks = k[:, c0:c1].reshape(B * n, -1, D)
+            vs = v[:, c0:c1].reshape(B * n, -1, D)
+            o, _, rep = kt.step(self.client, self.layout, spec, qs, torch.cat(pos), ks, vs, layer=layer,
+                                softmax_scale=float(scaling or 0.0), report=True)
+            out[:, c0:c1] = o.view(B, n, Hq, D)
+            for b in range(B):
+                self.tokens[layer][b] += n
+            self.steps += 1
+            self.bytes_sent += rep["bytes_sent"]
+            self.bytes_received += rep["bytes_received"]
+        self.seconds += time.perf_counter() - t0
+        return out.to(query.dtype)
+
+
+class PrefixCache:
+    """kvring as a transformers engine's prefix cache (hash-placed blocks, one chain per model)."""
+
+    def __init__(self, client, model, model_id, block_tokens=16):
+        self.client, self.model, self.model_id = client, model, model_id
+        self.layout = layout_for(model.config, block_tokens)
+        self.bt = block_tokens
+
+    def _blocks_to_cache(self, blocks):
+        """[n, layers, 2, kv_heads, bt, D] blocks -> a DynamicCache holding their n * bt tokens."""
+        from transformers import DynamicCache
+        cache = DynamicCache()
+        n = blocks.shape[0]
+        for l in range(self.layout.layers):
+            k = blocks[:, l, 0].permute(1, 0, 2, 3).reshape(1, self.layout.kv_heads, n * self.bt, self.layout.head_dim)
+            v = blocks[:, l, 1].permute(1, 0, 2, 3).reshape(1, self.layout.kv_heads, n * self.bt, self.layout.head_dim)
+            cache.update(k.contiguous(), v.contiguous(), l)
+        return cache
+
+    def _cache_to_blocks(self, cache, b0, b1):
+        """Blocks [b0, b1) of a cache's tokens, in kvring's layout (on the cache's device)."""
+        parts = []
+        for l in range(self.layout.layers):
+            keys, values = cache.layers[l].keys, cache.layers[l].values  # [1, Hkv, S, D]
+            kk = keys[0, :, b0 * self.bt:b1 * self.bt].reshape(self.layout.kv_heads, b1 - b0, self.bt, -1).permute(1, 0, 2, 3)
+            vv = values[0, :, b0 * self.bt:b1 * self.bt].reshape(self.layout.kv_heads, b1 - b0, self.bt, -1).permute(1, 0, 2, 3)
+            parts.append(torch.stack([kk, vv], dim=1))
+        return torch.stack(parts, dim=1).contiguous()
+
+    def load(self, input_ids):
+        """(DynamicCache of the longest held prefix, or None; blocks loaded; keys of the prompt)."""
+        tokens = input_ids[0].tolist()
+        keys = self.client.chain(self.model_id, self.layout, np.asarray(tokens, np.uint32))
+        # Leave at least one token for generate to prefill.
+        usable = min(len(keys), (len(tokens) - 1) // self.bt)
+        held = self.client.lookup(keys[:usable]) if usable else 0
+        if held == 0:
+            return None, 0, keys
+        blocks = torch.empty((held,) + self.layout.block_shape, dtype=torch.bfloat16, device=input_ids.device)
+        found = kt.get_into(self.client, keys[:held], self.layout, blocks.view(-1))
+        if not found.all():  # evicted since the lookup: keep the prefix that came back, recompute the rest
+            held = int(np.argmin(found))
+            if held == 0:
+                return None, 0, keys
+            blocks = blocks[:held]
+        return self._blocks_to_cache(blocks), held, keys
+
+    def save(self, cache, token_ids, held):
+        """Stores the full blocks of `token_ids` from block `held` on, from the cache's K/V."""
+        keys = self.client.chain(self.model_id, self.layout, np.asarray(token_ids, np.uint32))
+        n = min(len(keys), cache.get_seq_length() // self.bt)
+        if n <= held:
+            return 0
+        blocks = self._cache_to_blocks(cache, held, n)
+        kt.put(self.client, keys[held:n], blocks.view(-1), self.layout, parent=keys[held - 1] if held else None)
+        return n - held
+
+    def generate(self, input_ids, **kwargs):
+        """model.generate with the prompt's cached prefix loaded and the new full blocks saved.
+        Returns (generate's output, {"held_blocks", "saved_blocks", "load_s"})."""
+        from transformers import DynamicCache
+        t0 = time.perf_counter()
+        cache, held, _ = self.load(input_ids)
+        load_s = time.perf_counter() - t0
+        if cache is None:
+            cache = DynamicCache()
+        out = self.model.generate(input_ids, past_key_values=cache, **kwargs)
+        seq = out.sequences if hasattr(out, "sequences") else out
+        saved = self.save(cache, seq[0].tolist(), held)
+        return out, {"held_blocks": held, "saved_blocks": saved, "load_s": load_s}
+
+
+__all__ = ["PassQSession", "PrefixCache", "register", "kvring_attention", "layout_for", "NotFoundError"]
