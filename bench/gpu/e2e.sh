@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # GPU nodes end to end on a GPU host (the README's third command).
 #   here:          bash bench/gpu/pack.sh          (builds and packs .gpu/ and .gpu.tar.gz)
-#   on the host:   bash bench/gpu/e2e.sh [--quick] [--tests-only | --no-tests] [e2e.py options]
+#   on the host:   bash bench/gpu/e2e.sh [--quick] [--no-tests] [--no-e2e] [--no-hf] [--only=PARTS] [--hf-only=PARTS]
 # On a Debian 12 GPU host with a full build (bash deploy/setup.sh), the
 # binaries come from build/ instead. Runs the GPU tests (gtest, label gpu),
-# then bench/gpu/e2e.py: a coordinator and kvringd --gpu daemons sharing the
-# GPU, checked against torch and timed. Logs and results go to $OUT (or
-# ./gpu-out).
+# then bench/gpu/e2e.py (a coordinator and kvringd --gpu daemons sharing the
+# GPU, checked against torch and timed), then bench/gpu/hf_e2e.py
+# (transformers' Llama on kvring: pass-Q attention and the prefix cache).
+# Logs and results go to $OUT (or ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -21,12 +22,16 @@ else
 fi
 export PYTHONPATH=$PY:${PYTHONPATH:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-TESTS=1; E2E=1; ARGS=()
+TESTS=1; E2E=1; HF=1; ARGS=(); HF_ARGS=()
 for a in "$@"; do
   case "$a" in
-    --tests-only) E2E=0;;
     --no-tests) TESTS=0;;
-    *) ARGS+=("$a");;
+    --no-e2e) E2E=0;;
+    --no-hf) HF=0;;
+    --quick) ARGS+=("$a"); HF_ARGS+=("$a");;
+    --only=*) ARGS+=("--only" "${a#--only=}");;
+    --hf-only=*) HF_ARGS+=("--only" "${a#--hf-only=}");;
+    *) echo "unknown option $a" >&2; exit 2;;
   esac
 done
 echo "== machine"
@@ -40,6 +45,11 @@ fi
 if [ $E2E = 1 ]; then
   echo "== e2e"
   timeout 480 python3 bench/gpu/e2e.py --bin "$BIN" --out "$OUT" "${ARGS[@]}" 2>&1 | tee "$OUT/e2e.log" | grep -v "UCX  ERROR\|UCX  WARN"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [ $HF = 1 ]; then
+  echo "== transformers on kvring"
+  timeout 540 python3 bench/gpu/hf_e2e.py --bin "$BIN" --out "$OUT" "${HF_ARGS[@]}" 2>&1 | tee "$OUT/hf_e2e.log" | grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 exit $rc
