@@ -48,8 +48,9 @@ struct SendCtx {
   ucp_ep_h ep = nullptr;
   std::vector<uint8_t> header;
   std::vector<uint8_t> staged;  // payload parts joined, or pieces + payload
+  std::vector<ucp_dt_iov_t> iov;  // several payload parts sent in place (UCP_DATATYPE_IOV)
   const void* data = nullptr;
-  size_t length = 0;
+  size_t length = 0;             // bytes, or iov entries when `iov` is used
   std::shared_ptr<void> keepalive;
   std::function<void(ucs_status_t)> done;
   std::function<void()> untrack;  // server: drop from the in-flight set
@@ -78,6 +79,16 @@ SendCtx* BuildMessage(Fixed fixed, std::initializer_list<std::string_view> piece
       c->length = payload[0].size();
       return c;
     }
+    if (payload.size() > 1 && !stage) {
+      // The parts in place, as an iov: no joined copy (a Get reply of many
+      // blocks goes straight from the store's pages).
+      for (auto p : payload) {
+        if (p.size() > 0) c->iov.push_back(ucp_dt_iov_t{const_cast<uint8_t*>(p.data()), p.size()});
+      }
+      c->data = c->iov.data();
+      c->length = c->iov.size();
+      return c;
+    }
   } else {
     for (auto p : pieces) c->staged.insert(c->staged.end(), p.begin(), p.end());
   }
@@ -102,7 +113,7 @@ void SendAm(ucp_ep_h ep, unsigned id, SendCtx* ctx) {
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
   p.cb.send = OnSendDone;
   p.user_data = ctx;
-  p.datatype = ucp_dt_make_contig(1);
+  p.datatype = ctx->iov.empty() ? ucp_dt_make_contig(1) : ucp_dt_make_iov();
   ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, ctx->header.data(), ctx->header.size(), ctx->data, ctx->length, &p);
   if (r == nullptr) {
     OnSendDone(nullptr, UCS_OK, ctx);

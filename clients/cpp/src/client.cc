@@ -229,10 +229,19 @@ class ClientImpl {
     bool via_ucx = false;
     std::vector<GetResult> out(keys.size());
     bool landed = false;  // a single block landed straight in its destination
+    // Several blocks into host destinations: the reply lands in this
+    // thread's landing buffer (kept, so its pages are not faulted in again
+    // for every call), then each block is copied to its destination.
+    thread_local std::vector<uint8_t> landing;
     if (UcxRpcClient* u = Ucx(n)) {
       absl::Span<uint8_t> into;
       if (on_device) {
         into = absl::MakeSpan(staging.data(), staging.size());
+      } else if (keys.size() > 1 && !dsts.empty()) {
+        size_t total = 0;
+        for (const auto& d : dsts) total += d.size();
+        if (landing.size() < total) landing.resize(total);
+        into = absl::MakeSpan(landing.data(), total);
       } else if (keys.size() == 1) {
         if (!dsts.empty()) {
           into = dsts[0];
@@ -245,8 +254,8 @@ class ClientImpl {
       if (!r.ok()) return r.status();
       if (!r->status.ok()) return r->status;
       if (!resp.ParseFromString(r->meta)) return absl::DataLossError("bad UCX Get reply");
-      if (r->payload_in_buffer && on_device) {
-        bulk_view = absl::MakeConstSpan(staging.data(), r->payload_size);
+      if (r->payload_in_buffer && (on_device || (keys.size() > 1 && !dsts.empty()))) {
+        bulk_view = absl::MakeConstSpan(into.data(), r->payload_size);
       } else if (r->payload_in_buffer) {
         if (dsts.empty()) out[0].payload.resize(r->payload_size);
         landed = true;

@@ -5,8 +5,8 @@ Pass-Q attention (the sequence's KV lives on kvring GPU nodes; the model's
 own cache holds nothing):
 
     import kvring, kvring.hf as khf
-    sess = khf.PassQSession(client, model, ["req-1"])       # registers "kvring" attention, attaches to the model
-    out = model.generate(ids, past_key_values=sess.cache(), max_new_tokens=32, do_sample=False)
+    with khf.PassQSession(client, model, ["req-1"]) as sess:   # "kvring" attention while inside
+        out = model.generate(ids, past_key_values=sess.cache(), max_new_tokens=32, do_sample=False)
 
 Every attention layer ships its queries and the new tokens' K/V to the
 shards (append, then attend: kvring.torch.step) and gets back the exact
@@ -122,6 +122,15 @@ def _cache_classes():
         def get_max_cache_shape(self):
             return -1
 
+        def get_max_length(self):  # older transformers' name of get_max_cache_shape
+            return -1
+
+    # Any other abstract method this transformers version declares: a layer
+    # with nothing stored has nothing to do for it.
+    for name in getattr(PassQLayer, "__abstractmethods__", ()):
+        setattr(PassQLayer, name, lambda self, *a, **k: None)
+    PassQLayer.__abstractmethods__ = frozenset()
+
     class PassQCache(Cache):
         """A transformers Cache for pass-Q sequences: it only counts tokens."""
 
@@ -144,6 +153,9 @@ class PassQSession:
         self.steps = 0
         self.bytes_sent = self.bytes_received = 0
         self.seconds = 0.0
+        self.previous_attention = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        if self.previous_attention == ATTENTION_NAME:
+            self.previous_attention = "sdpa"
         for _, m in _attention_modules(model):
             m.kvring_session = self
         _set_attention(model, ATTENTION_NAME)
@@ -152,11 +164,18 @@ class PassQSession:
         """A fresh PassQCache for generate(past_key_values=...)."""
         return _cache_classes()(self.layout.layers)
 
-    def detach(self, attention="sdpa"):
+    def detach(self):
+        """Gives the model back its attention implementation (as it was when the session started)."""
         for _, m in _attention_modules(self.model):
             if getattr(m, "kvring_session", None) is self:
                 del m.kvring_session
-        _set_attention(self.model, attention)
+        _set_attention(self.model, self.previous_attention)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.detach()
 
     def attend(self, layer, query, key, value, scaling):
         B, Hq, T, D = query.shape
