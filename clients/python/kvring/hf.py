@@ -114,7 +114,9 @@ def _cache_classes():
             return key_states, value_states
 
         def get_mask_sizes(self, cache_position):
-            return self.length + cache_position.shape[0], 0
+            # The query length: newer transformers pass it, older its cache_position tensor.
+            q = cache_position if isinstance(cache_position, int) else cache_position.shape[0]
+            return self.length + q, 0
 
         def get_seq_length(self):
             return self.length
