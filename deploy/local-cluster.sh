@@ -2,7 +2,7 @@
 # A kvring cluster on this machine: one coordinator and N daemons on loopback.
 #
 #   deploy/local-cluster.sh start  [--nodes N] [--dir DIR] [--port P] [--replication R] [--host-bytes B] [--page-bytes B] [--no-ucx]
-#                                  [--gpu DEV --hbm-bytes B] [--chunk-blocks N] [--write-quorum W] [--bin BUILD_DIR]
+#                                  [--gpu DEV | --gpus D0,D1,... --hbm-bytes B] [--chunk-blocks N] [--write-quorum W] [--bin BUILD_DIR]
 #                                  [--daemon-flags "FLAGS"]  (more kvringd flags, e.g. "--ucx_spin_us=200")
 #   deploy/local-cluster.sh stop   [--dir DIR]
 #   deploy/local-cluster.sh status [--dir DIR]
@@ -12,12 +12,12 @@
 # /tmp/kvring-cluster): DIR/admin.token, DIR/cluster.token, and
 # DIR/tenant.token for a tenant 'demo' created at start. --gpu makes every
 # daemon a GPU node on device DEV with --hbm-bytes of HBM each (several
-# daemons may share one GPU). --bin: where the binaries are (default
+# daemons may share one GPU); --gpus puts daemon i on device D(i mod n). --bin: where the binaries are (default
 # $KVRING_BIN, else ./build).
 set -euo pipefail
 cmd=${1:-}; shift || true
 NODES=4; DIR=/tmp/kvring-cluster; PORT=7400; R=2; HOST_BYTES=512M; PAGE_BYTES=2M; UCX=1; GPU=-1; HBM_BYTES=0
-CHUNK=64; W=0; DAEMON_FLAGS=""
+CHUNK=64; W=0; DAEMON_FLAGS=""; GPUS=""
 BIN=${KVRING_BIN:-$(cd "$(dirname "$0")/.." && pwd)/build}
 while (($#)); do
   case "$1" in
@@ -29,6 +29,7 @@ while (($#)); do
     --page-bytes) PAGE_BYTES=$2; shift 2;;
     --no-ucx) UCX=0; shift;;
     --gpu) GPU=$2; shift 2;;
+    --gpus) GPUS=$2; GPU=${GPUS%%,*}; shift 2;;
     --hbm-bytes) HBM_BYTES=$2; shift 2;;
     --chunk-blocks) CHUNK=$2; shift 2;;
     --write-quorum) W=$2; shift 2;;
@@ -78,7 +79,9 @@ start() {
   for i in $(seq 0 $((NODES-1))); do
     ucx_flag=""
     [ $UCX = 1 ] && ucx_flag="--ucx_listen=127.0.0.1:$((PORT+101+i))"
-    [ "$GPU" -ge 0 ] && ucx_flag="$ucx_flag --gpu=$GPU --hbm_bytes=$HBM_BYTES"
+    dev=$GPU
+    if [ -n "$GPUS" ]; then IFS=, read -ra list <<< "$GPUS"; dev=${list[$((i % ${#list[@]}))]}; fi
+    [ "$GPU" -ge 0 ] && ucx_flag="$ucx_flag --gpu=$dev --hbm_bytes=$HBM_BYTES"
     ucx_flag="$ucx_flag $DAEMON_FLAGS"
     setsid "$BIN/control/kvringd" --listen=127.0.0.1:$((PORT+1+i)) --coordinator=127.0.0.1:$PORT \
       --cluster_token_file="$DIR/cluster.token" --data_dir="$DIR/node$i" --node_id=node$i \

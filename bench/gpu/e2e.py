@@ -149,7 +149,7 @@ def correctness(args, kvring, kt, dev, results):
         chunk = 64
     with LocalCluster(nodes=4, port=7700, replication=1, host_bytes="6G" if args.gpu >= 0 else "512M",
                       page_bytes=str(layout.bytes), gpu=args.gpu, hbm_bytes="12G", chunk_blocks=chunk, bin=args.bin,
-                      root=ROOT) as cl:
+                      root=ROOT, gpus=args.gpu_list) as cl:
         c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60)
         for shape, hq in SHAPES.items():
             for n in lens:
@@ -262,8 +262,8 @@ def latency(args, kvring, kt, dev, results):
     rows_out = []
     steps = 60 if args.quick else 200
     # (shards, batches, UCX progress: spin microseconds of daemons and client, busy poll)
-    configs = [(1, (1, 8, 32), -1, False), (4, (1, 8, 32), -1, False)]
-    if dev.type == "cuda":
+    configs = [(int(n), (1, 8, 32), -1, False) for n in args.shards.split(",")]
+    if dev.type == "cuda" and args.shards == "1,4":  # the UCX progress settings compared (bench/RESULTS.md)
         configs += [(1, (1,), 200, False), (1, (1,), 0, True), (4, (1,), 0, True)]
     else:
         configs = [(1, (1, 4), -1, False), (4, (1,), -1, False)]
@@ -272,7 +272,7 @@ def latency(args, kvring, kt, dev, results):
         dflags = (f"--ucx_spin_us={spin}" if spin >= 0 else "") + (" --ucx_busy_poll" if busy else "")
         with LocalCluster(nodes=shards, port=7800, replication=1, host_bytes="8G" if args.gpu >= 0 else "512M",
                           page_bytes=str(layout.bytes), gpu=args.gpu, hbm_bytes="10G", chunk_blocks=chunk, bin=args.bin,
-                          root=ROOT, daemon_flags=dflags) as cl:
+                          root=ROOT, daemon_flags=dflags, gpus=args.gpu_list) as cl:
             c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60, ucx_spin_us=spin, ucx_busy_poll=busy)
             for batch in batches:
                 seqs = [Seq(f"lat-{shards}-{batch}-{i}", 1, ctx - 5, dev) for i in range(batch)]
@@ -469,11 +469,15 @@ def main():
     p.add_argument("--quick", action="store_true", help="fewer lengths and steps")
     p.add_argument("--only", default="correctness,latency,getinto,faults")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run on CPU daemons")
+    p.add_argument("--gpus", default="0", help="devices of the daemons (daemon i on the i-th mod n): 0,1,2,3 on a "
+                   "4-GPU host; the default shares GPU 0")
+    p.add_argument("--shards", default="1,4", help="shard counts of the latency part (e.g. 1,2,4,8 on 8 GPUs)")
     ARGS = args = p.parse_args()
     import kvring
     import kvring.torch as kt
     dev = torch.device(args.device)
     args.gpu = 0 if args.device == "cuda" else -1
+    args.gpu_list = [int(x) for x in args.gpus.split(",")] if args.device == "cuda" else None
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name(0) if args.gpu >= 0 else "cpu", "date": time.strftime("%Y-%m-%d")}
     ok = True

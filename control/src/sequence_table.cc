@@ -31,7 +31,7 @@ absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(MetadataSto
     BlockKey key;
     std::memcpy(&key.lo, v.data(), 8);
     std::memcpy(&key.hi, v.data() + 8, 8);
-    SequenceState& st = t->FindOrAdd(ns, parts[2])->state;
+    SequenceState& st = t->FindOrAdd(ns, parts[2])->state;  // NOLINT: loaded before any lock is taken
     st.blocks[index] = key;
     st.runs.Insert(index);
   }));
@@ -39,14 +39,25 @@ absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(MetadataSto
   return t;
 }
 
-SequenceTable::Entry* SequenceTable::FindOrAdd(NamespaceId ns, const std::string& id) {
-  std::unique_ptr<Entry>& e = seqs_[Id{ns, id}];
+std::shared_ptr<SequenceTable::Entry> SequenceTable::FindOrAdd(NamespaceId ns, const std::string& id) {
+  std::shared_ptr<Entry>& e = seqs_[Id{ns, id}];
   if (e == nullptr) {
-    e = std::make_unique<Entry>();
+    e = std::make_shared<Entry>();
     e->ns = ns;
     e->id = id;
   }
-  return e.get();
+  return e;
+}
+
+void SequenceTable::DropIfEmpty(Entry* e) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const SequenceState& st = e->state;
+  if (!st.blocks.empty() || !st.open.empty() || st.layout.has_value()) return;
+  // Lock order: an entry's lock, then the table's (LockMany never holds the
+  // table's while it waits for an entry).
+  absl::MutexLock l(&mu_);
+  auto it = seqs_.find(Id{e->ns, e->id});
+  if (it != seqs_.end() && it->second.get() == e) seqs_.erase(it);
+  e->dropped = true;
 }
 
 SequenceTable::Handle& SequenceTable::Handle::operator=(Handle&& o) noexcept {
@@ -65,6 +76,7 @@ void SequenceTable::Handle::Release() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (entry_ == nullptr) return;
   table_->open_blocks_.fetch_add(static_cast<int64_t>(entry_->state.open.size()) - static_cast<int64_t>(open_at_lock_),
                                  std::memory_order_relaxed);
+  table_->DropIfEmpty(entry_.get());
   entry_->mu.Unlock();
   entry_ = nullptr;
   table_ = nullptr;
@@ -91,23 +103,32 @@ SequenceTable::Handle SequenceTable::Lock(NamespaceId ns, const std::string& id)
 
 std::vector<SequenceTable::Handle> SequenceTable::LockMany(NamespaceId ns, absl::Span<const std::string> ids)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  std::vector<Entry*> entries(ids.size());
-  {
-    absl::MutexLock l(&mu_);
-    for (size_t i = 0; i < ids.size(); ++i) entries[i] = FindOrAdd(ns, ids[i]);
+  for (;;) {
+    std::vector<std::shared_ptr<Entry>> entries(ids.size());
+    {
+      absl::MutexLock l(&mu_);
+      for (size_t i = 0; i < ids.size(); ++i) entries[i] = FindOrAdd(ns, ids[i]);
+    }
+    // One global order: by entry address (a held entry is never freed).
+    std::vector<size_t> order(ids.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return entries[a] < entries[b]; });
+    std::vector<Handle> out(ids.size());
+    bool dropped = false;
+    for (size_t i : order) {
+      entries[i]->mu.Lock();
+      dropped |= entries[i]->dropped;
+      out[i].table_ = this;
+      out[i].entry_ = entries[i];
+      out[i].open_at_lock_ = entries[i]->state.open.size();
+    }
+    if (!dropped) return out;
+    // An entry was dropped between the lookup and the lock: look up again.
+    for (Handle& h : out) {
+      h.entry_->mu.Unlock();
+      h.entry_ = nullptr;
+    }
   }
-  // One global order: by entry address (entries are never freed).
-  std::vector<size_t> order(ids.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return entries[a] < entries[b]; });
-  std::vector<Handle> out(ids.size());
-  for (size_t i : order) {
-    entries[i]->mu.Lock();
-    out[i].table_ = this;
-    out[i].entry_ = entries[i];
-    out[i].open_at_lock_ = entries[i]->state.open.size();
-  }
-  return out;
 }
 
 size_t SequenceTable::num_sequences() const {

@@ -260,10 +260,14 @@ TEST_F(NodeCoreTest, RefusedAppendsAndAttendsChangeNothing) {
   st = core_->Attend(tenant_, "", a, PartialOutput{out.data(), lse.data()}, nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
   EXPECT_NE(st.message().find("holds 1 of 3 tokens"), std::string::npos) << st;
-  // An unknown sequence.
-  a.sequences[0].sequence_id = "nope";
-  EXPECT_EQ(core_->Attend(tenant_, "", a, PartialOutput{out.data(), lse.data()}, nullptr).code(),
-            absl::StatusCode::kNotFound);
+  // An unknown sequence; naming it leaves nothing behind in the table.
+  const size_t known = seqs_->num_sequences();
+  for (int i = 0; i < 100; ++i) {
+    a.sequences[0].sequence_id = "nope-" + std::to_string(i);
+    EXPECT_EQ(core_->Attend(tenant_, "", a, PartialOutput{out.data(), lse.data()}, nullptr).code(),
+              absl::StatusCode::kNotFound);
+  }
+  EXPECT_EQ(seqs_->num_sequences(), known);
   // Another layout than the sequence's.
   b.layout = BlockLayout{8, 2, 2, 16, DType::kF32};
   b.sequences[0].append_position = 5;

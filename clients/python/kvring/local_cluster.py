@@ -18,12 +18,14 @@ from pathlib import Path
 
 class LocalCluster:
     def __init__(self, nodes=4, port=7600, replication=2, host_bytes="512M", page_bytes="2M", directory=None, keep=False,
-                 gpu=-1, hbm_bytes="0", chunk_blocks=64, write_quorum=0, bin=None, root=None, daemon_flags=""):
+                 gpu=-1, hbm_bytes="0", chunk_blocks=64, write_quorum=0, bin=None, root=None, daemon_flags="",
+                 gpus=None):
         here = Path(__file__).resolve()
         self.bin = Path(bin or os.environ.get("KVRING_BIN", here.parents[2]))
         self.root = Path(root or os.environ.get("KVRING_ROOT", self.bin.parent))
         self.gpu, self.hbm_bytes, self.chunk_blocks, self.write_quorum = gpu, hbm_bytes, chunk_blocks, write_quorum
         self.daemon_flags = daemon_flags
+        self.gpus = gpus  # a list of devices: daemon i on gpus[i % len(gpus)] (overrides gpu)
         self.nodes, self.port, self.replication = nodes, port, replication
         self.host_bytes, self.page_bytes = host_bytes, page_bytes
         self._own_dir = directory is None
@@ -45,7 +47,7 @@ class LocalCluster:
                      str(self.replication), "--host-bytes", self.host_bytes, "--page-bytes", self.page_bytes,
                      "--gpu", str(self.gpu), "--hbm-bytes", str(self.hbm_bytes), "--chunk-blocks",
                      str(self.chunk_blocks), "--write-quorum", str(self.write_quorum), "--daemon-flags",
-                     self.daemon_flags)
+                     self.daemon_flags, *(["--gpus", ",".join(str(g) for g in self.gpus)] if self.gpus else []))
         return self
 
     def stop(self):

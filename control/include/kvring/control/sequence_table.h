@@ -13,7 +13,9 @@
 // sequence's lock: calls on one sequence are serialized, calls on different
 // sequences run in parallel. Lock() and LockMany() (several sequences, taken
 // in one global order, so two batches never deadlock) may be called from any
-// thread. Sequences are never removed.
+// thread. A sequence left with no blocks, no open blocks and no layout when
+// its handle is released is dropped (a request naming ids that do not exist
+// leaves nothing behind).
 #pragma once
 
 #include <atomic>
@@ -111,6 +113,7 @@ class SequenceTable {
     std::string id;
     absl::Mutex mu;
     SequenceState state ABSL_GUARDED_BY(mu);
+    bool dropped ABSL_GUARDED_BY(mu) = false;  // removed from the table: lookups start again
   };
 
  public:
@@ -136,7 +139,7 @@ class SequenceTable {
    private:
     friend class SequenceTable;
     SequenceTable* table_ = nullptr;
-    Entry* entry_ = nullptr;
+    std::shared_ptr<Entry> entry_;
     size_t open_at_lock_ = 0;
   };
 
@@ -152,10 +155,12 @@ class SequenceTable {
  private:
   explicit SequenceTable(MetadataStore* store) : store_(store) {}
   using Id = std::pair<NamespaceId, std::string>;
-  Entry* FindOrAdd(NamespaceId ns, const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<Entry> FindOrAdd(NamespaceId ns, const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops an empty entry (its lock held by the caller).
+  void DropIfEmpty(Entry* e) ABSL_LOCKS_EXCLUDED(mu_);
   MetadataStore* store_;
   mutable absl::Mutex mu_;
-  std::map<Id, std::unique_ptr<Entry>> seqs_ ABSL_GUARDED_BY(mu_);
+  std::map<Id, std::shared_ptr<Entry>> seqs_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> open_blocks_{0};
 };
 
