@@ -231,13 +231,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     absl::MutexLock l(&mu_);
     DevSeq& d = SeqLocked(id);
     --d.busy;
-    if (!s.ok()) {
-      const size_t k = d.Find(index);
-      if (k < d.idx.size() && d.idx[k] == index) {
-        FreePageLocked(d.tenant, d.page[k]);
-        d.Erase(k);
-      }
-    }
+    if (!s.ok()) DropBlockLocked(d, index);
     return s;
   }
 
@@ -271,8 +265,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     DevSeq& d = *dp;
     const size_t k = d.Find(index);
     if (k >= d.idx.size() || d.idx[k] != index || !d.open[k]) return;
-    FreePageLocked(d.tenant, d.page[k]);
-    d.Erase(k);
+    DropBlockLocked(d, index);
     --open_blocks_;
   }
 
@@ -405,6 +398,14 @@ class CudaAttentionBackend final : public AttentionBackend {
   void FreePageLocked(TenantId tenant, int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     (void)pool_->Free(static_cast<PageId>(page));  // a page this backend allocated
     --tenant_pages_[tenant];
+  }
+
+  // Block `index` of `d` leaves HBM (its page freed), if it is there.
+  void DropBlockLocked(DevSeq& d, uint64_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const size_t k = d.Find(index);
+    if (k >= d.idx.size() || d.idx[k] != index) return;
+    FreePageLocked(d.tenant, d.page[k]);
+    d.Erase(k);
   }
 
   void FreeTables(DevSeq& d) {
@@ -544,13 +545,7 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   auto fail = [&](absl::Status s) {
     absl::MutexLock l(&mu_);
     for (Missing& m : missing) {
-      if (m.page < 0) continue;
-      DevSeq& d = *dseq[m.seq];
-      const size_t k = d.Find(m.index);
-      if (k < d.idx.size() && d.idx[k] == m.index) {
-        FreePageLocked(d.tenant, d.page[k]);
-        d.Erase(k);
-      }
+      if (m.page >= 0) DropBlockLocked(*dseq[m.seq], m.index);
     }
     for (DevSeq* d : dseq) --d->busy;
     return s;

@@ -677,6 +677,14 @@ class ClientImpl {
     int node = 0;
     std::vector<SeqPart> parts;
   };
+  // The appended tokens [begin, end) of sequence `seq` that fall in `chunk`,
+  // and the replicas that acknowledged them.
+  struct AppendUnit {
+    size_t seq;
+    uint64_t chunk, begin, end;
+    int acks = 0;
+    absl::Status last;
+  };
   // An attended chunk a node did not serve: retried on the next replica, or
   // (same_node_again) on the same one without the append that was refused.
   struct FailedChunk {
@@ -785,13 +793,7 @@ class ClientImpl {
         cands[b][c] = Candidates(*ring, ShardRing::ChunkPosition(ns_, st.sequences[b].sequence_id, c));
       }
     }
-    // Appended positions [a0, a1) of each chunk they touch, and their acks.
-    struct AppendUnit {
-      size_t seq;
-      uint64_t chunk, begin, end;
-      int acks = 0;
-      absl::Status last;
-    };
+    // Appended positions of each chunk they touch, and their acks.
     std::vector<AppendUnit> units;
     for (size_t b = 0; b < nseq; ++b) {
       const auto& s = st.sequences[b];
@@ -805,10 +807,10 @@ class ClientImpl {
     }
     // Round 0: every node gets its chunks to attend and its appends.
     std::map<int, std::map<size_t, SeqPart>> plan;  // node -> seq -> part
-    std::vector<std::vector<std::pair<size_t, uint64_t>>> pending_by_round(1);
+    std::vector<std::pair<size_t, uint64_t>> pending;  // (sequence, chunk) still to attend
     for (size_t b = 0; b < nseq; ++b) {
       if (st.sequences[b].rows == 0) continue;
-      for (uint64_t c = 0; c < nchunks[b]; ++c) pending_by_round[0].emplace_back(b, c);
+      for (uint64_t c = 0; c < nchunks[b]; ++c) pending.emplace_back(b, c);
     }
     bool two_phase = false;
     for (size_t u = 0; u < units.size(); ++u) {
@@ -828,7 +830,6 @@ class ClientImpl {
     }
     AttendReport rep;
     absl::Status last_error = absl::OkStatus();
-    std::vector<std::pair<size_t, uint64_t>> pending = std::move(pending_by_round[0]);
     std::map<std::pair<size_t, uint64_t>, std::vector<std::string>> tried;  // why each replica did not serve a chunk
     if (two_phase) {
       // Appends first (one request per node and contiguous part), attends after.
@@ -888,10 +889,9 @@ class ClientImpl {
   // and counts append acks. Attended chunks whose node failed or did not hold
   // them go to `failed` (retried on the next replica); any other refusal is
   // the step's error.
-  template <typename Units>
   absl::Status RunJobs(const AttendStep& st, const ShardRing& ring, const std::vector<NodeJob>& jobs,
                        const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
-                       const std::vector<uint64_t>& total, Units& units, PartialOutput out, AttendReport* rep,
+                       const std::vector<uint64_t>& total, std::vector<AppendUnit>& units, PartialOutput out, AttendReport* rep,
                        absl::Status* last_error, std::vector<FailedChunk>* failed = nullptr) {
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
