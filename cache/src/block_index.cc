@@ -28,8 +28,23 @@ absl::StatusOr<BlockIndex::Entry*> BlockIndex::Insert(const ScopedKey& key, cons
                                                       const BlockMeta& meta) {
   if (key.key.is_zero()) return absl::InvalidArgumentError("block key must not be zero");
   if (parent == key.key) return absl::InvalidArgumentError("a block cannot be its own parent");
+  if (entries_.contains(key)) return absl::AlreadyExistsError(absl::StrCat("block ", key.key.ToHex(), " already held"));
+  // A cycle needs the new block to have children held here already (put
+  // before it) and to be an ancestor of its own parent: walk up from the
+  // parent only then (a chain put in order never walks).
+  if (!parent.is_zero() && children_.contains(key)) {
+    BlockKey p = parent;
+    for (size_t steps = 0; !p.is_zero() && steps <= entries_.size(); ++steps) {
+      const Entry* pe = Find(ScopedKey{key.ns, p});
+      if (pe == nullptr) break;
+      if (pe->parent == key.key) {
+        return absl::InvalidArgumentError(absl::StrCat("block ", key.key.ToHex(), " with parent ", parent.ToHex(),
+                                                       " would close a cycle of parent links"));
+      }
+      p = pe->parent;
+    }
+  }
   auto [it, inserted] = entries_.try_emplace(key);
-  if (!inserted) return absl::AlreadyExistsError(absl::StrCat("block ", key.key.ToHex(), " already held"));
   Entry& e = it->second;
   e.meta = meta;
   e.parent = parent;

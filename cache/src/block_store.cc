@@ -13,8 +13,9 @@ uint64_t PayloadChecksum(const void* data, size_t len) { return XXH3_64bits(data
 // ---------------------------------------------------------------- PinnedBlock
 
 PinnedBlock::PinnedBlock(PinnedBlock&& o) noexcept
-    : store_(o.store_), page_(o.page_), data_(o.data_), meta_(o.meta_), parent_(o.parent_) {
+    : store_(o.store_), page_(o.page_), data_(o.data_), owned_(std::move(o.owned_)), meta_(o.meta_), parent_(o.parent_) {
   o.store_ = nullptr;
+  o.data_ = nullptr;
 }
 
 PinnedBlock& PinnedBlock::operator=(PinnedBlock&& o) noexcept {
@@ -23,9 +24,11 @@ PinnedBlock& PinnedBlock::operator=(PinnedBlock&& o) noexcept {
     store_ = o.store_;
     page_ = o.page_;
     data_ = o.data_;
+    owned_ = std::move(o.owned_);  // a moved vector keeps its buffer: data_ stays right
     meta_ = o.meta_;
     parent_ = o.parent_;
     o.store_ = nullptr;
+    o.data_ = nullptr;
   }
   return *this;
 }
@@ -37,6 +40,8 @@ void PinnedBlock::Release() {
     store_->ReleaseRead(page_);
     store_ = nullptr;
   }
+  data_ = nullptr;
+  owned_ = {};
 }
 
 // ----------------------------------------------------------------- BlockStore
@@ -364,7 +369,20 @@ absl::StatusOr<PinnedBlock> BlockStore::Acquire(NamespaceId ns, const BlockKey& 
       PayloadChecksum(buf.data(), buf.size()) != e->meta.checksum) {
     return absl::DataLossError(absl::StrCat("block ", key.ToHex(), " from the cold tier fails its checksum"));
   }
-  KVRING_ASSIGN_OR_RETURN(const PageId page, AcquirePageLocked());
+  absl::StatusOr<PageId> free_page = AcquirePageLocked();
+  if (absl::IsResourceExhausted(free_page.status())) {
+    // Every host page is held by reads in flight: this read gets a copy of
+    // its own and the block stays cold.
+    ++counters_.unpromoted_reads;
+    PinnedBlock b;
+    b.owned_ = std::move(buf);
+    b.data_ = b.owned_.data();
+    b.meta_ = e->meta;
+    b.parent_ = e->parent;
+    return b;
+  }
+  if (!free_page.ok()) return free_page.status();
+  const PageId page = *free_page;
   e = index_.Find(sk);
   if (e == nullptr || e->page != kNoPage) {
     FreePageLocked(page);
@@ -418,6 +436,42 @@ absl::Status BlockStore::Erase(NamespaceId ns, const BlockKey& key) {
   BlockIndex::Entry* e = index_.Find(sk);
   if (e == nullptr) return absl::NotFoundError(absl::StrCat("block ", key.ToHex(), " not held"));
   if (e->pins > 0) return absl::FailedPreconditionError(absl::StrCat("block ", key.ToHex(), " is pinned"));
+  return EraseLocked(sk, e);
+}
+
+absl::StatusOr<uint64_t> BlockStore::PurgeNamespaces(const absl::flat_hash_set<NamespaceId>& namespaces) {
+  if (namespaces.empty()) return uint64_t{0};
+  std::vector<ScopedKey> keys;
+  {
+    absl::MutexLock lock(&mu_);
+    index_.ForEach([&](const ScopedKey& k, const BlockIndex::Entry&) {
+      if (namespaces.contains(k.ns)) keys.push_back(k);
+    });
+  }
+  // In batches, so that requests are served in between.
+  constexpr size_t kBatch = 256;
+  uint64_t purged = 0;
+  for (size_t b = 0; b < keys.size(); b += kBatch) {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = b; i < std::min(keys.size(), b + kBatch); ++i) {
+      BlockIndex::Entry* e = index_.Find(keys[i]);
+      if (e == nullptr) continue;
+      // Pins die with the namespace.
+      while (e->pins > 0) {
+        const TenantId t = e->pins_by_tenant.front().first;
+        absl::StatusOr<bool> last = index_.Unpin(keys[i], t);
+        if (!last.ok()) return last.status();
+        tenants_[t].usage.pinned_bytes -= e->meta.payload_bytes;
+        if (*last && e->page != kNoPage) ReleaseHoldLocked(e->page);
+      }
+      KVRING_RETURN_IF_ERROR(EraseLocked(keys[i], e));
+      ++purged;
+    }
+  }
+  return purged;
+}
+
+absl::Status BlockStore::EraseLocked(const ScopedKey& sk, BlockIndex::Entry* e) {
   const PageId page = e->page;
   const bool in_cold = e->in_cold;
   const BlockMeta meta = e->meta;

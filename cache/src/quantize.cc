@@ -1,5 +1,7 @@
 #include "kvring/cache/quantize.h"
 
+#include "kvring/common/quote.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -188,11 +190,11 @@ absl::Status ParseKvEncoding(std::string_view text, KvEncoding* out) {
   }
   if (codec == "int8") e.codec = KvCodec::kInt8;
   else if (codec == "fp8") e.codec = KvCodec::kFp8E4M3;
-  else return absl::InvalidArgumentError(absl::StrCat("unknown KV codec '", std::string(codec), "' (int8, fp8, none)"));
+  else return absl::InvalidArgumentError(absl::StrCat("unknown KV codec ", Quote(codec), " (int8, fp8, none)"));
   if (mode.empty() || mode == "per-head") e.scales = ScaleMode::kPerHead;
   else if (mode == "per-token") e.scales = ScaleMode::kPerToken;
   else if (mode == "kivi") e.scales = ScaleMode::kKChannelVToken;
-  else return absl::InvalidArgumentError(absl::StrCat("unknown scale mode '", std::string(mode), "' (per-head, per-token, kivi)"));
+  else return absl::InvalidArgumentError(absl::StrCat("unknown scale mode ", Quote(mode), " (per-head, per-token, kivi)"));
   *out = e;
   return absl::OkStatus();
 }

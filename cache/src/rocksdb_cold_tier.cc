@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvring/common/quote.h"
 #include "lz4.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
@@ -50,7 +51,7 @@ absl::StatusOr<ColdCodec> ParseColdCodec(std::string_view name) {
   if (name == "zstd") return ColdCodec::kZstd;
   if (name == "lz4") return ColdCodec::kLz4;
   if (name == "none") return ColdCodec::kNone;
-  return absl::InvalidArgumentError(absl::StrCat("unknown cold-tier codec '", std::string(name), "' (zstd, lz4, none)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown cold-tier codec ", Quote(name), " (zstd, lz4, none)"));
 }
 
 absl::Status RocksDbColdTier::Compress(ColdCodec codec, int level, absl::Span<const uint8_t> in, std::string* out) {

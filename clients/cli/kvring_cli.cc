@@ -19,6 +19,7 @@
 #include "kvring/cache/quantize.h"
 #include "kvring/client/client.h"
 #include "kvring/common/flags.h"
+#include "kvring/common/status_macros.h"
 #include "kvring/common/process.h"
 #include "kvring/control/auth.h"
 #include "kvring/protocol/tls.h"
@@ -75,6 +76,67 @@ BlockLayout LayoutOf(const Opts& o) {
   DType dt = o.dtype == "f32" ? DType::kF32 : o.dtype == "f16" ? DType::kF16 : DType::kBF16;
   return BlockLayout{static_cast<uint32_t>(o.block_tokens), static_cast<uint32_t>(o.layers),
                      static_cast<uint32_t>(o.kv_heads), static_cast<uint32_t>(o.head_dim), dt};
+}
+
+// What the bench holds in memory at once (every payload, put then read back).
+constexpr uint64_t kMaxBenchBytes = 16ull << 30;
+
+absl::Status InRange(const char* flag, int64_t v, int64_t lo, int64_t hi) {
+  if (v >= lo && v <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", v, " is out of range [", lo, ", ", hi, "]"));
+}
+
+// Every flag the command uses, checked before anything is built or sent:
+// the same layout checks and limits the daemons apply.
+absl::Status ValidateOpts(const Opts& o, const std::string& cmd) {
+  if (cmd == "put" || cmd == "get" || cmd == "lookup") {
+    if (o.dtype != "f32" && o.dtype != "f16" && o.dtype != "bf16") {
+      return absl::InvalidArgumentError(absl::StrCat("--dtype=", o.dtype, ": expected f32, f16 or bf16"));
+    }
+    for (auto [flag, v] : {std::pair<const char*, int64_t>{"block_tokens", o.block_tokens}, {"layers", o.layers},
+                           {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim}}) {
+      KVRING_RETURN_IF_ERROR(InRange(flag, v, 1, 512));
+    }
+    const char* why = nullptr;
+    if (!LayoutOf(o).IsValid(&why)) return absl::InvalidArgumentError(absl::StrCat("bad block layout: ", why));
+    KVRING_RETURN_IF_ERROR(InRange("sequences", o.sequences, 1, 1 << 20));
+    KVRING_RETURN_IF_ERROR(InRange("tokens", o.tokens, o.block_tokens, 1 << 24));
+    if (o.sequences * o.tokens > (int64_t{1} << 27)) {
+      return absl::InvalidArgumentError(absl::StrCat("--sequences x --tokens = ", o.sequences * o.tokens,
+                                                     " tokens; at most 134217728 (they are generated in memory)"));
+    }
+  }
+  if (cmd == "bench") {
+    KVRING_RETURN_IF_ERROR(InRange("threads", o.threads, 1, 1024));
+    KVRING_RETURN_IF_ERROR(InRange("blocks", o.blocks, 1, 1 << 24));
+    if (o.block_bytes < (64u << 10) || o.block_bytes > kMaxBlockBytes || o.block_bytes % (64u << 10) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--block_bytes=", o.block_bytes, " must be a multiple of 64K in [64K, ",
+                                                     kMaxBlockBytes >> 20, "M]"));
+    }
+    if (static_cast<uint64_t>(o.blocks) * o.block_bytes > kMaxBenchBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("--blocks x --block_bytes = ", (o.blocks * o.block_bytes) >> 20,
+                                                     " MiB; the bench holds them all in memory: at most ",
+                                                     kMaxBenchBytes >> 30, " GiB"));
+    }
+    if (o.op != "put" && o.op != "get" && o.op != "both") {
+      return absl::InvalidArgumentError(absl::StrCat("--op=", o.op, ": expected put, get or both"));
+    }
+  }
+  if (!o.quantize.empty()) {
+    KvEncoding e;
+    if (absl::Status s = ParseKvEncoding(o.quantize, &e); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--quantize: ", s.message()));
+    }
+  }
+  if (cmd == "tenant-create") {
+    if (o.name.empty()) return absl::InvalidArgumentError("tenant-create needs --name");
+    KvEncoding e;
+    if (absl::Status s = ParseKvEncoding(o.kv_encoding, &e); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--kv_encoding: ", s.message()));
+    }
+  }
+  if (cmd == "tenant-delete" && o.name.empty()) return absl::InvalidArgumentError("tenant-delete needs --name");
+  return absl::OkStatus();
 }
 
 std::vector<std::vector<uint32_t>> Sequences(const Opts& o) {
@@ -333,6 +395,10 @@ int main(int argc, char** argv) {
     o.token = *t;
   }
   const std::string cmd = pos[0];
+  if (absl::Status s = ValidateOpts(o, cmd); !s.ok()) {
+    std::fprintf(stderr, "kvring: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   if (cmd.rfind("tenant-", 0) == 0) return CmdTenant(o, cmd);
   ClientOptions co;
   co.coordinator = o.coordinator;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "kvring/common/status_macros.h"
+#include "kvring/common/quote.h"
 
 namespace kvring {
 
@@ -28,7 +29,7 @@ absl::Status ParseByteSize(const std::string& text, uint64_t* out) {
   }
   uint64_t v = 0;
   if (!absl::SimpleAtoi(body, &v)) {
-    return absl::InvalidArgumentError(absl::StrCat("not a byte size: '", text, "' (e.g. 4096, 64M, 2G)"));
+    return absl::InvalidArgumentError(absl::StrCat("not a byte size: ", Quote(text), " (e.g. 4096, 64M, 2G)"));
   }
   if (v > UINT64_MAX / mult) return absl::InvalidArgumentError(absl::StrCat("byte size overflows: ", text));
   *out = v * mult;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -99,9 +100,20 @@ HistogramMetric* MetricsRegistry::Histogram(const std::string& name, const std::
 
 std::string MetricsRegistry::Render() const {
   absl::MutexLock lock(&mu_);
+  // Families in the order their first series was registered; the series of
+  // one family together, whatever order they were registered in.
+  std::vector<const Entry*> order;
+  absl::flat_hash_map<std::string, size_t> family;
+  std::vector<std::vector<const Entry*>> series;
+  for (const auto& e : entries_) {
+    auto [it, fresh] = family.try_emplace(e->name, series.size());
+    if (fresh) series.emplace_back();
+    series[it->second].push_back(e.get());
+  }
+  for (const auto& f : series) order.insert(order.end(), f.begin(), f.end());
   std::string out;
   std::string last_name;
-  for (const auto& e : entries_) {
+  for (const Entry* e : order) {
     if (e->name != last_name) {
       const char* type = e->kind == Kind::kCounter ? "counter" : e->kind == Kind::kGauge ? "gauge" : "histogram";
       absl::StrAppend(&out, "# HELP ", e->name, " ", e->help, "\n# TYPE ", e->name, " ", type, "\n");

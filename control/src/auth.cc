@@ -43,6 +43,7 @@ void TenantDirectory::Update(const v1::TenantTable& table) {
   if (table.tenants_version() < version_) return;
   by_digest_.clear();
   for (const auto& e : table.entries()) by_digest_[e.token_sha256()] = e.tenant();
+  deleted_.assign(table.deleted_tenant_ids().begin(), table.deleted_tenant_ids().end());
   version_ = table.tenants_version();
 }
 
@@ -68,12 +69,26 @@ absl::StatusOr<v1::Tenant> TenantDirectory::ByToken(const std::string& token) co
   const std::string d = Sha256(token);
   absl::StatusOr<v1::Tenant> t = Find(d);
   if (t.ok()) return t;
-  {
-    absl::MutexLock l(&refresh_mu_);
-    if (!refresh_ || absl::Now() - last_refresh_ < refresh_interval_) return Find(d);
+  const absl::Time miss = absl::Now();
+  refresh_mu_.Lock();
+  bool answered = !refresh_;
+  while (!answered) {
+    // A refresh that began after the miss has answered it.
+    if (last_refresh_ >= miss) {
+      answered = true;
+      break;
+    }
+    const absl::Duration wait = refresh_interval_ - (absl::Now() - last_refresh_);
+    if (wait <= absl::ZeroDuration()) break;
+    refresh_mu_.Unlock();  // others queue up behind the same next refresh
+    absl::SleepFor(wait);
+    refresh_mu_.Lock();
+  }
+  if (!answered) {
     last_refresh_ = absl::Now();
     refresh_();
   }
+  refresh_mu_.Unlock();
   return Find(d);
 }
 
@@ -81,6 +96,11 @@ absl::StatusOr<v1::Tenant> TenantDirectory::Authenticate(const grpc::ServerConte
   absl::StatusOr<std::string> tok = BearerToken(ctx);
   if (!tok.ok()) return tok.status();
   return ByToken(*tok);
+}
+
+std::vector<uint32_t> TenantDirectory::deleted_tenant_ids() const {
+  absl::MutexLock l(&mu_);
+  return deleted_;
 }
 
 std::vector<v1::Tenant> TenantDirectory::tenants() const {

@@ -40,13 +40,41 @@ absl::Status CoordinatorLink::Register() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<v1::TenantTable> CoordinatorLink::FetchTenantTable() {
+  // Page by page; a version that moves between pages starts it again.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    v1::TenantTable all;
+    std::string after;
+    bool moved = false;
+    for (bool first = true;; first = false) {
+      v1::TenantTableRequest req;
+      req.set_version(1);
+      req.set_page_after(after);
+      v1::TenantTable page;
+      auto ctx = Context();
+      grpc::Status s = stub_->GetTenantTable(ctx.get(), req, &page);
+      if (!s.ok()) return FromGrpc(s);
+      if (first) {
+        all.set_tenants_version(page.tenants_version());
+        *all.mutable_deleted_tenant_ids() = page.deleted_tenant_ids();
+      } else if (page.tenants_version() != all.tenants_version()) {
+        moved = true;
+        break;
+      }
+      for (auto& e : *page.mutable_entries()) *all.add_entries() = std::move(e);
+      if (page.next_page_after().empty()) break;
+      if (page.next_page_after() <= after) return absl::InternalError("the tenant table's pages do not advance");
+      after = page.next_page_after();
+    }
+    if (!moved) return all;
+  }
+  return absl::UnavailableError("the tenant table kept changing while it was read");
+}
+
 absl::Status CoordinatorLink::RefreshTenants() {
-  v1::TenantTableRequest req;
-  req.set_version(1);
-  v1::TenantTable table;
-  auto ctx = Context();
-  grpc::Status s = stub_->GetTenantTable(ctx.get(), req, &table);
-  if (!s.ok()) return FromGrpc(s);
+  absl::StatusOr<v1::TenantTable> fetched = FetchTenantTable();
+  if (!fetched.ok()) return fetched.status();
+  const v1::TenantTable& table = *fetched;
   const uint64_t before = tenants_->version();
   tenants_->Update(table);
   if (table.tenants_version() != before || before == 0) {

@@ -11,6 +11,7 @@
 #include "kvring/common/flags.h"
 #include "kvring/common/http_server.h"
 #include "kvring/common/logging.h"
+#include "kvring/common/metrics.h"
 #include "kvring/common/process.h"
 #include "kvring/control/coordinator_service.h"
 #include "kvring/protocol/tls.h"
@@ -125,19 +126,31 @@ int main(int argc, char** argv) {
     while (!stop.WaitForNotificationWithTimeout(hb_interval / 2)) (*service)->Tick();
   });
   HttpServer http;
+  MetricsRegistry metrics;
+  GaugeMetric* g_map = metrics.Gauge("kvring_map_version", "Version of the shard map");
+  GaugeMetric* g_up = metrics.Gauge("kvring_nodes_up", "Nodes UP in the shard map");
+  GaugeMetric* g_nodes = metrics.Gauge("kvring_nodes", "Nodes in the shard map, UP or DOWN");
   if (!metrics_listen.empty()) {
     auto hp = ParseHostPort(metrics_listen);
-    if (hp.ok()) {
-      http.Handle("/metrics", [&] {
-        const v1::ShardMap m = (*service)->CurrentMap();
-        int up = 0;
-        for (const auto& n : m.nodes()) up += n.state() == v1::NodeInfo::UP;
-        return absl::StrCat("# TYPE kvring_map_version gauge\nkvring_map_version ", m.version(),
-                            "\n# TYPE kvring_nodes_up gauge\nkvring_nodes_up ", up, "\n# TYPE kvring_nodes gauge\nkvring_nodes ",
-                            m.nodes_size(), "\n");
-      });
-      (void)http.Start(hp->host, hp->port);
+    if (!hp.ok()) {
+      KVRING_LOG(ERROR) << "--metrics_listen: " << hp.status().message();
+      return 2;
     }
+    http.Handle("/metrics", [&] {
+      const v1::ShardMap m = (*service)->CurrentMap();
+      int up = 0;
+      for (const auto& n : m.nodes()) up += n.state() == v1::NodeInfo::UP;
+      g_map->Set(static_cast<double>(m.version()));
+      g_up->Set(up);
+      g_nodes->Set(m.nodes_size());
+      return metrics.Render();
+    }, MetricsRegistry::kContentType);
+    absl::StatusOr<int> mp = http.Start(hp->host, hp->port);
+    if (!mp.ok()) {
+      KVRING_LOG(ERROR) << "metrics server on " << metrics_listen << ": " << mp.status().message();
+      return 1;
+    }
+    KVRING_LOG(INFO) << "metrics on port " << *mp;
   }
   if (!port_file.empty()) {
     std::ofstream(port_file + ".tmp") << port << "\n";

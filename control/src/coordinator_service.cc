@@ -5,11 +5,17 @@
 #include "absl/strings/str_cat.h"
 #include "kvring/cache/quantize.h"
 #include "kvring/common/logging.h"
+#include "kvring/common/quote.h"
 #include "kvring/common/status_macros.h"
 
 namespace kvring {
 namespace {
 constexpr uint32_t kVersion = 1;
+// What one tenant may declare, and what one page of the tenant table holds:
+// a page stays far below gRPC's default 4 MiB message limit.
+constexpr int kMaxSharedNamespaces = 64;
+constexpr size_t kTenantPageBytes = 1 << 20;
+constexpr size_t kMinChosenTokenBytes = 32;
 
 grpc::Status VersionCheck(uint32_t v) {
   if (v == kVersion) return grpc::Status::OK;
@@ -67,6 +73,12 @@ absl::Status CoordinatorService::Load() {
     if (!e.ParseFromString(v)) { bad = absl::DataLossError("corrupt tenant record"); return; }
     mu_.AssertHeld();
     tenants_[e.tenant().name()] = e;
+  }));
+  KVRING_RETURN_IF_ERROR(store_->ScanPrefix("deleted/", [&](const std::string& k, const std::string&) {
+    uint32_t id = 0;
+    if (!absl::SimpleAtoi(k.substr(8), &id)) { bad = absl::DataLossError("corrupt deleted-tenant record"); return; }
+    mu_.AssertHeld();
+    deleted_ids_.push_back(id);
   }));
   KVRING_RETURN_IF_ERROR(bad);
   if (!nodes_.empty() || map_version_ > 0) KVRING_RETURN_IF_ERROR(BumpMapVersionLocked());
@@ -201,7 +213,18 @@ grpc::Status CoordinatorService::GetTenantTable(grpc::ServerContext* ctx, const 
   if (absl::Status s = CheckToken(*ctx, options_.cluster_token, "cluster"); !s.ok()) return ToGrpc(s);
   absl::MutexLock l(&mu_);
   resp->set_tenants_version(tenants_version_);
-  for (const auto& [name, e] : tenants_) *resp->add_entries() = e;
+  if (req->page_after().empty()) {
+    for (uint32_t id : deleted_ids_) resp->add_deleted_tenant_ids(id);
+  }
+  size_t bytes = 0;
+  for (auto it = tenants_.upper_bound(req->page_after()); it != tenants_.end(); ++it) {
+    if (bytes > 0 && bytes + it->second.ByteSizeLong() > kTenantPageBytes) {
+      resp->set_next_page_after(std::prev(it)->first);
+      break;
+    }
+    bytes += it->second.ByteSizeLong();
+    *resp->add_entries() = it->second;
+  }
   return grpc::Status::OK;
 }
 
@@ -225,25 +248,32 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.admin_token, "admin"); !s.ok()) return ToGrpc(s);
   if (!ValidName(req->name())) return ToGrpc(absl::InvalidArgumentError("tenant name must be 1-128 characters of [A-Za-z0-9-_.:/]"));
+  if (req->shared_namespaces_size() > kMaxSharedNamespaces) {
+    return ToGrpc(absl::InvalidArgumentError(absl::StrCat("a tenant may belong to at most ", kMaxSharedNamespaces,
+                                                          " shared namespaces; ", req->shared_namespaces_size(), " given")));
+  }
   for (const auto& s : req->shared_namespaces()) {
     if (!ValidName(s) || !absl::StartsWith(s, "shared/")) {
       return ToGrpc(absl::InvalidArgumentError("shared namespaces are named 'shared/<name>'"));
     }
   }
   if (KvEncoding enc; !ParseKvEncoding(req->kv_encoding(), &enc).ok()) {
-    return ToGrpc(absl::InvalidArgumentError(absl::StrCat("kv_encoding '", req->kv_encoding(),
-                                                          "': expected none, int8 or fp8, optionally /per-head, /per-token or /kivi")));
+    return ToGrpc(absl::InvalidArgumentError(absl::StrCat("kv_encoding ", Quote(req->kv_encoding()),
+                                                          ": expected none, int8 or fp8, optionally /per-head, /per-token or /kivi")));
   }
   std::string token = req->token();
   if (token.empty()) {
     absl::StatusOr<std::string> t = GenerateToken();
     if (!t.ok()) return ToGrpc(t.status());
     token = *t;
-  } else if (token.size() < 16) {
-    return ToGrpc(absl::InvalidArgumentError("a chosen token must have at least 16 characters"));
+  } else if (token == options_.admin_token || token == options_.cluster_token) {
+    return ToGrpc(absl::InvalidArgumentError("a tenant's token may not be the admin or the cluster token"));
+  } else if (token.size() < kMinChosenTokenBytes) {
+    return ToGrpc(absl::InvalidArgumentError(
+        absl::StrCat("a chosen token must have at least ", kMinChosenTokenBytes, " characters (or let the coordinator generate one)")));
   }
   absl::MutexLock l(&mu_);
-  if (tenants_.count(req->name())) return ToGrpc(absl::AlreadyExistsError(absl::StrCat("tenant '", req->name(), "' exists")));
+  if (tenants_.count(req->name())) return ToGrpc(absl::AlreadyExistsError(absl::StrCat("tenant ", Quote(req->name()), " exists")));
   const std::string digest = Sha256(token);
   for (const auto& [n, e] : tenants_) {
     if (e.token_sha256() == digest) return ToGrpc(absl::AlreadyExistsError("that token is already in use"));
@@ -251,7 +281,9 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
   v1::TenantTable::Entry e;
   e.mutable_tenant()->set_id(static_cast<uint32_t>(next_tenant_id_));
   e.mutable_tenant()->set_name(req->name());
-  e.mutable_tenant()->set_namespace_("tenant/" + req->name());
+  // The namespace is bound to the id, which is never reused: a name deleted
+  // and created again is a new tenant that sees none of the old one's blocks.
+  e.mutable_tenant()->set_namespace_(TenantNamespace(e.tenant().id()));
   for (const auto& s : req->shared_namespaces()) e.mutable_tenant()->add_shared_namespaces(s);
   e.mutable_tenant()->set_max_pinned_bytes(req->max_pinned_bytes());
   e.mutable_tenant()->set_kv_encoding(req->kv_encoding() == "none" ? "" : req->kv_encoding());
@@ -283,11 +315,17 @@ grpc::Status CoordinatorService::DeleteTenant(grpc::ServerContext* ctx, const v1
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.admin_token, "admin"); !s.ok()) return ToGrpc(s);
   absl::MutexLock l(&mu_);
-  if (!tenants_.count(req->name())) return ToGrpc(absl::NotFoundError(absl::StrCat("no tenant '", req->name(), "'")));
+  auto it = tenants_.find(req->name());
+  if (it == tenants_.end()) return ToGrpc(absl::NotFoundError(absl::StrCat("no tenant ", Quote(req->name()))));
+  const uint32_t id = it->second.tenant().id();
+  // The tombstone first: daemons reclaim the namespace of every id listed.
+  if (absl::Status s = store_->Put(absl::StrCat("deleted/", id), ""); !s.ok()) return ToGrpc(s);
   if (absl::Status s = store_->Delete("tenant/" + req->name()); !s.ok()) return ToGrpc(s);
-  tenants_.erase(req->name());
+  tenants_.erase(it);
+  deleted_ids_.push_back(id);
   ++tenants_version_;
   if (absl::Status s = PersistCounterLocked("tenants_version", tenants_version_); !s.ok()) return ToGrpc(s);
+  KVRING_LOG(INFO) << "tenant '" << req->name() << "' (id " << id << ") deleted; daemons reclaim its blocks";
   return grpc::Status::OK;
 }
 
@@ -297,7 +335,7 @@ grpc::Status CoordinatorService::SetTenantQuota(grpc::ServerContext* ctx, const 
   if (absl::Status s = CheckToken(*ctx, options_.admin_token, "admin"); !s.ok()) return ToGrpc(s);
   absl::MutexLock l(&mu_);
   auto it = tenants_.find(req->name());
-  if (it == tenants_.end()) return ToGrpc(absl::NotFoundError(absl::StrCat("no tenant '", req->name(), "'")));
+  if (it == tenants_.end()) return ToGrpc(absl::NotFoundError(absl::StrCat("no tenant ", Quote(req->name()))));
   v1::TenantTable::Entry e = it->second;
   e.mutable_tenant()->set_max_pinned_bytes(req->max_pinned_bytes());
   if (absl::Status s = store_->Put("tenant/" + req->name(), e.SerializeAsString()); !s.ok()) return ToGrpc(s);

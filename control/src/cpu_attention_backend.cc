@@ -34,6 +34,18 @@ void CpuAttentionBackend::DiscardOpenBlock(const SequenceRef& seq, uint64_t inde
   open_.erase(it);
 }
 
+void CpuAttentionBackend::ForgetSequence(const SequenceRef& seq) {
+  absl::MutexLock l(&mu_);
+  for (auto it = open_.begin(); it != open_.end();) {
+    if (it->first.ns == seq.ns && it->first.id == seq.id) {
+      tenant_bytes_[it->second->tenant] -= it->second->bytes.size();
+      open_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
 absl::StatusOr<CpuAttentionBackend::OpenBuffer*> CpuAttentionBackend::Find(const SequenceRef& seq, uint64_t index) {
   absl::MutexLock l(&mu_);
   auto it = open_.find(OpenId{seq.ns, seq.id, index});

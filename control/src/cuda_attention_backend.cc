@@ -269,6 +269,30 @@ class CudaAttentionBackend final : public AttentionBackend {
     --open_blocks_;
   }
 
+  void ForgetSequence(const SequenceRef& seq) override {
+    const SeqId id{seq.ns, seq.id};
+    {
+      absl::MutexLock l(&mu_);
+      auto cpu = on_cpu_.find(id);
+      if (cpu != on_cpu_.end()) {  // served by the CPU fallback
+        on_cpu_.erase(cpu);
+        cpu_.ForgetSequence(seq);
+        return;
+      }
+      auto it = seqs_.find(id);
+      if (it == seqs_.end()) return;
+      DevSeq& d = *it->second;
+      for (size_t k = 0; k < d.idx.size(); ++k) {
+        FreePageLocked(d.tenant, d.page[k]);
+        if (d.open[k]) --open_blocks_;
+      }
+      // No step of this sequence is in flight (the core holds its lock), so
+      // nothing reads its tables; cudaFree waits for the device anyway.
+      FreeTables(d);
+      seqs_.erase(it);
+    }
+  }
+
   absl::Status ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) override {
     if (OnCpu(seq)) return cpu_.ReadOpenBlock(seq, index, dst);
     KVRING_RETURN_IF_ERROR(Healthy());

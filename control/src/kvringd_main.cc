@@ -16,6 +16,7 @@
 #include "grpcpp/server_builder.h"
 #include "kvring/cache/eviction_policy.h"
 #include "kvring/cache/rocksdb_cold_tier.h"
+#include "kvring/common/background_task.h"
 #include "kvring/common/flags.h"
 #include "kvring/common/http_server.h"
 #include "kvring/common/logging.h"
@@ -239,15 +240,15 @@ int main(int argc, char** argv) {
   GaugeMetric* g_blocks = metrics.Gauge("kvring_blocks", "Blocks held in any tier");
   GaugeMetric* g_free = metrics.Gauge("kvring_free_pages", "Free host pages");
   GaugeMetric* g_cold = metrics.Gauge("kvring_cold_blocks", "Blocks only in the cold tier");
-  GaugeMetric* g_evict = metrics.Gauge("kvring_evictions", "Host-tier evictions since start");
+  CounterMetric* c_evict = metrics.Counter("kvring_evictions_total", "Host-tier evictions");
   GaugeMetric* g_cold_bytes = metrics.Gauge("kvring_cold_stored_bytes", "Bytes in the cold tier after compression");
   GaugeMetric* g_hbm_pages = metrics.Gauge("kvring_hbm_pages", "HBM pages of the attention backend (0 on a CPU node)");
   GaugeMetric* g_hbm_free = metrics.Gauge("kvring_hbm_free_pages", "Free HBM pages");
   GaugeMetric* g_hbm_bytes = metrics.Gauge("kvring_hbm_used_bytes", "HBM bytes holding sequence blocks");
   GaugeMetric* g_hbm_blocks = metrics.Gauge("kvring_hbm_blocks", "Full sequence blocks resident in HBM");
-  GaugeMetric* g_hbm_hits = metrics.Gauge("kvring_hbm_hits", "Blocks attention found in HBM, since start");
-  GaugeMetric* g_hbm_misses = metrics.Gauge("kvring_hbm_misses", "Blocks promoted into HBM to be attended, since start");
-  GaugeMetric* g_hbm_demotions = metrics.Gauge("kvring_hbm_demotions", "Blocks dropped from HBM to make room, since start");
+  CounterMetric* c_hbm_hits = metrics.Counter("kvring_hbm_hits_total", "Blocks attention found in HBM");
+  CounterMetric* c_hbm_misses = metrics.Counter("kvring_hbm_misses_total", "Blocks promoted into HBM to be attended");
+  CounterMetric* c_hbm_demotions = metrics.Counter("kvring_hbm_demotions_total", "Blocks dropped from HBM to make room");
   GaugeMetric* g_open = metrics.Gauge("kvring_open_blocks", "Sequence blocks being filled by appends");
   HttpServer http;
   int metrics_port = 0;
@@ -259,19 +260,19 @@ int main(int argc, char** argv) {
       g_blocks->Set(static_cast<double>(s.blocks));
       g_free->Set(static_cast<double>(s.free_pages));
       g_cold->Set(static_cast<double>(s.cold_only_blocks));
-      g_evict->Set(static_cast<double>(s.evictions));
+      c_evict->SetTotal(s.evictions);
       if ((*store)->cold_tier()) g_cold_bytes->Set(static_cast<double>((*store)->cold_tier()->stats().stored_bytes));
       const BackendStats b = backend->stats();
       g_hbm_pages->Set(static_cast<double>(b.pages));
       g_hbm_free->Set(static_cast<double>(b.free_pages));
       g_hbm_bytes->Set(static_cast<double>((b.pages - b.free_pages) * b.page_bytes));
       g_hbm_blocks->Set(static_cast<double>(b.resident_blocks));
-      g_hbm_hits->Set(static_cast<double>(b.hits));
-      g_hbm_misses->Set(static_cast<double>(b.misses));
-      g_hbm_demotions->Set(static_cast<double>(b.demotions));
+      c_hbm_hits->SetTotal(b.hits);
+      c_hbm_misses->SetTotal(b.misses);
+      c_hbm_demotions->SetTotal(b.demotions);
       g_open->Set(static_cast<double>(b.open_blocks));
       return metrics.Render();
-    }, "text/plain; version=0.0.4");
+    }, MetricsRegistry::kContentType);
     http.HandleWithStatus("/healthz", [backend] {
       return backend->stats().healthy ? HttpServer::Response{"200 OK", "ok\n"}
                                       : HttpServer::Response{"503 Service Unavailable", "gpu failed\n"};
@@ -281,6 +282,19 @@ int main(int argc, char** argv) {
     metrics_port = *mp;
   }
 
+  // Deleted tenants' blocks and sequences are reclaimed off the request path,
+  // whenever the tenant table changes (and once after start: the cold tier
+  // may have recovered blocks of tenants deleted while this node was down).
+  BackgroundTask reclaimer([&core] {
+    absl::StatusOr<ReclaimResult> r = core.ReclaimDeletedTenants();
+    if (!r.ok()) {
+      KVRING_LOG(WARNING) << "reclaiming deleted tenants' blocks failed (retried at the next table change): "
+                          << r.status().message();
+    } else if (r->tenants > 0) {
+      KVRING_LOG(INFO) << "reclaimed " << r->blocks << " blocks and " << r->sequences << " sequences of "
+                       << r->tenants << " deleted tenant(s)";
+    }
+  });
   CoordinatorLinkOptions lo;
   lo.coordinator = coordinator;
   lo.credentials = *link_creds;
@@ -289,7 +303,10 @@ int main(int argc, char** argv) {
   lo.node.set_grpc_address(advertise);
   lo.node.set_ucx_address(ucx_address);
   lo.node.set_capacity_bytes(so.num_pages * so.page_bytes);
-  lo.on_tenants_changed = [&core] { core.ApplyQuotas(); };
+  lo.on_tenants_changed = [&core, &reclaimer] {
+    core.ApplyQuotas();
+    reclaimer.Kick();
+  };
   lo.fill_load = [&](v1::HeartbeatRequest* r) {
     const BlockStoreStats s = (*store)->stats();
     r->set_blocks(s.blocks);
@@ -300,7 +317,11 @@ int main(int argc, char** argv) {
   // A token this node has not seen yet (a tenant created since the last
   // heartbeat) is looked up at the coordinator before it is refused.
   // (The gRPC server and UCX plane stop before `link` goes away.)
-  tenants.SetMissHandler([&link] { (void)link.RefreshTenants(); }, absl::Milliseconds(200));
+  tenants.SetMissHandler(
+      [&link] {
+        if (absl::Status s = link.RefreshTenants(); !s.ok()) KVRING_LOG(WARNING) << "tenant refresh failed: " << s.message();
+      },
+      absl::Milliseconds(100));
 
   if (!port_file.empty()) {
     std::ofstream(port_file + ".tmp") << port << "\n";

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "kvring/cache/quantize.h"
 #include "kvring/common/logging.h"
@@ -53,6 +54,7 @@ NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* se
   appended_tokens_ = metrics_->Counter("kvring_appended_tokens_total", "Tokens appended to attention sequences (per layer)");
   sealed_blocks_ = metrics_->Counter("kvring_sealed_blocks_total", "Blocks built from appends and stored");
   attend_kernel_ = metrics_->Histogram("kvring_attend_kernel_seconds", "Time of the attention computation of an Attend");
+  reclaimed_blocks_ = metrics_->Counter("kvring_reclaimed_blocks_total", "Blocks of deleted tenants reclaimed from every tier");
 }
 
 NodeCore::OpMetrics NodeCore::Op(const std::string& name) {
@@ -79,6 +81,32 @@ void NodeCore::ApplyQuotas() {
     store_->SetTenantQuota(t.id(), q);
     backend_->SetTenantQuota(t.id(), q.max_pinned_bytes);
   }
+}
+
+absl::StatusOr<ReclaimResult> NodeCore::ReclaimDeletedTenants() {
+  absl::MutexLock l(&reclaim_mu_);
+  std::vector<uint32_t> ids;
+  absl::flat_hash_set<NamespaceId> dead;
+  for (uint32_t id : tenants_->deleted_tenant_ids()) {
+    if (reclaimed_.contains(id)) continue;
+    ids.push_back(id);
+    dead.insert(NamespaceIdOf(TenantNamespace(id)));
+  }
+  ReclaimResult r;
+  if (dead.empty()) return r;
+  for (const auto& [ns, id] : sequences_->SequencesIn(dead)) {
+    SequenceTable::Handle h = sequences_->Lock(ns, id);
+    const SequenceRef ref{ns, id, 0};
+    for (const auto& [index, open] : h.state().open) backend_->DiscardOpenBlock(ref, index);
+    backend_->ForgetSequence(ref);
+    KVRING_RETURN_IF_ERROR(h.Forget());
+    ++r.sequences;
+  }
+  KVRING_ASSIGN_OR_RETURN(r.blocks, store_->PurgeNamespaces(dead));
+  reclaimed_.insert(ids.begin(), ids.end());
+  r.tenants = ids.size();
+  reclaimed_blocks_->Add(r.blocks);
+  return r;
 }
 
 absl::Status NodeCore::Lookup(const v1::Tenant& t, const v1::LookupRequest& req, v1::LookupResponse* resp) {

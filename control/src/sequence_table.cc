@@ -96,6 +96,27 @@ absl::Status SequenceTable::Handle::Record(uint64_t index, const BlockKey& key) 
   return absl::OkStatus();
 }
 
+absl::Status SequenceTable::Handle::Forget() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  SequenceState& st = entry_->state;
+  if (table_->store_ != nullptr) {
+    for (const auto& [index, key] : st.blocks) {
+      KVRING_RETURN_IF_ERROR(table_->store_->Delete(RecordKey(entry_->ns, entry_->id, index)));
+    }
+  }
+  st = SequenceState{};
+  return absl::OkStatus();
+}
+
+std::vector<std::pair<NamespaceId, std::string>> SequenceTable::SequencesIn(
+    const absl::flat_hash_set<NamespaceId>& namespaces) const {
+  absl::MutexLock l(&mu_);
+  std::vector<std::pair<NamespaceId, std::string>> out;
+  for (const auto& [id, e] : seqs_) {
+    if (namespaces.contains(id.first)) out.push_back(id);
+  }
+  return out;
+}
+
 SequenceTable::Handle SequenceTable::Lock(NamespaceId ns, const std::string& id) {
   std::vector<Handle> h = LockMany(ns, absl::MakeConstSpan(&id, 1));
   return std::move(h[0]);

@@ -90,6 +90,25 @@ TEST(BlockIndexTest, RejectsZeroKeysSelfParentsAndDuplicates) {
 
 // Randomized model test: the index against a std::set and a linear scan, on
 // a forest of chains that share prefixes (a radix tree of sessions).
+TEST(BlockIndexTest, RefusesParentLinksThatCloseACycle) {
+  BlockIndex idx;
+  // Two blocks naming each other.
+  ASSERT_TRUE(idx.Insert(S(1), K(2), {}).ok());
+  absl::StatusOr<BlockIndex::Entry*> two = idx.Insert(S(2), K(1), {});
+  EXPECT_EQ(two.status().code(), absl::StatusCode::kInvalidArgument) << two.status();
+  EXPECT_NE(two.status().message().find("cycle"), std::string::npos) << two.status();
+  // A longer loop: 10 -> 11 -> 12 -> 10 (child -> parent), put child first.
+  ASSERT_TRUE(idx.Insert(S(10), K(11), {}).ok());
+  ASSERT_TRUE(idx.Insert(S(11), K(12), {}).ok());
+  EXPECT_EQ(idx.Insert(S(12), K(10), {}).status().code(), absl::StatusCode::kInvalidArgument);
+  // The same shape without the loop is fine, and so is the same key in
+  // another namespace.
+  EXPECT_TRUE(idx.Insert(S(12), BlockKey{}, {}).ok());
+  EXPECT_TRUE(idx.Insert(S(2, kNs + 1), K(1), {}).ok());
+  EXPECT_TRUE(idx.CheckInvariants().ok());
+  EXPECT_EQ(idx.size(), 5u);
+}
+
 TEST(BlockIndexTest, RandomizedAgainstReferenceModel) {
   for (uint32_t seed = 1; seed <= 5; ++seed) {
     std::mt19937_64 rng(seed);

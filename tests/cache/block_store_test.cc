@@ -232,6 +232,31 @@ TEST(BlockStoreTest, EvictionDemotesToTheColdTierAndHitsPromote) {
   EXPECT_TRUE(s->CheckInvariants().ok());
 }
 
+// A read of more cold blocks than there are host pages, all held at once
+// (as a zero-copy reply holds them): the blocks past the last free page come
+// as copies of their own, and every payload is right.
+TEST(BlockStoreTest, HoldingMoreColdBlocksThanHostPagesWorks) {
+  auto s = MakeStore(2, std::make_unique<MapColdTier>());
+  for (uint64_t i = 0; i < 12; ++i) ASSERT_TRUE(PutBlock(*s, i).ok());  // 0..9 cold
+  std::vector<PinnedBlock> held;
+  for (uint64_t i = 0; i < 12; ++i) {
+    absl::StatusOr<PinnedBlock> b = s->Acquire(1, KeyOf(i));
+    ASSERT_TRUE(b.ok()) << "block " << i << ": " << b.status();
+    held.push_back(std::move(*b));
+  }
+  for (uint64_t i = 0; i < 12; ++i) {
+    ASSERT_TRUE(held[i].valid());
+    EXPECT_EQ(std::vector<uint8_t>(held[i].payload().begin(), held[i].payload().end()), PayloadFor(KeyOf(i), kBlock))
+        << "block " << i;
+  }
+  EXPECT_GT(s->stats().unpromoted_reads, 0u);
+  std::vector<PinnedBlock> moved = std::move(held);  // payload views survive moves
+  EXPECT_EQ(std::vector<uint8_t>(moved[0].payload().begin(), moved[0].payload().end()), PayloadFor(KeyOf(0), kBlock));
+  moved.clear();
+  EXPECT_EQ(s->stats().free_pages + s->stats().host_blocks, 2u);
+  EXPECT_TRUE(s->CheckInvariants().ok());
+}
+
 // InMemoryOrAbsent: what lets the UCX data plane serve a Get on its own
 // thread (no disk read there).
 TEST(BlockStoreTest, InMemoryOrAbsentSeesColdBlocks) {

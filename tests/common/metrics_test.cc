@@ -42,5 +42,29 @@ TEST(MetricsTest, RendersPrometheusText) {
   EXPECT_NE(text.find("kvring_latency_seconds_count{op=\"get\"} 1\n"), std::string::npos) << text;
 }
 
+// Series of one family registered apart (as a daemon registers its
+// per-operation metrics) still render as one family: one HELP and one TYPE,
+// the series together. Prometheus refuses a scrape that repeats them.
+TEST(MetricsTest, EachFamilyRendersOnceWithItsSeriesTogether) {
+  MetricsRegistry r;
+  r.Counter("kvring_requests_total", "Requests", "op=\"put\"")->Add(1);
+  r.Histogram("kvring_request_seconds", "Latency", "op=\"put\"", {0.1});
+  r.Counter("kvring_requests_total", "Requests", "op=\"get\"")->Add(2);
+  r.Histogram("kvring_request_seconds", "Latency", "op=\"get\"", {0.1});
+  r.Counter("kvring_evictions_total", "Evictions")->SetTotal(7);
+  const std::string text = r.Render();
+  auto count = [&](const std::string& needle) {
+    size_t n = 0;
+    for (size_t p = text.find(needle); p != std::string::npos; p = text.find(needle, p + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(count("# HELP kvring_requests_total "), 1u) << text;
+  EXPECT_EQ(count("# TYPE kvring_request_seconds "), 1u) << text;
+  EXPECT_NE(text.find("kvring_requests_total{op=\"put\"} 1\nkvring_requests_total{op=\"get\"} 2\n"), std::string::npos)
+      << text;
+  EXPECT_LT(text.find("kvring_requests_total{op=\"get\"}"), text.find("# HELP kvring_request_seconds")) << text;
+  EXPECT_NE(text.find("# TYPE kvring_evictions_total counter\nkvring_evictions_total 7\n"), std::string::npos) << text;
+}
+
 }  // namespace
 }  // namespace kvring

@@ -339,7 +339,7 @@ TEST(ClusterTest, ATenantNeverSeesAnotherTenantsBlocks) {
   EXPECT_EQ(*(*b)->LookupPrefix(ab.keys), 0u);
   for (const auto& r : (*b)->Get(ab.keys)) EXPECT_EQ(r.status.code(), absl::StatusCode::kNotFound) << r.status;
   // B asking for A's namespace by name is refused outright.
-  auto b_in_a = cl.Connect(*tb, "tenant/tenant-a");
+  auto b_in_a = cl.Connect(*tb, (*a)->namespace_name());
   EXPECT_EQ(b_in_a.status().code(), absl::StatusCode::kPermissionDenied) << b_in_a.status();
   // A shared namespace is shared by its members, and only them.
   auto as = cl.Connect(*ta, "shared/sys");

@@ -1,6 +1,7 @@
 #include "kvring/control/coordinator_service.h"
 
 #include <filesystem>
+#include <set>
 
 #include "gtest/gtest.h"
 
@@ -150,7 +151,7 @@ TEST_F(CoordinatorRpcTest, TenantsAndMembershipSurviveARestart) {
   EXPECT_EQ(stub_->CreateTenant(Ctx("cluster-secret").get(), req, &resp).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   ASSERT_TRUE(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).ok());
   EXPECT_EQ(resp.token().size(), 64u);
-  EXPECT_EQ(resp.tenant().namespace_(), "tenant/acme");
+  EXPECT_EQ(resp.tenant().namespace_(), "tenant/" + std::to_string(resp.tenant().id()));
   EXPECT_EQ(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).error_code(), grpc::StatusCode::ALREADY_EXISTS);
   req.set_name("bad");
   req.clear_shared_namespaces();
@@ -182,6 +183,117 @@ TEST_F(CoordinatorRpcTest, TenantsAndMembershipSurviveARestart) {
   ASSERT_TRUE(stub_->GetTenantTable(Ctx("cluster-secret").get(), tr, &table).ok());
   EXPECT_EQ(table.entries_size(), 2);
   for (const auto& e : table.entries()) EXPECT_EQ(e.token_sha256().size(), 32u);  // digests, never tokens
+}
+
+// A name is a label: the same name deleted and created again is a new tenant
+// (new id, new namespace), and the old id stays listed as deleted so daemons
+// reclaim its blocks, across a restart too.
+TEST_F(CoordinatorRpcTest, ARecreatedNameIsANewTenantAndTheOldIdIsATombstone) {
+  v1::CreateTenantRequest req;
+  req.set_version(1);
+  req.set_name("bob");
+  v1::CreateTenantResponse first, second;
+  ASSERT_TRUE(stub_->CreateTenant(Ctx("admin-secret").get(), req, &first).ok());
+  v1::DeleteTenantRequest del;
+  del.set_version(1);
+  del.set_name("bob");
+  v1::DeleteTenantResponse dr;
+  ASSERT_TRUE(stub_->DeleteTenant(Ctx("admin-secret").get(), del, &dr).ok());
+  ASSERT_TRUE(stub_->CreateTenant(Ctx("admin-secret").get(), req, &second).ok());
+  EXPECT_NE(first.tenant().id(), second.tenant().id());
+  EXPECT_NE(first.tenant().namespace_(), second.tenant().namespace_());
+  EXPECT_NE(first.token(), second.token());
+  Restart();
+  v1::TenantTableRequest tr;
+  tr.set_version(1);
+  v1::TenantTable table;
+  ASSERT_TRUE(stub_->GetTenantTable(Ctx("cluster-secret").get(), tr, &table).ok());
+  ASSERT_EQ(table.deleted_tenant_ids_size(), 1);
+  EXPECT_EQ(table.deleted_tenant_ids(0), first.tenant().id());
+  ASSERT_EQ(table.entries_size(), 1);
+  EXPECT_EQ(table.entries(0).tenant().id(), second.tenant().id());
+  // The old token is dead; a new tenant after the restart still gets a fresh id.
+  v1::WhoAmIRequest who;
+  who.set_version(1);
+  v1::Tenant t;
+  EXPECT_EQ(stub_->WhoAmI(Ctx(first.token()).get(), who, &t).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  req.set_name("carol");
+  v1::CreateTenantResponse third;
+  ASSERT_TRUE(stub_->CreateTenant(Ctx("admin-secret").get(), req, &third).ok());
+  EXPECT_GT(third.tenant().id(), second.tenant().id());
+}
+
+TEST_F(CoordinatorRpcTest, ATenantTokenIsNeverAPrivilegedToken) {
+  v1::CreateTenantRequest req;
+  req.set_version(1);
+  req.set_name("mallory");
+  v1::CreateTenantResponse resp;
+  for (const char* privileged : {"admin-secret", "cluster-secret"}) {
+    req.set_token(privileged);
+    grpc::Status s = stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(s.error_message().find("admin or the cluster token"), std::string::npos) << s.error_message();
+  }
+  req.set_token("short-but-not-privileged");
+  EXPECT_EQ(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  req.set_token(std::string(40, 'q'));
+  ASSERT_TRUE(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).ok());
+  req.set_name("mallory2");  // the same token twice
+  EXPECT_EQ(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+}
+
+// 150 tenants with 64 long shared namespaces each (~1.3 MB of table): the
+// table comes in pages of at most 1 MiB that together hold every tenant;
+// a 65th shared namespace is refused; errors quote input boundedly.
+TEST_F(CoordinatorRpcTest, TheTenantTableComesInBoundedPages) {
+  v1::CreateTenantRequest req;
+  req.set_version(1);
+  for (int i = 0; i < 64; ++i) req.add_shared_namespaces("shared/" + std::string(100, 'a' + i % 26) + std::to_string(i));
+  v1::CreateTenantResponse resp;
+  for (int t = 0; t < 150; ++t) {
+    req.set_name("t" + std::to_string(1000 + t));
+    ASSERT_TRUE(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).ok()) << t;
+  }
+  req.set_name("too-many");
+  req.add_shared_namespaces("shared/one-more");
+  grpc::Status s = stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("at most 64"), std::string::npos) << s.error_message();
+  std::set<std::string> names;
+  std::string after;
+  int pages = 0;
+  uint64_t version = 0;
+  do {
+    v1::TenantTableRequest tr;
+    tr.set_version(1);
+    tr.set_page_after(after);
+    v1::TenantTable page;
+    ASSERT_TRUE(stub_->GetTenantTable(Ctx("cluster-secret").get(), tr, &page).ok());
+    EXPECT_LE(page.ByteSizeLong(), (1u << 20) + 16384);
+    if (pages == 0) version = page.tenants_version();
+    EXPECT_EQ(page.tenants_version(), version);
+    for (const auto& e : page.entries()) EXPECT_TRUE(names.insert(e.tenant().name()).second) << "twice: " << e.tenant().name();
+    after = page.next_page_after();
+    ++pages;
+  } while (!after.empty() && pages < 100);
+  EXPECT_GE(pages, 2);
+  EXPECT_EQ(names.size(), 150u);
+  // An error quoting a 100 KB input quotes a bounded prefix of it.
+  v1::CreateTenantRequest big;
+  big.set_version(1);
+  big.set_name("big");
+  big.set_kv_encoding(std::string(100000, 'x'));
+  s = stub_->CreateTenant(Ctx("admin-secret").get(), big, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_LT(s.error_message().size(), 400u) << s.error_message().size();
+  EXPECT_NE(s.error_message().find("100000 bytes"), std::string::npos) << s.error_message();
+  v1::DeleteTenantRequest del;
+  del.set_version(1);
+  del.set_name(std::string(100000, 'y'));
+  v1::DeleteTenantResponse dr;
+  s = stub_->DeleteTenant(Ctx("admin-secret").get(), del, &dr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_LT(s.error_message().size(), 400u);
 }
 
 TEST_F(CoordinatorRpcTest, UnsupportedProtocolVersionIsRefusedByName) {

@@ -92,6 +92,18 @@ class EngineEndToEnd(unittest.TestCase):
             self.client.attend("no-such-seq", self.layout, 48, np.zeros((1, 8, 32), np.float32), np.array([100]))
         with self.assertRaises(kvring.InvalidArgumentError):
             self.client.attend("e2e-passq", self.layout, 16, np.zeros((1, 8, 31), np.float32), np.array([100]))
+        # Wrong argument types say what is wrong, as kvring errors.
+        ro = np.zeros(self.layout.bytes, np.uint8)
+        ro.setflags(write=False)
+        with self.assertRaisesRegex(kvring.InvalidArgumentError, "read-only"):
+            self.client.get_into(np.array([[5, 6]], np.uint64), self.layout, ro)
+        with self.assertRaisesRegex(kvring.InvalidArgumentError, "read-only"):
+            self.client.get_into(np.array([[5, 6]], np.uint64), self.layout, bytes(self.layout.bytes))
+        with self.assertRaisesRegex(kvring.InvalidArgumentError, "parent"):
+            self.client.put(np.array([[5, 6]], np.uint64), np.zeros(self.layout.bytes, np.uint8), self.layout,
+                            parent=np.zeros((3, 3), np.uint64))
+        with self.assertRaisesRegex(kvring.InvalidArgumentError, "keys"):
+            self.client.lookup("not keys")
 
 
 if __name__ == "__main__":

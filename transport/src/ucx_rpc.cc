@@ -524,8 +524,12 @@ void UcxReplier::Send(const absl::Status& status, std::string meta, std::vector<
 absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::string& listen, UcxHandler handler,
                                                                   ThreadPool* pool, uint64_t max_message_bytes,
                                                                   UcxFastHandler fast_handler, const UcxLoopOptions& lo) {
-  (void)listen;
-  auto loop = UcxWorkerLoop::Create(UCP_FEATURE_AM, "kvring-ucx-server", lo);
+  // Only the interface of the listen address (all of them for 0.0.0.0).
+  absl::StatusOr<std::string> device = NetDeviceOf(listen);
+  if (!device.ok()) return device.status();
+  UcxLoopOptions server_lo = lo;
+  if (server_lo.net_devices.empty()) server_lo.net_devices = *device;
+  auto loop = UcxWorkerLoop::Create(UCP_FEATURE_AM, "kvring-ucx-server", server_lo);
   if (!loop.ok()) return loop.status();
   std::unique_ptr<UcxRpcServer> srv(new UcxRpcServer());
   srv->loop_ = std::move(*loop);

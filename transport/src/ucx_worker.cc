@@ -1,6 +1,7 @@
 #include "ucx_worker.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -13,6 +14,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kvring/common/status_macros.h"
 
 namespace kvring::ucx_internal {
 
@@ -57,12 +59,40 @@ absl::Status ToSockaddr(const std::string& host_port, sockaddr_storage* out, soc
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> NetDeviceOf(const std::string& host_port) {
+  sockaddr_storage ss;
+  socklen_t len = 0;
+  KVRING_RETURN_IF_ERROR(ToSockaddr(host_port, &ss, &len));
+  const in_addr want = reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr;
+  if (want.s_addr == htonl(INADDR_ANY)) return std::string();
+  ifaddrs* all = nullptr;
+  if (getifaddrs(&all) != 0) return absl::InternalError("getifaddrs failed");
+  std::string name;
+  for (ifaddrs* i = all; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    if (reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr == want.s_addr) {
+      name = i->ifa_name;
+      break;
+    }
+  }
+  freeifaddrs(all);
+  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat("no network interface has the address of ", host_port));
+  return name;
+}
+
 absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t features, const std::string& name,
                                                                     const UcxLoopOptions& options) {
   std::unique_ptr<UcxWorkerLoop> l(new UcxWorkerLoop());
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return UcsError(s, "ucp_config_read");
+  if (!options.net_devices.empty()) {
+    s = ucp_config_modify(config, "NET_DEVICES", options.net_devices.c_str());
+    if (s != UCS_OK) {
+      ucp_config_release(config);
+      return UcsError(s, "setting UCX network devices to " + options.net_devices);
+    }
+  }
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   p.features = features | (options.wakeup ? UCP_FEATURE_WAKEUP : 0);

@@ -29,6 +29,10 @@ absl::Status ToSockaddr(const std::string& host_port, sockaddr_storage* out, soc
 // Identifies "the same host" for shared-memory transports: the kernel boot id
 // plus the pid and IPC namespaces (processes in other containers differ).
 std::string HostKey();
+// The network interface that holds the IPv4 address of `host_port` ("lo" for
+// 127.0.0.1); "" for 0.0.0.0 (every interface); INVALID_ARGUMENT when no
+// interface holds it.
+absl::StatusOr<std::string> NetDeviceOf(const std::string& host_port);
 
 class UcxWorkerLoop {
  public:

@@ -446,6 +446,7 @@ class ClientImpl {
     std::vector<int> acks(n, 0);
     std::vector<absl::Status> last_err(n);
     std::vector<int> inserted(n, 0);
+    std::vector<std::vector<int>> pinned_on(n);  // nodes that stored (and pinned) a pinned block
     for (size_t i = 0; i < n; ++i) cands[i] = Candidates(*ring, pos[i]);
     std::vector<int> want(n, R);
     PutReport rep;
@@ -529,6 +530,7 @@ class ClientImpl {
           if (s.ok()) {
             ++acks[i];
             ++rep.replicas_written;
+            if (blocks[i].pin) pinned_on[i].push_back(jobs[j].first);
             if (results[j][k].inserted) inserted[i] = 1;
           } else if (IsNodeFailure(s)) {
             last_err[i] = s;
@@ -552,8 +554,42 @@ class ClientImpl {
                                                 std::string(last_err[i].message())));
       }
     }
-    if (!first_error.ok()) return first_error;
+    if (!first_error.ok()) {
+      // A failed Put leaves no pins: every pin it placed is taken back. The
+      // replicas that stored a block keep it as an ordinary cache block
+      // (content-addressed and checksummed, so never wrong; evictable), and
+      // a retry completes the put.
+      if (absl::Status u = UnpinPlaced(*ring, blocks, pinned_on); !u.ok()) {
+        first_error = absl::Status(first_error.code(), absl::StrCat(first_error.message(), "; and taking its pins back failed: ",
+                                                                    u.message()));
+      }
+      return first_error;
+    }
     return rep;
+  }
+
+  // Unpins block i on each node of pinned_on[i] (one request per node).
+  absl::Status UnpinPlaced(const ShardRing& ring, absl::Span<const BlockData> blocks,
+                           const std::vector<std::vector<int>>& pinned_on) {
+    std::map<int, std::vector<size_t>> plan;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      for (int node : pinned_on[i]) plan[node].push_back(i);
+    }
+    absl::Status first = absl::OkStatus();
+    for (const auto& [node_idx, idx] : plan) {
+      auto node = NodeFor(ring.node(node_idx).node_id());
+      if (!node) continue;
+      v1::PinRequest req;
+      *req.mutable_header() = Header();
+      req.set_unpin(true);
+      for (size_t i : idx) KeyToProto(blocks[i].key, req.add_keys());
+      v1::PinResponse resp;
+      auto ctx = Context(o_.rpc_timeout);
+      absl::Status s = FromGrpc(node->stub->Pin(ctx.get(), req, &resp));
+      for (int k = 0; s.ok() && k < resp.results_size(); ++k) s = StatusOf(resp.results(k).status());
+      if (!s.ok() && first.ok()) first = s;
+    }
+    return first;
   }
 
   std::vector<GetResult> GetBlocks(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts,
@@ -656,8 +692,12 @@ class ClientImpl {
     for (size_t j = 0; j < jobs.size(); ++j) {
       const auto& idx = jobs[j].second;
       if (!res[j].ok()) {
-        if (IsNodeFailure(res[j].status())) Suspect(ring->node(jobs[j].first).node_id());
-        prefix = std::min(prefix, idx[0]);  // unknown: treat its first block as a miss
+        // A node that cannot answer: its first block counts as a miss (the
+        // engine recomputes). Any other answer (a revoked token, a bad
+        // request) is the caller's to see, not a miss.
+        if (!IsNodeFailure(res[j].status())) return res[j].status();
+        Suspect(ring->node(jobs[j].first).node_id());
+        prefix = std::min(prefix, idx[0]);
         continue;
       }
       if (*res[j] < idx.size()) prefix = std::min(prefix, idx[*res[j]]);

@@ -1,6 +1,7 @@
 #include "kvring/protocol/wire.h"
 
 #include "absl/strings/str_cat.h"
+#include "kvring/common/quote.h"
 
 namespace kvring {
 
@@ -63,7 +64,9 @@ absl::StatusOr<std::string> ResolveNamespace(const v1::Tenant& tenant, const std
     if (s == requested) return s;
   }
   return absl::PermissionDeniedError(
-      absl::StrCat("tenant '", tenant.name(), "' may not use namespace '", requested, "'"));
+      absl::StrCat("tenant '", tenant.name(), "' may not use namespace ", Quote(requested)));
 }
+
+std::string TenantNamespace(uint32_t tenant_id) { return absl::StrCat("tenant/", tenant_id); }
 
 }  // namespace kvring

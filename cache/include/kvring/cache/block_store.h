@@ -26,6 +26,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -80,6 +81,7 @@ struct BlockStoreStats {
   uint64_t puts = 0, put_dedups = 0, hits = 0, misses = 0, cold_hits = 0;
   uint64_t evictions = 0, demotions = 0, drops = 0, promotions = 0, demotion_errors = 0;
   uint64_t lookups = 0;
+  uint64_t unpromoted_reads = 0;  // cold reads served from a copy: every host page was held
 };
 
 struct PutArgs {
@@ -99,7 +101,9 @@ class BlockStore;
 
 // A read hold on a block's host copy: the payload stays valid and the block
 // unevictable until the handle is destroyed. Movable, not copyable. Must not
-// outlive its store.
+// outlive its store. A block read from the cold tier while every host page
+// is held by other reads comes as a copy of its own (no page held), so a
+// read never needs all of its blocks resident at once.
 class PinnedBlock {
  public:
   PinnedBlock() = default;
@@ -109,7 +113,7 @@ class PinnedBlock {
   PinnedBlock& operator=(const PinnedBlock&) = delete;
   ~PinnedBlock();
 
-  bool valid() const { return store_ != nullptr; }
+  bool valid() const { return store_ != nullptr || data_ != nullptr; }
   const BlockMeta& meta() const { return meta_; }
   const BlockKey& parent() const { return parent_; }
   absl::Span<const uint8_t> payload() const { return {data_, meta_.payload_bytes}; }
@@ -120,6 +124,7 @@ class PinnedBlock {
   BlockStore* store_ = nullptr;
   PageId page_ = kNoPage;
   const uint8_t* data_ = nullptr;
+  std::vector<uint8_t> owned_;  // the payload, when no page holds it
   BlockMeta meta_;
   BlockKey parent_;
 };
@@ -152,6 +157,10 @@ class BlockStore {
   absl::Status Unpin(TenantId tenant, NamespaceId ns, const BlockKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // Removes the block from every tier (FAILED_PRECONDITION while pinned).
   absl::Status Erase(NamespaceId ns, const BlockKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  // Erases every block of the given namespaces from every tier, pinned or
+  // not (a deleted tenant's namespace); returns how many. Works in batches,
+  // taking the store's lock for each, so requests are served in between.
+  absl::StatusOr<uint64_t> PurgeNamespaces(const absl::flat_hash_set<NamespaceId>& namespaces) ABSL_LOCKS_EXCLUDED(mu_);
 
   void SetTenantQuota(TenantId tenant, const TenantQuota& quota) ABSL_LOCKS_EXCLUDED(mu_);
   TenantUsage GetTenantUsage(TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_);
@@ -183,6 +192,8 @@ class BlockStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SlotInfo SlotInfoLocked(const ScopedKey& key, const BlockIndex::Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreePageLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Erases an unpinned entry from the index, the cold tier and the host tier.
+  absl::Status EraseLocked(const ScopedKey& key, BlockIndex::Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const BlockStoreOptions options_;
   const std::string policy_name_;

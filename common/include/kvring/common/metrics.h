@@ -23,6 +23,9 @@ namespace kvring {
 class CounterMetric {
  public:
   void Add(uint64_t n = 1) { value_.fetch_add(n, std::memory_order_relaxed); }
+  // Mirrors a cumulative count kept elsewhere (a store's eviction count):
+  // `total` must never decrease.
+  void SetTotal(uint64_t total) { value_.store(total, std::memory_order_relaxed); }
   uint64_t value() const { return value_.load(std::memory_order_relaxed); }
 
  private:
@@ -75,8 +78,10 @@ class MetricsRegistry {
   HistogramMetric* Histogram(const std::string& name, const std::string& help, const std::string& labels = "",
                              std::vector<double> bounds = HistogramMetric::LatencyBounds());
 
-  // Prometheus text format (version 0.0.4).
+  // Prometheus text format (version 0.0.4): each family once (HELP, TYPE,
+  // then every labelled series of it), families in registration order.
   std::string Render() const;
+  static constexpr const char* kContentType = "text/plain; version=0.0.4; charset=utf-8";
 
  private:
   enum class Kind { kCounter, kGauge, kHistogram };

@@ -131,6 +131,9 @@ class AttentionBackend {
   // The open block is now full block `key` in the store: the backend keeps
   // its copy (GPU) or frees it (CPU).
   virtual void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key) = 0;
+  // The sequence ended (its tenant was deleted): gives back everything the
+  // backend holds for it, open blocks included.
+  virtual void ForgetSequence(const SequenceRef& seq) = 0;
   // Per-tenant cap on the bytes the backend holds for a tenant's sequences
   // (the tenant's pinned-bytes quota; UINT64_MAX: none).
   virtual void SetTenantQuota(TenantId tenant, uint64_t max_bytes) = 0;

@@ -38,11 +38,17 @@ class TenantDirectory {
   absl::StatusOr<v1::Tenant> Authenticate(const grpc::ServerContext& ctx) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::Tenant> ByToken(const std::string& token) const ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<v1::Tenant> tenants() const ABSL_LOCKS_EXCLUDED(mu_);
-  // A token not in the table triggers `refresh` (which should fetch the
-  // table and Update() it) before the lookup fails, at most once per
-  // `min_interval` (so a tenant created a moment ago works at once, and a
-  // flood of bad tokens costs the coordinator one call per interval).
-  // Call before serving; `refresh` runs on the authenticating thread.
+  // Ids of deleted tenants, as of the table held (their namespaces are to be
+  // reclaimed).
+  std::vector<uint32_t> deleted_tenant_ids() const ABSL_LOCKS_EXCLUDED(mu_);
+  // A token not in the table is looked up again in a table fetched after the
+  // miss (`refresh` fetches it and calls Update()) before it is refused, so a
+  // tenant created a moment ago works at once. Refreshes run at most once per
+  // `min_interval`: a miss waits for the next one (at most about
+  // `min_interval` plus one fetch), and one refresh answers every miss that
+  // came before it, so a flood of bad tokens costs the coordinator one call
+  // per interval. Call before serving; `refresh` runs on an authenticating
+  // thread.
   void SetMissHandler(std::function<void()> refresh, absl::Duration min_interval) ABSL_LOCKS_EXCLUDED(refresh_mu_);
 
  private:
@@ -50,10 +56,11 @@ class TenantDirectory {
   mutable absl::Mutex refresh_mu_;  // held while a miss refresh runs
   std::function<void()> refresh_ ABSL_GUARDED_BY(refresh_mu_);
   absl::Duration refresh_interval_ ABSL_GUARDED_BY(refresh_mu_);
-  mutable absl::Time last_refresh_ ABSL_GUARDED_BY(refresh_mu_) = absl::InfinitePast();
+  mutable absl::Time last_refresh_ ABSL_GUARDED_BY(refresh_mu_) = absl::InfinitePast();  // when the last one began
   mutable absl::Mutex mu_;
   uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<std::string, v1::Tenant> by_digest_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint32_t> deleted_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvring

@@ -2,7 +2,8 @@
 // node (retrying with backoff until the coordinator answers), heartbeats
 // every interval on its own thread, re-registers when the coordinator asks
 // (it restarted or declared this node dead), and refreshes the tenant
-// directory whenever the coordinator's tenants version moves.
+// directory whenever the coordinator's tenants version moves (reading the
+// table page by page, as the coordinator serves it).
 //
 // Start() returns once the first registration and tenant fetch succeeded or
 // `start_timeout` passed (UNAVAILABLE). The destructor stops the thread.
@@ -52,6 +53,8 @@ class CoordinatorLink {
 
  private:
   absl::Status Register();
+  // The whole table, read page by page at one version.
+  absl::StatusOr<v1::TenantTable> FetchTenantTable();
   void Loop();
   std::unique_ptr<grpc::ClientContext> Context() const;
 

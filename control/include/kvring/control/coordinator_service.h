@@ -3,8 +3,13 @@
 // - Nodes RegisterNode (cluster token) and Heartbeat every
 //   heartbeat_interval; a node silent for heartbeat_timeout is marked DOWN.
 //   Every change of membership or state bumps the map version.
-// - Tenants are created by the admin; each gets its own namespace
-//   ("tenant/<name>") and a bearer token whose SHA-256 is kept.
+// - Tenants are created by the admin; each gets an id that is never reused,
+//   its own namespace "tenant/<id>" (a name is a label: a tenant deleted and
+//   created again under the same name sees none of the old one's blocks), and
+//   a bearer token (generated, 256 bits) of which only the SHA-256 is kept.
+//   A deleted tenant's id is kept as a tombstone in the tenant table, and
+//   every daemon reclaims that namespace's blocks in the background.
+// - Daemons read the tenant table in pages of at most 1 MiB.
 // - Everything the coordinator must not lose (nodes, tenants, versions) is in
 //   the MetadataStore (RocksDB, synced writes). After a restart the map
 //   version moves forward, known nodes keep their state for one timeout of
@@ -98,6 +103,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   uint64_t next_tenant_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, v1::TenantTable::Entry> tenants_ ABSL_GUARDED_BY(mu_);  // by name
+  std::vector<uint32_t> deleted_ids_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvring

@@ -31,6 +31,7 @@ class CpuAttentionBackend final : public AttentionBackend {
   absl::Status Step(const StepPlan& plan, PartialOutput out, StepTimes* times) override;
   absl::Status ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) override;
   void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key) override { DiscardOpenBlock(seq, index); }
+  void ForgetSequence(const SequenceRef& seq) override;
   void SetTenantQuota(TenantId tenant, uint64_t max_bytes) override;
   BackendStats stats() override;
 

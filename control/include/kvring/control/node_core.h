@@ -24,7 +24,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "kvring.pb.h"
 #include "kvring/cache/block_store.h"
 #include "kvring/common/metrics.h"
@@ -35,6 +37,10 @@
 #include "kvring/control/sequence_table.h"
 
 namespace kvring {
+
+struct ReclaimResult {
+  uint64_t tenants = 0, blocks = 0, sequences = 0;
+};
 
 struct NodeCoreOptions {
   // This node's id, reported by Stats. Default: empty.
@@ -86,6 +92,15 @@ class NodeCore {
   // Applies every tenant's pinned-bytes quota to the store (after the
   // directory changes).
   void ApplyQuotas();
+  // Reclaims what deleted tenants left on this node (the directory's
+  // tombstones): every block of their namespaces in every tier, pinned or
+  // not, and their attention sequences (records and backend memory). Their
+  // blocks were unreachable from the moment of the delete (a namespace is
+  // bound to a tenant id, never reused); this frees the space. Idempotent;
+  // each tombstone is processed once per process (after a restart, once
+  // again: the cold tier may have brought blocks back). Slow on a big store:
+  // call it off the request path.
+  absl::StatusOr<ReclaimResult> ReclaimDeletedTenants() ABSL_LOCKS_EXCLUDED(reclaim_mu_);
 
  private:
   struct OpMetrics {
@@ -126,6 +141,9 @@ class NodeCore {
   CounterMetric* appended_tokens_;
   CounterMetric* sealed_blocks_;
   HistogramMetric* attend_kernel_;
+  CounterMetric* reclaimed_blocks_;
+  absl::Mutex reclaim_mu_;
+  absl::flat_hash_set<uint32_t> reclaimed_ ABSL_GUARDED_BY(reclaim_mu_);
   friend class OpScope;
 };
 

@@ -28,6 +28,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
@@ -134,6 +135,10 @@ class SequenceTable {
     SequenceState& state() ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry_->state; }
     // Block `index` is full block `key` here: persisted, then in state().blocks.
     absl::Status Record(uint64_t index, const BlockKey& key);
+    // Ends the sequence here: its persisted records are deleted and its state
+    // cleared (the caller gave its open blocks back to the backend); it
+    // leaves the table when the handle is released.
+    absl::Status Forget();
     void Release();
 
    private:
@@ -149,6 +154,9 @@ class SequenceTable {
   std::vector<Handle> LockMany(NamespaceId ns, absl::Span<const std::string> ids) ABSL_LOCKS_EXCLUDED(mu_);
 
   size_t num_sequences() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The ids of the sequences in the given namespaces (a snapshot).
+  std::vector<std::pair<NamespaceId, std::string>> SequencesIn(const absl::flat_hash_set<NamespaceId>& namespaces) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Open blocks over all sequences (as of the last handle released).
   uint64_t open_blocks() const { return open_blocks_.load(std::memory_order_relaxed); }
 

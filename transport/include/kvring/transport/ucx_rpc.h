@@ -65,6 +65,11 @@ struct UcxLoopOptions {
   // false: the loop polls without sleeping (lowest latency, a core always
   // busy). Default: true.
   bool wakeup = true;
+  // The network devices the worker may use (UCX's device names, e.g. "lo",
+  // "eth0"; comma-separated). Empty: every device. A server sets it from its
+  // listen address, so that it opens no listener on another interface.
+  // Shared-memory transports are not network devices and stay available.
+  std::string net_devices;
 };
 
 struct UcxRequest {

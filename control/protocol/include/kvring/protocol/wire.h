@@ -39,4 +39,8 @@ absl::Status ValidateSequenceId(const std::string& id, uint32_t max_bytes = kMax
 // to it) or one of its shared namespaces; PERMISSION_DENIED otherwise.
 absl::StatusOr<std::string> ResolveNamespace(const v1::Tenant& tenant, const std::string& requested);
 
+// A tenant's own namespace: "tenant/<id>". Ids are never reused, so neither
+// is a namespace.
+std::string TenantNamespace(uint32_t tenant_id);
+
 }  // namespace kvring

@@ -1,0 +1,316 @@
+// What an outside black-box probe broke (tenancy, bad input, faults,
+// metrics), each against real processes: a coordinator and kvringd daemons,
+// the kvring CLI, and promtool where it is installed.
+#include <dirent.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "cluster_fixture.h"
+
+namespace kvring::testing {
+namespace {
+
+grpc::Status DeleteTenant(Cluster& cl, const std::string& name) {
+  auto stub = cl.CoordinatorStub();
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer " + cl.admin_token());
+  v1::DeleteTenantRequest req;
+  req.set_version(1);
+  req.set_name(name);
+  v1::DeleteTenantResponse resp;
+  return stub->DeleteTenant(&ctx, req, &resp);
+}
+
+// CreateTenant through the client library, with no wait afterwards.
+absl::StatusOr<std::string> CreateTenantNow(Cluster& cl, const std::string& name) {
+  TenantSpec spec;
+  spec.name = name;
+  absl::StatusOr<CreatedTenant> t = CreateTenant(cl.coordinator_address(), cl.admin_token(), spec);
+  if (!t.ok()) return t.status();
+  return t->token;
+}
+
+uint64_t NodeBlocks(Client& c) {
+  uint64_t n = 0;
+  for (const NodeStats& s : c.Stats()) n += s.blocks;
+  return n;
+}
+
+// Waits until `pred` holds (polling), or the timeout.
+template <typename Pred>
+bool Eventually(Pred pred, absl::Duration timeout = absl::Seconds(10)) {
+  const absl::Time end = absl::Now() + timeout;
+  while (absl::Now() < end) {
+    if (pred()) return true;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return pred();
+}
+
+// Runs a program; returns its exit code (or 128 + signal) and its output.
+int RunProgram(const std::vector<std::string>& argv, std::string* output) {
+  std::string cmd;
+  for (const auto& a : argv) absl::StrAppend(&cmd, "'", a, "' ");
+  cmd += "2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return -1;
+  char buf[4096];
+  size_t n;
+  output->clear();
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) output->append(buf, n);
+  const int st = pclose(p);
+  if (WIFSIGNALED(st)) return 128 + WTERMSIG(st);
+  return WEXITSTATUS(st);
+}
+
+// A deleted name created again is a new tenant: it sees nothing of the old
+// one. The old one's blocks are reclaimed in the background on a running
+// daemon, and on a daemon that was down during the delete once it restarts
+// (its cold tier brings them back first). The old tenant's live client gets
+// an error, not a miss.
+TEST(ProbeTest, ARecreatedTenantInheritsNothingAndDeletedBlocksAreReclaimed) {
+  Cluster cl(ClusterOptions{.nodes = 1, .replication = 1, .write_through = true});
+  ASSERT_TRUE(cl.Start());
+  auto observer_token = cl.CreateTenant("observer");
+  auto bob_token = cl.CreateTenant("bob");
+  ASSERT_TRUE(observer_token.ok() && bob_token.ok());
+  auto observer = cl.Connect(*observer_token);
+  auto bob = cl.Connect(*bob_token);
+  ASSERT_TRUE(observer.ok() && bob.ok());
+  Blocks old = MakeChain(**bob, SmallLayout(), "m", 5, 12);
+  ASSERT_TRUE((*bob)->Put(old.data).ok());
+  // A sequence over the same blocks: stored under the same keys, so 12 blocks.
+  ASSERT_TRUE((*bob)->PutSequence("bob-seq", 0, absl::MakeConstSpan(old.data).subspan(0, 4)).ok());
+  EXPECT_EQ(NodeBlocks(**observer), 12u);
+
+  ASSERT_TRUE(DeleteTenant(cl, "bob").ok());
+  // The old client's lookup is an error that says why, not "0 blocks held".
+  EXPECT_TRUE(Eventually([&] {
+    absl::StatusOr<size_t> n = (*bob)->LookupPrefix(old.keys);
+    return !n.ok() && absl::IsUnauthenticated(n.status());
+  })) << (*bob)->LookupPrefix(old.keys).status();
+  EXPECT_TRUE(Eventually([&] { return NodeBlocks(**observer) == 0; })) << NodeBlocks(**observer);
+  EXPECT_NE(cl.Log("node0.log").find("reclaimed 12 blocks and 1 sequences of 1 deleted tenant"), std::string::npos)
+      << cl.Log("node0.log");
+
+  auto bob2_token = cl.CreateTenant("bob");
+  ASSERT_TRUE(bob2_token.ok());
+  auto bob2 = cl.Connect(*bob2_token);
+  ASSERT_TRUE(bob2.ok());
+  EXPECT_NE((*bob2)->namespace_name(), (*bob)->namespace_name());
+  EXPECT_EQ(*(*bob2)->LookupPrefix(old.keys), 0u);  // the exact old keys
+  Blocks again = MakeChain(**bob2, SmallLayout(), "m", 5, 12);  // the same tokens
+  EXPECT_EQ(*(*bob2)->LookupPrefix(again.keys), 0u);
+
+  // Deleted while the daemon is down: reclaimed when it comes back.
+  ASSERT_TRUE((*bob2)->Put(again.data).ok());
+  EXPECT_EQ(NodeBlocks(**observer), 12u);
+  cl.StopDaemon(0);
+  ASSERT_TRUE(DeleteTenant(cl, "bob").ok());
+  ASSERT_TRUE(cl.StartDaemon(0));
+  ASSERT_TRUE(cl.WaitForNodesUp(1));
+  auto observer2 = cl.Connect(*observer_token);
+  ASSERT_TRUE(observer2.ok());
+  EXPECT_TRUE(Eventually([&] { return NodeBlocks(**observer2) == 0; })) << NodeBlocks(**observer2);
+  EXPECT_NE(cl.Log("node0.log").find("recovered 12 blocks"), std::string::npos) << cl.Log("node0.log");
+}
+
+// A tenant works the moment CreateTenant returns: the daemons ask the
+// coordinator about a token they do not know before refusing it.
+TEST(ProbeTest, ANewTenantIsServedTheMomentItIsCreated) {
+  Cluster cl(ClusterOptions{.nodes = 2, .replication = 2});
+  ASSERT_TRUE(cl.Start());
+  for (int i = 0; i < 6; ++i) {
+    absl::StatusOr<std::string> token = CreateTenantNow(cl, "fresh" + std::to_string(i));
+    ASSERT_TRUE(token.ok()) << token.status();
+    auto c = cl.Connect(*token);
+    ASSERT_TRUE(c.ok()) << c.status();
+    Blocks b = MakeChain(**c, SmallLayout(), "m", 70 + i, 3);
+    absl::StatusOr<PutReport> r = (*c)->Put(b.data);
+    ASSERT_TRUE(r.ok()) << "tenant " << i << ": " << r.status();
+    EXPECT_EQ(r->replicas_written, 6u);
+  }
+  // A bad token is still refused, promptly.
+  auto bad = cl.Connect("no-such-token-0123456789abcdef0123456789");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kUnauthenticated) << bad.status();
+}
+
+// A pinned put refused on some replica by the tenant's quota leaves no pins
+// anywhere: the failed put's pins are taken back.
+TEST(ProbeTest, AFailedPinnedPutLeavesNoPins) {
+  Cluster cl(ClusterOptions{.nodes = 3, .replication = 2});
+  ASSERT_TRUE(cl.Start());
+  const uint64_t block = SmallLayout().bytes();
+  auto token = cl.CreateTenant("pinner", {}, /*quota=*/3 * block);
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  Blocks b = MakeChain(**c, SmallLayout(), "m", 9, 24);
+  size_t ok_puts = 0, failed = 0;
+  for (size_t i = 0; i < b.data.size(); ++i) {
+    BlockData d = b.data[i];
+    d.pin = true;
+    absl::StatusOr<PutReport> r = (*c)->Put(absl::MakeConstSpan(&d, 1));
+    if (r.ok()) {
+      ++ok_puts;
+    } else {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+      ++failed;
+    }
+  }
+  ASSERT_GT(failed, 0u);
+  ASSERT_GT(ok_puts, 0u);
+  uint64_t pinned = 0;
+  for (const NodeStats& s : (*c)->Stats()) pinned += s.pinned_blocks;
+  EXPECT_EQ(pinned, 2 * ok_puts) << ok_puts << " puts succeeded, " << failed << " failed";
+}
+
+// One Get of 120 cold blocks from a node with 8 host pages, over UCX (which
+// holds the blocks it replies with): every block comes back right.
+TEST(ProbeTest, AGetOfMoreColdBlocksThanHostPagesSucceeds) {
+  Cluster cl(ClusterOptions{.nodes = 1, .replication = 1, .host_bytes = "16M", .write_through = true});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("reader");
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  Blocks b = MakeChain(**c, SmallLayout(), "m", 3, 120);
+  for (size_t i = 0; i < b.data.size(); i += 4) {
+    ASSERT_TRUE((*c)->Put(absl::MakeConstSpan(b.data).subspan(i, 4)).ok());
+  }
+  std::vector<GetResult> got = (*c)->Get(b.keys);
+  ASSERT_EQ(got.size(), 120u);
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << "block " << i << ": " << got[i].status;
+    EXPECT_EQ(got[i].payload, b.payloads[i]) << "block " << i;
+  }
+}
+
+// The UCX data plane listens only on the interface of --ucx_listen: every
+// TCP listener of a daemon bound to 127.0.0.1 is on 127.0.0.1.
+TEST(ProbeTest, TheDaemonListensOnlyWhereItWasTold) {
+  Cluster cl(ClusterOptions{.nodes = 1, .replication = 1});
+  ASSERT_TRUE(cl.Start());
+  // The daemon's socket inodes.
+  std::set<std::string> inodes;
+  const std::string fd_dir = absl::StrCat("/proc/", cl.daemon(0).pid(), "/fd");
+  DIR* d = opendir(fd_dir.c_str());
+  ASSERT_NE(d, nullptr);
+  for (dirent* e; (e = readdir(d)) != nullptr;) {
+    char target[256];
+    const ssize_t n = readlink((fd_dir + "/" + e->d_name).c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    target[n] = 0;
+    std::cmatch m;
+    if (std::regex_match(target, m, std::regex("socket:\\[(\\d+)\\]"))) inodes.insert(m[1]);
+  }
+  closedir(d);
+  // Its listening TCP sockets (state 0A) and their local addresses.
+  int listeners = 0;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (f.size() < 10 || f[3] != "0A" || !inodes.count(f[9])) continue;
+      ++listeners;
+      const std::string addr = f[1].substr(0, f[1].find(':'));
+      // 0100007F: 127.0.0.1 (little-endian hex); ::1 and ::ffff:127.0.0.1 likewise.
+      EXPECT_TRUE(addr == "0100007F" || addr == "00000000000000000000000001000000" ||
+                  addr == "0000000000000000FFFF00000100007F")
+          << "the daemon listens on " << f[1] << " (" << table << ")";
+    }
+  }
+  EXPECT_GE(listeners, 2);  // gRPC and at least one UCX listener
+}
+
+// The CLI refuses bad flags with a message and exit code 2, before it
+// builds or sends anything (no crash, no hang, no silent success).
+TEST(ProbeTest, TheCliRefusesBadFlagsWithExitCodeTwo) {
+  const std::string cli = Cluster::Bin("clients/kvring");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--block_tokens=0", "put"}, "block_tokens"},
+      {{"--tokens=-5", "put"}, "tokens"},
+      {{"--tokens=7", "put"}, "tokens"},
+      {{"--sequences=0", "put"}, "sequences"},
+      {{"--layers=100000", "put"}, "layers"},
+      {{"--layers=256", "--kv_heads=64", "put"}, "64 MiB"},
+      {{"--dtype=int4", "put"}, "dtype"},
+      {{"--blocks=0", "bench"}, "blocks"},
+      {{"--threads=0", "bench"}, "threads"},
+      {{"--block_bytes=1T", "bench"}, "block_bytes"},
+      {{"--block_bytes=1", "bench"}, "block_bytes"},
+      {{"--op=delete", "bench"}, "op"},
+      {{"--quantize=int4", "put"}, "quantize"},
+      {{"tenant-create"}, "--name"},
+  };
+  for (const auto& [args, want] : cases) {
+    std::vector<std::string> argv = {cli, "--coordinator=127.0.0.1:1"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::string out;
+    const int rc = RunProgram(argv, &out);
+    EXPECT_EQ(rc, 2) << absl::StrJoin(args, " ") << ": " << out;
+    EXPECT_NE(out.find(want), std::string::npos) << absl::StrJoin(args, " ") << ": " << out;
+  }
+}
+
+std::string MetricsPort(const std::string& log, const std::string& pattern) {
+  std::smatch m;
+  if (std::regex_search(log, m, std::regex(pattern))) return m[1];
+  return "";
+}
+
+// Both /metrics endpoints pass promtool's checks (one HELP and TYPE per
+// family, counters named *_total, every metric documented) and say the
+// exposition format version. Skips where promtool is not installed
+// (deploy/setup.sh installs it).
+TEST(ProbeTest, MetricsPassPromtool) {
+  if (access("/usr/bin/promtool", X_OK) != 0) GTEST_SKIP() << "promtool not installed";
+  ClusterOptions o{.nodes = 1, .replication = 1};
+  o.extra_daemon_flags = {"--metrics_listen=127.0.0.1:0"};
+  o.extra_coordinator_flags = {"--metrics_listen=127.0.0.1:0"};
+  Cluster cl(o);
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("metrics");
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  Blocks b = MakeChain(**c, SmallLayout(), "m", 1, 8);
+  ASSERT_TRUE((*c)->Put(b.data).ok());
+  (void)(*c)->Get(b.keys);
+  (void)(*c)->LookupPrefix(b.keys);
+  const std::string dport = MetricsPort(cl.Log("node0.log"), "metrics=(\\d+)");
+  const std::string cport = MetricsPort(cl.Log("coordinator.log"), "metrics on port (\\d+)");
+  ASSERT_FALSE(dport.empty()) << cl.Log("node0.log");
+  ASSERT_FALSE(cport.empty()) << cl.Log("coordinator.log");
+  for (const std::string& port : {dport, cport}) {
+    const std::string file = (cl.dir() / ("metrics-" + port + ".txt")).string();
+    const std::string headers = file + ".headers";
+    std::string out;
+    // A plain HTTP/1.0 GET with bash's /dev/tcp: no curl needed.
+    const std::string get = absl::StrCat("exec 3<>/dev/tcp/127.0.0.1/", port,
+                                         "; printf \"GET /metrics HTTP/1.0\\r\\n\\r\\n\" >&3; cat <&3 > ", file);
+    ASSERT_EQ(RunProgram({"/bin/bash", "-c", get}, &out), 0) << out;
+    std::ifstream in(file);
+    std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t body = all.find("\r\n\r\n");
+    ASSERT_NE(body, std::string::npos) << all;
+    EXPECT_NE(all.substr(0, body).find("version=0.0.4"), std::string::npos) << all.substr(0, body);
+    std::ofstream(file) << all.substr(body + 4);
+    const int rc = RunProgram({"/bin/bash", "-c", "promtool check metrics < " + file}, &out);
+    EXPECT_EQ(rc, 0) << "port " << port << ": " << out << "\n" << all.substr(body + 4, 3000);
+  }
+}
+
+}  // namespace
+}  // namespace kvring::testing
