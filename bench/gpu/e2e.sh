@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # GPU nodes end to end on a GPU host (the README's third command).
 #   here:          bash bench/gpu/pack.sh          (builds and packs .gpu/ and .gpu.tar.gz)
-#   on the host:   bash bench/gpu/e2e.sh [--quick] [--no-tests] [--no-e2e] [--no-hf] [--only=PARTS] [--hf-only=PARTS]
+#   on the host:   bash bench/gpu/e2e.sh [--quick] [--no-tests] [--no-e2e] [--no-hf] [--no-workloads]
+#                  [--only=PARTS] [--hf-only=PARTS] [--wl-only=PARTS] [--tests=GTEST_FILTER]
 # On a Debian 12 GPU host with a full build (bash deploy/setup.sh), the
 # binaries come from build/ instead. Runs the GPU tests (gtest, label gpu),
 # then bench/gpu/e2e.py (a coordinator and kvringd --gpu daemons sharing the
 # GPU, checked against torch and timed), then bench/gpu/hf_e2e.py
-# (transformers' Llama on kvring: pass-Q attention and the prefix cache).
+# (transformers' Llama on kvring: pass-Q attention and the prefix cache),
+# then bench/gpu/hf_workloads.py (chat, a 128K agent, a cache-backend batch).
 # Logs and results go to $OUT (or ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,12 +24,16 @@ else
 fi
 export PYTHONPATH=$PY:${PYTHONPATH:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-TESTS=1; E2E=1; HF=1; ARGS=(); HF_ARGS=()
+TESTS=1; E2E=1; HF=1; WL=1; ARGS=(); HF_ARGS=(); WL_ARGS=(); FILTER='*'
+
 for a in "$@"; do
   case "$a" in
     --no-tests) TESTS=0;;
     --no-e2e) E2E=0;;
     --no-hf) HF=0;;
+    --no-workloads) WL=0;;
+    --wl-only=*) WL_ARGS+=("--only" "${a#--wl-only=}");;
+    --tests=*) FILTER="${a#--tests=}";;
     --quick) ARGS+=("$a"); HF_ARGS+=("$a");;
     --only=*) ARGS+=("--only" "${a#--only=}");;
     --hf-only=*) HF_ARGS+=("--only" "${a#--hf-only=}");;
@@ -39,7 +45,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 rc=0
 if [ $TESTS = 1 ]; then
   echo "== gpu tests"
-  timeout 300 "$TEST" --gtest_color=no 2>&1 | tee "$OUT/gpu_test.log" | grep -E "^\[ +(OK|FAILED|SKIPPED|PASSED) |Failure|error:|Expected|Which|Value of|Actual" | head -80
+  timeout 300 "$TEST" --gtest_color=no --gtest_filter="$FILTER" 2>&1 | tee "$OUT/gpu_test.log" | grep -E "^\[ +(OK|FAILED|SKIPPED|PASSED) |Failure|error:|Expected|Which|Value of|Actual" | head -80
   grep -q "^\[  PASSED  \]" "$OUT/gpu_test.log" && ! grep -q "^\[  FAILED  \]" "$OUT/gpu_test.log" || rc=1
 fi
 if [ $E2E = 1 ]; then
@@ -50,6 +56,11 @@ fi
 if [ $HF = 1 ]; then
   echo "== transformers on kvring"
   timeout 540 python3 bench/gpu/hf_e2e.py --bin "$BIN" --out "$OUT" "${HF_ARGS[@]}" 2>&1 | tee "$OUT/hf_e2e.log" | grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [ $WL = 1 ]; then
+  echo "== workloads: transformers on kvring GPU nodes"
+  timeout 540 python3 bench/gpu/hf_workloads.py --bin "$BIN" --out "$OUT" "${WL_ARGS[@]}" 2>&1 | tee "$OUT/hf_workloads.log" | grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 exit $rc

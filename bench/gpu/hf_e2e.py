@@ -10,7 +10,10 @@ head_dim 128, bf16; and a held-out 40-layer, 40 q / 8 kv head shape). The
 output projection is scaled up (x8) so that greedy choices are decisive
 rather than near-ties of an untrained model's flat logits.
 
-Checks (bf16 tolerance; results in $OUT/hf_e2e.json):
+Checks (results in $OUT/hf_e2e.json). The tolerance is stated against a peer
+measured in the same run: teacher-forced logits may differ from sdpa's by at
+most max(5e-2, 1.5 x what transformers' own eager attention differs from
+sdpa by), relative to the step's largest logit:
  1. pass-Q greedy: 32 tokens from a 4K prompt with kvring attention equal
     transformers' sdpa; teacher-forced logits on the reference tokens agree
     (max relative difference reported; steps whose reference top-2 gap is
@@ -59,10 +62,7 @@ def build_model(layers, heads, kv_heads, hidden, inter, seed, vocab=32000):
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.eval()
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation("sdpa")
-    else:
-        model.config._attn_implementation = "sdpa"
+    set_attention(model, "sdpa")
     return model
 
 
@@ -85,6 +85,26 @@ def teacher_forced(model, ids, ref_tokens, cache):
 
 
 TOL = 5e-2  # teacher-forced logits: max |difference| / max |logit| a step (bf16 through every layer)
+PEER_FACTOR = 1.5  # kvring may differ from sdpa at most 1.5x as much as transformers' eager attention does
+
+
+def set_attention(model, name):
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def eager_floor(model, ids, ref_tokens, ref_logits):
+    """How far transformers' own eager attention is from sdpa on the same steps (teacher-forced): the bf16
+    noise floor of this model, measured in the same run."""
+    from transformers import DynamicCache
+    set_attention(model, "eager")
+    try:
+        tf = teacher_forced(model, ids, ref_tokens, DynamicCache())
+    finally:
+        set_attention(model, "sdpa")
+    return compare_logits(ref_logits, tf)[0]
 
 
 def compare_logits(ref, got, tol=TOL):
@@ -129,18 +149,22 @@ def _passq_run(c, model, name, prompt_len, n_new, results, kill, ids, ref_tokens
     with khf.PassQSession(c, model, [f"{name}-tf-{prompt_len}"]) as sess_tf:
         tf = teacher_forced(model, ids, ref_tokens, sess_tf.cache())
     max_rel, ties = compare_logits(ref_logits, tf)
+    floor = eager_floor(model, ids, ref_tokens, ref_logits)
+    tol = max(TOL, PEER_FACTOR * floor)
+    _, ties = compare_logits(ref_logits, tf, tol)
     same = tokens == ref_tokens
     first_diff = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
     r = {"model": name, "prompt": prompt_len, "new_tokens": n_new, "same_tokens": same, "first_difference": first_diff,
-         "teacher_forced_max_rel_logit_diff": max_rel, "tie_steps": ties, "generate_s": gen_s,
+         "teacher_forced_max_rel_logit_diff": max_rel, "eager_vs_sdpa_max_rel_logit_diff": floor, "tolerance": tol,
+         "tie_steps": ties, "generate_s": gen_s,
          "attend_steps": sess.steps, "bytes_sent": sess.bytes_sent, "bytes_received": sess.bytes_received,
          "killed_a_shard": kill is not None}
     ok = same or (first_diff is not None and first_diff in ties)
-    r["ok"] = ok and max_rel < TOL
+    r["ok"] = ok and max_rel < tol
     results.setdefault("passq", []).append(r)
     log(f"  pass-Q {name} {prompt_len} + {n_new}{' (a shard killed mid-generation)' if kill else ''}: "
         f"tokens {'equal' if same else f'differ from step {first_diff}'} to sdpa; teacher-forced logits max rel diff "
-        f"{max_rel:.2e}; tie steps {ties[:8]}{'...' if len(ties) > 8 else ''}; {sess.steps} attend calls, "
+        f"{max_rel:.2e} (eager vs sdpa {floor:.2e}; tolerance {tol:.2e}); tie steps {ties[:8]}{'...' if len(ties) > 8 else ''}; {sess.steps} attend calls, "
         f"{sess.bytes_sent / 1e6:.1f} MB sent  {'OK' if r['ok'] else 'FAIL'}")
     return r["ok"]
 
@@ -171,14 +195,17 @@ def prefix_check(c, model, name, prefix_len, results, evict=False):
     first_diff = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
     # Logits are comparable up to the first differing token (the inputs are the same until then).
     n = min(len(got_logits), len(ref_logits), len(tokens) if first_diff is None else first_diff + 1)
-    max_rel, ties = compare_logits(ref_logits[:n], got_logits[:n])
+    floor = eager_floor(model, req2, ref_tokens, ref_logits)
+    tol = max(TOL, PEER_FACTOR * floor)
+    max_rel, ties = compare_logits(ref_logits[:n], got_logits[:n], tol)
     r = {"model": name, "prefix": prefix_len, "held_blocks": info["held_blocks"], "same_tokens": same,
-         "first_difference": first_diff, "max_rel_logit_diff": max_rel, "tie_steps": ties, "evicted": evict}
-    r["ok"] = (same or (first_diff is not None and first_diff in ties)) and info["held_blocks"] > 0 and max_rel < TOL
+         "first_difference": first_diff, "max_rel_logit_diff": max_rel, "eager_vs_sdpa_max_rel_logit_diff": floor,
+         "tolerance": tol, "tie_steps": ties, "evicted": evict}
+    r["ok"] = (same or (first_diff is not None and first_diff in ties)) and info["held_blocks"] > 0 and max_rel < tol
     results.setdefault("prefix", []).append(r)
     log(f"  prefix cache {name}, {prefix_len}-token prefix{' (20 blocks evicted before the load)' if evict else ''}: "
         f"{info['held_blocks']} blocks loaded; tokens {'equal' if same else f'differ from step {first_diff}'} to recompute; "
-        f"logits max rel diff {max_rel:.2e}  {'OK' if r['ok'] else 'FAIL'}")
+        f"logits max rel diff {max_rel:.2e} (eager vs sdpa {floor:.2e}; tolerance {tol:.2e})  {'OK' if r['ok'] else 'FAIL'}")
     return r["ok"]
 
 

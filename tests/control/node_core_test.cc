@@ -43,7 +43,7 @@ class NodeCoreTest : public ::testing::Test {
     core_ = std::make_unique<NodeCore>(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_);
     tenant_.set_id(3);
     tenant_.set_name("t");
-    tenant_.set_namespace_("tenant/t");
+    tenant_.set_namespace_(TenantNamespace(tenant_.id()));
   }
 
   // One sequence's part of a step.
@@ -179,7 +179,7 @@ TEST_F(NodeCoreTest, DecodeInPlaceCrossesBlockBoundariesAndSealsFullBlocks) {
   }
   // 13 tokens: blocks 0-2 sealed into the store under their sequence keys,
   // block 3 open with one token on each layer.
-  const NamespaceId ns = NamespaceIdOf("tenant/t");
+  const NamespaceId ns = NamespaceIdOf(TenantNamespace(3));
   SequenceTable::Handle h = seqs_->Lock(ns, "s");
   EXPECT_EQ(h.state().blocks.size(), 3u);
   ASSERT_EQ(h.state().open.size(), 1u);
@@ -203,6 +203,48 @@ TEST_F(NodeCoreTest, DecodeInPlaceCrossesBlockBoundariesAndSealsFullBlocks) {
   h.Release();
   EXPECT_EQ(seqs_->open_blocks(), 1u);
   EXPECT_EQ(backend_->stats().open_blocks, 1u);
+}
+
+// A deleted tenant's sequences (full and open blocks) and blocks are
+// reclaimed from the store, the sequence table and the backend; another
+// tenant's are not touched; a second reclaim does nothing.
+TEST_F(NodeCoreTest, ReclaimingADeletedTenantFreesItsSequencesAndBlocks) {
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 10}, {"u", 1, 3}}).ok());
+  v1::Tenant other;
+  other.set_id(4);
+  other.set_name("o");
+  other.set_namespace_(TenantNamespace(4));
+  PutArgs a;
+  a.tenant = 4;
+  a.ns = NamespaceIdOf(other.namespace_());
+  a.key = BlockKey{5, 6};
+  a.meta.layout = L_;
+  a.meta.payload_bytes = static_cast<uint32_t>(L_.bytes());
+  std::vector<uint8_t> payload(L_.bytes(), 1);
+  a.meta.checksum = PayloadChecksum(payload.data(), payload.size());
+  ASSERT_TRUE(store_->Put(a, payload).ok());
+  ASSERT_EQ(store_->stats().blocks, 3u);  // s: blocks 0 and 1 sealed; o: one
+  ASSERT_EQ(backend_->stats().open_blocks, 2u);
+  ASSERT_EQ(seqs_->num_sequences(), 2u);
+
+  v1::TenantTable table;
+  table.set_tenants_version(2);
+  *table.add_entries()->mutable_tenant() = other;
+  table.add_deleted_tenant_ids(tenant_.id());
+  tenants_.Update(table);
+  absl::StatusOr<ReclaimResult> r = core_->ReclaimDeletedTenants();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tenants, 1u);
+  EXPECT_EQ(r->blocks, 2u);
+  EXPECT_EQ(r->sequences, 2u);
+  EXPECT_EQ(store_->stats().blocks, 1u);
+  EXPECT_TRUE(store_->Acquire(a.ns, a.key).ok());
+  EXPECT_EQ(backend_->stats().open_blocks, 0u);
+  EXPECT_EQ(seqs_->num_sequences(), 0u);
+  EXPECT_TRUE(store_->CheckInvariants().ok());
+  absl::StatusOr<ReclaimResult> again = core_->ReclaimDeletedTenants();
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->tenants, 0u);
 }
 
 TEST_F(NodeCoreTest, RefusedAppendsAndAttendsChangeNothing) {
@@ -279,7 +321,7 @@ TEST_F(NodeCoreTest, RefusedAppendsAndAttendsChangeNothing) {
   v1::Tenant other;
   other.set_id(4);
   other.set_name("o");
-  other.set_namespace_("tenant/o");
+  other.set_namespace_(TenantNamespace(4));
   a.sequences[0] = AttendSequenceSpec{"s", {{0, 2}}, 8, 1, 0, 0};
   a.positions = {7};
   EXPECT_EQ(core_->Attend(other, "", a, PartialOutput{out.data(), lse.data()}, nullptr).code(), absl::StatusCode::kNotFound);
@@ -302,7 +344,7 @@ TEST_F(NodeCoreTest, OneStepServesABatchOfSequences) {
 
 TEST_F(NodeCoreTest, PutSequenceBlocksAndAppendedBlocksFormOneSequence) {
   // Blocks 0 and 1 arrive by Put (the engine's prefill), then decode appends.
-  const NamespaceId ns = NamespaceIdOf("tenant/t");
+  const NamespaceId ns = NamespaceIdOf(TenantNamespace(3));
   std::normal_distribution<float> nd;
   v1::PutRequest put;
   put.mutable_header()->set_version(1);

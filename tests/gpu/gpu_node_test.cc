@@ -51,7 +51,7 @@ class GpuNode {
     core_ = std::make_unique<NodeCore>(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_);
     tenant_.set_id(1);
     tenant_.set_name("t");
-    tenant_.set_namespace_("tenant/t");
+    tenant_.set_namespace_(TenantNamespace(tenant_.id()));
   }
   const absl::Status& status() const { return status_; }
 
@@ -197,6 +197,14 @@ class GpuNode {
   }
 
   BackendStats stats() { return backend_->stats(); }
+  // The tenant is deleted: the node reclaims its sequences.
+  absl::StatusOr<ReclaimResult> DeleteTenant() {
+    v1::TenantTable table;
+    table.set_tenants_version(2);
+    table.add_deleted_tenant_ids(tenant_.id());
+    tenants_.Update(table);
+    return core_->ReclaimDeletedTenants();
+  }
   const AttendStats& last() const { return last_; }
   NodeCore& core() { return *core_; }
   const v1::Tenant& tenant() const { return tenant_; }
@@ -284,6 +292,24 @@ TEST(GpuNodeTest, FullHbmDropsIdleSequencesAndPromotesThemBack) {
   absl::Status both = node.Step(0, {{"a", 1, 0}, {"b", 1, 0}});
   EXPECT_EQ(both.code(), absl::StatusCode::kResourceExhausted) << both;
   EXPECT_TRUE(node.Step(0, {{"b", 1, 0}}).ok());
+  EXPECT_TRUE(node.stats().healthy);
+}
+
+// A deleted tenant's sequences give every HBM page back (full and open).
+TEST(GpuNodeTest, ReclaimingADeletedTenantFreesItsHbm) {
+  KVRING_REQUIRE_GPU();
+  GpuNode node(BlockLayout{16, 2, 2, 128, DType::kBF16}, 8, 32);
+  ASSERT_TRUE(node.status().ok()) << node.status();
+  ASSERT_TRUE(node.PutBlocks("a", 4).ok());
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(node.Step(l, {{"a", 1, 5}, {"b", 1, 20}}).ok());
+  ASSERT_GT(node.stats().pages - node.stats().free_pages, 0u);
+  ASSERT_GT(node.stats().open_blocks, 0u);
+  absl::StatusOr<ReclaimResult> r = node.DeleteTenant();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sequences, 2u);
+  EXPECT_EQ(node.stats().free_pages, node.stats().pages);
+  EXPECT_EQ(node.stats().open_blocks, 0u);
+  EXPECT_EQ(node.stats().resident_blocks, 0u);
   EXPECT_TRUE(node.stats().healthy);
 }
 

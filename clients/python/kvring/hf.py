@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from . import Layout, NotFoundError
+from . import InvalidArgumentError, Layout, NotFoundError
 from . import torch as kt
 
 ATTENTION_NAME = "kvring"
@@ -182,7 +182,7 @@ class PassQSession:
     def attend(self, layer, query, key, value, scaling):
         B, Hq, T, D = query.shape
         if B != len(self.ids):
-            raise ValueError(f"batch of {B} rows but the session has {len(self.ids)} sequences")
+            raise InvalidArgumentError(f"batch of {B} rows but the session has {len(self.ids)} sequences")
         q = query.transpose(1, 2).contiguous()   # [B, T, Hq, D]
         k = key.transpose(1, 2).contiguous()     # [B, T, Hkv, D]
         v = value.transpose(1, 2).contiguous()

@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Workloads of a real engine on kvring GPU nodes: transformers' Llama
+(Llama-3-8B shapes, seeded random weights, bf16) on the H200, with kvring
+daemons (kvringd --gpu) sharing the GPU.
+
+  python3 bench/gpu/hf_workloads.py --bin .gpu --out $OUT [--only chat,agent,batch] [--agent-tokens N]
+
+  chat   multi-tenant chat: tenants with a system prompt shared by their
+         sessions, multi-turn sessions (Zipf popularity) whose context grows
+         every turn; kvring is the prefix cache (kvring.hf.PrefixCache).
+         Reports the prefix hit rate, prefill tokens saved, turn latency
+         against recompute, and checks the first turns' tokens against it.
+  agent  one context that grows to --agent-tokens (default 128K) through
+         pass-Q attention (kvring.hf.PassQSession, 4 shards): the engine
+         holds no KV. At each milestone: decode tokens/s, the engine's peak
+         GPU memory, bytes moved; at the end the same against local sdpa
+         with the whole KV in the engine.
+  batch  a cache-backend batch job: requests over a few long shared
+         documents, each with its own question; wall time and tokens/s with
+         kvring against recompute, hit rate, bytes loaded.
+
+Results: $OUT/hf_workloads.json and the log.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_e2e import build_model, log  # noqa: E402
+
+
+def rand_tokens(g, n, vocab):
+    return torch.randint(1, vocab, (1, n), generator=g)
+
+
+def chat(c_for_tenant, model, results, tenants=2, sessions=3, turns=12, system_tokens=2048, verify=2):
+    import kvring.hf as khf
+    g = torch.Generator().manual_seed(42)
+    rng = np.random.default_rng(42)
+    V = model.config.vocab_size
+    caches = [khf.PrefixCache(c_for_tenant(t), model, "chat-llama3-8b") for t in range(tenants)]
+    systems = [rand_tokens(g, system_tokens, V) for _ in range(tenants)]
+    sess = [{"tenant": t, "history": torch.zeros((1, 0), dtype=torch.long)} for t in range(tenants) for _ in range(sessions)]
+    zipf = 1.0 / np.arange(1, len(sess) + 1) ** 0.9
+    zipf /= zipf.sum()
+    rows, held_tokens, context_tokens, same, checked = [], 0, 0, 0, 0
+    for turn in range(turns):
+        s = sess[int(rng.choice(len(sess), p=zipf))]
+        user = rand_tokens(g, int(rng.integers(64, 256)), V)
+        ctx = torch.cat([systems[s["tenant"]], s["history"], user], 1).cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out, info = caches[s["tenant"]].generate(ctx, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        reply = out[0, ctx.shape[1]:] if not hasattr(out, "sequences") else out.sequences[0, ctx.shape[1]:]
+        rec_dt = None
+        if turn < verify or turn % 4 == 3:  # recompute beside it: the same tokens, and its latency
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ref = model.generate(ctx, max_new_tokens=16, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            rec_dt = time.perf_counter() - t0
+            checked += 1
+            same += int(torch.equal(ref[0, ctx.shape[1]:], reply))
+        held = info["held_blocks"] * 16
+        held_tokens += held
+        context_tokens += ctx.shape[1]
+        rows.append({"turn": turn, "tenant": s["tenant"], "context": ctx.shape[1], "held_tokens": held,
+                     "turn_s": dt, "recompute_turn_s": rec_dt})
+        log(f"  chat turn {turn:2d}: tenant {s['tenant']}, context {ctx.shape[1]:5d} tokens, {held:5d} from kvring, "
+            f"{dt * 1e3:6.0f} ms" + (f" (recompute {rec_dt * 1e3:.0f} ms)" if rec_dt else ""))
+        s["history"] = torch.cat([s["history"], user, reply.view(1, -1).cpu()], 1)
+    kv = [r["turn_s"] for r in rows if r["recompute_turn_s"]]
+    rc = [r["recompute_turn_s"] for r in rows if r["recompute_turn_s"]]
+    res = {"tenants": tenants, "sessions": tenants * sessions, "turns": turns, "system_tokens": system_tokens,
+           "hit_rate": held_tokens / context_tokens, "prefill_tokens_saved": held_tokens,
+           "turns_checked": checked, "turns_same_tokens": same,
+           "mean_turn_s_kvring": float(np.mean(kv)), "mean_turn_s_recompute": float(np.mean(rc)), "rows": rows}
+    results["chat"] = res
+    log(f"  chat: hit rate {res['hit_rate']:.1%} of context tokens, {held_tokens} prefill tokens saved; on the "
+        f"{checked} turns run both ways: {same} same tokens, mean turn {np.mean(kv) * 1e3:.0f} ms with kvring vs "
+        f"{np.mean(rc) * 1e3:.0f} ms recompute")
+
+
+def decode_tps(model, cache, n, first_token):
+    """Tokens/s of n greedy steps from `cache` (after one warm-up step)."""
+    tok = first_token
+    with torch.no_grad():
+        lg = model(tok, past_key_values=cache, use_cache=True).logits[:, -1]
+        tok = lg.argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            lg = model(tok, past_key_values=cache, use_cache=True).logits[:, -1]
+            tok = lg.argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def agent(c, model, results, total, chunk=8192, milestones=(32768, 65536, 131072, 262144, 524288)):
+    import kvring.hf as khf
+    from transformers import DynamicCache
+    g = torch.Generator().manual_seed(7)
+    V = model.config.vocab_size
+    ids = rand_tokens(g, total, V).cuda()
+    weights = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    sess = khf.PassQSession(c, model, ["agent-0"])
+    rows = []
+    try:
+        cache = sess.cache()
+        t_prefill = 0.0
+        done = 0
+        with torch.no_grad():
+            while done < total:
+                n = min(chunk, total - done)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model(ids[:, done:done + n], past_key_values=cache, use_cache=True)
+                torch.cuda.synchronize()
+                t_prefill += time.perf_counter() - t0
+                done += n
+                if done in milestones or done == total:
+                    tps = decode_tps(model, cache, 8, ids[:, :1])
+                    # (the 9 decoded tokens extend the context; the next chunk continues after them)
+                    peak = torch.cuda.max_memory_allocated() - weights
+                    rows.append({"context": done, "passq_decode_tokens_per_s": tps, "prefill_s_so_far": t_prefill,
+                                 "engine_peak_bytes_above_weights": peak, "bytes_sent": sess.bytes_sent,
+                                 "bytes_received": sess.bytes_received})
+                    log(f"  agent: context {done // 1024}K tokens on kvring (prefill so far {t_prefill:.1f} s): "
+                        f"decode {tps:.1f} tok/s, engine peak {peak / 1e9:.2f} GB above the weights, "
+                        f"{sess.bytes_sent / 1e9:.1f} GB sent / {sess.bytes_received / 1e9:.1f} GB received")
+    finally:
+        sess.detach()
+    res = {"tokens": total, "shards": 4, "rows": rows}
+    # The same context with its KV in the engine (local sdpa), where it fits.
+    kv_bytes = total * model.config.num_hidden_layers * 2 * model.config.num_key_value_heads * 128 * 2
+    free = torch.cuda.mem_get_info()[0]
+    if kv_bytes * 1.5 < free:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        local = DynamicCache()
+        with torch.no_grad():
+            for s0 in range(0, total, chunk):
+                model(ids[:, s0:s0 + chunk], past_key_values=local, use_cache=True)
+        tps = decode_tps(model, local, 8, ids[:, :1])
+        peak = torch.cuda.max_memory_allocated() - weights
+        res["local_sdpa"] = {"decode_tokens_per_s": tps, "engine_peak_bytes_above_weights": peak}
+        log(f"  agent: the same {total // 1024}K context with local sdpa: decode {tps:.1f} tok/s, engine peak "
+            f"{peak / 1e9:.2f} GB above the weights")
+        del local
+        torch.cuda.empty_cache()
+    else:
+        log(f"  agent: {total // 1024}K tokens of KV ({kv_bytes / 1e9:.0f} GB) do not fit beside the engine: no local run")
+    results["agent"] = res
+
+
+def batch(c, model, results, docs=2, doc_tokens=8192, requests=8, question=256, new_tokens=8):
+    import kvring.hf as khf
+    g = torch.Generator().manual_seed(9)
+    V = model.config.vocab_size
+    documents = [rand_tokens(g, doc_tokens, V) for _ in range(docs)]
+    reqs = [torch.cat([documents[i % docs], rand_tokens(g, question, V)], 1).cuda() for i in range(requests)]
+    pc = khf.PrefixCache(c, model, "batch-llama3-8b")
+    model.generate(reqs[0][:, :512], max_new_tokens=1, do_sample=False, pad_token_id=0)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    held, loaded_bytes, outs = 0, 0, []
+    for r in reqs:
+        out, info = pc.generate(r, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        held += info["held_blocks"] * 16
+        loaded_bytes += info["held_blocks"] * pc.layout.bytes
+        outs.append(out[0, r.shape[1]:])
+    torch.cuda.synchronize()
+    kv_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    same = 0
+    for r, o in zip(reqs, outs):
+        ref = model.generate(r, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        same += int(torch.equal(ref[0, r.shape[1]:], o))
+    torch.cuda.synchronize()
+    rec_s = time.perf_counter() - t0
+    total_prompt = sum(r.shape[1] for r in reqs)
+    res = {"requests": requests, "documents": docs, "doc_tokens": doc_tokens, "wall_s_kvring": kv_s,
+           "wall_s_recompute": rec_s, "speedup": rec_s / kv_s, "hit_rate": held / total_prompt,
+           "loaded_bytes": loaded_bytes, "requests_same_tokens": same,
+           "prompt_tokens_per_s_kvring": total_prompt / kv_s, "prompt_tokens_per_s_recompute": total_prompt / rec_s}
+    results["batch"] = res
+    log(f"  batch: {requests} requests over {docs} shared {doc_tokens // 1024}K documents: {kv_s:.2f} s with kvring "
+        f"({res['hit_rate']:.0%} of prompt tokens loaded, {loaded_bytes / 1e9:.1f} GB) vs {rec_s:.2f} s recompute "
+        f"({res['speedup']:.1f}x); {same}/{requests} requests give recompute's tokens")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bin", default=str(ROOT / ".gpu"))
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
+    p.add_argument("--only", default="chat,agent,batch")
+    p.add_argument("--agent-tokens", type=int, default=131072)
+    args = p.parse_args()
+    import kvring
+    from kvring.local_cluster import LocalCluster
+    results = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = args.only.split(",")
+    ok = True
+
+    def save():
+        (out / "hf_workloads.json").write_text(json.dumps(results, indent=1, default=str))
+
+    def section(name, f):
+        nonlocal ok
+        t0 = time.time()
+        try:
+            f()
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            results.setdefault("errors", {})[name] = repr(e)
+            ok = False
+        log(f"   ({name}: {time.time() - t0:.0f} s)")
+        save()
+
+    log("== Llama-3-8B shapes (random weights), kvringd --gpu daemons on this GPU")
+    model = build_model(32, 32, 8, 4096, 14336, seed=1)
+    page = str(2 << 20)
+    # HBM: 4 daemons x 12 GB hold a 128K context 3x over (16 GiB of KV).
+    hbm = "12G" if args.agent_tokens <= 262144 else "20G"
+    with LocalCluster(nodes=4, port=8600, replication=1, host_bytes="8G", page_bytes=page, gpu=0, hbm_bytes=hbm,
+                      chunk_blocks=256, bin=args.bin, root=ROOT) as cl:
+        c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=300)
+        if "chat" in parts:
+            tokens = [kvring.create_tenant(cl.coordinator, cl.admin_token, f"chat-{t}") for t in range(2)]
+            clients = [kvring.Client(cl.coordinator, tk, rpc_timeout=120) for tk in tokens]
+            section("chat", lambda: chat(lambda t: clients[t], model, results))
+            for x in clients:
+                x.close()
+        if "batch" in parts:
+            section("batch", lambda: batch(c, model, results))
+        if "agent" in parts:
+            section("agent", lambda: agent(c, model, results, args.agent_tokens))
+        c.close()
+    log("hf_workloads: " + ("done" if ok else "SOME SECTIONS FAILED"))
+    save()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
