@@ -1,8 +1,8 @@
 #!/usr/bin/python3
-"""Plots bench/eviction.csv (written by build/bench/eviction_sim): hit rate per
+"""Plots bench/out/eviction.csv (written by build/bench/eviction_sim): hit rate per
 policy against cache size, one panel per trace.
 
-  /usr/bin/python3 bench/eviction_plot.py [bench/eviction.csv] [bench/eviction.png]
+  /usr/bin/python3 bench/eviction_plot.py [bench/out/eviction.csv] [bench/out/eviction.png]
 """
 import csv
 import sys
@@ -15,8 +15,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def main() -> int:
-    src = sys.argv[1] if len(sys.argv) > 1 else "bench/eviction.csv"
-    dst = sys.argv[2] if len(sys.argv) > 2 else "bench/eviction.png"
+    src = sys.argv[1] if len(sys.argv) > 1 else "bench/out/eviction.csv"
+    dst = sys.argv[2] if len(sys.argv) > 2 else "bench/out/eviction.png"
     series = defaultdict(lambda: defaultdict(list))  # trace -> policy -> [(fraction, hit)]
     with open(src) as f:
         for row in csv.DictReader(f):

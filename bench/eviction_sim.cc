@@ -8,6 +8,7 @@
 // blocks. Reported per policy and cache size: block hit rate, and the bytes
 // that had to be recomputed or re-fetched (misses x 2 MiB, a Llama-3-8B
 // block of 16 tokens). Writes CSV for bench/eviction_plot.py.
+#include <filesystem>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -169,7 +170,7 @@ Result Run(const std::vector<Request>& trace, const std::string& policy, size_t 
 
 int main(int argc, char** argv) {
   int64_t chat_requests = 30000, agent_requests = 3000;
-  std::string policies = "lru,s3fifo,arc,leaf-lru", fractions = "0.05,0.1,0.2,0.4", csv = "bench/eviction.csv";
+  std::string policies = "lru,s3fifo,arc,leaf-lru", fractions = "0.05,0.1,0.2,0.4", csv = "bench/out/eviction.csv";
   FlagSet f("eviction_sim", "hit rate and re-fetched bytes per eviction policy on chat and agent traces");
   f.AddInt("chat_requests", &chat_requests, "requests in the chat trace");
   f.AddInt("agent_requests", &agent_requests, "requests in the agent trace");
@@ -180,6 +181,7 @@ int main(int argc, char** argv) {
     std::printf("%s", f.Usage().c_str());
     return f.help_requested() ? 0 : 2;
   }
+  std::filesystem::create_directories(std::filesystem::path(csv).parent_path().empty() ? "." : std::filesystem::path(csv).parent_path());
   std::ofstream out(csv);
   out << "trace,policy,fraction,pages,hit_rate,refetch_gb\n";
   for (const std::string trace_name : {"chat", "agents"}) {

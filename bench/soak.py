@@ -8,7 +8,8 @@ only); every
 5 s the resident memory of each daemon (/proc/<pid>/status VmRSS). At the
 end: errors (must be 0), data checked (every get compares the bytes with
 what was put), throughput, p50/p99 latency, and memory over time (growth
-after warm-up must stay small). Writes bench/soak.json and bench/soak.png.
+after warm-up must stay small). Writes bench/out/soak.json and bench/out/soak.png (generated, not tracked;
+the plot bench/RESULTS.md shows is bench/soak.png, copied from a run).
 
   /usr/bin/python3 bench/soak.py [--seconds 300] [--threads 8]
 """
@@ -40,7 +41,7 @@ def main():
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--chains", type=int, default=600, help="distinct 4-block chains per thread (the key space)")
     p.add_argument("--port", type=int, default=9000)
-    p.add_argument("--out", default="bench/soak")
+    p.add_argument("--out", default="bench/out/soak", help="path prefix of the JSON and PNG written (bench/out/ is not tracked)")
     a = p.parse_args()
     layout = kvring.Layout(16, 2, 4, 128, "bf16")  # 64 KiB blocks
     with LocalCluster(nodes=4, port=a.port, replication=2, host_bytes="512M", page_bytes="64K") as cl:
@@ -141,6 +142,7 @@ def main():
                                     p99_ms=float(np.percentile(v, 99) * 1e3)) for op, v in all_lat.items()},
                    errors=dict(errors), mismatches=mismatches[0], rss_growth_after_warmup_mb=growth,
                    rss_end_mb={n: memory[-1][n] for n in pids})
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out + ".json").write_text(json.dumps(dict(result=res, timeline=timeline, memory=memory), indent=1))
         print(f"\nsoak: {a.seconds} s, {a.threads} threads, 4 daemons (R=2), {layout.bytes // 1024} KiB blocks, "
               f"{a.threads * a.chains * 4} distinct blocks ({a.threads * a.chains * 4 * layout.bytes * 2 / 4 / 2**20:.0f} MiB "

@@ -37,7 +37,7 @@ trap - EXIT
 
 # The three engine-facing workloads (clients/examples), each on a local
 # cluster of its own sized for its blocks; results and plots go to $OUT.
-OUT=${KVRING_WORKLOAD_OUT:-bench/workloads}
+OUT=${KVRING_WORKLOAD_OUT:-bench/out/workloads}  # generated, not tracked
 echo
 echo "== workload 1: multi-tenant chat (prefix cache through kvring.connector, numpy reference model)"
 /usr/bin/python3 clients/examples/chat.py --port 8000 --out_dir "$OUT"

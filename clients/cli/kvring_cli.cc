@@ -122,11 +122,8 @@ absl::Status ValidateOpts(const Opts& o, const std::string& cmd) {
       return absl::InvalidArgumentError(absl::StrCat("--op=", o.op, ": expected put, get or both"));
     }
   }
-  if (!o.quantize.empty()) {
-    KvEncoding e;
-    if (absl::Status s = ParseKvEncoding(o.quantize, &e); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("--quantize: ", s.message()));
-    }
+  if (absl::StatusOr<std::optional<KvEncoding>> q = ParseQuantizeOption(o.quantize); !q.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--quantize: ", q.status().message()));
   }
   if (cmd == "tenant-create") {
     if (o.name.empty()) return absl::InvalidArgumentError("tenant-create needs --name");
@@ -405,7 +402,7 @@ int main(int argc, char** argv) {
   co.token = o.token;
   co.ns = o.ns;
   co.use_ucx = o.ucx;
-  co.quantize = o.quantize;
+  co.quantize = *ParseQuantizeOption(o.quantize);  // validated above
   co.rpc_timeout = o.rpc_timeout;
   co.tls = o.tls;
   auto c = Client::Connect(co);

@@ -19,7 +19,7 @@ def parser(description):
     p.add_argument("--admin_token_file", help="admin token of that cluster (to create tenants)")
     p.add_argument("--token_file", help="a tenant token of that cluster")
     p.add_argument("--port", type=int, default=7700, help="coordinator port of the local cluster started otherwise")
-    p.add_argument("--out_dir", default="bench/workloads", help="where results (JSON, CSV, PNG) go")
+    p.add_argument("--out_dir", default="bench/out/workloads", help="where results (JSON, CSV, PNG) go (bench/out/ is not tracked)")
     p.add_argument("--quick", action="store_true", help="a small run (tests)")
     p.add_argument("--seed", type=int, default=1)
     return p

@@ -15,10 +15,9 @@ ThreadPool::ThreadPool(size_t threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
@@ -26,8 +25,9 @@ void ThreadPool::Work() {
   for (;;) {
     std::function<void()> task;
     {
-      std::unique_lock<std::mutex> l(mu_);
-      cv_.wait(l, [&] { return stop_ || !tasks_.empty(); });
+      absl::MutexLock l(&mu_);
+      mu_.Await(absl::Condition(
+          +[](ThreadPool* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) { return p->stop_ || !p->tasks_.empty(); }, this));
       if (tasks_.empty()) return;
       task = std::move(tasks_.front());
       tasks_.pop_front();
@@ -42,33 +42,36 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
     for (size_t i = 0; i < n; ++i) fn(i);
     return;
   }
+  // Helpers claim indices from `next`; the last to finish an index bumps
+  // `done` to n under the mutex, which the caller awaits.
   struct Shared {
+    explicit Shared(size_t total) : n(total) {}
+    const size_t n;
     std::atomic<size_t> next{0};
-    std::atomic<size_t> done{0};
-    std::mutex mu;
-    std::condition_variable cv;
+    absl::Mutex mu;
+    size_t done ABSL_GUARDED_BY(mu) = 0;
   };
-  auto shared = std::make_shared<Shared>();
+  auto shared = std::make_shared<Shared>(n);
   auto run = [shared, n, &fn] {
     size_t local = 0;
     for (size_t i; (i = shared->next.fetch_add(1)) < n;) {
       fn(i);
       ++local;
     }
-    if (local > 0 && shared->done.fetch_add(local) + local == n) {
-      std::lock_guard<std::mutex> l(shared->mu);
-      shared->cv.notify_all();
+    if (local > 0) {
+      absl::MutexLock l(&shared->mu);
+      shared->done += local;
     }
   };
   const size_t helpers = std::min(workers_.size(), n - 1);
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     for (size_t i = 0; i < helpers; ++i) tasks_.emplace_back(run);
   }
-  cv_.notify_all();
   run();
-  std::unique_lock<std::mutex> l(shared->mu);
-  shared->cv.wait(l, [&] { return shared->done.load() == n; });
+  absl::MutexLock l(&shared->mu);
+  shared->mu.Await(absl::Condition(
+      +[](Shared* sh) ABSL_EXCLUSIVE_LOCKS_REQUIRED(sh->mu) { return sh->done == sh->n; }, shared.get()));
 }
 
 void ThreadPool::Submit(std::function<void()> task) {
@@ -76,11 +79,8 @@ void ThreadPool::Submit(std::function<void()> task) {
     task();
     return;
   }
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    tasks_.push_back(std::move(task));
-  }
-  cv_.notify_one();
+  absl::MutexLock l(&mu_);
+  tasks_.push_back(std::move(task));
 }
 
 void ParallelForOrInline(ThreadPool* pool, size_t n, const std::function<void(size_t)>& fn) {

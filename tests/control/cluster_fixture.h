@@ -228,7 +228,9 @@ class Cluster {
   absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& token, const std::string& ns = "", bool ucx = true,
                                                   const std::string& quantize = "") {
     ClientOptions co;
-    co.quantize = quantize;
+    absl::StatusOr<std::optional<KvEncoding>> q = ParseQuantizeOption(quantize);
+    if (!q.ok()) return q.status();
+    co.quantize = *q;
     co.tls = o_.client_tls;
     co.coordinator = coordinator_address();
     co.token = token;

@@ -2,7 +2,7 @@
 
 #include <cstring>
 #include <future>
-#include <mutex>
+#include "absl/synchronization/mutex.h"
 #include <cstdlib>
 #include <random>
 #include <unordered_map>
@@ -167,7 +167,7 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
     const int b = Bucket(n);
     std::unique_ptr<Buffer> buf;
     {
-      std::lock_guard<std::mutex> g(mu_);
+      absl::MutexLock g(&mu_);
       auto& free = free_[b];
       if (!free.empty()) {
         buf = std::move(free.back());
@@ -183,7 +183,7 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
     std::weak_ptr<BufferPool> weak = shared_from_this();
     return std::shared_ptr<Buffer>(buf.release(), [weak, b](Buffer* p) {
       if (auto pool = weak.lock()) {
-        std::lock_guard<std::mutex> g(pool->mu_);
+        absl::MutexLock g(&pool->mu_);
         if (pool->free_[b].size() < kMaxPerBucket) {
           pool->free_[b].emplace_back(p);
           return;
@@ -200,8 +200,8 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
     while ((size_t{1} << b) < n) ++b;
     return b;
   }
-  std::mutex mu_;
-  std::vector<std::unique_ptr<Buffer>> free_[64];
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<Buffer>> free_[64] ABSL_GUARDED_BY(mu_);
 };
 
 struct ServerState : std::enable_shared_from_this<ServerState> {
@@ -211,8 +211,8 @@ struct ServerState : std::enable_shared_from_this<ServerState> {
   UcxFastHandler fast_handler;  // optional, runs on the loop thread
   ThreadPool* pool = nullptr;
   uint64_t max_bytes = 0;
-  std::mutex mu;
-  bool alive = true;                                   // guarded by mu
+  absl::Mutex mu;
+  bool alive ABSL_GUARDED_BY(mu) = true;
   std::unordered_map<ucp_ep_h, uint64_t> eps;         // loop thread only: ep -> generation
   std::unordered_map<uint64_t, ucp_ep_h> clients;      // loop thread only: client id -> ep back to it
   uint64_t next_generation = 1;                        // loop thread only
@@ -407,13 +407,13 @@ struct ClientState {
   ucp_ep_h ep = nullptr;        // loop thread
   ucp_ep_h sentinel = nullptr;  // loop thread: same-host failure detector
   uint64_t client_id = 0;  // set before any send
-  std::mutex mu;
-  bool connected = true;                                           // guarded by mu
-  uint64_t next_id = 1;                                            // guarded by mu
-  std::unordered_map<uint64_t, std::shared_ptr<Pending>> pending;  // guarded by mu
+  absl::Mutex mu;
+  bool connected ABSL_GUARDED_BY(mu) = true;
+  uint64_t next_id ABSL_GUARDED_BY(mu) = 1;
+  std::unordered_map<uint64_t, std::shared_ptr<Pending>> pending ABSL_GUARDED_BY(mu);
 
   std::shared_ptr<Pending> Take(uint64_t id) {
-    std::lock_guard<std::mutex> g(mu);
+    absl::MutexLock g(&mu);
     auto it = pending.find(id);
     if (it == pending.end()) return nullptr;
     auto p = it->second;
@@ -423,7 +423,7 @@ struct ClientState {
   void FailAll(const absl::Status& s) {
     std::unordered_map<uint64_t, std::shared_ptr<Pending>> all;
     {
-      std::lock_guard<std::mutex> g(mu);
+      absl::MutexLock g(&mu);
       connected = false;
       all.swap(pending);
     }
@@ -514,7 +514,7 @@ void UcxReplier::Send(const absl::Status& status, std::string meta, std::vector<
   if (!server_) return;
   std::shared_ptr<ServerState> s = std::move(server_);
   {
-    std::lock_guard<std::mutex> g(s->mu);
+    absl::MutexLock g(&s->mu);
     if (!s->alive) return;
   }
   s->SendReply(static_cast<ucp_ep_h>(ep_), ep_generation_, request_id_, status, std::move(meta), std::move(payload),
@@ -571,7 +571,7 @@ absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::str
 
 UcxRpcServer::~UcxRpcServer() {
   {
-    std::lock_guard<std::mutex> g(state_->mu);
+    absl::MutexLock g(&state_->mu);
     state_->alive = false;
   }
   ServerState* st = state_.get();
@@ -635,7 +635,7 @@ absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::s
   auto hello = std::make_shared<ClientState::Pending>();
   std::future<UcxReply> hello_done = hello->promise.get_future();
   {
-    std::lock_guard<std::mutex> g(st->mu);
+    absl::MutexLock g(&st->mu);
     st->pending[0] = hello;
   }
   absl::Status s = c->loop_->Run([&]() -> absl::Status {
@@ -706,7 +706,7 @@ void UcxRpcClient::Break(const absl::Status& why) {
 }
 
 bool UcxRpcClient::connected() const {
-  std::lock_guard<std::mutex> g(state_->mu);
+  absl::MutexLock g(&state_->mu);
   return state_->connected;
 }
 
@@ -719,7 +719,7 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
   std::future<UcxReply> fut = pending->promise.get_future();
   uint64_t id;
   {
-    std::lock_guard<std::mutex> g(st->mu);
+    absl::MutexLock g(&st->mu);
     if (!st->connected) return absl::UnavailableError(absl::StrCat("UCX connection to ", address_, " is down"));
     id = st->next_id++;
     st->pending[id] = pending;

@@ -130,7 +130,7 @@ UcxWorkerLoop::~UcxWorkerLoop() {
 
 void UcxWorkerLoop::Post(std::function<void()> fn) {
   {
-    std::lock_guard<std::mutex> g(mu_);
+    absl::MutexLock g(&mu_);
     tasks_.push_back(std::move(fn));
   }
   const uint64_t one = 1;
@@ -176,7 +176,7 @@ void UcxWorkerLoop::Loop() {
   while (!stop_.load()) {
     std::deque<std::function<void()>> todo;
     {
-      std::lock_guard<std::mutex> g(mu_);
+      absl::MutexLock g(&mu_);
       todo.swap(tasks_);
     }
     for (auto& t : todo) t();
@@ -193,7 +193,7 @@ void UcxWorkerLoop::Loop() {
     do {
       if (ucp_worker_progress(worker_) != 0) idle = false;
       {
-        std::lock_guard<std::mutex> g(mu_);
+        absl::MutexLock g(&mu_);
         if (!tasks_.empty()) {
           idle = false;
           break;

@@ -15,11 +15,13 @@
 #include <functional>
 #include <future>
 #include <memory>
-#include <mutex>
+
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 
 namespace kvring::ucx_internal {
 
@@ -73,8 +75,8 @@ class UcxWorkerLoop {
   int wake_fd_ = -1;
   int spin_us_ = 0;  // UcxLoopOptions::spin_us, resolved
   size_t max_am_header_ = 0;
-  std::mutex mu_;
-  std::deque<std::function<void()>> tasks_;
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);  // posted to the loop thread
   std::atomic<bool> stop_{false};
   std::function<void()> periodic_;
   std::chrono::milliseconds periodic_every_{250};

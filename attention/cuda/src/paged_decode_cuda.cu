@@ -65,17 +65,10 @@ constexpr int kRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16
 // engine brings the partial rows of as many splits as fit in shared memory
 // (all 33 splits of a batch-1 Llama-3 group: 4 vectors x 33 x 512 B), one
 // copy a vector (its splits are contiguous), while the threads load the
-// LSEs; the weights are computed a warp a row. Measured on the H200
-// (bench/gpu/decode_trace.py, 1 x 32K): with the split-major layout of
-// MergePartials, one bulk copy a split (33) took 1.4 us to issue, and the
-// LSEs (loaded after them) were in 1.9 us after arrival. Earlier, per-thread
-// 16-byte loads of the same 67 KB took 4.1 us (registers, two batches of
-// splits) and cp.async 4-6 us.
-// A merge inside thread block clusters (partials in shared memory, read
-// through distributed shared memory) cut this tail to ~3 us but was slower
-// end to end: on the H200 a batch-1 launch's clusters fit at once only as
-// two CTAs an SM on half the SMs, or one CTA an SM (7 clusters of 10-16),
-// which streams too slowly (bench/RESULTS.md, third session of 2026-12-03).
+// LSEs; the weights are computed a warp a row. (A row's splits are stored
+// together so that this is one copy a vector, not one a split; a merge
+// inside thread block clusters was shorter but made the whole launch slower:
+// docs/PERFORMANCE-NOTES.md has both measurements.)
 template <int D, int kThreads>
 __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const QueryView& q, int num_splits, int* counter,
                                                   const float* part_out, const float* part_lse, uint8_t* scratch,
@@ -203,15 +196,9 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
 // half the boxes of one box per column block); it needs pages of a
 // multiple of 16 tokens. Otherwise the 32 lanes gather the stage with
 // cp.async into the same swizzled layout (any page size).
-// Splits are static (contiguous page ranges). Tried and not kept (H200,
-// bench/RESULTS.md, 2026-12-03 fourth session): 3/4 static shares plus 64-
-// token chunks claimed from a per-group atomic counter, each stage carrying
-// its first token in shared memory and an end mark per consumer. It evened
-// out the CTAs' finish times (1 x 32K: 33.0-35.5 us against 16.7-33.3) but
-// the per-stage token lookup and end marks slowed every CTA's stream (1 x 32K
-// at 4 splits: 0.15 of copy against 0.18; the same code without claims 0.78
-// at 33 splits against 0.80), so only 1 x 128K gained (0.95 -> 0.97) and
-// 1 x 32K lost (0.80 -> 0.78), 1 x 4K more (0.38 -> 0.29-0.34).
+// Splits are static (contiguous page ranges): work claiming across a group's
+// splits evened out the CTAs' finish times but slowed every CTA's stream
+// more than it gained (docs/PERFORMANCE-NOTES.md, "work claiming").
 constexpr int kPStage = 16, kPConsumers = 4, kPThreads = (kPConsumers + 1) * 32;
 
 template <int D>
@@ -220,12 +207,10 @@ struct PipeCfg {
   static constexpr int kStageBytes = 2 * kPlaneBytes;        // K, then V
   static constexpr int kStages = (96 * 1024) / kStageBytes;  // 12 (D=128) or 24 (D=64)
   // Stages prefetched into L2 before the grid-dependency wait (stable
-  // tables): half the ring, ~12 MB over a batch-1 Llama-3 launch's 264 CTAs.
-  // On the H200 (1 x 32K, stream loads evict-first) half and the whole ring
-  // ran alike (0.88 / 0.88 and 0.89 / 0.86 of copy in two rounds), two rings
-  // slower (0.85 / 0.85); the whole ring with the stream's lines left at
-  // normal priority 0.83 / 0.84, no early start at all 0.80-0.82
-  // (bench/RESULTS.md, 2026-12-03 fifth session).
+  // tables): half the ring, ~12 MB over a batch-1 Llama-3 launch's 264 CTAs
+  // (half and the whole ring measured alike, two rings slower; the
+  // prefetch only pays with the stream's loads evict-first:
+  // docs/PERFORMANCE-NOTES.md).
   static constexpr int kPrefetchStages = kStages / 2;
   static_assert(kPrefetchStages * kPStage <= 64 * 16,
                 "the prefetched stages lie in the producer's first page-id window (TMA pages hold >= 16 tokens)");
@@ -534,11 +519,9 @@ extern "C" int kvring_cuda_decode_trace(unsigned long long* host, int max_ctas) 
 
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count) {
   // At least one full wave of the two CTAs an SM holds, and splits of at
-  // most ~8K tokens: on the H200 (bench/RESULTS.md, split sweep) a batch of
-  // 1 ran best at exactly one wave (1 x 32K: 0.74 of copy with 33 splits,
-  // 0.54 with 66) and long streams best cut to 4-8K tokens a CTA (64 x 32K:
-  // 0.91 of copy with 2 splits, 0.97 with 4, 0.99 with 8; 16 x 128K: 0.91
-  // with 8, 0.97 with 16).
+  // most ~8K tokens: the split sweep on the H200 put a batch of 1 best at
+  // exactly one wave and long streams best cut to 4-8K tokens a CTA
+  // (docs/PERFORMANCE-NOTES.md).
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
   const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;

@@ -331,9 +331,8 @@ __global__ void __launch_bounds__(kQPThreads, 2)
   const int k_sub = ((L * 2) * H + h) & 3, v_sub = ((L * 2 + 1) * H + h) & 3;
   if (warp == kQPConsumers) {
     // ---- producer: the page ids from a window of 64 in registers, as in
-    // the bf16 kernel (until 2026-12-03 lane 0 loaded one id a stage ahead:
-    // 1-3% slower on the H200, bench/RESULTS.md fifth session; what bounds
-    // this kernel is the consumers' conversion, not the stream).
+    // the bf16 kernel (what bounds this kernel is the consumers' conversion
+    // of the codes, not the stream).
     const int E = (int)(((uint64_t)2 * kv.layers * H * bt * D) / 4);  // first scale word of a page
     const int kplane = (L * 2) * H + h, vplane = kplane + H;
     // The codes are read once: their lines leave L2 first.

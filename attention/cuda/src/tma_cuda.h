@@ -20,9 +20,9 @@ namespace kvring::cuda::internal {
 // block, landing as [D/64][box_tokens][128 B] (one copy where the other
 // layout takes D/64).
 // l2_promotion_bytes: the granularity L2 fetches a box's misses at (256,
-// 128, 64, or 0 for none). Decode streams each byte once and asks for 128:
-// on the H200 256-byte promotion cost it 6% of its DRAM rate (64 x 32K: 0.97
-// -> 1.03 of the copy rate with 128 or none; bench/RESULTS.md).
+// 128, 64, or 0 for none). Decode streams each byte once and asks for 128
+// (256-byte promotion fetched lines it never read and cost it ~6% of its
+// DRAM rate: docs/PERFORMANCE-NOTES.md).
 bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool all_column_blocks = false,
                  int l2_promotion_bytes = 256);
 

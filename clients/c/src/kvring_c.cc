@@ -62,7 +62,9 @@ int kvring_connect(const kvring_options* o, kvring_client** out) {
   co.token = Str(o->token);
   co.ns = Str(o->ns);
   co.use_ucx = o->use_ucx != 0;
-  co.quantize = Str(o->quantize);
+  absl::StatusOr<std::optional<KvEncoding>> quantize = ParseQuantizeOption(Str(o->quantize));
+  if (!quantize.ok()) return Code(quantize.status());
+  co.quantize = *quantize;
   if (o->rpc_timeout_s > 0) co.rpc_timeout = absl::Seconds(o->rpc_timeout_s);
   co.tls = TlsConfig{Str(o->tls_cert), Str(o->tls_key), Str(o->tls_ca), false};
   co.threads = o->threads;

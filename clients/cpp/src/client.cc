@@ -15,6 +15,7 @@
 #include "kvring/attention/merge.h"
 #include "kvring/client/device_memory.h"
 #include "kvring/common/logging.h"
+#include "kvring/cache/quantize.h"
 #include "kvring/common/status_macros.h"
 #include "kvring/common/thread_pool.h"
 #include "kvring/protocol/shard_ring.h"
@@ -47,7 +48,10 @@ class ClientImpl {
     absl::Time ucx_retry_after ABSL_GUARDED_BY(mu) = absl::InfinitePast();
   };
 
-  explicit ClientImpl(const ClientOptions& o) : o_(o), pool_(o.threads ? o.threads : 16) {}
+  explicit ClientImpl(const ClientOptions& o)
+      : o_(o),
+        quantize_wire_(!o.quantize ? "" : o.quantize->quantized() ? KvEncodingName(*o.quantize) : "none"),
+        pool_(o.threads ? o.threads : 16) {}
 
   absl::Status Init() {
     KVRING_ASSIGN_OR_RETURN(creds_, MakeChannelCredentials(o_.tls));
@@ -481,7 +485,7 @@ class ClientImpl {
         while (start < idx.size()) {
           v1::PutRequest req;
           *req.mutable_header() = Header();
-          req.set_quantize(o_.quantize);
+          req.set_quantize(quantize_wire_);
           std::vector<absl::Span<const uint8_t>> payloads;
           uint64_t bytes = 0;
           size_t end = start;
@@ -1155,8 +1159,17 @@ class ClientImpl {
       for (size_t i : idx) KeyToProto(keys[i], req.add_keys());
       v1::PinResponse resp;
       auto ctx = Context(o_.rpc_timeout);
-      grpc::Status s = node->stub->Pin(ctx.get(), req, &resp);
-      if (!s.ok()) continue;
+      absl::Status s = FromGrpc(node->stub->Pin(ctx.get(), req, &resp));
+      if (!s.ok()) {
+        // A node that cannot answer is survivable (another replica pins);
+        // any other refusal (auth, bad request) is the caller's to see.
+        if (IsNodeFailure(s)) {
+          Suspect(ring->node(node_idx).node_id());
+        } else if (first.ok()) {
+          first = s;
+        }
+        continue;
+      }
       for (int k = 0; k < resp.results_size() && k < static_cast<int>(idx.size()); ++k) {
         absl::Status r = StatusOf(resp.results(k).status());
         if (r.ok()) ++ok_count[idx[k]];
@@ -1174,6 +1187,7 @@ class ClientImpl {
   absl::Mutex dev_mu_;
   std::unique_ptr<DeviceMemory> dev_ ABSL_GUARDED_BY(dev_mu_);
   ClientOptions o_;
+  const std::string quantize_wire_;  // PutRequest.quantize: o_.quantize spelled for the wire
   std::shared_ptr<grpc::ChannelCredentials> creds_;
   v1::Tenant tenant_;
   std::string ns_;
@@ -1202,6 +1216,13 @@ const std::string& Client::namespace_name() const { return impl_->ns_; }
 BlockKeyHasher Client::Hasher(const std::string& model_id, const BlockLayout& layout) const {
   return BlockKeyHasher(model_id, impl_->ns_, layout);
 }
+absl::StatusOr<std::optional<KvEncoding>> ParseQuantizeOption(std::string_view text) {
+  if (text.empty()) return std::optional<KvEncoding>();
+  KvEncoding e;
+  KVRING_RETURN_IF_ERROR(ParseKvEncoding(text, &e));
+  return std::optional<KvEncoding>(e);
+}
+
 absl::StatusOr<size_t> Client::LookupPrefix(absl::Span<const BlockKey> chain) { return impl_->Lookup(chain); }
 absl::StatusOr<PutReport> Client::Put(absl::Span<const BlockData> blocks) { return impl_->PutBlocks(blocks, nullptr, 0); }
 std::vector<GetResult> Client::Get(absl::Span<const BlockKey> keys) { return impl_->GetBlocks(keys, {}); }

@@ -6,13 +6,14 @@
 // destructor joins the workers; no ParallelFor may be running then.
 #pragma once
 
-#include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace kvring {
 
@@ -31,12 +32,11 @@ class ThreadPool {
   void Submit(std::function<void()> task);
 
  private:
-  void Work();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  bool stop_ = false;
-  std::vector<std::thread> workers_;
+  void Work() ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> workers_;  // set in the constructor, joined in the destructor
 };
 
 // Runs fn(i) for i in [0, n) on `pool`, or inline when pool is null.

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,7 @@
 #include "kvring/cache/block_key.h"
 #include "kvring/cache/block_meta.h"
 #include "kvring/common/tls_config.h"
+#include "kvring/layout/kv_encoding.h"
 #include "kvring/transport/ucx_rpc.h"
 
 namespace kvring {
@@ -66,16 +68,24 @@ struct ClientOptions {
   uint64_t max_batch_bytes = 64ull << 20;
   // Fan-out threads: the most calls to nodes in flight at once. 0: 16.
   size_t threads = 0;
-  // Have the nodes quantize plain blocks at Put: "int8" or "fp8", optionally
-  // "/per-head", "/per-token" or "/kivi"; "none" stores them plain; empty:
-  // the tenant's kv_encoding. Get then returns the codes (meta.encoding says
-  // which; DequantizeBlock restores the dtype) and Attend reads them directly.
-  std::string quantize;
+  // Have the nodes quantize plain blocks at Put into this encoding (int8 or
+  // fp8 codes; per-head, per-token or KIVI scales); a plain KvEncoding{}
+  // stores them plain; nullopt: the tenant's kv_encoding. Get then returns
+  // the codes (meta.encoding says which; DequantizeBlock restores the dtype)
+  // and Attend reads them directly. Flags and the C ABI spell it as a string
+  // ("int8/kivi", "none", "" for the tenant's): ParseQuantizeOption.
+  // Default: nullopt.
+  std::optional<KvEncoding> quantize;
   // TLS towards the coordinator and the nodes (common/tls_config.h): set
   // tls.ca_file (and cert_file/key_file for mutual TLS). With TLS on,
   // payloads go over gRPC: use_ucx is ignored (UCX is not encrypted).
   TlsConfig tls;
 };
+
+// ClientOptions::quantize from its spelling: "" -> nullopt (the tenant's
+// encoding), "none" -> plain, "int8", "fp8/kivi"... -> that encoding;
+// INVALID_ARGUMENT naming the text otherwise.
+absl::StatusOr<std::optional<KvEncoding>> ParseQuantizeOption(std::string_view text);
 
 struct BlockData {
   BlockKey key;
