@@ -121,10 +121,6 @@ int main(int argc, char** argv) {
     KVRING_LOG(ERROR) << "cannot listen on " << listen;
     return 1;
   }
-  absl::Notification stop;
-  std::thread monitor([&] {
-    while (!stop.WaitForNotificationWithTimeout(hb_interval / 2)) (*service)->Tick();
-  });
   HttpServer http;
   MetricsRegistry metrics;
   GaugeMetric* g_map = metrics.Gauge("kvring_map_version", "Version of the shard map");
@@ -152,6 +148,10 @@ int main(int argc, char** argv) {
     }
     KVRING_LOG(INFO) << "metrics on port " << *mp;
   }
+  absl::Notification stop;
+  std::thread monitor([&] {
+    while (!stop.WaitForNotificationWithTimeout(hb_interval / 2)) (*service)->Tick();
+  });
   if (!port_file.empty()) {
     std::ofstream(port_file + ".tmp") << port << "\n";
     std::filesystem::rename(port_file + ".tmp", port_file, ec);
