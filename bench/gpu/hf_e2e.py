@@ -29,6 +29,7 @@ sdpa by), relative to the step's largest logit:
     bytes moved.
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -285,7 +286,9 @@ def main():
     p.add_argument("--bin", default=str(ROOT / ".gpu"))
     p.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", default="checks,heldout,figures")
+    p.add_argument("--only", default="checks,heldout,figures",
+                   help="comma-separated: checks (= passq,prefix,evicted,kill), heldout, figures (= ttft,decode), "
+                        "or any of those parts")
     args = p.parse_args()
     import kvring
     from kvring.local_cluster import LocalCluster
@@ -297,7 +300,11 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     page = str(2 << 20)  # one 16-token block of all 32 layers (8B); the 40-layer shape's blocks are 2.5 MiB
-    parts = args.only.split(",")
+    parts = set(args.only.split(","))
+    if "checks" in parts:
+        parts |= {"passq", "prefix", "evicted", "kill"}
+    if "figures" in parts:
+        parts |= {"ttft", "decode"}
 
     def save():
         (out / "hf_e2e.json").write_text(json.dumps(results, indent=1, default=str))
@@ -316,27 +323,35 @@ def main():
         log(f"   ({name}: {time.time() - t0:.0f} s)")
         save()
 
-    if "checks" in parts or "figures" in parts:
+    if parts & {"passq", "prefix", "evicted", "kill", "ttft", "decode"}:
         log("== Llama-3-8B shapes (random weights)")
         model = build_model(32, 32, 8, 4096, 14336, seed=1)
         with LocalCluster(nodes=4, port=8200, replication=2, write_quorum=1, host_bytes="12G", page_bytes=page, gpu=0,
-                          hbm_bytes="12G", chunk_blocks=256, bin=args.bin, root=ROOT) as cl:
-            c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60)
-            if "checks" in parts:
+                          hbm_bytes="12G", chunk_blocks=256, bin=args.bin, root=ROOT) if parts & {
+                              "passq", "prefix", "evicted", "kill"} else contextlib.nullcontext() as cl:
+            c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60) if cl else None
+            if "passq" in parts:
                 section("passq-8b", lambda: passq_check(c, model, "llama3-8b", 4096, 32, results))
+            if "prefix" in parts:
                 section("prefix-8b", lambda: prefix_check(c, model, "llama3-8b", 8192, results))
+            if "evicted" in parts:
                 section("evicted-8b", lambda: prefix_check(c, model, "llama3-8b", 4096, results, evict=True))
+            if "kill" in parts:
                 section("kill-8b", lambda: passq_check(c, model, "llama3-8b", 1024, 32, results,
                                                        kill=(lambda: cl.kill9(1), 32 + 10 * 32)))
-            c.close()
-        if "figures" in parts:
+            if c:
+                c.close()
+        if "ttft" in parts or "decode" in parts:
             with LocalCluster(nodes=4, port=8300, replication=1, host_bytes="12G", page_bytes=page, gpu=0,
                               hbm_bytes="6G", chunk_blocks=256, bin=args.bin, root=ROOT) as cl:
                 c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=120)
                 lens = [8192, 32768] + ([] if args.quick else [131072])
-                section("ttft", lambda: ttft(c, model, "llama3-8b", lens, results))
-                section("decode-4", lambda: decode_rate(c, model, "llama3-8b", 16384 if args.quick else 32768, 48, 4, results))
+                if "ttft" in parts:
+                    section("ttft", lambda: ttft(c, model, "llama3-8b", lens, results))
+                if "decode" in parts:
+                    section("decode-4", lambda: decode_rate(c, model, "llama3-8b", 16384 if args.quick else 32768, 48, 4, results))
                 c.close()
+        if "decode" in parts:
             with LocalCluster(nodes=1, port=8400, replication=1, host_bytes="12G", page_bytes=page, gpu=0,
                               hbm_bytes="12G", bin=args.bin, root=ROOT) as cl:
                 c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=120)

@@ -74,9 +74,12 @@ def chat(c_for_tenant, model, results, tenants=2, sessions=3, turns=12, system_t
         held_tokens += held
         context_tokens += ctx.shape[1]
         rows.append({"turn": turn, "tenant": s["tenant"], "context": ctx.shape[1], "held_tokens": held,
-                     "turn_s": dt, "recompute_turn_s": rec_dt})
+                     "turn_s": dt, "recompute_turn_s": rec_dt, "load_s": info["load_s"],
+                     "generate_s": info["generate_s"], "save_s": info["save_s"], "saved_blocks": info["saved_blocks"]})
         log(f"  chat turn {turn:2d}: tenant {s['tenant']}, context {ctx.shape[1]:5d} tokens, {held:5d} from kvring, "
-            f"{dt * 1e3:6.0f} ms" + (f" (recompute {rec_dt * 1e3:.0f} ms)" if rec_dt else ""))
+            f"{dt * 1e3:6.0f} ms (load {info['load_s'] * 1e3:.0f}, generate {info['generate_s'] * 1e3:.0f}, save "
+            f"{info['saved_blocks']} blocks {info['save_s'] * 1e3:.0f})" +
+            (f"; recompute {rec_dt * 1e3:.0f} ms" if rec_dt else ""))
         s["history"] = torch.cat([s["history"], user, reply.view(1, -1).cpu()], 1)
     kv = [r["turn_s"] for r in rows if r["recompute_turn_s"]]
     rc = [r["recompute_turn_s"] for r in rows if r["recompute_turn_s"]]
@@ -88,6 +91,32 @@ def chat(c_for_tenant, model, results, tenants=2, sessions=3, turns=12, system_t
     log(f"  chat: hit rate {res['hit_rate']:.1%} of context tokens, {held_tokens} prefill tokens saved; on the "
         f"{checked} turns run both ways: {same} same tokens, mean turn {np.mean(kv) * 1e3:.0f} ms with kvring vs "
         f"{np.mean(rc) * 1e3:.0f} ms recompute")
+
+
+def cache_check(model, results, context=2048, new=16, reps=3):
+    """generate's time with the cache it makes itself, with a DynamicCache() passed in, and with
+    DynamicCache(config=...) passed in (what kvring.hf.PrefixCache passes): no kvring involved."""
+    from transformers import DynamicCache
+    g = torch.Generator().manual_seed(3)
+    variants = {"own": lambda: None, "DynamicCache()": lambda: DynamicCache(),
+                "DynamicCache(config)": lambda: DynamicCache(config=model.config)}
+    res = {}
+    for name, make in variants.items():
+        best, first = float("inf"), None
+        for _ in range(reps):
+            ids = rand_tokens(g, context, model.config.vocab_size).cuda()
+            kw = {} if make() is None else {"past_key_values": make()}
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0, **kw)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            first = dt if first is None else first
+            best = min(best, dt)
+        res[name] = {"best_s": best, "first_s": first}
+        log(f"  generate {context} + {new} tokens, cache {name}: {best * 1e3:.0f} ms (first call {first * 1e3:.0f} ms)")
+        context += 64  # the next variant meets new lengths only
+    results["cache_check"] = res
 
 
 def decode_tps(model, cache, n, first_token):
@@ -205,6 +234,8 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
     p.add_argument("--only", default="chat,agent,batch")
     p.add_argument("--agent-tokens", type=int, default=131072)
+    p.add_argument("--chat-turns", type=int, default=12)
+    p.add_argument("--cudnn-sdpa", action="store_true", help="leave SDPA's cuDNN backend on (see main)")
     args = p.parse_args()
     import kvring
     from kvring.local_cluster import LocalCluster
@@ -230,7 +261,14 @@ def main():
         log(f"   ({name}: {time.time() - t0:.0f} s)")
         save()
 
-    log("== Llama-3-8B shapes (random weights), kvringd --gpu daemons on this GPU")
+    # cuDNN's SDPA builds an execution plan for each new sequence length (tens of ms each, once per process):
+    # a turn's first generate meets 16 new lengths, the same turn's recompute right after meets none, which
+    # charged kvring for warming recompute's plans (first run: 1.1-2.3 s against 0.6 s). The flash and
+    # memory-efficient backends plan nothing: every figure below uses them, on both sides.
+    if not args.cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    log("== Llama-3-8B shapes (random weights), kvringd --gpu daemons on this GPU"
+        + ("" if args.cudnn_sdpa else "; SDPA without the cuDNN backend"))
     model = build_model(32, 32, 8, 4096, 14336, seed=1)
     page = str(2 << 20)
     # HBM: 4 daemons x 12 GB hold a 128K context 3x over (16 GiB of KV).
@@ -238,10 +276,12 @@ def main():
     with LocalCluster(nodes=4, port=8600, replication=1, host_bytes="8G", page_bytes=page, gpu=0, hbm_bytes=hbm,
                       chunk_blocks=256, bin=args.bin, root=ROOT) as cl:
         c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=300)
+        if "cachecheck" in parts:
+            section("cachecheck", lambda: cache_check(model, results))
         if "chat" in parts:
             tokens = [kvring.create_tenant(cl.coordinator, cl.admin_token, f"chat-{t}") for t in range(2)]
             clients = [kvring.Client(cl.coordinator, tk, rpc_timeout=120) for tk in tokens]
-            section("chat", lambda: chat(lambda t: clients[t], model, results))
+            section("chat", lambda: chat(lambda t: clients[t], model, results, turns=args.chat_turns))
             for x in clients:
                 x.close()
         if "batch" in parts:

@@ -214,6 +214,16 @@ class PassQSession:
         return out.to(query.dtype)
 
 
+def _dynamic_cache(model):
+    """The DynamicCache generate() would make for the model (built from its config where this transformers takes
+    one: the layer types it declares)."""
+    from transformers import DynamicCache
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # a transformers whose DynamicCache takes no config
+        return DynamicCache()
+
+
 class PrefixCache:
     """kvring as a transformers engine's prefix cache (hash-placed blocks, one chain per model)."""
 
@@ -225,7 +235,7 @@ class PrefixCache:
     def _blocks_to_cache(self, blocks):
         """[n, layers, 2, kv_heads, bt, D] blocks -> a DynamicCache holding their n * bt tokens."""
         from transformers import DynamicCache
-        cache = DynamicCache()
+        cache = _dynamic_cache(self.model)
         n = blocks.shape[0]
         for l in range(self.layout.layers):
             k = blocks[:, l, 0].permute(1, 0, 2, 3).reshape(1, self.layout.kv_heads, n * self.bt, self.layout.head_dim)
@@ -273,17 +283,24 @@ class PrefixCache:
 
     def generate(self, input_ids, **kwargs):
         """model.generate with the prompt's cached prefix loaded and the new full blocks saved.
-        Returns (generate's output, {"held_blocks", "saved_blocks", "load_s"})."""
+        Returns (generate's output, {"held_blocks", "saved_blocks", "load_s", "generate_s", "save_s"})."""
         from transformers import DynamicCache
-        t0 = time.perf_counter()
+        def now():
+            if input_ids.is_cuda:
+                torch.cuda.synchronize(input_ids.device)
+            return time.perf_counter()
+        t0 = now()
         cache, held, _ = self.load(input_ids)
-        load_s = time.perf_counter() - t0
+        t1 = now()
         if cache is None:
-            cache = DynamicCache()
+            cache = _dynamic_cache(self.model)
         out = self.model.generate(input_ids, past_key_values=cache, **kwargs)
+        t2 = now()
         seq = out.sequences if hasattr(out, "sequences") else out
         saved = self.save(cache, seq[0].tolist(), held)
-        return out, {"held_blocks": held, "saved_blocks": saved, "load_s": load_s}
+        t3 = now()
+        return out, {"held_blocks": held, "saved_blocks": saved, "load_s": t1 - t0, "generate_s": t2 - t1,
+                     "save_s": t3 - t2}
 
 
 __all__ = ["PassQSession", "PrefixCache", "register", "kvring_attention", "layout_for", "NotFoundError"]
