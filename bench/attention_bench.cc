@@ -64,7 +64,10 @@ double ReadBandwidth(const Seq& s, size_t bytes_per_block, ThreadPool* pool) {
       const uint64_t* p = reinterpret_cast<const uint64_t*>(s.refs[i].data);
       uint64_t acc[4] = {0, 0, 0, 0};
       for (size_t j = 0; j + 4 <= bytes_per_block / 8; j += 4) {
-        acc[0] ^= p[j]; acc[1] ^= p[j + 1]; acc[2] ^= p[j + 2]; acc[3] ^= p[j + 3];
+        acc[0] ^= p[j];
+        acc[1] ^= p[j + 1];
+        acc[2] ^= p[j + 2];
+        acc[3] ^= p[j + 3];
       }
       sums[i] = static_cast<double>(acc[0] ^ acc[1] ^ acc[2] ^ acc[3]);
     });
@@ -88,9 +91,8 @@ __attribute__((target_clones("arch=x86-64-v3", "default"), noinline)) void FmaLo
 double FmaPeak(ThreadPool* pool, size_t threads) {
   std::vector<float> out(threads * 64);
   const int iters = 4000000;
-  const double sec = TimeMedian(3, [&] {
-    ParallelForOrInline(pool, threads, [&](size_t t) { FmaLoop(out.data() + 64 * t, iters); });
-  });
+  const double sec = TimeMedian(
+      3, [&] { ParallelForOrInline(pool, threads, [&](size_t t) { FmaLoop(out.data() + 64 * t, iters); }); });
   return 2.0 * 64 * iters * threads / sec;
 }
 
@@ -106,7 +108,8 @@ int main(int argc, char** argv) {
     std::printf("%s", flags.help_requested() ? flags.Usage().c_str() : (std::string(s.message()) + "\n").c_str());
     return flags.help_requested() ? 0 : 2;
   }
-  const size_t nthreads = threads > 0 ? static_cast<size_t>(threads) : std::max(1u, std::thread::hardware_concurrency());
+  const size_t nthreads =
+      threads > 0 ? static_cast<size_t>(threads) : std::max(1u, std::thread::hardware_concurrency());
   ThreadPool pool(nthreads - 1);
   std::mt19937 rng(1);
   // Llama-3-8B head shapes, one layer per block (attention is per layer).
@@ -136,7 +139,8 @@ int main(int argc, char** argv) {
       QueryTensor qt{q.data(), DType::kBF16, batch, q_heads, 128, pos.data(), ids.data()};
       PagedKv kv{L, {}, refs, begin};
       PartialResult out(batch, q_heads, 128);
-      const double sec = TimeMedian(static_cast<int>(reps), [&] { (void)PartialAttention({}, qt, kv, out.view(), &pool); });
+      const double sec =
+          TimeMedian(static_cast<int>(reps), [&] { (void)PartialAttention({}, qt, kv, out.view(), &pool); });
       const double flops = AttentionFlops({}, qt, kv);
       const double kv_bytes = static_cast<double>(refs.size()) * L.bytes();
       Seq all;
@@ -147,7 +151,8 @@ int main(int argc, char** argv) {
       std::vector<ConstPartial> views;
       for (auto& p : parts) views.push_back(p.cview());
       PartialResult merged(batch, q_heads, 128);
-      const double msec = TimeMedian(static_cast<int>(reps) * 4, [&] { (void)MergePartials(views, batch, q_heads, 128, merged.view()); });
+      const double msec = TimeMedian(static_cast<int>(reps) * 4,
+                                     [&] { (void)MergePartials(views, batch, q_heads, 128, merged.view()); });
       std::printf("%8lld %6u %10.3f %10.2f %12.2f %12.2f %8.2f %9.2f%%\n", static_cast<long long>(kv_len), batch,
                   sec * 1e3, flops / sec / 1e9, kv_bytes / sec / 1e9, read_bw / 1e9, (kv_bytes / sec) / read_bw,
                   100.0 * msec / (sec + msec));
@@ -167,7 +172,8 @@ int main(int argc, char** argv) {
     std::vector<uint32_t> begin{0, static_cast<uint32_t>(s.refs.size())};
     PagedKv kv{L, {}, s.refs, begin};
     PartialResult out(chunk, q_heads, 128);
-    const double sec = TimeMedian(static_cast<int>(reps), [&] { (void)PartialAttention({}, qt, kv, out.view(), &pool); });
+    const double sec =
+        TimeMedian(static_cast<int>(reps), [&] { (void)PartialAttention({}, qt, kv, out.view(), &pool); });
     const double flops = AttentionFlops({}, qt, kv);
     std::printf("%8lld %8u %10.2f %10.2f %9.1f%%\n", static_cast<long long>(ctx), chunk, sec * 1e3, flops / sec / 1e9,
                 100.0 * flops / sec / fma);

@@ -50,7 +50,9 @@ class Redis {
     r->fd_ = fd;
     return r;
   }
-  ~Redis() { if (fd_ >= 0) close(fd_); }
+  ~Redis() {
+    if (fd_ >= 0) close(fd_);
+  }
   bool Set(const std::string& key, const uint8_t* v, size_t n) {
     std::string head = absl::StrCat("*3\r\n$3\r\nSET\r\n$", key.size(), "\r\n", key, "\r\n$", n, "\r\n");
     iovec iov[3] = {{head.data(), head.size()}, {const_cast<uint8_t*>(v), n}, {const_cast<char*>("\r\n"), 2}};
@@ -196,7 +198,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   const std::vector<std::string> run_systems = absl::StrSplit(systems, ',', absl::SkipEmpty());
-  auto runs = [&](const char* name) { return std::find(run_systems.begin(), run_systems.end(), name) != run_systems.end(); };
+  auto runs = [&](const char* name) {
+    return std::find(run_systems.begin(), run_systems.end(), name) != run_systems.end();
+  };
   std::unique_ptr<Client> ucx_client, grpc_client;
   for (bool ucx : {true, false}) {
     if (!runs(ucx ? "ucx" : "grpc")) continue;

@@ -8,11 +8,11 @@
 // blocks. Reported per policy and cache size: block hit rate, and the bytes
 // that had to be recomputed or re-fetched (misses x 2 MiB, a Llama-3-8B
 // block of 16 tokens). Writes CSV for bench/eviction_plot.py.
-#include <filesystem>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <random>
 
@@ -181,7 +181,8 @@ int main(int argc, char** argv) {
     std::printf("%s", f.Usage().c_str());
     return f.help_requested() ? 0 : 2;
   }
-  std::filesystem::create_directories(std::filesystem::path(csv).parent_path().empty() ? "." : std::filesystem::path(csv).parent_path());
+  std::filesystem::create_directories(
+      std::filesystem::path(csv).parent_path().empty() ? "." : std::filesystem::path(csv).parent_path());
   std::ofstream out(csv);
   out << "trace,policy,fraction,pages,hit_rate,refetch_gb\n";
   for (const std::string trace_name : {"chat", "agents"}) {
@@ -194,8 +195,8 @@ int main(int argc, char** argv) {
       const size_t pages = std::max<size_t>(64, static_cast<size_t>(fp * frac));
       for (auto pol : absl::StrSplit(policies, ',')) {
         const Result r = Run(trace, std::string(pol), pages);
-        std::printf("| %.0f%% (%zu blocks) | %s | %.4f | %.0f |\n", frac * 100, pages, std::string(pol).c_str(), r.hit_rate,
-                    r.refetch_gb);
+        std::printf("| %.0f%% (%zu blocks) | %s | %.4f | %.0f |\n", frac * 100, pages, std::string(pol).c_str(),
+                    r.hit_rate, r.refetch_gb);
         std::fflush(stdout);
         out << trace_name << "," << std::string(pol) << "," << frac << "," << pages << "," << r.hit_rate << ","
             << r.refetch_gb << "\n";

@@ -75,7 +75,8 @@ SyntheticKv Generate(int64_t tokens, uint64_t seed) {
         for (uint32_t d = 0; d < L.head_dim; ++d) {
           const size_t c = h * L.head_dim + d;
           const double drift = std::sin(pos / std::pow(10000.0, 2.0 * (d / 2) / L.head_dim));
-          e[L.index(0, 0, h, t, d)] = FloatToBf16(static_cast<float>(kmean[c] + kscale[c] * (0.8 * nd(rng) + 0.6 * drift)));
+          e[L.index(0, 0, h, t, d)] =
+              FloatToBf16(static_cast<float>(kmean[c] + kscale[c] * (0.8 * nd(rng) + 0.6 * drift)));
           e[L.index(0, 1, h, t, d)] = FloatToBf16(static_cast<float>(vs * nd(rng)));
         }
       }
@@ -98,7 +99,8 @@ SyntheticKv Generate(int64_t tokens, uint64_t seed) {
 PartialResult Attend(const SyntheticKv& s, KvEncoding enc, const std::vector<std::vector<uint8_t>>& blocks) {
   std::vector<KvBlockRef> refs;
   for (size_t b = 0; b < blocks.size(); ++b) {
-    refs.push_back(KvBlockRef{blocks[b].data(), static_cast<int64_t>(b * s.layout.block_tokens), s.layout.block_tokens});
+    refs.push_back(
+        KvBlockRef{blocks[b].data(), static_cast<int64_t>(b * s.layout.block_tokens), s.layout.block_tokens});
   }
   std::vector<uint32_t> begin{0, static_cast<uint32_t>(refs.size())};
   const uint32_t rows = static_cast<uint32_t>(s.q.size() / (s.q_heads * s.layout.head_dim));
@@ -175,10 +177,12 @@ int main(int argc, char** argv) {
   const PartialResult base = Attend(s, KvEncoding{}, s.blocks);
   std::printf("synthetic KV: %lld tokens, 1 layer, 8 kv heads x 128 (bf16), 32 q heads, 4 decode rows\n",
               static_cast<long long>(tokens));
-  std::printf("\n| encoding | bytes/block | of bf16 | rel. L2 of O vs bf16 | rel. L2 of K codes | rel. L2 of V codes |\n");
+  std::printf(
+      "\n| encoding | bytes/block | of bf16 | rel. L2 of O vs bf16 | rel. L2 of K codes | rel. L2 of V codes |\n");
   std::printf("|---|---|---|---|---|---|\n");
   std::vector<std::pair<std::string, std::vector<std::vector<uint8_t>>>> encoded_sets;
-  for (const char* name : {"int8/per-head", "int8/per-token", "int8/kivi", "fp8/per-head", "fp8/per-token", "fp8/kivi"}) {
+  for (const char* name :
+       {"int8/per-head", "int8/per-token", "int8/kivi", "fp8/per-head", "fp8/per-token", "fp8/kivi"}) {
     KvEncoding enc;
     (void)ParseKvEncoding(name, &enc);
     std::vector<std::vector<uint8_t>> q(s.blocks.size());

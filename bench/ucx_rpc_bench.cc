@@ -36,14 +36,17 @@ int main(int argc, char** argv) {
   if (pid == 0) {
     ThreadPool pool(2);
     std::vector<uint8_t> blob(64 << 20, 7);
-    auto srv = UcxRpcServer::Start("127.0.0.1:" + std::to_string(port), [&](UcxRequest&& r, UcxReplier rep) {
-      if (r.method == 2) {  // "get": reply with meta-sized payload
-        const size_t n = std::stoul(r.meta);
-        rep.Send(absl::OkStatus(), "", {absl::MakeConstSpan(blob.data(), n)});
-      } else {
-        rep.Send(absl::OkStatus(), "");
-      }
-    }, &pool, 1ull << 30);
+    auto srv = UcxRpcServer::Start(
+        "127.0.0.1:" + std::to_string(port),
+        [&](UcxRequest&& r, UcxReplier rep) {
+          if (r.method == 2) {  // "get": reply with meta-sized payload
+            const size_t n = std::stoul(r.meta);
+            rep.Send(absl::OkStatus(), "", {absl::MakeConstSpan(blob.data(), n)});
+          } else {
+            rep.Send(absl::OkStatus(), "");
+          }
+        },
+        &pool, 1ull << 30);
     if (!srv.ok()) {
       std::fprintf(stderr, "server: %s\n", srv.status().ToString().c_str());
       _exit(1);
@@ -87,7 +90,8 @@ int main(int argc, char** argv) {
       }
       for (auto& t : ts) t.join();
       const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
-      std::printf("%8s %6s %10.2f %10.0f\n", std::string(sz).c_str(), dir == 0 ? "get" : "put", n * reqs / sec / 1e9, reqs / sec);
+      std::printf("%8s %6s %10.2f %10.0f\n", std::string(sz).c_str(), dir == 0 ? "get" : "put", n * reqs / sec / 1e9,
+                  reqs / sec);
     }
   }
   kill(pid, SIGKILL);

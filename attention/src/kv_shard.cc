@@ -38,20 +38,24 @@ absl::Status KvShard::Append(uint32_t seq, uint32_t layer, int64_t position, con
   if (seq >= seqs_.size()) return absl::InvalidArgumentError(absl::StrCat("sequence ", seq, " out of range"));
   if (layer >= layout_.layers) return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   Seq& s = seqs_[seq];
-  if (!s.owns_tail) return absl::FailedPreconditionError(absl::StrCat("this shard does not own the tail of sequence ", seq));
+  if (!s.owns_tail)
+    return absl::FailedPreconditionError(absl::StrCat("this shard does not own the tail of sequence ", seq));
   uint32_t& n = s.tail_tokens[layer];
   if (n >= layout_.block_tokens) {
-    return absl::FailedPreconditionError("tail block full for this layer: append every layer of a token before the next token");
+    return absl::FailedPreconditionError(
+        "tail block full for this layer: append every layer of a token before the next token");
   }
   if (position != s.tail_start + n) {
-    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq, " layer ", layer, ": expected position ",
-                                                      s.tail_start + n, ", got ", position));
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", seq, " layer ", layer, ": expected position ", s.tail_start + n, ", got ", position));
   }
   const size_t esize = DTypeSize(layout_.dtype);
   const size_t row = size_t{layout_.head_dim} * esize;
   for (uint32_t h = 0; h < layout_.kv_heads; ++h) {
-    std::memcpy(s.tail.data() + layout_.index(layer, 0, h, n, 0) * esize, static_cast<const uint8_t*>(k) + h * row, row);
-    std::memcpy(s.tail.data() + layout_.index(layer, 1, h, n, 0) * esize, static_cast<const uint8_t*>(v) + h * row, row);
+    std::memcpy(s.tail.data() + layout_.index(layer, 0, h, n, 0) * esize, static_cast<const uint8_t*>(k) + h * row,
+                row);
+    std::memcpy(s.tail.data() + layout_.index(layer, 1, h, n, 0) * esize, static_cast<const uint8_t*>(v) + h * row,
+                row);
   }
   ++n;
   for (uint32_t t : s.tail_tokens) {

@@ -77,9 +77,7 @@ KVRING_INLINE V8 Load8(const float* p) {
   return v;
 }
 KVRING_INLINE void Store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
-KVRING_INLINE float Sum8(V8 v) {
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
+KVRING_INLINE float Sum8(V8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
 
 // Scores of 2 query vectors against 4 keys: 8 independent accumulators hide
 // the FMA latency; each k load serves two queries.
@@ -93,11 +91,23 @@ KVRING_INLINE void Dot2x4(const float* __restrict q0, const float* __restrict q1
   for (uint32_t i = 0; i < D; i += 8) {
     const V8 x0 = Load8(q0 + i), x1 = Load8(q1 + i);
     const V8 y0 = Load8(k0 + i), y1 = Load8(k1 + i), y2 = Load8(k2 + i), y3 = Load8(k3 + i);
-    a00 += x0 * y0; a01 += x0 * y1; a02 += x0 * y2; a03 += x0 * y3;
-    a10 += x1 * y0; a11 += x1 * y1; a12 += x1 * y2; a13 += x1 * y3;
+    a00 += x0 * y0;
+    a01 += x0 * y1;
+    a02 += x0 * y2;
+    a03 += x0 * y3;
+    a10 += x1 * y0;
+    a11 += x1 * y1;
+    a12 += x1 * y2;
+    a13 += x1 * y3;
   }
-  s0[0] = Sum8(a00); s0[1] = Sum8(a01); s0[2] = Sum8(a02); s0[3] = Sum8(a03);
-  s1[0] = Sum8(a10); s1[1] = Sum8(a11); s1[2] = Sum8(a12); s1[3] = Sum8(a13);
+  s0[0] = Sum8(a00);
+  s0[1] = Sum8(a01);
+  s0[2] = Sum8(a02);
+  s0[3] = Sum8(a03);
+  s1[0] = Sum8(a10);
+  s1[1] = Sum8(a11);
+  s1[2] = Sum8(a12);
+  s1[3] = Sum8(a13);
 }
 
 KVRING_INLINE float Dot(const float* __restrict a, const float* __restrict b, uint32_t n) {
@@ -112,13 +122,15 @@ KVRING_INLINE float Dot(const float* __restrict a, const float* __restrict b, ui
 }
 
 // S[v][t] = q_v . k_t for v < nv, t < n (S row stride `sstride`).
-KVRING_INLINE void Scores(const float* q, uint32_t nv, const float* k, uint32_t n, uint32_t D, float* S, uint32_t sstride) {
+KVRING_INLINE void Scores(const float* q, uint32_t nv, const float* k, uint32_t n, uint32_t D, float* S,
+                          uint32_t sstride) {
   uint32_t v = 0;
   for (; v + 2 <= nv; v += 2) {
     const float* q0 = q + size_t{v} * D;
     const float* q1 = q0 + D;
     uint32_t t = 0;
-    for (; t + 4 <= n; t += 4) Dot2x4(q0, q1, k + size_t{t} * D, D, D, S + size_t{v} * sstride + t, S + size_t{v + 1} * sstride + t);
+    for (; t + 4 <= n; t += 4)
+      Dot2x4(q0, q1, k + size_t{t} * D, D, D, S + size_t{v} * sstride + t, S + size_t{v + 1} * sstride + t);
     for (; t < n; ++t) {
       S[size_t{v} * sstride + t] = Dot(q0, k + size_t{t} * D, D);
       S[size_t{v + 1} * sstride + t] = Dot(q1, k + size_t{t} * D, D);
@@ -158,8 +170,8 @@ KVRING_INLINE void AccumulatePV(float* __restrict acc, float corr, const float* 
 }
 
 // Converts the (layer, kv, head) plane of a block, first `n` tokens, to fp32.
-KVRING_INLINE void LoadTile(const PagedKv& kv, const KvBlockRef& b, uint32_t layer, uint32_t which, uint32_t head, uint32_t n,
-              float* __restrict dst) {
+KVRING_INLINE void LoadTile(const PagedKv& kv, const KvBlockRef& b, uint32_t layer, uint32_t which, uint32_t head,
+                            uint32_t n, float* __restrict dst) {
   const BlockLayout& L = kv.layout;
   const uint32_t D = L.head_dim;
   const uint64_t base = L.plane_index(layer, which, head);
@@ -196,7 +208,8 @@ KVRING_INLINE void LoadTile(const PagedKv& kv, const KvBlockRef& b, uint32_t lay
     float* out = dst + size_t{t} * D;
     if (mode == ScaleMode::kKChannelVToken && which == 0) {
       const float* ch = scales + ScaleIndex(L, mode, layer, 0, head, 0, 0);
-      for (uint32_t d = 0; d < D; ++d) out[d] = (fp8 ? t8[c[d]] : static_cast<float>(static_cast<int8_t>(c[d]))) * ch[d];
+      for (uint32_t d = 0; d < D; ++d)
+        out[d] = (fp8 ? t8[c[d]] : static_cast<float>(static_cast<int8_t>(c[d]))) * ch[d];
     } else {
       const float s = scales[ScaleIndex(L, mode, layer, which, head, t, 0)];
       for (uint32_t d = 0; d < D; ++d) out[d] = (fp8 ? t8[c[d]] : static_cast<float>(static_cast<int8_t>(c[d]))) * s;
@@ -206,10 +219,14 @@ KVRING_INLINE void LoadTile(const PagedKv& kv, const KvBlockRef& b, uint32_t lay
 
 KVRING_INLINE float LoadQ(const QueryTensor& q, size_t idx) {
   switch (q.dtype) {
-    case DType::kF32: return static_cast<const float*>(q.data)[idx];
-    case DType::kBF16: return Bf16ToFloat(static_cast<const uint16_t*>(q.data)[idx]);
-    case DType::kF16: return F16ToFloat(static_cast<const uint16_t*>(q.data)[idx]);
-    default: return 0;
+    case DType::kF32:
+      return static_cast<const float*>(q.data)[idx];
+    case DType::kBF16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(q.data)[idx]);
+    case DType::kF16:
+      return F16ToFloat(static_cast<const uint16_t*>(q.data)[idx]);
+    default:
+      return 0;
   }
 }
 
@@ -225,8 +242,8 @@ struct Scratch {
 };
 
 KVRING_MULTIVERSION
-void RunTask(const AttentionOptions& o, const QueryTensor& q, const PagedKv& kv, const uint32_t* rows,
-             const Task& task, float scale, PartialOutput out, Scratch& sc) {
+void RunTask(const AttentionOptions& o, const QueryTensor& q, const PagedKv& kv, const uint32_t* rows, const Task& task,
+             float scale, PartialOutput out, Scratch& sc) {
   const BlockLayout& L = kv.layout;
   const uint32_t D = L.head_dim;
   const uint32_t G = q.q_heads / L.kv_heads;
@@ -338,7 +355,8 @@ absl::Status ValidateAttention(const AttentionOptions& o, const QueryTensor& q, 
     return absl::InvalidArgumentError(absl::StrCat("layer ", o.layer, " out of range [0, ", kv.layout.layers, ")"));
   }
   if (o.window < 0) return absl::InvalidArgumentError("window must be >= 0");
-  if (!(o.softmax_scale >= 0) || std::isinf(o.softmax_scale)) return absl::InvalidArgumentError("softmax_scale must be finite and >= 0");
+  if (!(o.softmax_scale >= 0) || std::isinf(o.softmax_scale))
+    return absl::InvalidArgumentError("softmax_scale must be finite and >= 0");
   if ((o.causal || o.window > 0) && q.num_rows > 0 && q.positions == nullptr) {
     return absl::InvalidArgumentError("causal or windowed attention needs query positions");
   }
@@ -356,15 +374,16 @@ absl::Status ValidateAttention(const AttentionOptions& o, const QueryTensor& q, 
     const KvBlockRef& b = kv.blocks[i];
     if (b.data == nullptr) return absl::InvalidArgumentError(absl::StrCat("KV block ", i, " has no data"));
     if (b.num_tokens == 0 || b.num_tokens > kv.layout.block_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat("KV block ", i, " has ", b.num_tokens, " tokens; must be in [1, ",
-                                                     kv.layout.block_tokens, "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("KV block ", i, " has ", b.num_tokens, " tokens; must be in [1, ", kv.layout.block_tokens, "]"));
     }
     if (b.start_pos < 0) return absl::InvalidArgumentError(absl::StrCat("KV block ", i, " has a negative position"));
   }
   if (q.seq_ids != nullptr) {
     for (uint32_t r = 0; r < q.num_rows; ++r) {
       if (q.seq_ids[r] >= nseq) {
-        return absl::InvalidArgumentError(absl::StrCat("query row ", r, " names sequence ", q.seq_ids[r], " of ", nseq));
+        return absl::InvalidArgumentError(
+            absl::StrCat("query row ", r, " names sequence ", q.seq_ids[r], " of ", nseq));
       }
     }
   } else if (q.num_rows > 0 && nseq == 0) {
@@ -375,13 +394,16 @@ absl::Status ValidateAttention(const AttentionOptions& o, const QueryTensor& q, 
   const uint64_t nq = uint64_t{q.num_rows} * q.q_heads * q.head_dim;
   for (uint64_t i = 0; i < nq; ++i) {
     float v;
-    if (q.dtype == DType::kF32) v = static_cast<const float*>(q.data)[i];
-    else if (q.dtype == DType::kF16) v = F16ToFloat(static_cast<const uint16_t*>(q.data)[i]);
-    else v = Bf16ToFloat(static_cast<const uint16_t*>(q.data)[i]);
+    if (q.dtype == DType::kF32)
+      v = static_cast<const float*>(q.data)[i];
+    else if (q.dtype == DType::kF16)
+      v = F16ToFloat(static_cast<const uint16_t*>(q.data)[i]);
+    else
+      v = Bf16ToFloat(static_cast<const uint16_t*>(q.data)[i]);
     if (!std::isfinite(v)) {
       const uint64_t per_row = uint64_t{q.q_heads} * q.head_dim;
-      return absl::InvalidArgumentError(absl::StrCat("query row ", i / per_row, " head ", (i % per_row) / q.head_dim,
-                                                     " has a non-finite value"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("query row ", i / per_row, " head ", (i % per_row) / q.head_dim, " has a non-finite value"));
     }
   }
   return absl::OkStatus();

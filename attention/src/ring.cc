@@ -18,7 +18,16 @@ using ring_internal::DecodedKv;
 using Clock = std::chrono::steady_clock;
 using Record = std::array<uint64_t, 3>;
 
-enum Kind : uint64_t { kSizes = 1, kQRing = 2, kKvRing = 3, kPartialBack = 4, kQAll = 5, kAppendSize = 6, kAppendK = 7, kAppendV = 8 };
+enum Kind : uint64_t {
+  kSizes = 1,
+  kQRing = 2,
+  kKvRing = 3,
+  kPartialBack = 4,
+  kQAll = 5,
+  kAppendSize = 6,
+  kAppendK = 7,
+  kAppendV = 8
+};
 
 uint64_t Tag(const RingOptions& r, Kind k, uint32_t step) {
   return (static_cast<uint64_t>(r.call_id) << 32) | (static_cast<uint64_t>(k) << 24) | (step & 0xffffffu);
@@ -52,8 +61,8 @@ class Waiter {
   RingStats* st_;
 };
 
-absl::StatusOr<std::unique_ptr<TransportRequest>> Send(Transport& t, int peer, uint64_t tag, absl::Span<const uint8_t> d,
-                                                       RingStats* st) {
+absl::StatusOr<std::unique_ptr<TransportRequest>> Send(Transport& t, int peer, uint64_t tag,
+                                                       absl::Span<const uint8_t> d, RingStats* st) {
   if (st) {
     st->bytes_sent += d.size();
     ++st->hops;
@@ -69,12 +78,13 @@ absl::StatusOr<std::vector<Record>> AllGather(Transport& t, const RingOptions& r
   std::vector<std::unique_ptr<TransportRequest>> reqs;
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;
-    KVRING_ASSIGN_OR_RETURN(auto rq, t.Irecv(p, Tag(r, kSizes, 0),
-                                             absl::MakeSpan(reinterpret_cast<uint8_t*>(all[p].data()), sizeof(Record))));
+    KVRING_ASSIGN_OR_RETURN(
+        auto rq,
+        t.Irecv(p, Tag(r, kSizes, 0), absl::MakeSpan(reinterpret_cast<uint8_t*>(all[p].data()), sizeof(Record))));
     reqs.push_back(std::move(rq));
-    KVRING_ASSIGN_OR_RETURN(auto sq, Send(t, p, Tag(r, kSizes, 0),
-                                          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(mine.data()), sizeof(Record)),
-                                          st));
+    KVRING_ASSIGN_OR_RETURN(
+        auto sq, Send(t, p, Tag(r, kSizes, 0),
+                      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(mine.data()), sizeof(Record)), st));
     reqs.push_back(std::move(sq));
   }
   KVRING_RETURN_IF_ERROR(t.Flush());
@@ -93,7 +103,6 @@ absl::Status Compute(const AttentionOptions& o, const QueryTensor& q, const Page
   if (st) st->compute_seconds += Seconds(t0, Clock::now());
   return s;
 }
-
 
 void Finish(Clock::time_point start, RingStats* st) {
   if (st) st->total_seconds = Seconds(start, Clock::now());
@@ -131,8 +140,8 @@ absl::Status ReturnAndMergePartials(Transport& t, const RingOptions& r, const Qu
   std::vector<ConstPartial> parts{partial_for[me].cview()};
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;
-    KVRING_ASSIGN_OR_RETURN(ConstPartial c, ring_internal::DecodePartial(recv[p], local_q.num_rows, local_q.q_heads,
-                                                                         local_q.head_dim));
+    KVRING_ASSIGN_OR_RETURN(ConstPartial c,
+                            ring_internal::DecodePartial(recv[p], local_q.num_rows, local_q.q_heads, local_q.head_dim));
     parts.push_back(c);
   }
   absl::Status s = absl::OkStatus();
@@ -252,11 +261,13 @@ absl::Status DecodeStep(Transport& t, const AttentionOptions& o, int caller, con
                         const RingOptions& r, RingStats* st) {
   const int n = t.size(), me = t.rank();
   const BlockLayout& L = shard.layout();
-  if (tail_owner.size() != shard.num_sequences()) return absl::InvalidArgumentError("tail_owner needs one rank per sequence");
+  if (tail_owner.size() != shard.num_sequences())
+    return absl::InvalidArgumentError("tail_owner needs one rank per sequence");
   const size_t row_bytes = size_t{L.kv_heads} * L.head_dim * DTypeSize(L.dtype);
   Waiter w(r, st);
   if (me == caller) {
-    if (q.num_rows > 0 && (new_k == nullptr || new_v == nullptr)) return absl::InvalidArgumentError("decode needs the new K and V");
+    if (q.num_rows > 0 && (new_k == nullptr || new_v == nullptr))
+      return absl::InvalidArgumentError("decode needs the new K and V");
     if (q.num_rows > 0 && (q.positions == nullptr)) return absl::InvalidArgumentError("decode needs query positions");
     // Group the new rows by the rank owning their sequence's tail.
     std::vector<std::vector<uint32_t>> rows_for(n);
@@ -281,7 +292,8 @@ absl::Status DecodeStep(Transport& t, const AttentionOptions& o, int caller, con
         std::memcpy(kd.data() + i * row_bytes, static_cast<const uint8_t*>(new_k) + rows[i] * row_bytes, row_bytes);
         std::memcpy(vd.data() + i * row_bytes, static_cast<const uint8_t*>(new_v) + rows[i] * row_bytes, row_bytes);
       }
-      QueryTensor kt{kd.data(), L.dtype, static_cast<uint32_t>(rows.size()), L.kv_heads, L.head_dim, pos.data(), seqs.data()};
+      QueryTensor kt{kd.data(),  L.dtype,    static_cast<uint32_t>(rows.size()), L.kv_heads, L.head_dim,
+                     pos.data(), seqs.data()};
       QueryTensor vt = kt;
       vt.data = vd.data();
       ring_internal::EncodeQueryChunk(kt, &kmsg[p]);
@@ -308,8 +320,8 @@ absl::Status DecodeStep(Transport& t, const AttentionOptions& o, int caller, con
     KVRING_RETURN_IF_ERROR(w.WaitAll(reqs));
   } else {
     std::array<uint64_t, 2> sizes{};
-    KVRING_ASSIGN_OR_RETURN(auto sq, t.Irecv(caller, Tag(r, kAppendSize, 0),
-                                             absl::MakeSpan(reinterpret_cast<uint8_t*>(sizes.data()), 16)));
+    KVRING_ASSIGN_OR_RETURN(
+        auto sq, t.Irecv(caller, Tag(r, kAppendSize, 0), absl::MakeSpan(reinterpret_cast<uint8_t*>(sizes.data()), 16)));
     KVRING_RETURN_IF_ERROR(t.Flush());
     KVRING_RETURN_IF_ERROR(w.Wait(*sq).status());
     if (sizes[0] > (1ull << 32) || sizes[1] > (1ull << 32)) return absl::DataLossError("append message size is absurd");
@@ -357,8 +369,7 @@ int ContiguousOwner(uint64_t num_blocks, int num_shards, uint64_t block) {
 
 bool PreferPassKv(uint64_t new_tokens, uint64_t cached_tokens, uint32_t q_heads, uint32_t kv_heads) {
   if (new_tokens == 0) return false;
-  return static_cast<double>(new_tokens) / static_cast<double>(new_tokens + cached_tokens) >=
-         2.0 * kv_heads / q_heads;
+  return static_cast<double>(new_tokens) / static_cast<double>(new_tokens + cached_tokens) >= 2.0 * kv_heads / q_heads;
 }
 
 }  // namespace kvring

@@ -67,14 +67,16 @@ absl::StatusOr<QueryTensor> DecodeQueryChunk(absl::Span<const uint8_t> buf) {
   std::memcpy(&h, buf.data(), sizeof(h));
   if (h.magic != kQueryMagic) return absl::InvalidArgumentError("not a query chunk (bad magic)");
   if (h.dtype > static_cast<uint32_t>(DType::kBF16)) return absl::InvalidArgumentError("query chunk: bad dtype");
-  if (h.rows > (1u << 24) || h.q_heads > 1024 || h.head_dim > 1024) return absl::InvalidArgumentError("query chunk: absurd shape");
+  if (h.rows > (1u << 24) || h.q_heads > 1024 || h.head_dim > 1024)
+    return absl::InvalidArgumentError("query chunk: absurd shape");
   QueryTensor q;
   q.num_rows = h.rows;
   q.q_heads = h.q_heads;
   q.head_dim = h.head_dim;
   q.dtype = static_cast<DType>(h.dtype);
   if (buf.size() != QueryChunkBytes(q)) {
-    return absl::InvalidArgumentError(absl::StrCat("query chunk is ", buf.size(), " bytes; its header says ", QueryChunkBytes(q)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("query chunk is ", buf.size(), " bytes; its header says ", QueryChunkBytes(q)));
   }
   const uint8_t* p = buf.data() + sizeof(QHeader);
   q.positions = reinterpret_cast<const int64_t*>(p);
@@ -101,7 +103,8 @@ void EncodePartial(const PartialResult& r, std::vector<uint8_t>* out) {
 
 absl::StatusOr<ConstPartial> DecodePartial(absl::Span<const uint8_t> buf, uint32_t rows, uint32_t heads, uint32_t dim) {
   if (buf.size() != PartialBytes(rows, heads, dim)) {
-    return absl::InvalidArgumentError(absl::StrCat("partial is ", buf.size(), " bytes, expected ", PartialBytes(rows, heads, dim)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("partial is ", buf.size(), " bytes, expected ", PartialBytes(rows, heads, dim)));
   }
   PHeader h;
   std::memcpy(&h, buf.data(), sizeof(h));
@@ -167,18 +170,21 @@ absl::Status DecodeKvChunk(absl::Span<const uint8_t> buf, DecodedKv* out) {
   if (!kv.layout.IsValid(&why)) return absl::InvalidArgumentError(absl::StrCat("KV chunk layout: ", why));
   if (!KvEncoding::Unpack(h.encoding, &kv.encoding)) return absl::InvalidArgumentError("KV chunk: bad encoding");
   if (h.nseq > (1u << 20) || h.nblocks > (1u << 24)) return absl::InvalidArgumentError("KV chunk: absurd counts");
-  if (h.block_bytes != EncodedBytes(kv.layout, kv.encoding)) return absl::InvalidArgumentError("KV chunk: block size mismatch");
+  if (h.block_bytes != EncodedBytes(kv.layout, kv.encoding))
+    return absl::InvalidArgumentError("KV chunk: block size mismatch");
   out->seq_begin.resize(size_t{h.nseq} + 1);
   out->blocks.resize(h.nblocks);
   kv.seq_begin = out->seq_begin;
   kv.blocks = out->blocks;
   if (buf.size() != KvChunkBytes(kv)) {
-    return absl::InvalidArgumentError(absl::StrCat("KV chunk is ", buf.size(), " bytes; its header says ", KvChunkBytes(kv)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV chunk is ", buf.size(), " bytes; its header says ", KvChunkBytes(kv)));
   }
   const uint8_t* p = buf.data() + sizeof(KvHeader);
   std::memcpy(out->seq_begin.data(), p, 4 * (size_t{h.nseq} + 1));
   p += Align8(4 * (size_t{h.nseq} + 1));
-  if (out->seq_begin[0] != 0 || out->seq_begin[h.nseq] != h.nblocks) return absl::InvalidArgumentError("KV chunk: bad seq_begin");
+  if (out->seq_begin[0] != 0 || out->seq_begin[h.nseq] != h.nblocks)
+    return absl::InvalidArgumentError("KV chunk: bad seq_begin");
   for (uint32_t s = 0; s < h.nseq; ++s) {
     if (out->seq_begin[s] > out->seq_begin[s + 1]) return absl::InvalidArgumentError("KV chunk: seq_begin decreases");
   }

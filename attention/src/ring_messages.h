@@ -22,8 +22,7 @@ absl::StatusOr<QueryTensor> DecodeQueryChunk(absl::Span<const uint8_t> buf);
 
 size_t PartialBytes(uint32_t rows, uint32_t heads, uint32_t dim);
 void EncodePartial(const PartialResult& p, std::vector<uint8_t>* out);
-absl::StatusOr<ConstPartial> DecodePartial(absl::Span<const uint8_t> buf, uint32_t rows, uint32_t heads,
-                                           uint32_t dim);
+absl::StatusOr<ConstPartial> DecodePartial(absl::Span<const uint8_t> buf, uint32_t rows, uint32_t heads, uint32_t dim);
 
 struct DecodedKv {
   std::vector<KvBlockRef> blocks;

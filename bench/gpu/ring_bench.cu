@@ -32,13 +32,13 @@ using namespace kvring;
 
 namespace {
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
+      std::exit(1);                                                                           \
+    }                                                                                         \
   } while (0)
 
 // Deterministic values in [-1, 1) from (a, b): the same on every rank.
@@ -55,7 +55,8 @@ __host__ __device__ inline float Hash01(uint64_t a, uint64_t b) {
 // Pages [n][K|V][kv_head][bt][D] (one layer) for the blocks `blocks[i]`.
 __global__ void FillPages(__nv_bfloat16* pool, const int32_t* blocks, int n, int kv_heads, int bt, int D) {
   const uint64_t per = 2ull * kv_heads * bt * D;
-  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n * per; i += (uint64_t)gridDim.x * blockDim.x) {
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n * per;
+       i += (uint64_t)gridDim.x * blockDim.x) {
     const uint64_t page = i / per, e = i % per;
     pool[i] = __float2bfloat16(Hash01(blocks[page], e));
   }
@@ -63,7 +64,8 @@ __global__ void FillPages(__nv_bfloat16* pool, const int32_t* blocks, int n, int
 
 // Queries [rows][q_heads][D] for the given positions.
 __global__ void FillQueries(__nv_bfloat16* q, const int32_t* pos, int rows, int qd) {
-  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < (uint64_t)rows * qd; i += (uint64_t)gridDim.x * blockDim.x) {
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < (uint64_t)rows * qd;
+       i += (uint64_t)gridDim.x * blockDim.x) {
     q[i] = __float2bfloat16(Hash01(1ull << 40 | pos[i / qd], i % qd));
   }
 }
@@ -85,15 +87,24 @@ bool Parse(int argc, char** argv, Args* a) {
     };
     std::string v;
     if (s == "--help") return false;
-    if (val("rank", &v)) a->rank = std::stoi(v);
-    else if (val("world", &v)) a->world = std::stoi(v);
-    else if (val("tokens", &v)) a->tokens = std::stoll(v);
-    else if (val("q_heads", &v)) a->q_heads = std::stoi(v);
-    else if (val("kv_heads", &v)) a->kv_heads = std::stoi(v);
-    else if (val("reps", &v)) a->reps = std::stoi(v);
-    else if (val("id_file", &v)) a->id_file = v;
-    else if (val("mode", &v)) a->mode = v;
-    else if (val("algo", &v)) a->algo = v;
+    if (val("rank", &v))
+      a->rank = std::stoi(v);
+    else if (val("world", &v))
+      a->world = std::stoi(v);
+    else if (val("tokens", &v))
+      a->tokens = std::stoll(v);
+    else if (val("q_heads", &v))
+      a->q_heads = std::stoi(v);
+    else if (val("kv_heads", &v))
+      a->kv_heads = std::stoi(v);
+    else if (val("reps", &v))
+      a->reps = std::stoi(v);
+    else if (val("id_file", &v))
+      a->id_file = v;
+    else if (val("mode", &v))
+      a->mode = v;
+    else if (val("algo", &v))
+      a->algo = v;
     else {
       std::fprintf(stderr, "unknown argument %s\n", s.c_str());
       return false;
@@ -139,8 +150,9 @@ T* DevCopy(const std::vector<T>& h) {
 int main(int argc, char** argv) {
   Args a;
   if (!Parse(argc, argv, &a)) {
-    std::printf("usage: ring_bench --rank=R --world=N --id_file=F [--tokens=L] [--q_heads=H] [--kv_heads=K] "
-                "[--mode=prefill|decode] [--algo=passkv|passq] [--reps=N]\n");
+    std::printf(
+        "usage: ring_bench --rank=R --world=N --id_file=F [--tokens=L] [--q_heads=H] [--kv_heads=K] "
+        "[--mode=prefill|decode] [--algo=passkv|passq] [--reps=N]\n");
     return 2;
   }
   int ndev = 0;
@@ -241,7 +253,8 @@ int main(int argc, char** argv) {
     }
     CK(cudaDeviceSynchronize());
     const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < a.reps; ++i) (void)cuda::AttendLocal({}, qv, kv_all, {ref_out, ref_lse}, static_cast<int>(nblocks), nullptr);
+    for (int i = 0; i < a.reps; ++i)
+      (void)cuda::AttendLocal({}, qv, kv_all, {ref_out, ref_lse}, static_cast<int>(nblocks), nullptr);
     CK(cudaDeviceSynchronize());
     single_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / a.reps;
   }
@@ -288,11 +301,12 @@ int main(int argc, char** argv) {
     sum.bytes_sent = st.bytes_sent;
   }
   std::sort(times.begin(), times.end());
-  std::printf("{\"rank\": %d, \"world\": %d, \"mode\": \"%s\", \"algo\": \"%s\", \"tokens\": %lld, \"q_heads\": %d, "
-              "\"kv_heads\": %d, \"rows\": %d, \"ring_ms\": %.4f, \"compute_ms\": %.4f, \"exposed_comm_ms\": %.4f, "
-              "\"bytes_sent\": %llu, \"single_gpu_ms\": %.4f, \"rel_err\": %.3e}\n",
-              a.rank, N, a.mode.c_str(), a.algo.c_str(), static_cast<long long>(a.tokens), a.q_heads, a.kv_heads, rows,
-              times[times.size() / 2], sum.compute_ms, sum.wait_ms, static_cast<unsigned long long>(sum.bytes_sent),
-              single_ms, err);
+  std::printf(
+      "{\"rank\": %d, \"world\": %d, \"mode\": \"%s\", \"algo\": \"%s\", \"tokens\": %lld, \"q_heads\": %d, "
+      "\"kv_heads\": %d, \"rows\": %d, \"ring_ms\": %.4f, \"compute_ms\": %.4f, \"exposed_comm_ms\": %.4f, "
+      "\"bytes_sent\": %llu, \"single_gpu_ms\": %.4f, \"rel_err\": %.3e}\n",
+      a.rank, N, a.mode.c_str(), a.algo.c_str(), static_cast<long long>(a.tokens), a.q_heads, a.kv_heads, rows,
+      times[times.size() / 2], sum.compute_ms, sum.wait_ms, static_cast<unsigned long long>(sum.bytes_sent), single_ms,
+      err);
   return err < 2e-2 ? 0 : 3;
 }

@@ -63,7 +63,8 @@ absl::Status BlockIndex::Erase(const ScopedKey& key) {
   auto it = entries_.find(key);
   if (it == entries_.end()) return absl::NotFoundError(absl::StrCat("block ", key.key.ToHex(), " not held"));
   if (it->second.pins > 0) {
-    return absl::FailedPreconditionError(absl::StrCat("block ", key.key.ToHex(), " is pinned (", it->second.pins, " pins)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", key.key.ToHex(), " is pinned (", it->second.pins, " pins)"));
   }
   const BlockKey parent = it->second.parent;
   const bool was_anchored = it->second.anchored;
@@ -119,7 +120,11 @@ absl::StatusOr<bool> BlockIndex::Pin(const ScopedKey& key, TenantId tenant) {
   if (e == nullptr) return absl::NotFoundError(absl::StrCat("block ", key.key.ToHex(), " not held"));
   bool found = false;
   for (auto& [t, n] : e->pins_by_tenant) {
-    if (t == tenant) { ++n; found = true; break; }
+    if (t == tenant) {
+      ++n;
+      found = true;
+      break;
+    }
   }
   if (!found) e->pins_by_tenant.emplace_back(tenant, 1);
   return ++e->pins == 1;
@@ -144,7 +149,10 @@ size_t BlockIndex::LookupPrefix(NamespaceId ns, absl::Span<const BlockKey> keys)
   while (lo < hi) {
     const size_t mid = lo + (hi - lo) / 2;
     const Entry* e = Find(ScopedKey{ns, keys[mid]});
-    if (e != nullptr && e->anchored) lo = mid + 1; else hi = mid;
+    if (e != nullptr && e->anchored)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   // Extend over held blocks whose own ancestors are missing elsewhere.
   while (lo < keys.size() && Find(ScopedKey{ns, keys[lo]}) != nullptr) ++lo;
@@ -170,13 +178,16 @@ absl::Status BlockIndex::CheckInvariants() const {
     size_t steps = 0;
     while (!p.is_zero()) {
       const Entry* pe = Find(ScopedKey{k.ns, p});
-      if (pe == nullptr) { all_held = false; break; }
+      if (pe == nullptr) {
+        all_held = false;
+        break;
+      }
       p = pe->parent;
       if (++steps > entries_.size()) return absl::InternalError("parent cycle in index");
     }
     if (all_held != e.anchored) {
-      return absl::InternalError(absl::StrCat("block ", k.key.ToHex(), " anchored=", e.anchored,
-                                              " but ancestors held=", all_held));
+      return absl::InternalError(
+          absl::StrCat("block ", k.key.ToHex(), " anchored=", e.anchored, " but ancestors held=", all_held));
     }
     uint32_t sum = 0;
     for (const auto& [t, n] : e.pins_by_tenant) sum += n;

@@ -44,7 +44,8 @@ std::string BlockKey::ToHex() const {
 }
 
 absl::StatusOr<BlockKey> BlockKey::FromHex(std::string_view hex) {
-  if (hex.size() != 32) return absl::InvalidArgumentError(absl::StrCat("a block key is 32 hex digits, got ", hex.size()));
+  if (hex.size() != 32)
+    return absl::InvalidArgumentError(absl::StrCat("a block key is 32 hex digits, got ", hex.size()));
   BlockKey k;
   for (int i = 0; i < 32; ++i) {
     const int v = HexVal(hex[i]);

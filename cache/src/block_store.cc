@@ -13,7 +13,12 @@ uint64_t PayloadChecksum(const void* data, size_t len) { return XXH3_64bits(data
 // ---------------------------------------------------------------- PinnedBlock
 
 PinnedBlock::PinnedBlock(PinnedBlock&& o) noexcept
-    : store_(o.store_), page_(o.page_), data_(o.data_), owned_(std::move(o.owned_)), meta_(o.meta_), parent_(o.parent_) {
+    : store_(o.store_),
+      page_(o.page_),
+      data_(o.data_),
+      owned_(std::move(o.owned_)),
+      meta_(o.meta_),
+      parent_(o.parent_) {
   o.store_ = nullptr;
   o.data_ = nullptr;
 }
@@ -71,8 +76,7 @@ absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Create(const BlockStoreO
   KVRING_ASSIGN_OR_RETURN(std::unique_ptr<HostPagePool> pool, HostPagePool::Create(po));
   KVRING_ASSIGN_OR_RETURN(std::unique_ptr<EvictionPolicy> policy,
                           MakeEvictionPolicy(options.eviction_policy, options.num_pages));
-  std::unique_ptr<BlockStore> store(
-      new BlockStore(options, std::move(pool), std::move(policy), std::move(cold)));
+  std::unique_ptr<BlockStore> store(new BlockStore(options, std::move(pool), std::move(policy), std::move(cold)));
   if (store->cold_ != nullptr) KVRING_RETURN_IF_ERROR(store->Recover());
   return store;
 }
@@ -144,8 +148,8 @@ absl::StatusOr<PageId> BlockStore::AcquirePageLocked() {
     if (fresh.ok()) return *fresh;
     std::optional<SlotId> v = policy_->Victim();
     if (!v.has_value()) {
-      return absl::ResourceExhaustedError(absl::StrCat("host tier full: all ", pool_->num_pages(),
-                                                       " pages are pinned, being read or being written"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("host tier full: all ", pool_->num_pages(), " pages are pinned, being read or being written"));
     }
     const PageId victim = *v;
     const ScopedKey vk = page_owner_[victim];
@@ -208,10 +212,9 @@ absl::Status BlockStore::PinLocked(TenantId tenant, const ScopedKey& key, BlockI
   TenantState& t = tenants_[tenant];
   const uint64_t bytes = e->meta.payload_bytes;
   if (t.usage.pinned_bytes + bytes > t.quota.max_pinned_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("tenant ", tenant, ": pinning ", bytes,
-                                                     " more bytes would exceed its pinned quota (",
-                                                     t.usage.pinned_bytes, " of ", t.quota.max_pinned_bytes,
-                                                     " bytes pinned)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant ", tenant, ": pinning ", bytes, " more bytes would exceed its pinned quota (",
+                     t.usage.pinned_bytes, " of ", t.quota.max_pinned_bytes, " bytes pinned)"));
   }
   KVRING_ASSIGN_OR_RETURN(bool first, index_.Pin(key, tenant));
   t.usage.pinned_bytes += bytes;
@@ -225,8 +228,8 @@ absl::StatusOr<PutResult> BlockStore::Put(const PutArgs& a, absl::Span<const uin
   if (a.key.is_zero()) return absl::InvalidArgumentError("block key must not be zero");
   const uint64_t expected = EncodedBytes(a.meta.layout, a.meta.encoding);
   if (payload.size() != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("payload is ", payload.size(), " bytes but its layout and encoding need ",
-                                                   expected));
+    return absl::InvalidArgumentError(
+        absl::StrCat("payload is ", payload.size(), " bytes but its layout and encoding need ", expected));
   }
   if (payload.size() > pool_->page_bytes()) {
     return absl::InvalidArgumentError(
@@ -234,8 +237,8 @@ absl::StatusOr<PutResult> BlockStore::Put(const PutArgs& a, absl::Span<const uin
   }
   const uint64_t checksum = PayloadChecksum(payload.data(), payload.size());
   if (a.meta.checksum != 0 && a.meta.checksum != checksum) {
-    return absl::DataLossError(absl::StrCat("payload checksum mismatch for block ", a.key.ToHex(),
-                                            ": the bytes were corrupted on the way"));
+    return absl::DataLossError(
+        absl::StrCat("payload checksum mismatch for block ", a.key.ToHex(), ": the bytes were corrupted on the way"));
   }
   BlockMeta meta = a.meta;
   meta.payload_bytes = static_cast<uint32_t>(payload.size());
@@ -259,10 +262,9 @@ absl::StatusOr<PutResult> BlockStore::Put(const PutArgs& a, absl::Span<const uin
     if (!a.pin) return absl::OkStatus();
     const TenantState& t = tenants_[a.tenant];
     if (t.usage.pinned_bytes + meta.payload_bytes > t.quota.max_pinned_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat("tenant ", a.tenant, ": pinning ", meta.payload_bytes,
-                                                       " more bytes would exceed its pinned quota (",
-                                                       t.usage.pinned_bytes, " of ", t.quota.max_pinned_bytes,
-                                                       " bytes pinned)"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "tenant ", a.tenant, ": pinning ", meta.payload_bytes, " more bytes would exceed its pinned quota (",
+          t.usage.pinned_bytes, " of ", t.quota.max_pinned_bytes, " bytes pinned)"));
     }
     return absl::OkStatus();
   };
@@ -278,8 +280,8 @@ absl::StatusOr<PutResult> BlockStore::Put(const PutArgs& a, absl::Span<const uin
   mu_.Lock();
   if (!through.ok()) {
     FreePageLocked(page);
-    return absl::Status(through.code(), absl::StrCat("writing block ", a.key.ToHex(), " through to the cold tier: ",
-                                                     through.message()));
+    return absl::Status(through.code(), absl::StrCat("writing block ", a.key.ToHex(),
+                                                     " through to the cold tier: ", through.message()));
   }
   if (BlockIndex::Entry* e = index_.Find(sk)) {  // a concurrent Put won
     FreePageLocked(page);
@@ -403,8 +405,8 @@ absl::StatusOr<PinnedBlock> BlockStore::Acquire(NamespaceId ns, const BlockKey& 
 absl::Status BlockStore::Read(NamespaceId ns, const BlockKey& key, absl::Span<uint8_t> dst, BlockMeta* meta) {
   KVRING_ASSIGN_OR_RETURN(PinnedBlock b, Acquire(ns, key));
   if (dst.size() < b.meta().payload_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("destination of ", dst.size(), " bytes is smaller than the block (",
-                                                   b.meta().payload_bytes, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("destination of ", dst.size(), " bytes is smaller than the block (", b.meta().payload_bytes, ")"));
   }
   std::memcpy(dst.data(), b.payload().data(), b.payload().size());
   if (meta != nullptr) *meta = b.meta();
@@ -479,7 +481,10 @@ absl::Status BlockStore::EraseLocked(const ScopedKey& sk, BlockIndex::Entry* e) 
   KVRING_RETURN_IF_ERROR(index_.Erase(sk));
   if (page != kNoPage) {
     policy_->Remove(page, /*evicted=*/false);
-    if (holds_[page] == 0) FreePageLocked(page); else orphaned_[page] = true;
+    if (holds_[page] == 0)
+      FreePageLocked(page);
+    else
+      orphaned_[page] = true;
   }
   TenantUsage& u = tenants_[meta.owner].usage;
   --u.owned_blocks;
@@ -503,7 +508,10 @@ BlockStoreStats BlockStore::stats() {
   BlockStoreStats s = counters_;
   s.blocks = index_.size();
   index_.ForEach([&](const ScopedKey&, const BlockIndex::Entry& e) {
-    if (e.page != kNoPage) ++s.host_blocks; else ++s.cold_only_blocks;
+    if (e.page != kNoPage)
+      ++s.host_blocks;
+    else
+      ++s.cold_only_blocks;
     if (e.pins > 0) ++s.pinned_blocks;
   });
   s.free_pages = pool_->free_pages();

@@ -15,8 +15,8 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(std::string_v
   if (name == "s3fifo") return std::make_unique<S3FifoPolicy>(num_slots);
   if (name == "arc") return std::make_unique<ArcPolicy>(num_slots);
   if (name == "leaf-lru") return std::make_unique<LeafLruPolicy>(num_slots);
-  return absl::InvalidArgumentError(absl::StrCat("unknown eviction policy ", Quote(name),
-                                                 "; known: ", absl::StrJoin(EvictionPolicyNames(), ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown eviction policy ", Quote(name), "; known: ", absl::StrJoin(EvictionPolicyNames(), ", ")));
 }
 
 }  // namespace kvring

@@ -19,7 +19,8 @@ PageFreeList::PageFreeList(size_t num_pages) : num_pages_(num_pages) {
 
 absl::StatusOr<PageId> PageFreeList::Allocate() {
   absl::MutexLock lock(&mu_);
-  if (free_.empty()) return absl::ResourceExhaustedError(absl::StrCat("page pool full: all ", num_pages_, " pages in use"));
+  if (free_.empty())
+    return absl::ResourceExhaustedError(absl::StrCat("page pool full: all ", num_pages_, " pages in use"));
   const PageId p = free_.back();
   free_.pop_back();
   allocated_[p] = true;
@@ -28,8 +29,10 @@ absl::StatusOr<PageId> PageFreeList::Allocate() {
 
 absl::Status PageFreeList::Free(PageId page) {
   absl::MutexLock lock(&mu_);
-  if (page >= num_pages_) return absl::InvalidArgumentError(absl::StrCat("page id ", page, " out of range [0, ", num_pages_, ")"));
-  if (!allocated_[page]) return absl::FailedPreconditionError(absl::StrCat("page ", page, " is not allocated (double free?)"));
+  if (page >= num_pages_)
+    return absl::InvalidArgumentError(absl::StrCat("page id ", page, " out of range [0, ", num_pages_, ")"));
+  if (!allocated_[page])
+    return absl::FailedPreconditionError(absl::StrCat("page ", page, " is not allocated (double free?)"));
   allocated_[page] = false;
   free_.push_back(page);
   return absl::OkStatus();
@@ -67,7 +70,8 @@ absl::StatusOr<std::unique_ptr<HostPagePool>> HostPagePool::Create(const HostPag
   if (o.lock_memory && ::mlock(mem, bytes) != 0) {
     const std::string err = std::strerror(errno);
     ::munmap(mem, bytes);
-    return absl::ResourceExhaustedError(absl::StrCat("mlock of ", bytes, " bytes failed: ", err, " (raise RLIMIT_MEMLOCK)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mlock of ", bytes, " bytes failed: ", err, " (raise RLIMIT_MEMLOCK)"));
   }
   std::unique_ptr<HostPagePool> pool(new HostPagePool(static_cast<uint8_t*>(mem), bytes, o.page_bytes, o.num_pages));
   if (o.register_memory) {

@@ -7,7 +7,10 @@ SlotList::SlotList(size_t n) : prev_(n, UINT32_MAX), next_(n, UINT32_MAX), in_(n
 void SlotList::PushFront(SlotId s) {
   prev_[s] = UINT32_MAX;
   next_[s] = head_;
-  if (head_ != UINT32_MAX) prev_[head_] = s; else tail_ = s;
+  if (head_ != UINT32_MAX)
+    prev_[head_] = s;
+  else
+    tail_ = s;
   head_ = s;
   in_[s] = true;
   ++size_;
@@ -16,7 +19,10 @@ void SlotList::PushFront(SlotId s) {
 void SlotList::PushBack(SlotId s) {
   next_[s] = UINT32_MAX;
   prev_[s] = tail_;
-  if (tail_ != UINT32_MAX) next_[tail_] = s; else head_ = s;
+  if (tail_ != UINT32_MAX)
+    next_[tail_] = s;
+  else
+    head_ = s;
   tail_ = s;
   in_[s] = true;
   ++size_;
@@ -24,8 +30,14 @@ void SlotList::PushBack(SlotId s) {
 
 void SlotList::Unlink(SlotId s) {
   if (!in_[s]) return;
-  if (prev_[s] != UINT32_MAX) next_[prev_[s]] = next_[s]; else head_ = next_[s];
-  if (next_[s] != UINT32_MAX) prev_[next_[s]] = prev_[s]; else tail_ = prev_[s];
+  if (prev_[s] != UINT32_MAX)
+    next_[prev_[s]] = next_[s];
+  else
+    head_ = next_[s];
+  if (next_[s] != UINT32_MAX)
+    prev_[next_[s]] = prev_[s];
+  else
+    tail_ = prev_[s];
   prev_[s] = next_[s] = UINT32_MAX;
   in_[s] = false;
   --size_;

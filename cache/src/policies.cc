@@ -24,7 +24,13 @@ void GhostList::Add(uint64_t fp) {
 // ------------------------------------------------------------------ S3-FIFO
 
 S3FifoPolicy::S3FifoPolicy(size_t n)
-    : small_(n), main_(n), freq_(n, 0), where_(n, kNone), home_(n, kNone), fp_(n, 0), ghost_(n),
+    : small_(n),
+      main_(n),
+      freq_(n, 0),
+      where_(n, kNone),
+      home_(n, kNone),
+      fp_(n, 0),
+      ghost_(n),
       small_target_(std::max<size_t>(1, n / 10)) {}
 
 void S3FifoPolicy::Admit(SlotId s, const SlotInfo& info) {
@@ -98,7 +104,8 @@ std::optional<SlotId> S3FifoPolicy::Victim() {
 
 // ---------------------------------------------------------------------- ARC
 
-ArcPolicy::ArcPolicy(size_t n) : t1_(n), t2_(n), in_t2_(n, 0), pinned_(n, false), fp_(n, 0), b1_(n), b2_(n), capacity_(n) {}
+ArcPolicy::ArcPolicy(size_t n)
+    : t1_(n), t2_(n), in_t2_(n, 0), pinned_(n, false), fp_(n, 0), b1_(n), b2_(n), capacity_(n) {}
 
 void ArcPolicy::Admit(SlotId s, const SlotInfo& info) {
   fp_[s] = info.fingerprint;

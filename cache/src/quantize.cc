@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <limits>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "kvring/layout/float_convert.h"
@@ -89,7 +89,8 @@ absl::Status QuantizeBlock(const BlockLayout& l, absl::Span<const uint8_t> plain
                            std::vector<uint8_t>* out) {
   if (absl::Status s = Check(l, enc); !s.ok()) return s;
   if (plain.size() != l.bytes()) {
-    return absl::InvalidArgumentError(absl::StrCat("plain block is ", plain.size(), " bytes, layout needs ", l.bytes()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("plain block is ", plain.size(), " bytes, layout needs ", l.bytes()));
   }
   const bool fp8 = enc.codec == KvCodec::kFp8E4M3;
   const float qmax = fp8 ? kFp8E4M3Max : 127.0f;
@@ -107,8 +108,8 @@ absl::Status QuantizeBlock(const BlockLayout& l, absl::Span<const uint8_t> plain
           x[i] = PlainElement(l, plain.data(), base + i);
           if (!std::isfinite(x[i])) {
             return absl::InvalidArgumentError(absl::StrCat("non-finite value in the KV block (layer ", layer,
-                                                           kv ? " V" : " K", " head ", h, " token ", i / D, " dim ", i % D,
-                                                           "): refusing to quantize"));
+                                                           kv ? " V" : " K", " head ", h, " token ", i / D, " dim ",
+                                                           i % D, "): refusing to quantize"));
           }
         }
         // Scale of a group: amax / qmax, but never below the smallest normal
@@ -156,8 +157,8 @@ absl::Status DequantizeBlock(const BlockLayout& l, KvEncoding enc, absl::Span<co
                              std::vector<uint8_t>* plain) {
   if (absl::Status s = Check(l, enc); !s.ok()) return s;
   if (encoded.size() != EncodedBytes(l, enc)) {
-    return absl::InvalidArgumentError(absl::StrCat("encoded block is ", encoded.size(), " bytes, expected ",
-                                                   EncodedBytes(l, enc)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("encoded block is ", encoded.size(), " bytes, expected ", EncodedBytes(l, enc)));
   }
   plain->assign(l.bytes(), 0);
   const uint64_t n = l.elements();
@@ -188,13 +189,20 @@ absl::Status ParseKvEncoding(std::string_view text, KvEncoding* out) {
     *out = KvEncoding{};
     return absl::OkStatus();
   }
-  if (codec == "int8") e.codec = KvCodec::kInt8;
-  else if (codec == "fp8") e.codec = KvCodec::kFp8E4M3;
-  else return absl::InvalidArgumentError(absl::StrCat("unknown KV codec ", Quote(codec), " (int8, fp8, none)"));
-  if (mode.empty() || mode == "per-head") e.scales = ScaleMode::kPerHead;
-  else if (mode == "per-token") e.scales = ScaleMode::kPerToken;
-  else if (mode == "kivi") e.scales = ScaleMode::kKChannelVToken;
-  else return absl::InvalidArgumentError(absl::StrCat("unknown scale mode ", Quote(mode), " (per-head, per-token, kivi)"));
+  if (codec == "int8")
+    e.codec = KvCodec::kInt8;
+  else if (codec == "fp8")
+    e.codec = KvCodec::kFp8E4M3;
+  else
+    return absl::InvalidArgumentError(absl::StrCat("unknown KV codec ", Quote(codec), " (int8, fp8, none)"));
+  if (mode.empty() || mode == "per-head")
+    e.scales = ScaleMode::kPerHead;
+  else if (mode == "per-token")
+    e.scales = ScaleMode::kPerToken;
+  else if (mode == "kivi")
+    e.scales = ScaleMode::kKChannelVToken;
+  else
+    return absl::InvalidArgumentError(absl::StrCat("unknown scale mode ", Quote(mode), " (per-head, per-token, kivi)"));
   *out = e;
   return absl::OkStatus();
 }
@@ -202,7 +210,9 @@ absl::Status ParseKvEncoding(std::string_view text, KvEncoding* out) {
 std::string KvEncodingName(KvEncoding e) {
   if (!e.quantized()) return "bf16/plain";
   const char* c = e.codec == KvCodec::kInt8 ? "int8" : "fp8";
-  const char* m = e.scales == ScaleMode::kPerHead ? "per-head" : e.scales == ScaleMode::kPerToken ? "per-token" : "kivi";
+  const char* m = e.scales == ScaleMode::kPerHead    ? "per-head"
+                  : e.scales == ScaleMode::kPerToken ? "per-token"
+                                                     : "kivi";
   return absl::StrCat(c, "/", m);
 }
 

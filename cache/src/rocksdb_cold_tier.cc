@@ -216,12 +216,13 @@ absl::Status RocksDbColdTier::Read(const ScopedKey& key, ColdBlockInfo* info, st
   info->key = key;
   info->parent = BlockKey{m.parent_lo, m.parent_hi};
   info->meta.layout = BlockLayout{m.block_tokens, m.layers, m.kv_heads, m.head_dim, static_cast<DType>(m.dtype)};
-  if (!KvEncoding::Unpack(m.encoding, &info->meta.encoding)) return absl::DataLossError("cold block has a bad encoding");
+  if (!KvEncoding::Unpack(m.encoding, &info->meta.encoding))
+    return absl::DataLossError("cold block has a bad encoding");
   info->meta.payload_bytes = m.payload_bytes;
   info->meta.checksum = m.checksum;
   info->meta.owner = m.owner;
-  if (absl::Status d = Decompress(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(blob.data()), blob.size()), payload,
-                                  m.payload_bytes);
+  if (absl::Status d = Decompress(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(blob.data()), blob.size()),
+                                  payload, m.payload_bytes);
       !d.ok()) {
     ++read_errors_;
     return d;

@@ -19,8 +19,8 @@
 #include "kvring/cache/quantize.h"
 #include "kvring/client/client.h"
 #include "kvring/common/flags.h"
-#include "kvring/common/status_macros.h"
 #include "kvring/common/process.h"
+#include "kvring/common/status_macros.h"
 #include "kvring/control/auth.h"
 #include "kvring/protocol/tls.h"
 
@@ -50,7 +50,9 @@ std::vector<uint8_t> PayloadFor(const BlockKey& k, size_t n, bool f32 = false) {
   uint64_t x = k.lo ^ (k.hi << 1);
   const uint64_t mask = f32 ? ~0x4000000040000000ull : ~0x4000400040004000ull;
   for (size_t i = 0; i + 8 <= n; i += 8) {
-    x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
     const uint64_t v = x & mask;
     std::memcpy(&p[i], &v, 8);
   }
@@ -93,8 +95,10 @@ absl::Status ValidateOpts(const Opts& o, const std::string& cmd) {
     if (o.dtype != "f32" && o.dtype != "f16" && o.dtype != "bf16") {
       return absl::InvalidArgumentError(absl::StrCat("--dtype=", o.dtype, ": expected f32, f16 or bf16"));
     }
-    for (auto [flag, v] : {std::pair<const char*, int64_t>{"block_tokens", o.block_tokens}, {"layers", o.layers},
-                           {"kv_heads", o.kv_heads}, {"head_dim", o.head_dim}}) {
+    for (auto [flag, v] : {std::pair<const char*, int64_t>{"block_tokens", o.block_tokens},
+                           {"layers", o.layers},
+                           {"kv_heads", o.kv_heads},
+                           {"head_dim", o.head_dim}}) {
       KVRING_RETURN_IF_ERROR(InRange(flag, v, 1, 512));
     }
     const char* why = nullptr;
@@ -110,8 +114,8 @@ absl::Status ValidateOpts(const Opts& o, const std::string& cmd) {
     KVRING_RETURN_IF_ERROR(InRange("threads", o.threads, 1, 1024));
     KVRING_RETURN_IF_ERROR(InRange("blocks", o.blocks, 1, 1 << 24));
     if (o.block_bytes < (64u << 10) || o.block_bytes > kMaxBlockBytes || o.block_bytes % (64u << 10) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--block_bytes=", o.block_bytes, " must be a multiple of 64K in [64K, ",
-                                                     kMaxBlockBytes >> 20, "M]"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--block_bytes=", o.block_bytes, " must be a multiple of 64K in [64K, ", kMaxBlockBytes >> 20, "M]"));
     }
     if (static_cast<uint64_t>(o.blocks) * o.block_bytes > kMaxBenchBytes) {
       return absl::InvalidArgumentError(absl::StrCat("--blocks x --block_bytes = ", (o.blocks * o.block_bytes) >> 20,
@@ -176,7 +180,8 @@ int CmdPutGetLookup(Client& c, const Opts& o, const std::string& cmd) {
     if (cmd == "put") {
       std::vector<std::vector<uint8_t>> payloads;
       std::vector<BlockData> blocks;
-      for (size_t i = 0; i < chain.size(); ++i) payloads.push_back(PayloadFor(chain[i], layout.bytes(), layout.dtype == DType::kF32));
+      for (size_t i = 0; i < chain.size(); ++i)
+        payloads.push_back(PayloadFor(chain[i], layout.bytes(), layout.dtype == DType::kF32));
       for (size_t i = 0; i < chain.size(); ++i) {
         blocks.push_back(BlockData{chain[i], i ? chain[i - 1] : BlockKey{}, layout, {}, payloads[i], false});
       }
@@ -191,8 +196,11 @@ int CmdPutGetLookup(Client& c, const Opts& o, const std::string& cmd) {
     } else {
       auto res = c.Get(chain);
       for (size_t i = 0; i < res.size(); ++i) {
-        if (!res[i].status.ok() || !Matches(res[i], layout, PayloadFor(chain[i], layout.bytes(), layout.dtype == DType::kF32))) ++bad;
-        else bytes += res[i].payload.size();
+        if (!res[i].status.ok() ||
+            !Matches(res[i], layout, PayloadFor(chain[i], layout.bytes(), layout.dtype == DType::kF32)))
+          ++bad;
+        else
+          bytes += res[i].payload.size();
       }
       done += chain.size();
     }
@@ -225,8 +233,8 @@ int CmdStats(Client& c) {
                   std::string(s.status.message()).c_str());
       continue;
     }
-    std::printf("%-14s %-22s %-5s %8llu %8llu %8llu %8llu %9llu %9llu %9llu %10.1f\n", s.node_id.c_str(), s.address.c_str(),
-                s.state.c_str(), (unsigned long long)s.blocks, (unsigned long long)s.host_blocks,
+    std::printf("%-14s %-22s %-5s %8llu %8llu %8llu %8llu %9llu %9llu %9llu %10.1f\n", s.node_id.c_str(),
+                s.address.c_str(), s.state.c_str(), (unsigned long long)s.blocks, (unsigned long long)s.host_blocks,
                 (unsigned long long)s.cold_blocks, (unsigned long long)s.free_pages, (unsigned long long)s.puts,
                 (unsigned long long)s.hits, (unsigned long long)s.evictions, s.cold_stored_bytes / 1e6);
   }
@@ -239,7 +247,8 @@ int CmdBench(Client& c, const Opts& o) {
   const BlockLayout layout{16, layers, 8, 128, DType::kBF16};
   const size_t n = static_cast<size_t>(o.blocks);
   std::vector<BlockKey> keys(n);
-  std::mt19937_64 rng(static_cast<uint64_t>(o.seed) * 7919 + static_cast<uint64_t>(Clock::now().time_since_epoch().count()));
+  std::mt19937_64 rng(static_cast<uint64_t>(o.seed) * 7919 +
+                      static_cast<uint64_t>(Clock::now().time_since_epoch().count()));
   for (auto& k : keys) k = BlockKey{rng() | 1, rng()};
   std::vector<std::vector<uint8_t>> payloads(n);
   for (size_t i = 0; i < n; ++i) payloads[i] = PayloadFor(keys[i], layout.bytes(), layout.dtype == DType::kF32);
@@ -308,8 +317,8 @@ int CmdTenant(const Opts& o, const std::string& cmd) {
       return 1;
     }
     std::printf("%s\n", t->token.c_str());
-    std::fprintf(stderr, "tenant '%s' (id %u, namespace %s) created; the token above is shown once\n", o.name.c_str(), t->id,
-                 t->namespace_name.c_str());
+    std::fprintf(stderr, "tenant '%s' (id %u, namespace %s) created; the token above is shown once\n", o.name.c_str(),
+                 t->id, t->namespace_name.c_str());
     return 0;
   }
   if (cmd == "tenant-delete") {
@@ -346,9 +355,10 @@ int CmdTenant(const Opts& o, const std::string& cmd) {
 
 int main(int argc, char** argv) {
   Opts o;
-  FlagSet f("kvring",
-            "client for a kvring cluster\n\nusage: kvring [flags] COMMAND\ncommands: put, get, lookup (synthetic sequences), "
-            "stats, map, bench, tenant-create, tenant-list, tenant-delete");
+  FlagSet f(
+      "kvring",
+      "client for a kvring cluster\n\nusage: kvring [flags] COMMAND\ncommands: put, get, lookup (synthetic sequences), "
+      "stats, map, bench, tenant-create, tenant-list, tenant-delete");
   f.AddString("coordinator", &o.coordinator, "coordinator host:port");
   f.AddString("token", &o.token, "tenant token (admin token for tenant-*)");
   f.AddString("token_file", &o.token_file, "file holding the token");
@@ -369,10 +379,12 @@ int main(int argc, char** argv) {
   f.AddString("op", &o.op, "bench: put, get or both");
   f.AddString("name", &o.name, "tenant-*: tenant name");
   f.AddString("shared", &o.shared, "tenant-create: comma-separated shared namespaces (shared/<name>)");
-  f.AddString("kv_encoding", &o.kv_encoding, "tenant-create: quantize the tenant's blocks at Put (int8|fp8[/per-head|/per-token|/kivi])");
+  f.AddString("kv_encoding", &o.kv_encoding,
+              "tenant-create: quantize the tenant's blocks at Put (int8|fp8[/per-head|/per-token|/kivi])");
   AddTlsFlags(&f, &o.tls, /*server=*/false);
   f.AddDuration("rpc_timeout", &o.rpc_timeout, "deadline of each call to a node (then the next replica is tried)");
-  f.AddString("quantize", &o.quantize, "put/bench: have the nodes quantize the blocks (int8|fp8[/...], none; empty: tenant default)");
+  f.AddString("quantize", &o.quantize,
+              "put/bench: have the nodes quantize the blocks (int8|fp8[/...], none; empty: tenant default)");
   f.AddBytes("quota", &o.quota, "tenant-create: pinned-bytes quota (0: unlimited)");
   std::vector<std::string> pos;
   if (absl::Status s = f.Parse(argc, argv, &pos); !s.ok()) {

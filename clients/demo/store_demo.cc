@@ -49,9 +49,10 @@ int main(int argc, char** argv) {
   for (auto& t : system_prompt) t = rng() % 128000;
   std::vector<uint8_t> payload(layout.bytes());
 
-  std::printf("kvring store demo: %lld pages of %s, policy %s, block = %u tokens x %u layers x %u kv heads x %u dims (%s)\n\n",
-              static_cast<long long>(pages), absl::StrFormat("%.0f KiB", layout.bytes() / 1024.0).c_str(), policy.c_str(),
-              layout.block_tokens, layout.layers, layout.kv_heads, layout.head_dim, DTypeName(layout.dtype));
+  std::printf(
+      "kvring store demo: %lld pages of %s, policy %s, block = %u tokens x %u layers x %u kv heads x %u dims (%s)\n\n",
+      static_cast<long long>(pages), absl::StrFormat("%.0f KiB", layout.bytes() / 1024.0).c_str(), policy.c_str(),
+      layout.block_tokens, layout.layers, layout.kv_heads, layout.head_dim, DTypeName(layout.dtype));
   std::printf("%-10s %7s %7s %9s %9s %10s %10s %9s\n", "session", "tokens", "blocks", "reused", "stored", "evicted",
               "resident", "hit %");
   uint64_t total_blocks = 0, total_reused = 0;

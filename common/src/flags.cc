@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "kvring/common/status_macros.h"
 #include "kvring/common/quote.h"
+#include "kvring/common/status_macros.h"
 
 namespace kvring {
 
@@ -19,11 +19,24 @@ absl::Status ParseByteSize(const std::string& text, uint64_t* out) {
   uint64_t mult = 1;
   if (!body.empty()) {
     switch (body.back()) {
-      case 'K': case 'k': mult = 1ull << 10; break;
-      case 'M': case 'm': mult = 1ull << 20; break;
-      case 'G': case 'g': mult = 1ull << 30; break;
-      case 'T': case 't': mult = 1ull << 40; break;
-      default: break;
+      case 'K':
+      case 'k':
+        mult = 1ull << 10;
+        break;
+      case 'M':
+      case 'm':
+        mult = 1ull << 20;
+        break;
+      case 'G':
+      case 'g':
+        mult = 1ull << 30;
+        break;
+      case 'T':
+      case 't':
+        mult = 1ull << 40;
+        break;
+      default:
+        break;
     }
     if (mult != 1) body.pop_back();
   }
@@ -53,35 +66,40 @@ void FlagSet::AddString(std::string name, std::string* target, std::string help)
 
 void FlagSet::AddInt(std::string name, int64_t* target, std::string help) {
   Add(name, std::move(help), absl::StrCat(*target), false, [target, name](const std::string& v) {
-    if (!absl::SimpleAtoi(v, target)) return absl::InvalidArgumentError(absl::StrCat("--", name, ": not an integer: '", v, "'"));
+    if (!absl::SimpleAtoi(v, target))
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": not an integer: '", v, "'"));
     return absl::OkStatus();
   });
 }
 
 void FlagSet::AddUint(std::string name, uint64_t* target, std::string help) {
   Add(name, std::move(help), absl::StrCat(*target), false, [target, name](const std::string& v) {
-    if (!absl::SimpleAtoi(v, target)) return absl::InvalidArgumentError(absl::StrCat("--", name, ": not an unsigned integer: '", v, "'"));
+    if (!absl::SimpleAtoi(v, target))
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": not an unsigned integer: '", v, "'"));
     return absl::OkStatus();
   });
 }
 
 void FlagSet::AddDouble(std::string name, double* target, std::string help) {
   Add(name, std::move(help), absl::StrCat(*target), false, [target, name](const std::string& v) {
-    if (!absl::SimpleAtod(v, target)) return absl::InvalidArgumentError(absl::StrCat("--", name, ": not a number: '", v, "'"));
+    if (!absl::SimpleAtod(v, target))
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": not a number: '", v, "'"));
     return absl::OkStatus();
   });
 }
 
 void FlagSet::AddBool(std::string name, bool* target, std::string help) {
   Add(name, std::move(help), *target ? "true" : "false", true, [target, name](const std::string& v) {
-    if (!absl::SimpleAtob(v, target)) return absl::InvalidArgumentError(absl::StrCat("--", name, ": not a boolean: '", v, "'"));
+    if (!absl::SimpleAtob(v, target))
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": not a boolean: '", v, "'"));
     return absl::OkStatus();
   });
 }
 
 void FlagSet::AddDuration(std::string name, absl::Duration* target, std::string help) {
   Add(name, std::move(help), absl::FormatDuration(*target), false, [target, name](const std::string& v) {
-    if (!absl::ParseDuration(v, target)) return absl::InvalidArgumentError(absl::StrCat("--", name, ": not a duration: '", v, "' (e.g. 500ms, 2s)"));
+    if (!absl::ParseDuration(v, target))
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": not a duration: '", v, "' (e.g. 500ms, 2s)"));
     return absl::OkStatus();
   });
 }
@@ -152,13 +170,20 @@ absl::Status FlagSet::Parse(int argc, char** argv, std::vector<std::string>* pos
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (flags_done || a.size() < 2 || a[0] != '-' || a[1] != '-') {
-      if (positional == nullptr) return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", a, "' (see --help)"));
+      if (positional == nullptr)
+        return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", a, "' (see --help)"));
       positional->push_back(a);
       continue;
     }
-    if (a == "--") { flags_done = true; continue; }
+    if (a == "--") {
+      flags_done = true;
+      continue;
+    }
     std::string body = a.substr(2);
-    if (body == "config") { ++i; continue; }
+    if (body == "config") {
+      ++i;
+      continue;
+    }
     if (absl::StartsWith(body, "config=")) continue;
     size_t eq = body.find('=');
     if (eq != std::string::npos) {

@@ -30,7 +30,10 @@ void HistogramMetric::Observe(double v) {
   size_t lo = 0, hi = bounds_.size();
   while (lo < hi) {  // first bound >= v
     size_t mid = (lo + hi) / 2;
-    if (bounds_[mid] < v) lo = mid + 1; else hi = mid;
+    if (bounds_[mid] < v)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   buckets_[lo].fetch_add(1, std::memory_order_relaxed);
   count_.fetch_add(1, std::memory_order_relaxed);
@@ -68,7 +71,10 @@ CounterMetric* MetricsRegistry::Counter(const std::string& name, const std::stri
   absl::MutexLock lock(&mu_);
   if (Entry* e = FindLocked(name, labels)) return e->counter.get();
   auto e = std::make_unique<Entry>();
-  e->name = name; e->help = help; e->labels = labels; e->kind = Kind::kCounter;
+  e->name = name;
+  e->help = help;
+  e->labels = labels;
+  e->kind = Kind::kCounter;
   e->counter = std::make_unique<CounterMetric>();
   CounterMetric* out = e->counter.get();
   entries_.push_back(std::move(e));
@@ -79,19 +85,25 @@ GaugeMetric* MetricsRegistry::Gauge(const std::string& name, const std::string& 
   absl::MutexLock lock(&mu_);
   if (Entry* e = FindLocked(name, labels)) return e->gauge.get();
   auto e = std::make_unique<Entry>();
-  e->name = name; e->help = help; e->labels = labels; e->kind = Kind::kGauge;
+  e->name = name;
+  e->help = help;
+  e->labels = labels;
+  e->kind = Kind::kGauge;
   e->gauge = std::make_unique<GaugeMetric>();
   GaugeMetric* out = e->gauge.get();
   entries_.push_back(std::move(e));
   return out;
 }
 
-HistogramMetric* MetricsRegistry::Histogram(const std::string& name, const std::string& help,
-                                            const std::string& labels, std::vector<double> bounds) {
+HistogramMetric* MetricsRegistry::Histogram(const std::string& name, const std::string& help, const std::string& labels,
+                                            std::vector<double> bounds) {
   absl::MutexLock lock(&mu_);
   if (Entry* e = FindLocked(name, labels)) return e->histogram.get();
   auto e = std::make_unique<Entry>();
-  e->name = name; e->help = help; e->labels = labels; e->kind = Kind::kHistogram;
+  e->name = name;
+  e->help = help;
+  e->labels = labels;
+  e->kind = Kind::kHistogram;
   e->histogram = std::make_unique<HistogramMetric>(std::move(bounds));
   HistogramMetric* out = e->histogram.get();
   entries_.push_back(std::move(e));
@@ -133,7 +145,8 @@ std::string MetricsRegistry::Render() const {
         uint64_t cum = 0;
         for (size_t i = 0; i < h.bounds().size(); ++i) {
           cum += h.bucket(i);
-          absl::StrAppend(&out, e->name, "_bucket{", sep, "le=\"", absl::StrFormat("%.6g", h.bounds()[i]), "\"} ", cum, "\n");
+          absl::StrAppend(&out, e->name, "_bucket{", sep, "le=\"", absl::StrFormat("%.6g", h.bounds()[i]), "\"} ", cum,
+                          "\n");
         }
         cum += h.bucket(h.bounds().size());
         absl::StrAppend(&out, e->name, "_bucket{", sep, "le=\"+Inf\"} ", cum, "\n");

@@ -44,7 +44,8 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& path) {
 
 absl::StatusOr<HostPort> ParseHostPort(const std::string& s) {
   const size_t colon = s.rfind(':');
-  if (colon == std::string::npos || colon == 0) return absl::InvalidArgumentError(absl::StrCat("'", s, "' is not host:port"));
+  if (colon == std::string::npos || colon == 0)
+    return absl::InvalidArgumentError(absl::StrCat("'", s, "' is not host:port"));
   HostPort hp;
   hp.host = s.substr(0, colon);
   if (!absl::SimpleAtoi(s.substr(colon + 1), &hp.port) || hp.port < 0 || hp.port > 65535) {

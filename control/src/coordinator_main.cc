@@ -70,7 +70,9 @@ int main(int argc, char** argv) {
     }
     return true;
   };
-  if (!secret(&admin_token, admin_token_file, "admin_token") || !secret(&cluster_token, cluster_token_file, "cluster_token")) return 2;
+  if (!secret(&admin_token, admin_token_file, "admin_token") ||
+      !secret(&cluster_token, cluster_token_file, "cluster_token"))
+    return 2;
   if (data_dir.empty()) {
     KVRING_LOG(ERROR) << "--data_dir is required";
     return 2;
@@ -132,15 +134,18 @@ int main(int argc, char** argv) {
       KVRING_LOG(ERROR) << "--metrics_listen: " << hp.status().message();
       return 2;
     }
-    http.Handle("/metrics", [&] {
-      const v1::ShardMap m = (*service)->CurrentMap();
-      int up = 0;
-      for (const auto& n : m.nodes()) up += n.state() == v1::NodeInfo::UP;
-      g_map->Set(static_cast<double>(m.version()));
-      g_up->Set(up);
-      g_nodes->Set(m.nodes_size());
-      return metrics.Render();
-    }, MetricsRegistry::kContentType);
+    http.Handle(
+        "/metrics",
+        [&] {
+          const v1::ShardMap m = (*service)->CurrentMap();
+          int up = 0;
+          for (const auto& n : m.nodes()) up += n.state() == v1::NodeInfo::UP;
+          g_map->Set(static_cast<double>(m.version()));
+          g_up->Set(up);
+          g_nodes->Set(m.nodes_size());
+          return metrics.Render();
+        },
+        MetricsRegistry::kContentType);
     absl::StatusOr<int> mp = http.Start(hp->host, hp->port);
     if (!mp.ok()) {
       KVRING_LOG(ERROR) << "metrics server on " << metrics_listen << ": " << mp.status().message();

@@ -26,7 +26,8 @@ grpc::Status VersionCheck(uint32_t v) {
 bool ValidName(const std::string& s) {
   if (s.empty() || s.size() > 128) return false;
   for (char c : s) {
-    if (!(isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' || c == ':' || c == '/')) return false;
+    if (!(isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' || c == ':' || c == '/'))
+      return false;
   }
   return true;
 }
@@ -64,19 +65,28 @@ absl::Status CoordinatorService::Load() {
   absl::Status bad = absl::OkStatus();
   KVRING_RETURN_IF_ERROR(store_->ScanPrefix("node/", [&](const std::string&, const std::string& v) {
     v1::NodeInfo n;
-    if (!n.ParseFromString(v)) { bad = absl::DataLossError("corrupt node record"); return; }
-    mu_.AssertHeld();  // (Load holds it; the analysis does not see into the callback)
+    if (!n.ParseFromString(v)) {
+      bad = absl::DataLossError("corrupt node record");
+      return;
+    }
+    mu_.AssertHeld();                    // (Load holds it; the analysis does not see into the callback)
     nodes_[n.node_id()] = Node{n, now};  // one timeout of grace to heartbeat again
   }));
   KVRING_RETURN_IF_ERROR(store_->ScanPrefix("tenant/", [&](const std::string&, const std::string& v) {
     v1::TenantTable::Entry e;
-    if (!e.ParseFromString(v)) { bad = absl::DataLossError("corrupt tenant record"); return; }
+    if (!e.ParseFromString(v)) {
+      bad = absl::DataLossError("corrupt tenant record");
+      return;
+    }
     mu_.AssertHeld();
     tenants_[e.tenant().name()] = e;
   }));
   KVRING_RETURN_IF_ERROR(store_->ScanPrefix("deleted/", [&](const std::string& k, const std::string&) {
     uint32_t id = 0;
-    if (!absl::SimpleAtoi(k.substr(8), &id)) { bad = absl::DataLossError("corrupt deleted-tenant record"); return; }
+    if (!absl::SimpleAtoi(k.substr(8), &id)) {
+      bad = absl::DataLossError("corrupt deleted-tenant record");
+      return;
+    }
     mu_.AssertHeld();
     deleted_ids_.push_back(id);
   }));
@@ -104,7 +114,8 @@ absl::Status CoordinatorService::CheckToken(const grpc::ServerContext& ctx, cons
                                             const char* what) {
   absl::StatusOr<std::string> tok = BearerToken(ctx);
   if (!tok.ok()) return tok.status();
-  if (Sha256(*tok) != Sha256(expected)) return absl::PermissionDeniedError(absl::StrCat("this call needs the ", what, " token"));
+  if (Sha256(*tok) != Sha256(expected))
+    return absl::PermissionDeniedError(absl::StrCat("this call needs the ", what, " token"));
   return absl::OkStatus();
 }
 
@@ -125,7 +136,8 @@ grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext* ctx, const v1
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.cluster_token, "cluster"); !s.ok()) return ToGrpc(s);
   const v1::NodeInfo& in = req->node();
-  if (!ValidName(in.node_id())) return ToGrpc(absl::InvalidArgumentError("node_id must be 1-128 characters of [A-Za-z0-9-_.:/]"));
+  if (!ValidName(in.node_id()))
+    return ToGrpc(absl::InvalidArgumentError("node_id must be 1-128 characters of [A-Za-z0-9-_.:/]"));
   if (in.grpc_address().empty() || in.grpc_address().find(':') == std::string::npos) {
     return ToGrpc(absl::InvalidArgumentError("grpc_address must be host:port"));
   }
@@ -247,10 +259,12 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
                                               v1::CreateTenantResponse* resp) {
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.admin_token, "admin"); !s.ok()) return ToGrpc(s);
-  if (!ValidName(req->name())) return ToGrpc(absl::InvalidArgumentError("tenant name must be 1-128 characters of [A-Za-z0-9-_.:/]"));
+  if (!ValidName(req->name()))
+    return ToGrpc(absl::InvalidArgumentError("tenant name must be 1-128 characters of [A-Za-z0-9-_.:/]"));
   if (req->shared_namespaces_size() > kMaxSharedNamespaces) {
-    return ToGrpc(absl::InvalidArgumentError(absl::StrCat("a tenant may belong to at most ", kMaxSharedNamespaces,
-                                                          " shared namespaces; ", req->shared_namespaces_size(), " given")));
+    return ToGrpc(
+        absl::InvalidArgumentError(absl::StrCat("a tenant may belong to at most ", kMaxSharedNamespaces,
+                                                " shared namespaces; ", req->shared_namespaces_size(), " given")));
   }
   for (const auto& s : req->shared_namespaces()) {
     if (!ValidName(s) || !absl::StartsWith(s, "shared/")) {
@@ -258,8 +272,9 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
     }
   }
   if (KvEncoding enc; !ParseKvEncoding(req->kv_encoding(), &enc).ok()) {
-    return ToGrpc(absl::InvalidArgumentError(absl::StrCat("kv_encoding ", Quote(req->kv_encoding()),
-                                                          ": expected none, int8 or fp8, optionally /per-head, /per-token or /kivi")));
+    return ToGrpc(absl::InvalidArgumentError(
+        absl::StrCat("kv_encoding ", Quote(req->kv_encoding()),
+                     ": expected none, int8 or fp8, optionally /per-head, /per-token or /kivi")));
   }
   std::string token = req->token();
   if (token.empty()) {
@@ -269,11 +284,12 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
   } else if (token == options_.admin_token || token == options_.cluster_token) {
     return ToGrpc(absl::InvalidArgumentError("a tenant's token may not be the admin or the cluster token"));
   } else if (token.size() < kMinChosenTokenBytes) {
-    return ToGrpc(absl::InvalidArgumentError(
-        absl::StrCat("a chosen token must have at least ", kMinChosenTokenBytes, " characters (or let the coordinator generate one)")));
+    return ToGrpc(absl::InvalidArgumentError(absl::StrCat("a chosen token must have at least ", kMinChosenTokenBytes,
+                                                          " characters (or let the coordinator generate one)")));
   }
   absl::MutexLock l(&mu_);
-  if (tenants_.count(req->name())) return ToGrpc(absl::AlreadyExistsError(absl::StrCat("tenant ", Quote(req->name()), " exists")));
+  if (tenants_.count(req->name()))
+    return ToGrpc(absl::AlreadyExistsError(absl::StrCat("tenant ", Quote(req->name()), " exists")));
   const std::string digest = Sha256(token);
   for (const auto& [n, e] : tenants_) {
     if (e.token_sha256() == digest) return ToGrpc(absl::AlreadyExistsError("that token is already in use"));

@@ -15,8 +15,8 @@ absl::Status CpuAttentionBackend::OpenBlock(const SequenceRef& seq, uint64_t ind
   auto q = tenant_quota_.find(seq.tenant);
   uint64_t& used = tenant_bytes_[seq.tenant];
   if (q != tenant_quota_.end() && used + layout.bytes() > q->second) {
-    return absl::ResourceExhaustedError(absl::StrCat("tenant's open sequence blocks would exceed its quota of ", q->second,
-                                                     " pinned bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant's open sequence blocks would exceed its quota of ", q->second, " pinned bytes"));
   }
   auto b = std::make_unique<OpenBuffer>();
   b->tenant = seq.tenant;
@@ -74,10 +74,10 @@ absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, 
       for (uint32_t t = 0; t < a.count; ++t) {
         const size_t src = (size_t{a.src_row} + t) * L.kv_heads * row_bytes;
         for (uint32_t h = 0; h < L.kv_heads; ++h) {
-          std::memcpy(base + L.index(plan.options.layer, 0, h, a.offset + t, 0) * esz, plan.new_k.data() + src + h * row_bytes,
-                      row_bytes);
-          std::memcpy(base + L.index(plan.options.layer, 1, h, a.offset + t, 0) * esz, plan.new_v.data() + src + h * row_bytes,
-                      row_bytes);
+          std::memcpy(base + L.index(plan.options.layer, 0, h, a.offset + t, 0) * esz,
+                      plan.new_k.data() + src + h * row_bytes, row_bytes);
+          std::memcpy(base + L.index(plan.options.layer, 1, h, a.offset + t, 0) * esz,
+                      plan.new_v.data() + src + h * row_bytes, row_bytes);
         }
       }
     }
@@ -113,18 +113,20 @@ absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, 
           data = pb->payload().data();
           held.push_back(std::move(*pb));
         }
-        refs.push_back(KvBlockRef{data, static_cast<int64_t>(idx * L.block_tokens), s.BlockTokens(idx, L.block_tokens)});
+        refs.push_back(
+            KvBlockRef{data, static_cast<int64_t>(idx * L.block_tokens), s.BlockTokens(idx, L.block_tokens)});
       }
     }
     seq_begin.push_back(static_cast<uint32_t>(refs.size()));
   }
   // Open blocks are plain; a step never mixes them with quantized blocks.
   PagedKv kv{L, plan.encoding, refs, seq_begin};
-  QueryTensor q{plan.queries.data(), plan.q_dtype, plan.num_rows, plan.q_heads, plan.head_dim, plan.positions.data(),
-                seq_ids.data()};
+  QueryTensor q{plan.queries.data(), plan.q_dtype,          plan.num_rows, plan.q_heads,
+                plan.head_dim,       plan.positions.data(), seq_ids.data()};
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status s = PartialAttention(plan.options, q, kv, out, pool_);
-  if (times != nullptr) times->kernel_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (times != nullptr)
+    times->kernel_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return s;
 }
 

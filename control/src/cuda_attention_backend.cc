@@ -108,7 +108,9 @@ struct DevSeq {
   size_t synced = 0;  // device entries [0, synced) are current
   uint64_t last_use = 0;
   int busy = 0;
-  size_t Find(uint64_t i) const { return static_cast<size_t>(std::lower_bound(idx.begin(), idx.end(), i) - idx.begin()); }
+  size_t Find(uint64_t i) const {
+    return static_cast<size_t>(std::lower_bound(idx.begin(), idx.end(), i) - idx.begin());
+  }
   bool Has(uint64_t i) const {
     const size_t k = Find(i);
     return k < idx.size() && idx[k] == i;
@@ -155,8 +157,8 @@ class CudaAttentionBackend final : public AttentionBackend {
       return absl::FailedPreconditionError(absl::StrCat("no CUDA device ", o_.device, " (", n, " visible)"));
     }
     KVRING_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(o_.device), "cudaSetDevice"));
-    KVRING_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, o_.device),
-                                      "device attributes"));
+    KVRING_RETURN_IF_ERROR(
+        CudaStatus(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, o_.device), "device attributes"));
     if (o_.page_bytes == 0 || o_.page_bytes % kAlign != 0) {
       return absl::InvalidArgumentError("HBM page bytes must be a positive multiple of 256");
     }
@@ -171,7 +173,8 @@ class CudaAttentionBackend final : public AttentionBackend {
     po.slab_bytes = pages * o_.page_bytes;
     KVRING_ASSIGN_OR_RETURN(pool_, DevicePagePool::Create(po));
     pool_base_ = pool_->page_address(0);
-    KVRING_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&admin_stream_, cudaStreamNonBlocking), "admin stream"));
+    KVRING_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamCreateWithFlags(&admin_stream_, cudaStreamNonBlocking), "admin stream"));
     for (int i = 0; i < o_.lanes; ++i) {
       auto l = std::make_unique<Lane>();
       KVRING_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking), "lane stream"));
@@ -184,8 +187,8 @@ class CudaAttentionBackend final : public AttentionBackend {
     }
     cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, o_.device) == cudaSuccess) device_name_ = prop.name;
-    KVRING_LOG(INFO) << "CUDA backend on device " << o_.device << " (" << device_name_ << ", " << sm_count_ << " SMs): "
-                     << pages << " HBM pages x " << o_.page_bytes << " bytes, " << o_.lanes << " lanes";
+    KVRING_LOG(INFO) << "CUDA backend on device " << o_.device << " (" << device_name_ << ", " << sm_count_
+                     << " SMs): " << pages << " HBM pages x " << o_.page_bytes << " bytes, " << o_.lanes << " lanes";
     return absl::OkStatus();
   }
 
@@ -224,8 +227,9 @@ class CudaAttentionBackend final : public AttentionBackend {
     absl::Status s;
     {
       absl::MutexLock a(&admin_mu_);
-      s = Check(cudaMemcpyAsync(PageAddress(page), payload.data(), payload.size(), cudaMemcpyHostToDevice, admin_stream_),
-                "copy of a sequence block into HBM");
+      s = Check(
+          cudaMemcpyAsync(PageAddress(page), payload.data(), payload.size(), cudaMemcpyHostToDevice, admin_stream_),
+          "copy of a sequence block into HBM");
       if (s.ok()) s = Check(cudaStreamSynchronize(admin_stream_), "copy of a sequence block into HBM");
     }
     absl::MutexLock l(&mu_);
@@ -242,8 +246,8 @@ class CudaAttentionBackend final : public AttentionBackend {
     }
     KVRING_RETURN_IF_ERROR(Healthy());
     if (layout.bytes() > o_.page_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("a block of ", layout.bytes(), " bytes is larger than this node's ",
-                                                     o_.page_bytes, "-byte HBM pages"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a block of ", layout.bytes(), " bytes is larger than this node's ", o_.page_bytes, "-byte HBM pages"));
     }
     const SeqId id{seq.ns, seq.id};
     absl::MutexLock l(&mu_);
@@ -306,9 +310,10 @@ class CudaAttentionBackend final : public AttentionBackend {
       page = d->page[d->Find(index)];
     }
     absl::MutexLock a(&admin_mu_);
-    KVRING_RETURN_IF_ERROR(Check(cudaMemcpyAsync(dst.data(), PageAddress(page), std::min<size_t>(dst.size(), o_.page_bytes),
-                                                 cudaMemcpyDeviceToHost, admin_stream_),
-                                 "copy of a filled block out of HBM"));
+    KVRING_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(dst.data(), PageAddress(page), std::min<size_t>(dst.size(), o_.page_bytes),
+                              cudaMemcpyDeviceToHost, admin_stream_),
+              "copy of a filled block out of HBM"));
     return Check(cudaStreamSynchronize(admin_stream_), "copy of a filled block out of HBM");
   }
 
@@ -488,9 +493,15 @@ void ConvertQueries(const uint8_t* src, DType from, size_t n, DType to, uint8_t*
   for (size_t i = 0; i < n; ++i) {
     float f;
     switch (from) {
-      case DType::kF32: std::memcpy(&f, src + 4 * i, 4); break;
-      case DType::kBF16: f = Bf16ToFloat(reinterpret_cast<const uint16_t*>(src)[i]); break;
-      default: f = F16ToFloat(reinterpret_cast<const uint16_t*>(src)[i]); break;
+      case DType::kF32:
+        std::memcpy(&f, src + 4 * i, 4);
+        break;
+      case DType::kBF16:
+        f = Bf16ToFloat(reinterpret_cast<const uint16_t*>(src)[i]);
+        break;
+      default:
+        f = F16ToFloat(reinterpret_cast<const uint16_t*>(src)[i]);
+        break;
     }
     d[i] = to == DType::kBF16 ? FloatToBf16(f) : FloatToF16(f);
   }
@@ -585,8 +596,8 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
                                absl::StrCat("sequence '", s.seq.id, "' block ", m.index, ": ", pb.status().message())));
     }
     if (!(pb->meta().layout == L) || !(pb->meta().encoding == plan.encoding) || pb->payload().size() > o_.page_bytes) {
-      return fail(absl::FailedPreconditionError(
-          absl::StrCat("sequence '", s.seq.id, "' block ", m.index, " has another layout or encoding than the sequence")));
+      return fail(absl::FailedPreconditionError(absl::StrCat("sequence '", s.seq.id, "' block ", m.index,
+                                                             " has another layout or encoding than the sequence")));
     }
     m.host = std::move(*pb);
   }
@@ -625,7 +636,8 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
     if (d->d_ids != nullptr) {
       if (synced > 0) {  // entries from `synced` on are written below
         s = Check(cudaMemcpyAsync(ni, d->d_ids, synced * 4, cudaMemcpyDeviceToDevice, st), "page table copy");
-        if (s.ok()) s = Check(cudaMemcpyAsync(ni + cap, d->d_pos, synced * 4, cudaMemcpyDeviceToDevice, st), "page table copy");
+        if (s.ok())
+          s = Check(cudaMemcpyAsync(ni + cap, d->d_pos, synced * 4, cudaMemcpyDeviceToDevice, st), "page table copy");
       }
       if (s.ok()) s = Check(cudaFreeAsync(d->d_ids, st), "page table");
     }
@@ -701,11 +713,10 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   const size_t out_o = AlignUp(q_elems * 4);
   const size_t out_bytes = out_o + AlignUp(size_t{plan.num_rows} * plan.q_heads * 4);
   const size_t ids_bytes = AlignUp(size_t(total_pages) * 4);
-  for (auto [buf, n, what] : {std::tuple{&lane->h_in, blob.size(), "pinned staging"},
-                              std::tuple{&lane->d_in, blob.size(), "device staging"},
-                              std::tuple{&lane->h_out, out_bytes, "pinned output"},
-                              std::tuple{&lane->d_out, out_bytes, "device output"},
-                              std::tuple{&lane->d_tables, 2 * ids_bytes, "batch page tables"}}) {
+  for (auto [buf, n, what] :
+       {std::tuple{&lane->h_in, blob.size(), "pinned staging"}, std::tuple{&lane->d_in, blob.size(), "device staging"},
+        std::tuple{&lane->h_out, out_bytes, "pinned output"}, std::tuple{&lane->d_out, out_bytes, "device output"},
+        std::tuple{&lane->d_tables, 2 * ids_bytes, "batch page tables"}}) {
     if (absl::Status s = Check(buf->Reserve(n), what); !s.ok()) return fail(s);
   }
   uint8_t* h = lane->h_in.p;
@@ -736,7 +747,8 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
       for (const StepAppend& a : plan.sequences[i].appends) {
         const int32_t page = d.page[d.Find(a.index)];
         for (uint32_t t = 0; t < a.count; ++t) {
-          appends[na++] = cuda::KvAppendOp{page, static_cast<int32_t>(a.offset + t), static_cast<int32_t>(a.src_row + t), 0};
+          appends[na++] =
+              cuda::KvAppendOp{page, static_cast<int32_t>(a.offset + t), static_cast<int32_t>(a.src_row + t), 0};
         }
       }
     }
@@ -766,15 +778,16 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   absl::Status s = Check(cudaEventRecord(lane->start, st), "event");
   for (const Missing& m : missing) {
     if (!s.ok()) break;
-    s = Check(cudaMemcpyAsync(PageAddress(m.page), m.host.payload().data(), m.host.payload().size(), cudaMemcpyHostToDevice,
-                              st),
+    s = Check(cudaMemcpyAsync(PageAddress(m.page), m.host.payload().data(), m.host.payload().size(),
+                              cudaMemcpyHostToDevice, st),
               "promotion of a block into HBM");
   }
   for (int32_t page : zero_pages) {
     if (!s.ok()) break;
     s = Check(cudaMemsetAsync(PageAddress(page), 0, o_.page_bytes, st), "clearing an open page");
   }
-  if (s.ok()) s = Check(cudaMemcpyAsync(dv, h, blob.size(), cudaMemcpyHostToDevice, st), "copy of the step to the device");
+  if (s.ok())
+    s = Check(cudaMemcpyAsync(dv, h, blob.size(), cudaMemcpyHostToDevice, st), "copy of the step to the device");
   cuda::PagedKvView kv;
   kv.pool = pool_base_;
   kv.page_stride = o_.page_bytes;
@@ -857,7 +870,9 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
       s = Check(cuda::PagedPrefill(p, qv, kv, cuda::OutputView{d_o, d_l}, st), "prefill attention kernel");
     }
     if (s.ok()) s = Check(cudaEventRecord(lane->kernel_end, st), "event");
-    if (s.ok()) s = Check(cudaMemcpyAsync(lane->h_out.p, lane->d_out.p, out_bytes, cudaMemcpyDeviceToHost, st), "copy of O and LSE");
+    if (s.ok())
+      s = Check(cudaMemcpyAsync(lane->h_out.p, lane->d_out.p, out_bytes, cudaMemcpyDeviceToHost, st),
+                "copy of O and LSE");
   }
   if (s.ok()) s = Check(cudaEventRecord(lane->done, st), "event");
   if (s.ok()) s = Check(cudaEventSynchronize(lane->done), "the step on the GPU");

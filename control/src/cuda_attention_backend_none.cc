@@ -5,7 +5,8 @@ namespace kvring {
 
 absl::StatusOr<std::unique_ptr<AttentionBackend>> MakeCudaAttentionBackend(const CudaBackendOptions&, BlockStore*,
                                                                            ThreadPool*) {
-  return absl::UnimplementedError("this kvringd was built without CUDA (configure with -DKVRING_CUDA=ON on a machine with nvcc)");
+  return absl::UnimplementedError(
+      "this kvringd was built without CUDA (configure with -DKVRING_CUDA=ON on a machine with nvcc)");
 }
 
 absl::Status CudaRegisterHostMemory(void*, size_t) { return absl::UnimplementedError("built without CUDA"); }

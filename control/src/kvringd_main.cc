@@ -24,12 +24,12 @@
 #include "kvring/control/coordinator_link.h"
 #include "kvring/control/cpu_attention_backend.h"
 #include "kvring/control/cuda_attention_backend.h"
-#include "kvring/protocol/tls.h"
 #include "kvring/control/metadata_store.h"
 #include "kvring/control/node_core.h"
 #include "kvring/control/node_service.h"
 #include "kvring/control/sequence_table.h"
 #include "kvring/control/ucx_data_plane.h"
+#include "kvring/protocol/tls.h"
 
 using namespace kvring;
 
@@ -44,7 +44,8 @@ absl::StatusOr<std::string> NodeIdFor(MetadataStore& meta, const std::string& fl
   auto stored = meta.Get("node/id");
   if (stored.ok()) {
     if (!flag.empty() && flag != *stored) {
-      return absl::FailedPreconditionError(absl::StrCat("data directory belongs to node '", *stored, "', not '", flag, "'"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("data directory belongs to node '", *stored, "', not '", flag, "'"));
     }
     return *stored;
   }
@@ -74,9 +75,11 @@ int main(int argc, char** argv) {
   bool write_through = false, cold_sync = false, lock_memory = false, check_config = false;
   FlagSet flags("kvringd", "the kvring node daemon: a shard of the KV-block store with attention where the KV lives");
   flags.AddString("listen", &listen, "gRPC listen address host:port (port 0: any free port)");
-  flags.AddString("advertise", &advertise, "address other processes use to reach this node (default: listen, with 127.0.0.1 for 0.0.0.0)");
+  flags.AddString("advertise", &advertise,
+                  "address other processes use to reach this node (default: listen, with 127.0.0.1 for 0.0.0.0)");
   flags.AddString("coordinator", &coordinator, "coordinator address host:port");
-  flags.AddString("cluster_token", &cluster_token, "token nodes present to the coordinator (prefer --cluster_token_file)");
+  flags.AddString("cluster_token", &cluster_token,
+                  "token nodes present to the coordinator (prefer --cluster_token_file)");
   flags.AddString("cluster_token_file", &cluster_token_file, "file holding the cluster token");
   flags.AddString("data_dir", &data_dir, "directory for the cold tier and node metadata (required)");
   flags.AddString("node_id", &node_id, "node id (default: generated once and kept in data_dir)");
@@ -93,10 +96,13 @@ int main(int argc, char** argv) {
   flags.AddInt("gpu_lanes", &gpu_lanes, "with --gpu: requests on the GPU at once, each with its own stream (1-64)");
   flags.AddBytes("max_message_bytes", &max_message, "largest gRPC message accepted or sent");
   flags.AddString("metrics_listen", &metrics_listen, "Prometheus /metrics address host:port (empty: off)");
-  flags.AddString("ucx_listen", &ucx_listen, "UCX data-plane listen address host:port (empty: off; clients use gRPC payloads)");
-  flags.AddInt("ucx_spin_us", &ucx_spin_us,
-               "UCX progress thread: busy-poll this long after each message before sleeping (-1: 20 with 8+ cores, else 0)");
-  flags.AddBool("ucx_busy_poll", &ucx_busy_poll, "UCX progress thread: poll without ever sleeping (lowest latency, one core busy)");
+  flags.AddString("ucx_listen", &ucx_listen,
+                  "UCX data-plane listen address host:port (empty: off; clients use gRPC payloads)");
+  flags.AddInt(
+      "ucx_spin_us", &ucx_spin_us,
+      "UCX progress thread: busy-poll this long after each message before sleeping (-1: 20 with 8+ cores, else 0)");
+  flags.AddBool("ucx_busy_poll", &ucx_busy_poll,
+                "UCX progress thread: poll without ever sleeping (lowest latency, one core busy)");
   flags.AddString("port_file", &port_file, "write the bound gRPC port here once serving (for scripts and tests)");
   flags.AddString("log_level", &log_level, "debug, info, warning or error");
   TlsConfig tls;
@@ -126,13 +132,15 @@ int main(int argc, char** argv) {
   if (!codec.ok()) return Fail(codec.status(), "--cold_codec");
   if (!MakeEvictionPolicy(eviction, 1).ok()) return Fail(MakeEvictionPolicy(eviction, 1).status(), "--eviction_policy");
   if (page_bytes == 0 || page_bytes % 64 != 0 || host_bytes < page_bytes) {
-    return Fail(absl::InvalidArgumentError("page_bytes must be a positive multiple of 64 and at most host_bytes"), "flags");
+    return Fail(absl::InvalidArgumentError("page_bytes must be a positive multiple of 64 and at most host_bytes"),
+                "flags");
   }
   if (gpu >= 0 && hbm_bytes < page_bytes) {
     return Fail(absl::InvalidArgumentError("--gpu needs --hbm_bytes of at least one page (--page_bytes)"), "flags");
   }
   if (gpu < -1) return Fail(absl::InvalidArgumentError("--gpu must be a device ordinal, or -1 for none"), "flags");
-  if (gpu_lanes < 1 || gpu_lanes > 64) return Fail(absl::InvalidArgumentError("--gpu_lanes must be in [1, 64]"), "flags");
+  if (gpu_lanes < 1 || gpu_lanes > 64)
+    return Fail(absl::InvalidArgumentError("--gpu_lanes must be in [1, 64]"), "flags");
   if (!ParseHostPort(listen).ok()) return Fail(ParseHostPort(listen).status(), "--listen");
   if (!ParseHostPort(coordinator).ok()) return Fail(ParseHostPort(coordinator).status(), "--coordinator");
   if (check_config) {
@@ -160,8 +168,8 @@ int main(int argc, char** argv) {
     so.register_memory = CudaRegisterHostMemory;
     so.unregister_memory = CudaUnregisterHostMemory;
   }
-  KVRING_LOG(INFO) << "node " << *id << ": host tier " << so.num_pages << " pages x " << page_bytes << " bytes, cold tier "
-                   << data_dir << "/cold (" << cold_codec << "), recovering...";
+  KVRING_LOG(INFO) << "node " << *id << ": host tier " << so.num_pages << " pages x " << page_bytes
+                   << " bytes, cold tier " << data_dir << "/cold (" << cold_codec << "), recovering...";
   auto store = BlockStore::Create(so, std::move(*cold));
   if (!store.ok()) return Fail(store.status(), "block store");
   const BlockStoreStats st0 = (*store)->stats();
@@ -209,19 +217,23 @@ int main(int argc, char** argv) {
   // Towards the coordinator: verify it with --tls_ca; present this node's
   // certificate when the cluster runs mutual TLS.
   const bool mtls = tls.require_client_cert;
-  auto link_creds = MakeChannelCredentials(TlsConfig{mtls ? tls.cert_file : "", mtls ? tls.key_file : "", tls.ca_file, false});
+  auto link_creds =
+      MakeChannelCredentials(TlsConfig{mtls ? tls.cert_file : "", mtls ? tls.key_file : "", tls.ca_file, false});
   if (!link_creds.ok()) return Fail(link_creds.status(), "TLS");
   if (tls.enabled() && !ucx_listen.empty()) {
-    KVRING_LOG(WARNING) << "TLS is on for gRPC; the UCX data plane (--ucx_listen) is not encrypted, and TLS clients do not use it";
+    KVRING_LOG(WARNING)
+        << "TLS is on for gRPC; the UCX data plane (--ucx_listen) is not encrypted, and TLS clients do not use it";
   }
   builder.AddListeningPort(listen, *server_creds, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
   builder.SetMaxSendMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) return Fail(absl::UnavailableError(absl::StrCat("cannot listen on ", listen)), "gRPC server");
+  if (!server || port == 0)
+    return Fail(absl::UnavailableError(absl::StrCat("cannot listen on ", listen)), "gRPC server");
   auto lhp = ParseHostPort(listen);
-  if (advertise.empty()) advertise = absl::StrCat(lhp.ok() && lhp->host != "0.0.0.0" ? lhp->host : "127.0.0.1", ":", port);
+  if (advertise.empty())
+    advertise = absl::StrCat(lhp.ok() && lhp->host != "0.0.0.0" ? lhp->host : "127.0.0.1", ":", port);
 
   // The UCX data plane (optional).
   std::unique_ptr<UcxDataPlane> ucx;
@@ -248,31 +260,36 @@ int main(int argc, char** argv) {
   GaugeMetric* g_hbm_blocks = metrics.Gauge("kvring_hbm_blocks", "Full sequence blocks resident in HBM");
   CounterMetric* c_hbm_hits = metrics.Counter("kvring_hbm_hits_total", "Blocks attention found in HBM");
   CounterMetric* c_hbm_misses = metrics.Counter("kvring_hbm_misses_total", "Blocks promoted into HBM to be attended");
-  CounterMetric* c_hbm_demotions = metrics.Counter("kvring_hbm_demotions_total", "Blocks dropped from HBM to make room");
+  CounterMetric* c_hbm_demotions =
+      metrics.Counter("kvring_hbm_demotions_total", "Blocks dropped from HBM to make room");
   GaugeMetric* g_open = metrics.Gauge("kvring_open_blocks", "Sequence blocks being filled by appends");
   HttpServer http;
   int metrics_port = 0;
   if (!metrics_listen.empty()) {
     auto mhp = ParseHostPort(metrics_listen);
     if (!mhp.ok()) return Fail(mhp.status(), "--metrics_listen");
-    http.Handle("/metrics", [&] {
-      const BlockStoreStats s = (*store)->stats();
-      g_blocks->Set(static_cast<double>(s.blocks));
-      g_free->Set(static_cast<double>(s.free_pages));
-      g_cold->Set(static_cast<double>(s.cold_only_blocks));
-      c_evict->SetTotal(s.evictions);
-      if ((*store)->cold_tier()) g_cold_bytes->Set(static_cast<double>((*store)->cold_tier()->stats().stored_bytes));
-      const BackendStats b = backend->stats();
-      g_hbm_pages->Set(static_cast<double>(b.pages));
-      g_hbm_free->Set(static_cast<double>(b.free_pages));
-      g_hbm_bytes->Set(static_cast<double>((b.pages - b.free_pages) * b.page_bytes));
-      g_hbm_blocks->Set(static_cast<double>(b.resident_blocks));
-      c_hbm_hits->SetTotal(b.hits);
-      c_hbm_misses->SetTotal(b.misses);
-      c_hbm_demotions->SetTotal(b.demotions);
-      g_open->Set(static_cast<double>(b.open_blocks));
-      return metrics.Render();
-    }, MetricsRegistry::kContentType);
+    http.Handle(
+        "/metrics",
+        [&] {
+          const BlockStoreStats s = (*store)->stats();
+          g_blocks->Set(static_cast<double>(s.blocks));
+          g_free->Set(static_cast<double>(s.free_pages));
+          g_cold->Set(static_cast<double>(s.cold_only_blocks));
+          c_evict->SetTotal(s.evictions);
+          if ((*store)->cold_tier())
+            g_cold_bytes->Set(static_cast<double>((*store)->cold_tier()->stats().stored_bytes));
+          const BackendStats b = backend->stats();
+          g_hbm_pages->Set(static_cast<double>(b.pages));
+          g_hbm_free->Set(static_cast<double>(b.free_pages));
+          g_hbm_bytes->Set(static_cast<double>((b.pages - b.free_pages) * b.page_bytes));
+          g_hbm_blocks->Set(static_cast<double>(b.resident_blocks));
+          c_hbm_hits->SetTotal(b.hits);
+          c_hbm_misses->SetTotal(b.misses);
+          c_hbm_demotions->SetTotal(b.demotions);
+          g_open->Set(static_cast<double>(b.open_blocks));
+          return metrics.Render();
+        },
+        MetricsRegistry::kContentType);
     http.HandleWithStatus("/healthz", [backend] {
       return backend->stats().healthy ? HttpServer::Response{"200 OK", "ok\n"}
                                       : HttpServer::Response{"503 Service Unavailable", "gpu failed\n"};
@@ -291,8 +308,8 @@ int main(int argc, char** argv) {
       KVRING_LOG(WARNING) << "reclaiming deleted tenants' blocks failed (retried at the next table change): "
                           << r.status().message();
     } else if (r->tenants > 0) {
-      KVRING_LOG(INFO) << "reclaimed " << r->blocks << " blocks and " << r->sequences << " sequences of "
-                       << r->tenants << " deleted tenant(s)";
+      KVRING_LOG(INFO) << "reclaimed " << r->blocks << " blocks and " << r->sequences << " sequences of " << r->tenants
+                       << " deleted tenant(s)";
     }
   });
   CoordinatorLinkOptions lo;
@@ -319,7 +336,8 @@ int main(int argc, char** argv) {
   // (The gRPC server and UCX plane stop before `link` goes away.)
   tenants.SetMissHandler(
       [&link] {
-        if (absl::Status s = link.RefreshTenants(); !s.ok()) KVRING_LOG(WARNING) << "tenant refresh failed: " << s.message();
+        if (absl::Status s = link.RefreshTenants(); !s.ok())
+          KVRING_LOG(WARNING) << "tenant refresh failed: " << s.message();
       },
       absl::Milliseconds(100));
 

@@ -47,7 +47,8 @@ absl::Status MetadataStore::ScanPrefix(const std::string& prefix,
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     fn(it->key().ToString(), it->value().ToString());
   }
-  if (!it->status().ok()) return absl::UnavailableError(absl::StrCat("metadata scan failed: ", it->status().ToString()));
+  if (!it->status().ok())
+    return absl::UnavailableError(absl::StrCat("metadata scan failed: ", it->status().ToString()));
   return absl::OkStatus();
 }
 

@@ -15,7 +15,9 @@ namespace kvring {
 // Counts a request and its latency; an error status counts as an error.
 class OpScope {
  public:
-  explicit OpScope(const NodeCore::OpMetrics& m) : m_(m), start_(std::chrono::steady_clock::now()) { m_.requests->Add(); }
+  explicit OpScope(const NodeCore::OpMetrics& m) : m_(m), start_(std::chrono::steady_clock::now()) {
+    m_.requests->Add();
+  }
   absl::Status Done(absl::Status s) {
     m_.latency->Observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
     if (!s.ok()) m_.errors->Add();
@@ -51,10 +53,13 @@ NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* se
   put_bytes_ = metrics_->Counter("kvring_put_bytes_total", "Payload bytes accepted by Put");
   quantized_ = metrics_->Counter("kvring_quantized_blocks_total", "Plain blocks quantized by this node at Put");
   get_bytes_ = metrics_->Counter("kvring_get_bytes_total", "Payload bytes served by Get");
-  appended_tokens_ = metrics_->Counter("kvring_appended_tokens_total", "Tokens appended to attention sequences (per layer)");
+  appended_tokens_ =
+      metrics_->Counter("kvring_appended_tokens_total", "Tokens appended to attention sequences (per layer)");
   sealed_blocks_ = metrics_->Counter("kvring_sealed_blocks_total", "Blocks built from appends and stored");
-  attend_kernel_ = metrics_->Histogram("kvring_attend_kernel_seconds", "Time of the attention computation of an Attend");
-  reclaimed_blocks_ = metrics_->Counter("kvring_reclaimed_blocks_total", "Blocks of deleted tenants reclaimed from every tier");
+  attend_kernel_ =
+      metrics_->Histogram("kvring_attend_kernel_seconds", "Time of the attention computation of an Attend");
+  reclaimed_blocks_ =
+      metrics_->Counter("kvring_reclaimed_blocks_total", "Blocks of deleted tenants reclaimed from every tier");
 }
 
 NodeCore::OpMetrics NodeCore::Op(const std::string& name) {
@@ -131,7 +136,8 @@ absl::Status NodeCore::Put(const v1::Tenant& t, const v1::PutRequest& req,
   if (!ns.ok()) return op.Done(ns.status());
   const bool ext = !external.empty();
   if (ext && external.size() != static_cast<size_t>(req.blocks_size())) {
-    return op.Done(absl::InvalidArgumentError(absl::StrCat(external.size(), " payloads for ", req.blocks_size(), " blocks")));
+    return op.Done(
+        absl::InvalidArgumentError(absl::StrCat(external.size(), " payloads for ", req.blocks_size(), " blocks")));
   }
   if (absl::Status s = ValidatePutRequest(req, options_.limits, ext); !s.ok()) return op.Done(s);
   // What plain blocks become here: the request's choice, else the tenant's.
@@ -150,8 +156,9 @@ absl::Status NodeCore::Put(const v1::Tenant& t, const v1::PutRequest& req,
             : absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.payload().data()), b.payload().size());
     v1::BlockResult* r = resp->add_results();
     if (payload.size() != meta.payload_bytes) {
-      SetStatus(absl::InvalidArgumentError(absl::StrCat("payload has ", payload.size(), " bytes; the header says ",
-                                                        meta.payload_bytes)), r->mutable_status());
+      SetStatus(absl::InvalidArgumentError(
+                    absl::StrCat("payload has ", payload.size(), " bytes; the header says ", meta.payload_bytes)),
+                r->mutable_status());
       continue;
     }
     if (target.quantized() && !meta.encoding.quantized()) {
@@ -186,11 +193,11 @@ absl::Status NodeCore::Put(const v1::Tenant& t, const v1::PutRequest& req,
       const uint64_t index = b.sequence().block_index();
       SequenceState& st = h.state();
       if (st.open.count(index)) {
-        pr = absl::FailedPreconditionError(absl::StrCat("block ", index, " of sequence '", h.id(),
-                                                        "' is being filled by appends on this node"));
+        pr = absl::FailedPreconditionError(
+            absl::StrCat("block ", index, " of sequence '", h.id(), "' is being filled by appends on this node"));
       } else if (st.layout.has_value() && !(*st.layout == meta.layout)) {
-        pr = absl::FailedPreconditionError(absl::StrCat("block ", index, " of sequence '", h.id(),
-                                                        "' has another layout than the sequence's blocks"));
+        pr = absl::FailedPreconditionError(
+            absl::StrCat("block ", index, " of sequence '", h.id(), "' has another layout than the sequence's blocks"));
       } else if (!st.blocks.empty() && st.layout.has_value() && !(st.encoding == meta.encoding)) {
         pr = absl::FailedPreconditionError(absl::StrCat("block ", index, " of sequence '", h.id(),
                                                         "' has another encoding than the sequence's blocks"));
@@ -269,14 +276,15 @@ absl::Status NodeCore::Pin(const v1::Tenant& t, const v1::PinRequest& req, v1::P
   if (!ns.ok()) return op.Done(ns.status());
   if (absl::Status s = ValidateKeys(req.keys(), options_.limits); !s.ok()) return op.Done(s);
   for (const auto& k : req.keys()) {
-    absl::Status s = req.unpin() ? store_->Unpin(t.id(), *ns, KeyFromProto(k)) : store_->Pin(t.id(), *ns, KeyFromProto(k));
+    absl::Status s =
+        req.unpin() ? store_->Unpin(t.id(), *ns, KeyFromProto(k)) : store_->Pin(t.id(), *ns, KeyFromProto(k));
     SetStatus(s, resp->add_results()->mutable_status());
   }
   return op.Done(absl::OkStatus());
 }
 
 absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_ns, const AttendBatch& b,
-                             PartialOutput out, AttendStats* stats) {
+                              PartialOutput out, AttendStats* stats) {
   OpScope op(attend_);
   const auto t0 = std::chrono::steady_clock::now();
   auto ns = Namespace(t, requested_ns);
@@ -342,13 +350,16 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
   const BlockLayout& L = *layout;
   const uint32_t layer = b.options.layer;
   if (L.head_dim != b.head_dim) {
-    return op.Done(absl::InvalidArgumentError(absl::StrCat("query head_dim ", b.head_dim, " but the sequences' blocks have ", L.head_dim)));
+    return op.Done(absl::InvalidArgumentError(
+        absl::StrCat("query head_dim ", b.head_dim, " but the sequences' blocks have ", L.head_dim)));
   }
   if (b.q_heads % L.kv_heads != 0) {
-    return op.Done(absl::InvalidArgumentError(absl::StrCat("q_heads ", b.q_heads, " is not a multiple of the blocks' kv_heads ", L.kv_heads)));
+    return op.Done(absl::InvalidArgumentError(
+        absl::StrCat("q_heads ", b.q_heads, " is not a multiple of the blocks' kv_heads ", L.kv_heads)));
   }
   if (layer >= L.layers) {
-    return op.Done(absl::InvalidArgumentError(absl::StrCat("layer ", layer, " but the blocks have ", L.layers, " layers")));
+    return op.Done(
+        absl::InvalidArgumentError(absl::StrCat("layer ", layer, " but the blocks have ", L.layers, " layers")));
   }
 
   // The plan of each sequence: appends (each continues its layer's tail
@@ -365,7 +376,9 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
   for (size_t i = 0; i < n; ++i) {
     if (!seq_status[i].ok()) continue;
     absl::Status s = PlanSequence(*ns, t.id(), b, i, row_of[i], arow_of[i], L, hs[i], &planned[i], &opens[i]);
-    if (!s.ok()) seq_status[i] = absl::Status(s.code(), absl::StrCat("sequence '", b.sequences[i].sequence_id, "': ", s.message()));
+    if (!s.ok())
+      seq_status[i] =
+          absl::Status(s.code(), absl::StrCat("sequence '", b.sequences[i].sequence_id, "': ", s.message()));
   }
 
   // The step over the sequences that planned; their query rows compacted
@@ -392,7 +405,8 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
     StepSequence ss = std::move(planned[i]);
     ss.row_begin = plan.num_rows;
     if (compact && ss.rows > 0) {
-      q_compact.insert(q_compact.end(), b.queries.begin() + row_of[i] * qrow, b.queries.begin() + (row_of[i] + ss.rows) * qrow);
+      q_compact.insert(q_compact.end(), b.queries.begin() + row_of[i] * qrow,
+                       b.queries.begin() + (row_of[i] + ss.rows) * qrow);
       pos_compact.insert(pos_compact.end(), b.positions.begin() + row_of[i], b.positions.begin() + row_of[i] + ss.rows);
       row_map.emplace_back(row_of[i], ss.rows);
     }
@@ -428,7 +442,8 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
   }
   if (compact) {
     for (size_t r = 0, k = 0; k < row_map.size(); ++k) {
-      std::memcpy(out.out + size_t{row_map[k].first} * orow, out_compact.data() + r * orow, row_map[k].second * orow * 4);
+      std::memcpy(out.out + size_t{row_map[k].first} * orow, out_compact.data() + r * orow,
+                  row_map[k].second * orow * 4);
       std::memcpy(out.lse + size_t{row_map[k].first} * b.q_heads, lse_compact.data() + r * b.q_heads,
                   size_t{row_map[k].second} * b.q_heads * 4);
       r += row_map[k].second;
@@ -515,11 +530,11 @@ absl::Status NodeCore::PlanSequence(NamespaceId ns, TenantId tenant, const Atten
       have = o->second.filled[layer];
     }
     if (have < off) {
-      return absl::FailedPreconditionError(
-          o != st.open.end()
-              ? absl::StrCat("append at position ", p, " but block ", idx, " holds ", have, " tokens of layer ", layer,
-                             " on this node")
-              : absl::StrCat("append at position ", p, " starts inside block ", idx, ", which this node is not filling"));
+      return absl::FailedPreconditionError(o != st.open.end()
+                                               ? absl::StrCat("append at position ", p, " but block ", idx, " holds ",
+                                                              have, " tokens of layer ", layer, " on this node")
+                                               : absl::StrCat("append at position ", p, " starts inside block ", idx,
+                                                              ", which this node is not filling"));
     }
     const uint32_t dup = std::min(cnt, have - off);
     if (dup > 0) KVRING_RETURN_IF_ERROR(SameTokens(ns, h, idx, layer, off, dup, b, static_cast<uint32_t>(src), L));
@@ -557,8 +572,8 @@ absl::Status NodeCore::PlanSequence(NamespaceId ns, TenantId tenant, const Atten
       auto fa = filled_after.find(idx);
       const uint32_t have = fa != filled_after.end() ? fa->second : st.open.at(idx).filled[layer];
       if (have != expect) {
-        return absl::NotFoundError(absl::StrCat("block ", idx, " holds ", have, " of ", expect, " tokens of layer ", layer,
-                                                " on this node"));
+        return absl::NotFoundError(
+            absl::StrCat("block ", idx, " holds ", have, " of ", expect, " tokens of layer ", layer, " on this node"));
       }
       if (!st.runs.Covers(from, idx)) {
         return absl::NotFoundError(absl::StrCat("block ", st.runs.FirstMissing(from, idx), " is not on this node"));

@@ -4,11 +4,11 @@
 
 namespace kvring {
 
-#define KVRING_NODE_RPC(Name, Req, Resp, call)                                                        \
-  grpc::Status NodeService::Name(grpc::ServerContext* ctx, const v1::Req* req, v1::Resp* resp) {      \
-    absl::StatusOr<v1::Tenant> t = core_->tenants()->Authenticate(*ctx);                              \
-    if (!t.ok()) return ToGrpc(t.status());                                                           \
-    return ToGrpc(call);                                                                              \
+#define KVRING_NODE_RPC(Name, Req, Resp, call)                                                   \
+  grpc::Status NodeService::Name(grpc::ServerContext* ctx, const v1::Req* req, v1::Resp* resp) { \
+    absl::StatusOr<v1::Tenant> t = core_->tenants()->Authenticate(*ctx);                         \
+    if (!t.ok()) return ToGrpc(t.status());                                                      \
+    return ToGrpc(call);                                                                         \
   }
 
 KVRING_NODE_RPC(Lookup, LookupRequest, LookupResponse, core_->Lookup(*t, *req, resp))
@@ -52,8 +52,9 @@ grpc::Status NodeService::Attend(grpc::ServerContext* ctx, const v1::AttendReque
   std::string* lse = resp->mutable_lse();
   out->resize(size_t{batch->num_rows} * batch->q_heads * batch->head_dim * sizeof(float));
   lse->resize(size_t{batch->num_rows} * batch->q_heads * sizeof(float));
-  absl::Status s = AttendInto(*core_, *t, *req, *batch, resp,
-                              PartialOutput{reinterpret_cast<float*>(out->data()), reinterpret_cast<float*>(lse->data())});
+  absl::Status s =
+      AttendInto(*core_, *t, *req, *batch, resp,
+                 PartialOutput{reinterpret_cast<float*>(out->data()), reinterpret_cast<float*>(lse->data())});
   if (!s.ok()) {
     resp->clear_out();
     resp->clear_lse();

@@ -21,7 +21,8 @@ absl::Status ValidateHeader(const v1::RequestHeader& h, const RequestLimits& lim
 
 absl::Status ValidateKeys(const google::protobuf::RepeatedPtrField<v1::Key>& keys, const RequestLimits& limits) {
   if (static_cast<uint64_t>(keys.size()) > limits.max_keys) {
-    return absl::InvalidArgumentError(absl::StrCat(keys.size(), " keys in one request; the limit is ", limits.max_keys));
+    return absl::InvalidArgumentError(
+        absl::StrCat(keys.size(), " keys in one request; the limit is ", limits.max_keys));
   }
   for (int i = 0; i < keys.size(); ++i) {
     if (keys[i].lo() == 0 && keys[i].hi() == 0) return absl::InvalidArgumentError(absl::StrCat("key ", i, " is zero"));
@@ -32,7 +33,8 @@ absl::Status ValidateKeys(const google::protobuf::RepeatedPtrField<v1::Key>& key
 absl::Status ValidatePutBlock(const v1::PutBlock& b, const RequestLimits& limits, bool payload_external,
                               BlockMeta* meta) {
   const v1::BlockHeader& h = b.block();
-  if (!h.has_key() || (h.key().lo() == 0 && h.key().hi() == 0)) return absl::InvalidArgumentError("block key missing or zero");
+  if (!h.has_key() || (h.key().lo() == 0 && h.key().hi() == 0))
+    return absl::InvalidArgumentError("block key missing or zero");
   KVRING_ASSIGN_OR_RETURN(BlockLayout layout, LayoutFromProto(h.layout()));
   KvEncoding enc;
   if (h.encoding() > 0xff || !KvEncoding::Unpack(static_cast<uint8_t>(h.encoding()), &enc)) {
@@ -40,17 +42,19 @@ absl::Status ValidatePutBlock(const v1::PutBlock& b, const RequestLimits& limits
   }
   const uint64_t expected = EncodedBytes(layout, enc);
   if (h.payload_bytes() != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("payload_bytes ", h.payload_bytes(), " but the layout and encoding need ",
-                                                   expected));
+    return absl::InvalidArgumentError(
+        absl::StrCat("payload_bytes ", h.payload_bytes(), " but the layout and encoding need ", expected));
   }
   if (expected > limits.max_payload_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("block of ", expected, " bytes exceeds this node's limit of ",
-                                                   limits.max_payload_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("block of ", expected, " bytes exceeds this node's limit of ", limits.max_payload_bytes));
   }
   if (!payload_external && b.payload().size() != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("payload has ", b.payload().size(), " bytes; the header says ", expected));
+    return absl::InvalidArgumentError(
+        absl::StrCat("payload has ", b.payload().size(), " bytes; the header says ", expected));
   }
-  if (b.has_sequence()) KVRING_RETURN_IF_ERROR(ValidateSequenceId(b.sequence().sequence_id(), limits.max_sequence_id_bytes));
+  if (b.has_sequence())
+    KVRING_RETURN_IF_ERROR(ValidateSequenceId(b.sequence().sequence_id(), limits.max_sequence_id_bytes));
   meta->layout = layout;
   meta->encoding = enc;
   meta->payload_bytes = static_cast<uint32_t>(expected);
@@ -61,7 +65,8 @@ absl::Status ValidatePutBlock(const v1::PutBlock& b, const RequestLimits& limits
 absl::Status ValidatePutRequest(const v1::PutRequest& r, const RequestLimits& limits, bool payload_external) {
   KVRING_RETURN_IF_ERROR(ValidateHeader(r.header(), limits));
   if (static_cast<uint64_t>(r.blocks_size()) > limits.max_blocks_per_put) {
-    return absl::InvalidArgumentError(absl::StrCat(r.blocks_size(), " blocks in one Put; the limit is ", limits.max_blocks_per_put));
+    return absl::InvalidArgumentError(
+        absl::StrCat(r.blocks_size(), " blocks in one Put; the limit is ", limits.max_blocks_per_put));
   }
   uint64_t total = 0;
   for (int i = 0; i < r.blocks_size(); ++i) {
@@ -82,7 +87,8 @@ AttendPayloadSizes AttendPayloadSizesOf(const v1::AttendRequest& r) {
   uint64_t rows = 0;
   for (const auto& s : r.sequences()) rows += s.append_tokens();
   if (r.has_layout() && r.layout().dtype() <= static_cast<uint32_t>(DType::kBF16)) {
-    z.new_k = z.new_v = rows * r.layout().kv_heads() * r.layout().head_dim() * DTypeSize(static_cast<DType>(r.layout().dtype()));
+    z.new_k = z.new_v =
+        rows * r.layout().kv_heads() * r.layout().head_dim() * DTypeSize(static_cast<DType>(r.layout().dtype()));
   }
   return z;
 }
@@ -95,9 +101,11 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
   if (r.head_dim() == 0 || r.head_dim() > kMaxHeadDim || r.head_dim() % 8 != 0) {
     return absl::InvalidArgumentError("head_dim must be a multiple of 8 in [8, 512]");
   }
-  if (r.q_dtype() > static_cast<uint32_t>(DType::kBF16)) return absl::InvalidArgumentError("q_dtype must be f32, f16 or bf16");
+  if (r.q_dtype() > static_cast<uint32_t>(DType::kBF16))
+    return absl::InvalidArgumentError("q_dtype must be f32, f16 or bf16");
   if (r.num_rows() > limits.max_attend_rows) {
-    return absl::InvalidArgumentError(absl::StrCat("num_rows ", r.num_rows(), " is over the limit of ", limits.max_attend_rows));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_rows ", r.num_rows(), " is over the limit of ", limits.max_attend_rows));
   }
   if (r.layer() >= kMaxLayers) return absl::InvalidArgumentError(absl::StrCat("layer ", r.layer(), " out of range"));
   if (r.window() < 0) return absl::InvalidArgumentError("window must be >= 0");
@@ -106,8 +114,8 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
   }
   if (r.sequences_size() == 0) return absl::InvalidArgumentError("an Attend names at least one sequence");
   if (static_cast<uint64_t>(r.sequences_size()) > limits.max_attend_sequences) {
-    return absl::InvalidArgumentError(absl::StrCat(r.sequences_size(), " sequences in one Attend; the limit is ",
-                                                   limits.max_attend_sequences));
+    return absl::InvalidArgumentError(
+        absl::StrCat(r.sequences_size(), " sequences in one Attend; the limit is ", limits.max_attend_sequences));
   }
   b.options.layer = r.layer();
   b.options.causal = r.causal();
@@ -120,10 +128,12 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
   if (r.has_layout()) {
     KVRING_ASSIGN_OR_RETURN(BlockLayout l, LayoutFromProto(r.layout()));
     if (l.head_dim != r.head_dim()) {
-      return absl::InvalidArgumentError(absl::StrCat("query head_dim ", r.head_dim(), " but the layout's is ", l.head_dim));
+      return absl::InvalidArgumentError(
+          absl::StrCat("query head_dim ", r.head_dim(), " but the layout's is ", l.head_dim));
     }
     if (r.q_heads() % l.kv_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("q_heads ", r.q_heads(), " is not a multiple of kv_heads ", l.kv_heads));
+      return absl::InvalidArgumentError(
+          absl::StrCat("q_heads ", r.q_heads(), " is not a multiple of kv_heads ", l.kv_heads));
     }
     if (r.layer() >= l.layers) {
       return absl::InvalidArgumentError(absl::StrCat("layer ", r.layer(), " but the layout has ", l.layers, " layers"));
@@ -137,7 +147,8 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
   for (int i = 0; i < r.sequences_size(); ++i) {
     const v1::AttendSequence& s = r.sequences(i);
     auto bad = [&](absl::string_view why) {
-      return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " ('", s.sequence_id().substr(0, 64), "'): ", why));
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", i, " ('", s.sequence_id().substr(0, 64), "'): ", why));
     };
     if (absl::Status st = ValidateSequenceId(s.sequence_id(), limits.max_sequence_id_bytes); !st.ok()) {
       return bad(st.message());
@@ -155,7 +166,8 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
       const BlockRange rg{s.ranges(k).begin(), s.ranges(k).end()};
       if (rg.begin >= rg.end) return bad(absl::StrCat("block range ", k, " [", rg.begin, ", ", rg.end, ") is empty"));
       if (k > 0 && rg.begin < prev_end) {
-        return bad(absl::StrCat("block range ", k, " overlaps or precedes the one before it: ranges must be sorted and disjoint"));
+        return bad(absl::StrCat("block range ", k,
+                                " overlaps or precedes the one before it: ranges must be sorted and disjoint"));
       }
       if (b.layout.has_value() && rg.end > (spec.tokens + b.layout->block_tokens - 1) / b.layout->block_tokens) {
         return bad(absl::StrCat("block range ", k, " ends at ", rg.end, " but ", spec.tokens, " tokens fill only ",
@@ -175,8 +187,9 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
     if (spec.append_tokens > 0) {
       if (!b.layout.has_value()) return bad("appending needs the request's layout");
       if (spec.append_position + spec.append_tokens > spec.tokens) {
-        return bad(absl::StrCat("appends tokens [", spec.append_position, ", ", spec.append_position + spec.append_tokens,
-                                ") beyond the sequence's ", spec.tokens, " tokens"));
+        return bad(absl::StrCat("appends tokens [", spec.append_position, ", ",
+                                spec.append_position + spec.append_tokens, ") beyond the sequence's ", spec.tokens,
+                                " tokens"));
       }
     }
     rows += spec.rows;
@@ -184,7 +197,8 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
     b.sequences.push_back(std::move(spec));
   }
   if (rows != r.num_rows()) {
-    return absl::InvalidArgumentError(absl::StrCat("the sequences have ", rows, " query rows in all; num_rows says ", r.num_rows()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the sequences have ", rows, " query rows in all; num_rows says ", r.num_rows()));
   }
   if (append > limits.max_attend_rows) {
     return absl::InvalidArgumentError(absl::StrCat(append, " appended tokens; the limit is ", limits.max_attend_rows));
@@ -213,14 +227,17 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
     b.new_k = p.subspan(z.queries, z.new_k);
     b.new_v = p.subspan(z.queries + z.new_k, z.new_v);
   } else {
-    auto span = [](const std::string& s) { return absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(s.data()), s.size()); };
+    auto span = [](const std::string& s) {
+      return absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+    };
     if (r.queries().size() != z.queries) {
       return absl::InvalidArgumentError(absl::StrCat("queries have ", r.queries().size(),
                                                      " bytes; num_rows x q_heads x head_dim x dtype = ", z.queries));
     }
     if (r.new_k().size() != z.new_k || r.new_v().size() != z.new_v) {
-      return absl::InvalidArgumentError(absl::StrCat("new_k / new_v have ", r.new_k().size(), " / ", r.new_v().size(),
-                                                     " bytes; appended tokens x kv_heads x head_dim x dtype = ", z.new_k));
+      return absl::InvalidArgumentError(
+          absl::StrCat("new_k / new_v have ", r.new_k().size(), " / ", r.new_v().size(),
+                       " bytes; appended tokens x kv_heads x head_dim x dtype = ", z.new_k));
     }
     b.queries = span(r.queries());
     b.new_k = span(r.new_k());

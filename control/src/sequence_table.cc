@@ -21,20 +21,22 @@ absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(MetadataSto
   if (store == nullptr) return t;
   absl::Status bad = absl::OkStatus();
   absl::MutexLock l(&t->mu_);
-  KVRING_RETURN_IF_ERROR(store->ScanPrefix("seq/", [&](const std::string& k, const std::string& v) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    std::vector<std::string> parts = absl::StrSplit(k, '/');
-    uint64_t ns = 0, index = 0;
-    if (parts.size() != 4 || v.size() != 16 || !absl::SimpleHexAtoi(parts[1], &ns) || !absl::SimpleHexAtoi(parts[3], &index)) {
-      bad = absl::DataLossError(absl::StrCat("corrupt sequence record '", k, "'"));
-      return;
-    }
-    BlockKey key;
-    std::memcpy(&key.lo, v.data(), 8);
-    std::memcpy(&key.hi, v.data() + 8, 8);
-    SequenceState& st = t->FindOrAdd(ns, parts[2])->state;  // NOLINT: loaded before any lock is taken
-    st.blocks[index] = key;
-    st.runs.Insert(index);
-  }));
+  KVRING_RETURN_IF_ERROR(
+      store->ScanPrefix("seq/", [&](const std::string& k, const std::string& v) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        std::vector<std::string> parts = absl::StrSplit(k, '/');
+        uint64_t ns = 0, index = 0;
+        if (parts.size() != 4 || v.size() != 16 || !absl::SimpleHexAtoi(parts[1], &ns) ||
+            !absl::SimpleHexAtoi(parts[3], &index)) {
+          bad = absl::DataLossError(absl::StrCat("corrupt sequence record '", k, "'"));
+          return;
+        }
+        BlockKey key;
+        std::memcpy(&key.lo, v.data(), 8);
+        std::memcpy(&key.hi, v.data() + 8, 8);
+        SequenceState& st = t->FindOrAdd(ns, parts[2])->state;  // NOLINT: loaded before any lock is taken
+        st.blocks[index] = key;
+        st.runs.Insert(index);
+      }));
   KVRING_RETURN_IF_ERROR(bad);
   return t;
 }

@@ -13,8 +13,9 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(NodeCore* core
   p->pool_ = std::make_unique<ThreadPool>(std::max<size_t>(1, threads));
   UcxDataPlane* raw = p.get();
   auto server = UcxRpcServer::Start(
-      listen, [raw](UcxRequest&& req, UcxReplier reply) { raw->Handle(std::move(req), std::move(reply)); }, p->pool_.get(),
-      max_message_bytes, [raw](UcxRequest& req, UcxReplier& reply) { return raw->HandleFast(req, reply); }, loop);
+      listen, [raw](UcxRequest&& req, UcxReplier reply) { raw->Handle(std::move(req), std::move(reply)); },
+      p->pool_.get(), max_message_bytes,
+      [raw](UcxRequest& req, UcxReplier& reply) { return raw->HandleFast(req, reply); }, loop);
   if (!server.ok()) return server.status();
   p->server_ = std::move(*server);
   return p;
@@ -72,7 +73,8 @@ void UcxDataPlane::Handle(UcxRequest&& req, UcxReplier reply) {
         const size_t n = b.block().payload_bytes();
         if (off + n > req.payload.size()) {
           reply.Send(absl::InvalidArgumentError(absl::StrCat("UCX Put: payload has ", req.payload.size(),
-                                                             " bytes, fewer than the blocks' headers declare")), "");
+                                                             " bytes, fewer than the blocks' headers declare")),
+                     "");
           return;
         }
         parts.push_back(req.payload.subspan(off, n));
@@ -84,7 +86,9 @@ void UcxDataPlane::Handle(UcxRequest&& req, UcxReplier reply) {
       }
       if (parts.empty()) parts.push_back({});  // "external" even with no blocks
       v1::PutResponse resp;
-      absl::Status s = core_->Put(*tenant, r, r.blocks_size() ? absl::MakeConstSpan(parts) : absl::Span<const absl::Span<const uint8_t>>(), &resp);
+      absl::Status s = core_->Put(
+          *tenant, r, r.blocks_size() ? absl::MakeConstSpan(parts) : absl::Span<const absl::Span<const uint8_t>>(),
+          &resp);
       reply.Send(s, s.ok() ? resp.SerializeAsString() : "");
       return;
     }

@@ -61,7 +61,8 @@ inline SeqKv RandomSequence(const BlockLayout& layout, int64_t num_tokens, std::
       for (uint32_t kv = 0; kv < 2; ++kv)
         for (uint32_t h = 0; h < layout.kv_heads; ++h)
           for (uint32_t t = 0; t < n; ++t)
-            for (uint32_t d = 0; d < layout.head_dim; ++d) StoreAs(layout.dtype, b.data(), layout.index(l, kv, h, t, d), nd(rng));
+            for (uint32_t d = 0; d < layout.head_dim; ++d)
+              StoreAs(layout.dtype, b.data(), layout.index(l, kv, h, t, d), nd(rng));
   }
   for (size_t i = 0; i < s.blocks.size(); ++i) {
     const int64_t pos = static_cast<int64_t>(i) * layout.block_tokens;
@@ -80,8 +81,7 @@ struct Queries {
 };
 
 inline Queries RandomQueries(DType dtype, uint32_t rows, uint32_t q_heads, uint32_t head_dim,
-                             std::vector<int64_t> positions, std::mt19937_64& rng,
-                             std::vector<uint32_t> seq_ids = {}) {
+                             std::vector<int64_t> positions, std::mt19937_64& rng, std::vector<uint32_t> seq_ids = {}) {
   Queries q;
   const size_t n = size_t{rows} * q_heads * head_dim;
   q.data.resize(n * DTypeSize(dtype));
@@ -90,7 +90,12 @@ inline Queries RandomQueries(DType dtype, uint32_t rows, uint32_t q_heads, uint3
   for (size_t i = 0; i < n; ++i) q.values[i] = StoreAs(dtype, q.data.data(), i, nd(rng));
   q.positions = std::move(positions);
   q.seq_ids = std::move(seq_ids);
-  q.view = QueryTensor{q.data.data(), dtype, rows, q_heads, head_dim, q.positions.data(),
+  q.view = QueryTensor{q.data.data(),
+                       dtype,
+                       rows,
+                       q_heads,
+                       head_dim,
+                       q.positions.data(),
                        q.seq_ids.empty() ? nullptr : q.seq_ids.data()};
   return q;
 }
@@ -98,7 +103,8 @@ inline Queries RandomQueries(DType dtype, uint32_t rows, uint32_t q_heads, uint3
 // Rows of `q` that attend to sequence `seq`, as doubles.
 inline std::vector<double> RowsOf(const Queries& q, const std::vector<uint32_t>& rows, uint32_t heads, uint32_t dim) {
   std::vector<double> out;
-  for (uint32_t r : rows) out.insert(out.end(), q.values.begin() + size_t{r} * heads * dim, q.values.begin() + size_t{r + 1} * heads * dim);
+  for (uint32_t r : rows)
+    out.insert(out.end(), q.values.begin() + size_t{r} * heads * dim, q.values.begin() + size_t{r + 1} * heads * dim);
   return out;
 }
 
@@ -118,7 +124,8 @@ inline void ExpectClose(const float* out, const float* lse, const reference::Den
   for (size_t i = 0; i < ref.lse.size(); ++i) {
     ASSERT_FALSE(std::isnan(lse[i])) << what << ": lse " << i << " not written (NaN)";
     if (std::isinf(ref.lse[i])) {
-      ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << what << ": row " << i << " sees no key, lse must be -inf, got " << lse[i];
+      ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0)
+          << what << ": row " << i << " sees no key, lse must be -inf, got " << lse[i];
     } else {
       any_visible = true;
       lse_err = std::max(lse_err, std::abs(lse[i] - ref.lse[i]) / std::max(1.0, std::abs(ref.lse[i])));

@@ -118,13 +118,16 @@ TEST(PartialAttentionTest, BatchOfSequencesEachRowSeesItsOwnSequence) {
   ASSERT_TRUE(PartialAttention({}, q.view, kv, got.view(), &pool).ok());
   for (uint32_t s = 0; s < nseq; ++s) {
     std::vector<uint32_t> mine;
-    for (uint32_t r = 0; r < rows; ++r) if (ids[r] == s) mine.push_back(r);
+    for (uint32_t r = 0; r < rows; ++r)
+      if (ids[r] == s) mine.push_back(r);
     std::vector<int64_t> mpos;
     for (uint32_t r : mine) mpos.push_back(pos[r]);
-    auto ref = reference::Attention(testing::RowsOf(q, mine, q_heads, 128), mpos, q_heads, DenseOf(layout, seqs[s].refs, 0), {});
+    auto ref = reference::Attention(testing::RowsOf(q, mine, q_heads, 128), mpos, q_heads,
+                                    DenseOf(layout, seqs[s].refs, 0), {});
     PartialResult sub(static_cast<uint32_t>(mine.size()), q_heads, 128);
     for (size_t i = 0; i < mine.size(); ++i) {
-      std::copy_n(got.out.begin() + size_t{mine[i]} * q_heads * 128, q_heads * 128, sub.out.begin() + i * q_heads * 128);
+      std::copy_n(got.out.begin() + size_t{mine[i]} * q_heads * 128, q_heads * 128,
+                  sub.out.begin() + i * q_heads * 128);
       std::copy_n(got.lse.begin() + size_t{mine[i]} * q_heads, q_heads, sub.lse.begin() + i * q_heads);
     }
     ExpectClose(sub.out.data(), sub.lse.data(), ref, kTol, absl::StrCat("sequence ", s));
@@ -163,10 +166,12 @@ TEST(PartialAttentionTest, ReadsQuantizedBlocksDirectly) {
       for (size_t b = 0; b < blocks.size(); ++b) {
         uint8_t* p = blocks[b].data();
         float* scales = reinterpret_cast<float*>(p + layout.elements());
-        for (uint64_t i = 0; i < ScaleCount(layout, mode); ++i) scales[i] = static_cast<float>(0.01 + 0.02 * (rng() % 10));
+        for (uint64_t i = 0; i < ScaleCount(layout, mode); ++i)
+          scales[i] = static_cast<float>(0.01 + 0.02 * (rng() % 10));
         for (uint64_t i = 0; i < layout.elements(); ++i) {
-          p[i] = codec == KvCodec::kInt8 ? static_cast<uint8_t>(static_cast<int8_t>(static_cast<int>(rng() % 255) - 127))
-                                         : FloatToFp8E4M3(static_cast<float>(nd(rng) * 50));
+          p[i] = codec == KvCodec::kInt8
+                     ? static_cast<uint8_t>(static_cast<int8_t>(static_cast<int>(rng() % 255) - 127))
+                     : FloatToFp8E4M3(static_cast<float>(nd(rng) * 50));
         }
         refs.push_back(KvBlockRef{p, static_cast<int64_t>(b * 16), 16});
       }
@@ -197,8 +202,7 @@ TEST(PartialAttentionTest, ReadsBlocksQuantizedByQuantizeBlock) {
       std::vector<std::vector<uint8_t>> codes(seq.refs.size()), plain(seq.refs.size());
       std::vector<KvBlockRef> crefs, prefs;
       for (size_t b = 0; b < seq.refs.size(); ++b) {
-        ASSERT_TRUE(QuantizeBlock(layout, absl::MakeConstSpan(seq.refs[b].data, layout.bytes()),
-                                  enc, &codes[b]).ok());
+        ASSERT_TRUE(QuantizeBlock(layout, absl::MakeConstSpan(seq.refs[b].data, layout.bytes()), enc, &codes[b]).ok());
         ASSERT_TRUE(DequantizeBlock(layout, enc, codes[b], &plain[b]).ok());
         crefs.push_back(KvBlockRef{codes[b].data(), seq.refs[b].start_pos, seq.refs[b].num_tokens});
         prefs.push_back(KvBlockRef{plain[b].data(), seq.refs[b].start_pos, seq.refs[b].num_tokens});
@@ -230,8 +234,10 @@ TEST(PartialAttentionTest, NonFiniteQueriesAreRefusedAndNonFiniteKvGivesNaN) {
   for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
     auto q = RandomQueries(dt, 2, 4, 64, {5, 9}, rng);
     const size_t at = 4 * 64 + 3;  // row 1, head 0
-    if (dt == DType::kF32) reinterpret_cast<float*>(q.data.data())[at] = std::numeric_limits<float>::quiet_NaN();
-    else reinterpret_cast<uint16_t*>(q.data.data())[at] = dt == DType::kF16 ? 0x7e00 : 0x7fc0;  // NaN
+    if (dt == DType::kF32)
+      reinterpret_cast<float*>(q.data.data())[at] = std::numeric_limits<float>::quiet_NaN();
+    else
+      reinterpret_cast<uint16_t*>(q.data.data())[at] = dt == DType::kF16 ? 0x7e00 : 0x7fc0;  // NaN
     PartialResult out(2, 4, 64);
     absl::Status s = PartialAttention({}, q.view, kv, out.view());
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
@@ -245,7 +251,7 @@ TEST(PartialAttentionTest, NonFiniteQueriesAreRefusedAndNonFiniteKvGivesNaN) {
   auto q = RandomQueries(DType::kF32, 2, 4, 64, {5, 9}, rng);
   PartialResult out(2, 4, 64);
   ASSERT_TRUE(PartialAttention({}, q.view, PagedKv{layout, {}, absl::MakeConstSpan(&ref, 1), begin}, out.view()).ok());
-  EXPECT_TRUE(std::isfinite(out.out[0]));         // row 0 (position 5) never sees key 7
+  EXPECT_TRUE(std::isfinite(out.out[0]));            // row 0 (position 5) never sees key 7
   EXPECT_TRUE(std::isnan(out.out[size_t{4} * 64]));  // row 1, head 0 (kv head 0) does
 }
 

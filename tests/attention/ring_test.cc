@@ -28,11 +28,13 @@ void RunRanks(int n, const std::function<void(int, Transport&)>& fn) {
 }
 
 enum class Algo { kPassKv, kPassQRing, kPassQAll };
-const char* Name(Algo a) { return a == Algo::kPassKv ? "pass-KV" : a == Algo::kPassQRing ? "pass-Q ring" : "pass-Q all-to-all"; }
+const char* Name(Algo a) {
+  return a == Algo::kPassKv ? "pass-KV" : a == Algo::kPassQRing ? "pass-Q ring" : "pass-Q all-to-all";
+}
 
 struct Placement {
-  std::vector<std::vector<KvBlockRef>> kv;     // per rank
-  std::vector<std::vector<int64_t>> q_pos;     // per rank: positions of its queries
+  std::vector<std::vector<KvBlockRef>> kv;  // per rank
+  std::vector<std::vector<int64_t>> q_pos;  // per rank: positions of its queries
 };
 
 // Prefill: every rank's queries are the tokens of the blocks it holds (plus
@@ -52,8 +54,8 @@ Placement ByOwner(const testing::SeqKv& seq, int n, const std::function<int(uint
   return p;
 }
 
-void CheckAlgo(Algo algo, const testing::SeqKv& seq, const Placement& pl, uint32_t q_heads, bool causal,
-               uint64_t seed, const std::string& what) {
+void CheckAlgo(Algo algo, const testing::SeqKv& seq, const Placement& pl, uint32_t q_heads, bool causal, uint64_t seed,
+               const std::string& what) {
   const int n = static_cast<int>(pl.kv.size());
   const BlockLayout& L = seq.layout;
   AttentionOptions o;
@@ -61,7 +63,9 @@ void CheckAlgo(Algo algo, const testing::SeqKv& seq, const Placement& pl, uint32
   const auto dense = DenseOf(L, seq.refs, 0);
   std::vector<testing::Queries> qs;
   std::mt19937_64 rng(seed);
-  for (int r = 0; r < n; ++r) qs.push_back(RandomQueries(DType::kBF16, static_cast<uint32_t>(pl.q_pos[r].size()), q_heads, L.head_dim, pl.q_pos[r], rng));
+  for (int r = 0; r < n; ++r)
+    qs.push_back(
+        RandomQueries(DType::kBF16, static_cast<uint32_t>(pl.q_pos[r].size()), q_heads, L.head_dim, pl.q_pos[r], rng));
   std::vector<PartialResult> outs(n);
   std::vector<absl::Status> st(n);
   std::vector<RingStats> stats(n);
@@ -74,9 +78,15 @@ void CheckAlgo(Algo algo, const testing::SeqKv& seq, const Placement& pl, uint32
     ro.call_id = 42;
     ro.timeout = absl::Seconds(20);
     switch (algo) {
-      case Algo::kPassKv: st[r] = RingPassKv(t, o, qs[r].view, kv, outs[r].view(), ro, &stats[r]); break;
-      case Algo::kPassQRing: st[r] = RingPassQ(t, o, qs[r].view, kv, outs[r].view(), ro, PassQMode::kRing, &stats[r]); break;
-      case Algo::kPassQAll: st[r] = RingPassQ(t, o, qs[r].view, kv, outs[r].view(), ro, PassQMode::kAllToAll, &stats[r]); break;
+      case Algo::kPassKv:
+        st[r] = RingPassKv(t, o, qs[r].view, kv, outs[r].view(), ro, &stats[r]);
+        break;
+      case Algo::kPassQRing:
+        st[r] = RingPassQ(t, o, qs[r].view, kv, outs[r].view(), ro, PassQMode::kRing, &stats[r]);
+        break;
+      case Algo::kPassQAll:
+        st[r] = RingPassQ(t, o, qs[r].view, kv, outs[r].view(), ro, PassQMode::kAllToAll, &stats[r]);
+        break;
     }
   });
   for (int r = 0; r < n; ++r) {
@@ -110,7 +120,8 @@ TEST(RingTest, UnevenShardsAndNonCausalMatchReference) {
     const BlockLayout L{64, 1, 1, 64, DType::kBF16};
     auto seq = RandomSequence(L, 64 * 9 + 30, rng);
     // Skewed placement: rank 0 gets half the blocks, some ranks none.
-    auto pl = ByOwner(seq, n, [&](uint64_t b) { return b % 2 == 0 ? 0 : static_cast<int>(1 + (b / 2) % std::max(1, n / 2)); });
+    auto pl = ByOwner(seq, n,
+                      [&](uint64_t b) { return b % 2 == 0 ? 0 : static_cast<int>(1 + (b / 2) % std::max(1, n / 2)); });
     for (Algo a : {Algo::kPassKv, Algo::kPassQRing, Algo::kPassQAll}) {
       CheckAlgo(a, seq, pl, 8, false, rng(), absl::StrCat("uneven N=", n));
       CheckAlgo(a, seq, pl, 8, true, rng(), absl::StrCat("uneven causal N=", n));
@@ -127,10 +138,13 @@ TEST(RingTest, ChunkedPrefillWithPartialPrefixHitMatchesReference) {
     const int64_t P = 16 * 20, T = 16 * 4 + 5;
     auto seq = RandomSequence(L, P + T, rng);
     const uint64_t cached_blocks = P / 16, nb = seq.refs.size();
-    auto pl = ByOwner(seq, n, [&](uint64_t b) {
-      return b < cached_blocks ? ContiguousOwner(cached_blocks, n, b)
-                               : LoadBalancedOwner(nb - cached_blocks, n, b - cached_blocks);
-    }, /*q_from=*/P);
+    auto pl = ByOwner(
+        seq, n,
+        [&](uint64_t b) {
+          return b < cached_blocks ? ContiguousOwner(cached_blocks, n, b)
+                                   : LoadBalancedOwner(nb - cached_blocks, n, b - cached_blocks);
+        },
+        /*q_from=*/P);
     EXPECT_FALSE(PreferPassKv(T, P, 32, 8));  // T/(T+P) ~ 0.18 < 2*8/32: pass-Q
     for (Algo a : {Algo::kPassQRing, Algo::kPassQAll, Algo::kPassKv}) {
       CheckAlgo(a, seq, pl, 32, true, rng(), absl::StrCat("chunked N=", n));
@@ -181,7 +195,8 @@ TEST(RingTest, DecodeBatchAppendsToTailOwnersAndMatchesReference) {
     for (int r = 0; r < world; ++r) shards.push_back(std::make_unique<KvShard>(L, KvEncoding{}, B));
     for (uint32_t b = 0; b < B; ++b) {
       const uint64_t nb = seqs[b].refs.size();
-      for (uint64_t i = 0; i < nb; ++i) ASSERT_TRUE(shards[ContiguousOwner(nb, n, i)]->AddBlock(b, seqs[b].refs[i]).ok());
+      for (uint64_t i = 0; i < nb; ++i)
+        ASSERT_TRUE(shards[ContiguousOwner(nb, n, i)]->AddBlock(b, seqs[b].refs[i]).ok());
       tail_owner[b] = ContiguousOwner(nb, n, nb - 1);
       ASSERT_TRUE(shards[tail_owner[b]]->OwnTail(b, seqs[b].num_tokens).ok());
     }
@@ -205,8 +220,10 @@ TEST(RingTest, DecodeBatchAppendsToTailOwnersAndMatchesReference) {
         for (uint32_t b = 0; b < B; ++b) {
           auto& d = dense[layer][b];
           d.positions.push_back(pos[b]);
-          for (size_t i = 0; i < row; ++i) d.k.push_back(testing::StoreAs(DType::kBF16, nk.data(), b * row + i, nd(rng)));
-          for (size_t i = 0; i < row; ++i) d.v.push_back(testing::StoreAs(DType::kBF16, nv.data(), b * row + i, nd(rng)));
+          for (size_t i = 0; i < row; ++i)
+            d.k.push_back(testing::StoreAs(DType::kBF16, nk.data(), b * row + i, nd(rng)));
+          for (size_t i = 0; i < row; ++i)
+            d.v.push_back(testing::StoreAs(DType::kBF16, nv.data(), b * row + i, nd(rng)));
         }
         PartialResult out(B, q_heads, 64);
         testing::Poison(out);

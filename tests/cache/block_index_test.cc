@@ -135,11 +135,19 @@ TEST(BlockIndexTest, RandomizedAgainstReferenceModel) {
         EXPECT_EQ(r.ok(), held.insert(x).second);
       } else if (op < 8) {
         absl::Status s = idx.Erase(S(x));
-        if (!held.count(x)) EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
-        else if (pins[x] > 0) EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-        else { EXPECT_TRUE(s.ok()); held.erase(x); }
+        if (!held.count(x))
+          EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+        else if (pins[x] > 0)
+          EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+        else {
+          EXPECT_TRUE(s.ok());
+          held.erase(x);
+        }
       } else if (op == 8) {
-        if (held.count(x)) { ASSERT_TRUE(idx.Pin(S(x), 1).ok()); ++pins[x]; }
+        if (held.count(x)) {
+          ASSERT_TRUE(idx.Pin(S(x), 1).ok());
+          ++pins[x];
+        }
       } else {
         auto r = idx.Unpin(S(x), 1);
         EXPECT_EQ(r.ok(), held.count(x) && pins[x] > 0);

@@ -54,8 +54,10 @@ void RunMixedLoad(BlockStore& store, int threads, int ops_per_thread, std::atomi
           case 4: {
             if (my_pins.size() < 4) {
               absl::Status s = store.Pin(tenant, ns, KeyOf(k));
-              if (s.ok()) my_pins.push_back(k);
-              else if (!absl::IsNotFound(s)) ++unexpected;
+              if (s.ok())
+                my_pins.push_back(k);
+              else if (!absl::IsNotFound(s))
+                ++unexpected;
             }
             break;
           }

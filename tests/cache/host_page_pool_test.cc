@@ -55,7 +55,11 @@ TEST(HostPagePoolTest, RegistrationHookRunsAndItsErrorFailsCreate) {
   bool unregistered = false;
   {
     HostPagePoolOptions o{.page_bytes = 64, .num_pages = 8};
-    o.register_memory = [&](void* p, size_t n) { seen = p; seen_len = n; return absl::OkStatus(); };
+    o.register_memory = [&](void* p, size_t n) {
+      seen = p;
+      seen_len = n;
+      return absl::OkStatus();
+    };
     o.unregister_memory = [&](void*) { unregistered = true; };
     auto pool = HostPagePool::Create(o);
     ASSERT_TRUE(pool.ok());

@@ -45,7 +45,8 @@ TEST_P(EveryPolicyTest, PinnedBlocksAreNeverEvicted) {
       ASSERT_TRUE(r.ok() || absl::IsResourceExhausted(r.status())) << r.status();
     }
     if (step % 500 == 0) {
-      for (uint64_t p : pinned) ASSERT_TRUE(s->Acquire(1, KeyOf(p)).ok()) << GetParam() << " evicted pinned block " << p;
+      for (uint64_t p : pinned)
+        ASSERT_TRUE(s->Acquire(1, KeyOf(p)).ok()) << GetParam() << " evicted pinned block " << p;
     }
   }
   for (uint64_t p : pinned) EXPECT_TRUE(s->Acquire(1, KeyOf(p)).ok());

@@ -48,7 +48,8 @@ TEST(QuantizeTest, Int8RoundTripIsWithinHalfAScaleAndScalesAreAbsmax) {
               const uint64_t si = ScaleIndex(kL, m, l, kv, h, t, d);
               amax[si] = std::max(amax[si], std::fabs(Elem(plain, i)));
               // bf16 storage of the dequantized value adds its own rounding.
-              EXPECT_LE(std::fabs(Elem(plain, i) - Elem(back, i)), scales[si] * 0.5f + std::fabs(Elem(plain, i)) / 128.f)
+              EXPECT_LE(std::fabs(Elem(plain, i) - Elem(back, i)),
+                        scales[si] * 0.5f + std::fabs(Elem(plain, i)) / 128.f)
                   << "mode " << int(m) << " element " << i;
             }
     for (size_t i = 0; i < amax.size(); ++i) EXPECT_FLOAT_EQ(scales[i], amax[i] / 127.f) << "scale " << i;

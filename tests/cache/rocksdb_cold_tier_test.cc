@@ -50,10 +50,11 @@ TEST(RocksDbColdTierTest, WriteReadEraseAndScanSurviveReopen) {
     EXPECT_EQ((*t)->stats().blocks, 9u);
     size_t seen = 0;
     ASSERT_TRUE((*t)->Scan([&](const ColdBlockInfo& info) {
-      ++seen;
-      EXPECT_EQ(info.meta.owner, 9u);
-      EXPECT_EQ(info.key.ns, 3u);
-    }).ok());
+                      ++seen;
+                      EXPECT_EQ(info.meta.owner, 9u);
+                      EXPECT_EQ(info.key.ns, 3u);
+                    })
+                    .ok());
     EXPECT_EQ(seen, 9u);
     ColdBlockInfo info;
     std::vector<uint8_t> out;
@@ -73,11 +74,15 @@ TEST(RocksDbColdTierTest, CompressesRedundantPayloadsAndDetectsCorruption) {
     ASSERT_TRUE(RocksDbColdTier::Compress(c, 1, zeros, &blob).ok());
     EXPECT_LT(blob.size(), zeros.size() / 10);
     std::vector<uint8_t> back;
-    ASSERT_TRUE(RocksDbColdTier::Decompress(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(blob.data()), blob.size()), &back).ok());
+    ASSERT_TRUE(RocksDbColdTier::Decompress(
+                    absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(blob.data()), blob.size()), &back)
+                    .ok());
     EXPECT_EQ(back, zeros);
     blob[blob.size() / 2] ^= 0x77;
     blob.resize(blob.size() - 3);
-    EXPECT_EQ(RocksDbColdTier::Decompress(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(blob.data()), blob.size()), &back).code(),
+    EXPECT_EQ(RocksDbColdTier::Decompress(
+                  absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(blob.data()), blob.size()), &back)
+                  .code(),
               absl::StatusCode::kDataLoss);
   }
   EXPECT_FALSE(ParseColdCodec("gzip").ok());

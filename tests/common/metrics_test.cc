@@ -12,7 +12,10 @@ TEST(MetricsTest, CountersAddFromManyThreads) {
   MetricsRegistry r;
   CounterMetric* c = r.Counter("kvring_test_total", "help");
   std::vector<std::thread> ts;
-  for (int t = 0; t < 4; ++t) ts.emplace_back([c] { for (int i = 0; i < 10000; ++i) c->Add(); });
+  for (int t = 0; t < 4; ++t)
+    ts.emplace_back([c] {
+      for (int i = 0; i < 10000; ++i) c->Add();
+    });
   for (auto& t : ts) t.join();
   EXPECT_EQ(c->value(), 40000u);
   EXPECT_EQ(r.Counter("kvring_test_total", "help"), c);  // same name -> same metric
@@ -35,7 +38,8 @@ TEST(MetricsTest, RendersPrometheusText) {
   r.Gauge("kvring_free_pages", "Free pages")->Set(12);
   r.Histogram("kvring_latency_seconds", "Latency", "op=\"get\"", {0.001, 0.01})->Observe(0.005);
   const std::string text = r.Render();
-  EXPECT_NE(text.find("# TYPE kvring_puts_total counter\nkvring_puts_total{tenant=\"a\"} 3\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("# TYPE kvring_puts_total counter\nkvring_puts_total{tenant=\"a\"} 3\n"), std::string::npos)
+      << text;
   EXPECT_NE(text.find("kvring_free_pages 12\n"), std::string::npos) << text;
   EXPECT_NE(text.find("kvring_latency_seconds_bucket{op=\"get\",le=\"0.001\"} 0\n"), std::string::npos) << text;
   EXPECT_NE(text.find("kvring_latency_seconds_bucket{op=\"get\",le=\"0.01\"} 1\n"), std::string::npos) << text;

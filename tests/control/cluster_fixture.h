@@ -24,8 +24,8 @@
 #include "gtest/gtest.h"
 #include "kvring.grpc.pb.h"
 #include "kvring/client/client.h"
-#include "kvring/protocol/tls.h"
 #include "kvring/layout/float_convert.h"
+#include "kvring/protocol/tls.h"
 
 #ifndef KVRING_BIN_DIR
 #error "KVRING_BIN_DIR must point at the build directory"
@@ -133,10 +133,15 @@ class Cluster {
     const std::string pf = (dir_ / "coordinator.port").string();
     std::filesystem::remove(pf);
     coordinator_ = std::make_unique<Process>();
-    std::vector<std::string> argv = {Bin("control/kvring-coordinator"), "--listen=127.0.0.1:" + std::to_string(coordinator_port_),
-                                     "--data_dir=" + (dir_ / "coordinator").string(), "--admin_token=" + admin_token_,
-                                     "--cluster_token=" + cluster_token_, "--replication=" + std::to_string(o_.replication),
-                                     "--heartbeat_interval=100ms", "--heartbeat_timeout=600ms", "--port_file=" + pf};
+    std::vector<std::string> argv = {Bin("control/kvring-coordinator"),
+                                     "--listen=127.0.0.1:" + std::to_string(coordinator_port_),
+                                     "--data_dir=" + (dir_ / "coordinator").string(),
+                                     "--admin_token=" + admin_token_,
+                                     "--cluster_token=" + cluster_token_,
+                                     "--replication=" + std::to_string(o_.replication),
+                                     "--heartbeat_interval=100ms",
+                                     "--heartbeat_timeout=600ms",
+                                     "--port_file=" + pf};
     for (const auto& f : o_.extra_coordinator_flags) argv.push_back(f);
     coordinator_->Start(argv, (dir_ / "coordinator.log").string());
     int port = WaitPort(pf);
@@ -148,12 +153,16 @@ class Cluster {
   ::testing::AssertionResult StartDaemon(int i, std::vector<std::string> extra = {}, uint64_t file_size_limit = 0) {
     const std::string pf = (dir_ / absl::StrCat("node", i, ".port")).string();
     std::filesystem::remove(pf);
-    std::vector<std::string> argv = {Bin("control/kvringd"), "--listen=127.0.0.1:0",
+    std::vector<std::string> argv = {Bin("control/kvringd"),
+                                     "--listen=127.0.0.1:0",
                                      "--coordinator=127.0.0.1:" + std::to_string(coordinator_port_),
                                      "--cluster_token=" + cluster_token_,
                                      "--data_dir=" + (dir_ / absl::StrCat("node", i)).string(),
-                                     "--node_id=node" + std::to_string(i), "--host_bytes=" + o_.host_bytes,
-                                     "--page_bytes=" + o_.page_bytes, "--threads=2", "--metrics_listen=",
+                                     "--node_id=node" + std::to_string(i),
+                                     "--host_bytes=" + o_.host_bytes,
+                                     "--page_bytes=" + o_.page_bytes,
+                                     "--threads=2",
+                                     "--metrics_listen=",
                                      "--port_file=" + pf};
     if (o_.ucx) argv.push_back("--ucx_listen=127.0.0.1:0");
     if (o_.write_through) argv.push_back("--cold_write_through");
@@ -162,7 +171,8 @@ class Cluster {
     daemons_[i] = std::make_unique<Process>();
     daemons_[i]->set_file_size_limit(file_size_limit);
     daemons_[i]->Start(argv, (dir_ / absl::StrCat("node", i, ".log")).string());
-    if (WaitPort(pf) <= 0) return ::testing::AssertionFailure() << "node" << i << " did not start: " << Log(absl::StrCat("node", i, ".log"));
+    if (WaitPort(pf) <= 0)
+      return ::testing::AssertionFailure() << "node" << i << " did not start: " << Log(absl::StrCat("node", i, ".log"));
     return ::testing::AssertionSuccess();
   }
 

@@ -88,7 +88,8 @@ TEST(ClusterTest, PassQAttendAcrossFourDaemonsEqualsTheCpuReference) {
   EXPECT_GE(rep.shards, 2);
   EXPECT_EQ(rep.blocks, nblocks);
   std::vector<KvBlockRef> refs;
-  for (size_t i = 0; i < nblocks; ++i) refs.push_back(KvBlockRef{b.payloads[i].data(), static_cast<int64_t>(i * 16), 16});
+  for (size_t i = 0; i < nblocks; ++i)
+    refs.push_back(KvBlockRef{b.payloads[i].data(), static_cast<int64_t>(i * 16), 16});
   std::vector<uint32_t> begin{0, static_cast<uint32_t>(nblocks)};
   auto dense = reference::FromBlocks(PagedKv{L, {}, refs, begin}, 0, 1);
   auto ref = reference::Attention(qd, pos, q_heads, dense, o);
@@ -99,7 +100,8 @@ TEST(ClusterTest, PassQAttendAcrossFourDaemonsEqualsTheCpuReference) {
   }
   ASSERT_GT(den, 0);
   EXPECT_LT(std::sqrt(num / den), 2e-5);
-  for (size_t i = 0; i < ref.lse.size(); ++i) EXPECT_NEAR(out->lse[i], ref.lse[i], 1e-4 * std::max(1.0, std::abs(ref.lse[i])));
+  for (size_t i = 0; i < ref.lse.size(); ++i)
+    EXPECT_NEAR(out->lse[i], ref.lse[i], 1e-4 * std::max(1.0, std::abs(ref.lse[i])));
   // An unknown sequence is a clear error.
   auto missing = (*c)->Attend("no-such-session", L, 160, qt, o);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kUnavailable) << missing.status();
@@ -226,7 +228,8 @@ TEST(ClusterTest, MalformedRequestsGetClearErrorsAndTheDaemonKeepsServing) {
   ASSERT_TRUE(token.ok());
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(-1);
-  auto stub = v1::Node::NewStub(grpc::CreateCustomChannel(cl.daemon_address(0), grpc::InsecureChannelCredentials(), args));
+  auto stub =
+      v1::Node::NewStub(grpc::CreateCustomChannel(cl.daemon_address(0), grpc::InsecureChannelCredentials(), args));
   auto call_put = [&](const v1::PutRequest& req, const std::string& tok) {
     grpc::ClientContext ctx;
     if (!tok.empty()) ctx.AddMetadata("authorization", "Bearer " + tok);
@@ -251,17 +254,19 @@ TEST(ClusterTest, MalformedRequestsGetClearErrorsAndTheDaemonKeepsServing) {
   };
   std::vector<Case> cases = {
       {"no token", [](v1::PutRequest&) {}, "", grpc::StatusCode::UNAUTHENTICATED, "authorization"},
-      {"unknown tenant", [](v1::PutRequest&) {}, "not-a-real-token-at-all", grpc::StatusCode::UNAUTHENTICATED, "unknown"},
+      {"unknown tenant", [](v1::PutRequest&) {}, "not-a-real-token-at-all", grpc::StatusCode::UNAUTHENTICATED,
+       "unknown"},
       {"bad version", [](v1::PutRequest& r) { r.mutable_header()->set_version(7); }, *token,
        grpc::StatusCode::FAILED_PRECONDITION, "version 7"},
       {"foreign namespace", [](v1::PutRequest& r) { r.mutable_header()->set_namespace_("tenant/other"); }, *token,
        grpc::StatusCode::PERMISSION_DENIED, "may not use namespace"},
       {"wrong payload size", [](v1::PutRequest& r) { r.mutable_blocks(0)->set_payload("short"); }, *token,
        grpc::StatusCode::INVALID_ARGUMENT, "payload has 5 bytes"},
-      {"bad head_dim", [](v1::PutRequest& r) { r.mutable_blocks(0)->mutable_block()->mutable_layout()->set_head_dim(13); },
-       *token, grpc::StatusCode::INVALID_ARGUMENT, "head_dim"},
-      {"bad dtype", [](v1::PutRequest& r) { r.mutable_blocks(0)->mutable_block()->mutable_layout()->set_dtype(9); }, *token,
-       grpc::StatusCode::INVALID_ARGUMENT, "dtype"},
+      {"bad head_dim",
+       [](v1::PutRequest& r) { r.mutable_blocks(0)->mutable_block()->mutable_layout()->set_head_dim(13); }, *token,
+       grpc::StatusCode::INVALID_ARGUMENT, "head_dim"},
+      {"bad dtype", [](v1::PutRequest& r) { r.mutable_blocks(0)->mutable_block()->mutable_layout()->set_dtype(9); },
+       *token, grpc::StatusCode::INVALID_ARGUMENT, "dtype"},
       {"zero key", [](v1::PutRequest& r) { r.mutable_blocks(0)->mutable_block()->clear_key(); }, *token,
        grpc::StatusCode::INVALID_ARGUMENT, "key"},
       {"bad quantize", [](v1::PutRequest& r) { r.set_quantize("int4"); }, *token, grpc::StatusCode::INVALID_ARGUMENT,
@@ -276,8 +281,11 @@ TEST(ClusterTest, MalformedRequestsGetClearErrorsAndTheDaemonKeepsServing) {
          r.mutable_blocks(0)->set_payload(std::string(big.bytes(), 'y'));
        },
        *token, grpc::StatusCode::INVALID_ARGUMENT, "exceeds"},
-      {"huge count", [](v1::PutRequest& r) { for (int i = 0; i < 2000; ++i) r.add_blocks(); }, *token,
-       grpc::StatusCode::INVALID_ARGUMENT, "limit"},
+      {"huge count",
+       [](v1::PutRequest& r) {
+         for (int i = 0; i < 2000; ++i) r.add_blocks();
+       },
+       *token, grpc::StatusCode::INVALID_ARGUMENT, "limit"},
   };
   for (const Case& k : cases) {
     v1::PutRequest r = good;

@@ -65,7 +65,8 @@ class CoordinatorRpcTest : public CoordinatorServiceTest {
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     b.RegisterService(svc_.get());
     server_ = b.BuildAndStart();
-    stub_ = v1::Coordinator::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port_), grpc::InsecureChannelCredentials()));
+    stub_ = v1::Coordinator::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port_), grpc::InsecureChannelCredentials()));
   }
   void Restart() {
     server_->Shutdown();
@@ -148,7 +149,8 @@ TEST_F(CoordinatorRpcTest, TenantsAndMembershipSurviveARestart) {
   req.set_name("acme");
   req.add_shared_namespaces("shared/sys");
   v1::CreateTenantResponse resp;
-  EXPECT_EQ(stub_->CreateTenant(Ctx("cluster-secret").get(), req, &resp).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(stub_->CreateTenant(Ctx("cluster-secret").get(), req, &resp).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
   ASSERT_TRUE(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).ok());
   EXPECT_EQ(resp.token().size(), 64u);
   EXPECT_EQ(resp.tenant().namespace_(), "tenant/" + std::to_string(resp.tenant().id()));
@@ -156,7 +158,8 @@ TEST_F(CoordinatorRpcTest, TenantsAndMembershipSurviveARestart) {
   req.set_name("bad");
   req.clear_shared_namespaces();
   req.add_shared_namespaces("tenant/acme");  // not a shared namespace
-  EXPECT_EQ(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
   v1::RegisterNodeResponse r;
   ASSERT_TRUE(RegisterNode("n1", "cluster-secret", &r).ok());
   const uint64_t v_before = Map().version();
@@ -235,7 +238,8 @@ TEST_F(CoordinatorRpcTest, ATenantTokenIsNeverAPrivilegedToken) {
     EXPECT_NE(s.error_message().find("admin or the cluster token"), std::string::npos) << s.error_message();
   }
   req.set_token("short-but-not-privileged");
-  EXPECT_EQ(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
   req.set_token(std::string(40, 'q'));
   ASSERT_TRUE(stub_->CreateTenant(Ctx("admin-secret").get(), req, &resp).ok());
   req.set_name("mallory2");  // the same token twice
@@ -248,7 +252,8 @@ TEST_F(CoordinatorRpcTest, ATenantTokenIsNeverAPrivilegedToken) {
 TEST_F(CoordinatorRpcTest, TheTenantTableComesInBoundedPages) {
   v1::CreateTenantRequest req;
   req.set_version(1);
-  for (int i = 0; i < 64; ++i) req.add_shared_namespaces("shared/" + std::string(100, 'a' + i % 26) + std::to_string(i));
+  for (int i = 0; i < 64; ++i)
+    req.add_shared_namespaces("shared/" + std::string(100, 'a' + i % 26) + std::to_string(i));
   v1::CreateTenantResponse resp;
   for (int t = 0; t < 150; ++t) {
     req.set_name("t" + std::to_string(1000 + t));
@@ -272,7 +277,8 @@ TEST_F(CoordinatorRpcTest, TheTenantTableComesInBoundedPages) {
     EXPECT_LE(page.ByteSizeLong(), (1u << 20) + 16384);
     if (pages == 0) version = page.tenants_version();
     EXPECT_EQ(page.tenants_version(), version);
-    for (const auto& e : page.entries()) EXPECT_TRUE(names.insert(e.tenant().name()).second) << "twice: " << e.tenant().name();
+    for (const auto& e : page.entries())
+      EXPECT_TRUE(names.insert(e.tenant().name()).second) << "twice: " << e.tenant().name();
     after = page.next_page_after();
     ++pages;
   } while (!after.empty() && pages < 100);

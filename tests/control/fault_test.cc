@@ -12,10 +12,10 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "cluster_fixture.h"
-#include "step_test_util.h"
 #include "gtest/gtest.h"
 #include "kvring/attention/reference.h"
 #include "kvring/control/request_validation.h"
+#include "step_test_util.h"
 
 namespace kvring {
 namespace {
@@ -58,7 +58,8 @@ TEST(FaultTest, KillNineUnderPutAndAttendLoadLosesNothingAndNeverAnswersWrong) {
   for (size_t i = 0; i < q.size(); ++i) qd[i] = Bf16ToFloat(q[i] = FloatToBf16(nd(rng)));
   std::vector<int64_t> pos = {static_cast<int64_t>(nblocks * 16)};
   std::vector<KvBlockRef> refs;
-  for (size_t i = 0; i < nblocks; ++i) refs.push_back(KvBlockRef{seq.payloads[i].data(), static_cast<int64_t>(i * 16), 16});
+  for (size_t i = 0; i < nblocks; ++i)
+    refs.push_back(KvBlockRef{seq.payloads[i].data(), static_cast<int64_t>(i * 16), 16});
   std::vector<uint32_t> begin{0, static_cast<uint32_t>(nblocks)};
   const auto ref = reference::Attention(qd, pos, q_heads, reference::FromBlocks(PagedKv{L, {}, refs, begin}, 0, 0), {});
 
@@ -127,8 +128,8 @@ TEST(FaultTest, KillNineUnderPutAndAttendLoadLosesNothingAndNeverAnswersWrong) {
 // appends are idempotent), no answer is ever wrong, and at the end every
 // acknowledged token is still attended over exactly.
 TEST(FaultTest, KillNineUnderAppendAndAttendLoadLosesNoAcknowledgedAppend) {
-  Cluster cl(ClusterOptions{.nodes = 4, .replication = 2,
-                            .extra_coordinator_flags = {"--write_quorum=1", "--sequence_chunk_blocks=2"}});
+  Cluster cl(ClusterOptions{
+      .nodes = 4, .replication = 2, .extra_coordinator_flags = {"--write_quorum=1", "--sequence_chunk_blocks=2"}});
   ASSERT_TRUE(cl.Start());
   auto token = cl.CreateTenant("decode");
   ASSERT_TRUE(token.ok());
@@ -183,8 +184,8 @@ TEST(FaultTest, KillNineUnderAppendAndAttendLoadLosesNoAcknowledgedAppend) {
     EXPECT_GE(err, 0);
     EXPECT_LT(lse_err, 1e-4);
   }
-  std::printf("[fault] decode steps ok %d, retried %d, wrong %d; %llu tokens of x acknowledged and verified\n", ok.load(),
-              retried.load(), wrong.load(), static_cast<unsigned long long>(sim.tokens("x", 1)));
+  std::printf("[fault] decode steps ok %d, retried %d, wrong %d; %llu tokens of x acknowledged and verified\n",
+              ok.load(), retried.load(), wrong.load(), static_cast<unsigned long long>(sim.tokens("x", 1)));
 }
 
 // The daemon's disk "fills up" (RLIMIT_FSIZE on its process) under a
@@ -205,8 +206,10 @@ TEST(FaultTest, DiskFullReachesTheClientAndCorruptsNothing) {
   for (int i = 0; i < 200 && first_error.ok(); ++i) {  // 200 x 4 x 16 KiB = 12.5 MiB > the 6 MiB limit
     Blocks b = MakeChain(**c, SmallLayout(), "m", 100 + i, 4);
     auto r = (*c)->Put(b.data);
-    if (r.ok()) stored.push_back(std::move(b));
-    else first_error = r.status();
+    if (r.ok())
+      stored.push_back(std::move(b));
+    else
+      first_error = r.status();
   }
   ASSERT_FALSE(first_error.ok()) << "the file-size limit was never hit";
   EXPECT_FALSE(stored.empty());
@@ -267,7 +270,8 @@ TEST(FaultTest, DaemonLogsNeverContainPayloadBytes) {
   EXPECT_GT(log.size(), 100u) << "no log to check";
   EXPECT_EQ(log.find(marker), std::string::npos) << "payload bytes in the daemon log";
   EXPECT_EQ(log.find(absl::BytesToHexString(marker)), std::string::npos) << "payload bytes (hex) in the daemon log";
-  EXPECT_EQ(log.find(absl::Base64Escape(marker.substr(0, 24))), std::string::npos) << "payload bytes (base64) in the log";
+  EXPECT_EQ(log.find(absl::Base64Escape(marker.substr(0, 24))), std::string::npos)
+      << "payload bytes (base64) in the log";
 }
 
 // A tenant's pinned-bytes quota holds under 8 concurrent writers: exactly
@@ -289,9 +293,12 @@ TEST(FaultTest, PinnedQuotaHoldsUnderConcurrentLoad) {
         Blocks b = MakeChain(**c, L, "q", 500 + t * 100 + i, 1);
         b.data[0].pin = true;
         auto r = (*c)->Put(b.data);
-        if (r.ok()) ++ok;
-        else if (absl::IsResourceExhausted(r.status())) ++exhausted;
-        else ++other;
+        if (r.ok())
+          ++ok;
+        else if (absl::IsResourceExhausted(r.status()))
+          ++exhausted;
+        else
+          ++other;
       }
     });
   }

@@ -49,8 +49,8 @@ class NodeCoreTest : public ::testing::Test {
   // One sequence's part of a step.
   struct Part {
     std::string id;
-    uint32_t rows = 0;         // queries at the last `rows` positions of its tokens after the append
-    uint32_t append = 0;       // new tokens (random K/V, recorded in kv_[id])
+    uint32_t rows = 0;               // queries at the last `rows` positions of its tokens after the append
+    uint32_t append = 0;             // new tokens (random K/V, recorded in kv_[id])
     std::vector<BlockRange> ranges;  // empty: every block
   };
 
@@ -79,7 +79,8 @@ class NodeCoreTest : public ::testing::Test {
         nv.push_back(nd(rng_));
       }
       if (p.rows > 0) {
-        s.ranges = p.ranges.empty() ? std::vector<BlockRange>{{0, (s.tokens + L_.block_tokens - 1) / L_.block_tokens}} : p.ranges;
+        s.ranges = p.ranges.empty() ? std::vector<BlockRange>{{0, (s.tokens + L_.block_tokens - 1) / L_.block_tokens}}
+                                    : p.ranges;
         checks.emplace_back(p.id, b.num_rows);
         for (uint32_t r = 0; r < p.rows; ++r) {
           b.positions.push_back(static_cast<int64_t>(s.tokens - p.rows + r));
@@ -92,7 +93,8 @@ class NodeCoreTest : public ::testing::Test {
     b.queries = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(q.data()), q.size() * 4);
     b.new_k = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(nk.data()), nk.size() * 4);
     b.new_v = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(nv.data()), nv.size() * 4);
-    std::vector<float> out(size_t{b.num_rows} * kQHeads * L_.head_dim, std::nanf("")), lse(size_t{b.num_rows} * kQHeads);
+    std::vector<float> out(size_t{b.num_rows} * kQHeads * L_.head_dim, std::nanf("")),
+        lse(size_t{b.num_rows} * kQHeads);
     AttendStats st;
     absl::Status s = core_->Attend(tenant_, "", b, PartialOutput{out.data(), lse.data()}, &st);
     if (!s.ok()) return s;
@@ -324,7 +326,8 @@ TEST_F(NodeCoreTest, RefusedAppendsAndAttendsChangeNothing) {
   other.set_namespace_(TenantNamespace(4));
   a.sequences[0] = AttendSequenceSpec{"s", {{0, 2}}, 8, 1, 0, 0};
   a.positions = {7};
-  EXPECT_EQ(core_->Attend(other, "", a, PartialOutput{out.data(), lse.data()}, nullptr).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(core_->Attend(other, "", a, PartialOutput{out.data(), lse.data()}, nullptr).code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST_F(NodeCoreTest, OneStepServesABatchOfSequences) {
@@ -379,7 +382,8 @@ TEST_F(NodeCoreTest, PutSequenceBlocksAndAppendedBlocksFormOneSequence) {
   clash.mutable_blocks()->DeleteSubrange(1, 1);
   clash.mutable_blocks(0)->mutable_sequence()->set_block_index(3);
   ASSERT_TRUE(core_->Put(tenant_, clash, {}, &resp).ok());
-  EXPECT_EQ(resp.results(resp.results_size() - 1).status().code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(resp.results(resp.results_size() - 1).status().code(),
+            static_cast<int>(absl::StatusCode::kFailedPrecondition));
   SequenceTable::Handle h = seqs_->Lock(ns, "p");
   EXPECT_EQ(h.state().blocks.size(), 3u);  // 0, 1 put; 2 sealed from appends
   EXPECT_EQ(h.state().blocks[0], (BlockKey{100, 7}));

@@ -107,7 +107,7 @@ TEST(ProbeTest, ARecreatedTenantInheritsNothingAndDeletedBlocksAreReclaimed) {
   auto bob2 = cl.Connect(*bob2_token);
   ASSERT_TRUE(bob2.ok());
   EXPECT_NE((*bob2)->namespace_name(), (*bob)->namespace_name());
-  EXPECT_EQ(*(*bob2)->LookupPrefix(old.keys), 0u);  // the exact old keys
+  EXPECT_EQ(*(*bob2)->LookupPrefix(old.keys), 0u);              // the exact old keys
   Blocks again = MakeChain(**bob2, SmallLayout(), "m", 5, 12);  // the same tokens
   EXPECT_EQ(*(*bob2)->LookupPrefix(again.keys), 0u);
 

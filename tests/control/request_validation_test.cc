@@ -110,14 +110,16 @@ TEST(RequestValidationTest, AppendsNeedTheLayoutAndMatchingKv) {
   v1::AttendSequence* s = a.mutable_sequences(0);
   s->set_append_position(39);
   s->set_append_tokens(1);
-  EXPECT_NE(ParseAttendRequest(a, RequestLimits{}).status().message().find("needs the request's layout"), std::string::npos);
+  EXPECT_NE(ParseAttendRequest(a, RequestLimits{}).status().message().find("needs the request's layout"),
+            std::string::npos);
   v1::Layout* l = a.mutable_layout();
   l->set_block_tokens(16);
   l->set_layers(2);
   l->set_kv_heads(2);
   l->set_head_dim(128);
   l->set_dtype(2);
-  EXPECT_NE(ParseAttendRequest(a, RequestLimits{}).status().message().find("new_k / new_v have 0 / 0"), std::string::npos);
+  EXPECT_NE(ParseAttendRequest(a, RequestLimits{}).status().message().find("new_k / new_v have 0 / 0"),
+            std::string::npos);
   a.set_new_k(std::string(2 * 128 * 2, 'k'));
   a.set_new_v(std::string(2 * 128 * 2, 'v'));
   ASSERT_TRUE(ParseAttendRequest(a, RequestLimits{}).ok()) << ParseAttendRequest(a, RequestLimits{}).status();
@@ -130,13 +132,15 @@ TEST(RequestValidationTest, AppendsNeedTheLayoutAndMatchingKv) {
   a.clear_queries();
   a.clear_new_k();
   a.clear_new_v();
-  auto b = ParseAttendRequest(a, RequestLimits{}, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()));
+  auto b = ParseAttendRequest(a, RequestLimits{},
+                              absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()));
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->new_k.size(), 2u * 128 * 2);
   EXPECT_EQ(b->new_v.data(), b->new_k.data() + b->new_k.size());
-  EXPECT_FALSE(ParseAttendRequest(a, RequestLimits{}, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()),
-                                                                           payload.size() - 1))
-                   .ok());
+  EXPECT_FALSE(
+      ParseAttendRequest(a, RequestLimits{},
+                         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()), payload.size() - 1))
+          .ok());
 }
 
 TEST(RequestValidationTest, KeyListsAreBoundedAndNonZero) {

@@ -57,8 +57,8 @@ class StepSim {
       b.step.sequences.push_back(s);
     }
     b.step.layout = L_;
-    b.step.q = QueryTensor{b.q.data(), DType::kBF16, static_cast<uint32_t>(b.pos.size()), q_heads_, L_.head_dim, b.pos.data(),
-                           nullptr};
+    b.step.q = QueryTensor{b.q.data(),   DType::kBF16, static_cast<uint32_t>(b.pos.size()), q_heads_, L_.head_dim,
+                           b.pos.data(), nullptr};
     b.step.new_k = b.k.data();
     b.step.new_v = b.v.data();
     b.step.options.layer = layer;
@@ -107,7 +107,8 @@ class StepSim {
         den += ref.out[i] * ref.out[i];
       }
       for (size_t i = 0; i < ref.lse.size(); ++i) {
-        lse_err = std::max(lse_err, std::abs(out.lse[row * q_heads_ + i] - ref.lse[i]) / std::max(1.0, std::abs(ref.lse[i])));
+        lse_err =
+            std::max(lse_err, std::abs(out.lse[row * q_heads_ + i] - ref.lse[i]) / std::max(1.0, std::abs(ref.lse[i])));
       }
       row += p.rows;
     }

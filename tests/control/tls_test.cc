@@ -26,11 +26,11 @@ bool MakeCerts(const std::filesystem::path& dir, const std::string& prefix) {
   const std::string cmd = absl::StrCat(
       "set -e; cd ", dir.string(), "; ",
       "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=kvring-test-ca -keyout ", d, "ca.key -out ", d,
-      "ca.pem 2>/dev/null; ",
-      "openssl req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout ", d, "node.key -out ", d, "node.csr 2>/dev/null; ",
-      "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ", d, "ext.cnf; ",
-      "openssl x509 -req -in ", d, "node.csr -CA ", d, "ca.pem -CAkey ", d, "ca.key -CAcreateserial -days 2 -extfile ", d,
-      "ext.cnf -out ", d, "node.pem 2>/dev/null");
+      "ca.pem 2>/dev/null; ", "openssl req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout ", d, "node.key -out ",
+      d, "node.csr 2>/dev/null; ",
+      "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ", d,
+      "ext.cnf; ", "openssl x509 -req -in ", d, "node.csr -CA ", d, "ca.pem -CAkey ", d,
+      "ca.key -CAcreateserial -days 2 -extfile ", d, "ext.cnf -out ", d, "node.pem 2>/dev/null");
   return std::system(cmd.c_str()) == 0;
 }
 
@@ -42,8 +42,11 @@ TEST(TlsTest, ClusterServesTlsAndRefusesPlaintextAndForeignCas) {
   const std::string ca = (dir / "a-ca.pem").string(), cert = (dir / "a-node.pem").string(),
                     key = (dir / "a-node.key").string();
   const std::vector<std::string> server_tls = {"--tls_cert=" + cert, "--tls_key=" + key, "--tls_ca=" + ca};
-  Cluster cl(ClusterOptions{.nodes = 2, .replication = 2, .extra_daemon_flags = server_tls,
-                            .extra_coordinator_flags = server_tls, .client_tls = TlsConfig{"", "", ca, false}});
+  Cluster cl(ClusterOptions{.nodes = 2,
+                            .replication = 2,
+                            .extra_daemon_flags = server_tls,
+                            .extra_coordinator_flags = server_tls,
+                            .client_tls = TlsConfig{"", "", ca, false}});
   ASSERT_TRUE(cl.Start());
   auto token = cl.CreateTenant("secure");
   ASSERT_TRUE(token.ok()) << token.status();
@@ -85,8 +88,11 @@ TEST(TlsTest, MutualTlsRefusesClientsWithoutACertificate) {
                     key = (dir / "a-node.key").string();
   const std::vector<std::string> server_tls = {"--tls_cert=" + cert, "--tls_key=" + key, "--tls_ca=" + ca,
                                                "--tls_require_client_cert"};
-  Cluster cl(ClusterOptions{.nodes = 1, .replication = 1, .extra_daemon_flags = server_tls,
-                            .extra_coordinator_flags = server_tls, .client_tls = TlsConfig{cert, key, ca, false}});
+  Cluster cl(ClusterOptions{.nodes = 1,
+                            .replication = 1,
+                            .extra_daemon_flags = server_tls,
+                            .extra_coordinator_flags = server_tls,
+                            .client_tls = TlsConfig{cert, key, ca, false}});
   ASSERT_TRUE(cl.Start());
   auto token = cl.CreateTenant("mutual");
   ASSERT_TRUE(token.ok()) << token.status();

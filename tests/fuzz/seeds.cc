@@ -123,7 +123,8 @@ int main(int argc, char** argv) {
   for (ColdCodec c : {ColdCodec::kNone, ColdCodec::kZstd, ColdCodec::kLz4}) {
     std::string packed;
     if (!RocksDbColdTier::Compress(c, 1, plain, &packed).ok()) return 1;
-    write_block("cold-" + std::to_string(static_cast<int>(c)), 0xff, std::vector<uint8_t>(packed.begin(), packed.end()));
+    write_block("cold-" + std::to_string(static_cast<int>(c)), 0xff,
+                std::vector<uint8_t>(packed.begin(), packed.end()));
   }
   std::printf("seed corpus written to %s\n", root.c_str());
   return 0;

@@ -126,33 +126,33 @@ TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
 TEST(GpuDecodeTest, LongSequencesMatchTheReference) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 500;
-    for (int bt : {4, 16, 48})
-      for (int splits : {1, 3, 40}) {
-        std::mt19937_64 rng(seed++);
-        const bool bf16 = seed % 2;
-        std::vector<int> toks = {5000 + (int)(rng() % 700), 2100};
-        auto kvb = MakeBatch(rng, bt, 1, 2, 128, bf16, toks, {0, 0}, /*gap=*/bt == 16, 0);
-        std::vector<std::vector<int32_t>> qpos;
-        for (const auto& sq : kvb.seqs) qpos.push_back({sq.dense.positions.back() + 1, sq.dense.positions.back() + 2});
-        auto qb = MakeQueries(rng, 8, 128, bf16, qpos);
-        Dev<float> out((size_t)qb.pos.size() * 8 * 128), lse((size_t)qb.pos.size() * 8);
+  for (int bt : {4, 16, 48})
+    for (int splits : {1, 3, 40}) {
+      std::mt19937_64 rng(seed++);
+      const bool bf16 = seed % 2;
+      std::vector<int> toks = {5000 + (int)(rng() % 700), 2100};
+      auto kvb = MakeBatch(rng, bt, 1, 2, 128, bf16, toks, {0, 0}, /*gap=*/bt == 16, 0);
+      std::vector<std::vector<int32_t>> qpos;
+      for (const auto& sq : kvb.seqs) qpos.push_back({sq.dense.positions.back() + 1, sq.dense.positions.back() + 2});
+      auto qb = MakeQueries(rng, 8, 128, bf16, qpos);
+      Dev<float> out((size_t)qb.pos.size() * 8 * 128), lse((size_t)qb.pos.size() * 8);
+      out.Poison();
+      lse.Poison();
+      const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, 128);
+      Dev<uint8_t> work(ws);
+      work.Zero();  // the split merge's counters start at 0
+      cuda::AttnParams p;
+      // Twice on one workspace: the fused split merge's counters must be
+      // back at zero after a call (else the second merges too early or never).
+      for (int call = 0; call < 2; ++call) {
         out.Poison();
         lse.Poison();
-        const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, 128);
-        Dev<uint8_t> work(ws);
-        work.Zero();  // the split merge's counters start at 0
-        cuda::AttnParams p;
-        // Twice on one workspace: the fused split merge's counters must be
-        // back at zero after a call (else the second merges too early or never).
-        for (int call = 0; call < 2; ++call) {
-          out.Poison();
-          lse.Poison();
-          CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
-          CUDA_OK(cudaDeviceSynchronize());
-          ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
-                        absl::StrCat("long decode bt=", bt, " splits=", splits, " call ", call));
-        }
+        CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
+                      absl::StrCat("long decode bt=", bt, " splits=", splits, " call ", call));
       }
+    }
 }
 
 // The fused split merge loads as many splits' partial rows as fit in shared
@@ -175,7 +175,8 @@ TEST(GpuDecodeTest, ManySplitsMergeInChunks) {
       const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
       Dev<uint8_t> work(ws);
       work.Zero();
-      CUDA_OK(cuda::PagedDecode(cuda::AttnParams{}, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
+      CUDA_OK(
+          cuda::PagedDecode(cuda::AttnParams{}, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
       CUDA_OK(cudaDeviceSynchronize());
       ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, 1e-2, absl::StrCat("decode D=", D, " splits=", splits));
     }
@@ -192,8 +193,10 @@ TEST(GpuDecodeTest, SplitCountsChangeOnOneWorkspace) {
   for (int D : {64, 128})
     for (int batch = 0; batch < 2; ++batch) {
       std::mt19937_64 rng(seed++);
-      const std::vector<int> toks = batch == 0 ? std::vector<int>{40} : std::vector<int>{1200 + (int)(rng() % 100), 40, 333};
-      auto kvb = MakeBatch(rng, 16, 1, 2, D, /*bf16=*/seed % 2, toks, std::vector<int>(toks.size(), 3), /*gap=*/true, 0);
+      const std::vector<int> toks =
+          batch == 0 ? std::vector<int>{40} : std::vector<int>{1200 + (int)(rng() % 100), 40, 333};
+      auto kvb =
+          MakeBatch(rng, 16, 1, 2, D, /*bf16=*/seed % 2, toks, std::vector<int>(toks.size(), 3), /*gap=*/true, 0);
       std::vector<std::vector<int32_t>> qpos;
       for (const auto& sq : kvb.seqs) {
         const int last = sq.dense.positions.back();
@@ -234,7 +237,8 @@ TEST(GpuDecodeTest, StableTablesOverlapTheKernelThatWritesTheKv) {
       std::mt19937_64 rng(seed++);
       const int D = 128, kv_heads = 2, q_heads = 8;
       const std::vector<int> toks = {3000 + (int)(rng() % 500), 700, 1};
-      auto kvb = MakeBatch(rng, bt, /*layers=*/2, kv_heads, D, /*bf16=*/true, toks, {0, 0, 0}, /*gap=*/false, /*layer=*/1);
+      auto kvb =
+          MakeBatch(rng, bt, /*layers=*/2, kv_heads, D, /*bf16=*/true, toks, {0, 0, 0}, /*gap=*/false, /*layer=*/1);
       std::vector<std::vector<int32_t>> qpos;
       for (const auto& sq : kvb.seqs) qpos.push_back({sq.dense.positions.back() + 1});
       auto qb = MakeQueries(rng, q_heads, D, /*bf16=*/true, qpos);
@@ -285,79 +289,81 @@ TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
   uint64_t seed = 500;
   // 16-token pages: the pipelined TMA kernel (on sm_90); 24: the CUDA-core one.
   for (int bt : {16, 24})
-  for (int D : {64, 128})
-    for (const char* name : {"int8/per-head", "int8/per-token", "int8/kivi", "fp8/per-head", "fp8/per-token", "fp8/kivi"})
-      for (int splits : {1, 5}) {
-        std::mt19937_64 rng(seed++);
-        const int kv_heads = 2, q_heads = 8, layers = 2;
-        const bool bf16 = seed % 2;
-        KvEncoding enc;
-        ASSERT_TRUE(ParseKvEncoding(name, &enc).ok());
-        std::vector<int> toks = {1 + (int)(rng() % 600), 40, 16 * 5};
-        std::vector<int> starts = {0, 3, 64};
-        // (QuantizeBlock refuses NaN: finite junk past the ends here.)
-        auto kvb = MakeBatch(rng, bt, layers, kv_heads, D, bf16, toks, starts, /*gap=*/false, /*layer=*/1, /*junk=*/7.0);
-        // The same pages, quantized, in a pool of 16-byte aligned pages.
-        const BlockLayout L{static_cast<uint32_t>(bt), static_cast<uint32_t>(layers), static_cast<uint32_t>(kv_heads),
-                            static_cast<uint32_t>(D), bf16 ? DType::kBF16 : DType::kF16};
-        const uint64_t stride = (EncodedBytes(L, enc) + 15) / 16 * 16;
-        const size_t capacity = kvb.pool_host.size() / kvb.page_elems();
-        std::vector<uint8_t> qpool(capacity * stride, 0);
-        for (size_t pg = 0; pg < capacity; ++pg) {
-          std::vector<uint8_t> codes;
-          const auto* plain = reinterpret_cast<const uint8_t*>(kvb.pool_host.data() + pg * kvb.page_elems());
-          ASSERT_TRUE(QuantizeBlock(L, absl::MakeConstSpan(plain, L.bytes()), enc, &codes).ok());
-          std::memcpy(qpool.data() + pg * stride, codes.data(), codes.size());
-        }
-        // The reference reads the codes through the CPU path's dequantization.
-        std::vector<int32_t> ids, poss;
-        for (size_t s = 0, at = 0; s < toks.size(); ++s) {
-          const int np = (toks[s] + bt - 1) / bt;
-          std::vector<int32_t> hid(np), hpos(np);
-          CUDA_OK(cudaMemcpy(hid.data(), kvb.page_ids.p + at, np * 4, cudaMemcpyDeviceToHost));
-          CUDA_OK(cudaMemcpy(hpos.data(), kvb.page_pos.p + at, np * 4, cudaMemcpyDeviceToHost));
-          std::vector<KvBlockRef> refs;
-          for (int i = 0; i < np; ++i) {
-            refs.push_back(KvBlockRef{qpool.data() + (size_t)hid[i] * stride, hpos[i],
-                                      static_cast<uint32_t>(std::min(bt, toks[s] - i * bt))});
+    for (int D : {64, 128})
+      for (const char* name :
+           {"int8/per-head", "int8/per-token", "int8/kivi", "fp8/per-head", "fp8/per-token", "fp8/kivi"})
+        for (int splits : {1, 5}) {
+          std::mt19937_64 rng(seed++);
+          const int kv_heads = 2, q_heads = 8, layers = 2;
+          const bool bf16 = seed % 2;
+          KvEncoding enc;
+          ASSERT_TRUE(ParseKvEncoding(name, &enc).ok());
+          std::vector<int> toks = {1 + (int)(rng() % 600), 40, 16 * 5};
+          std::vector<int> starts = {0, 3, 64};
+          // (QuantizeBlock refuses NaN: finite junk past the ends here.)
+          auto kvb =
+              MakeBatch(rng, bt, layers, kv_heads, D, bf16, toks, starts, /*gap=*/false, /*layer=*/1, /*junk=*/7.0);
+          // The same pages, quantized, in a pool of 16-byte aligned pages.
+          const BlockLayout L{static_cast<uint32_t>(bt), static_cast<uint32_t>(layers), static_cast<uint32_t>(kv_heads),
+                              static_cast<uint32_t>(D), bf16 ? DType::kBF16 : DType::kF16};
+          const uint64_t stride = (EncodedBytes(L, enc) + 15) / 16 * 16;
+          const size_t capacity = kvb.pool_host.size() / kvb.page_elems();
+          std::vector<uint8_t> qpool(capacity * stride, 0);
+          for (size_t pg = 0; pg < capacity; ++pg) {
+            std::vector<uint8_t> codes;
+            const auto* plain = reinterpret_cast<const uint8_t*>(kvb.pool_host.data() + pg * kvb.page_elems());
+            ASSERT_TRUE(QuantizeBlock(L, absl::MakeConstSpan(plain, L.bytes()), enc, &codes).ok());
+            std::memcpy(qpool.data() + pg * stride, codes.data(), codes.size());
           }
-          std::vector<uint32_t> begin{0, static_cast<uint32_t>(np)};
-          kvb.seqs[s].dense = reference::FromBlocks(PagedKv{L, enc, refs, begin}, 0, 1);
-          at += np;
+          // The reference reads the codes through the CPU path's dequantization.
+          std::vector<int32_t> ids, poss;
+          for (size_t s = 0, at = 0; s < toks.size(); ++s) {
+            const int np = (toks[s] + bt - 1) / bt;
+            std::vector<int32_t> hid(np), hpos(np);
+            CUDA_OK(cudaMemcpy(hid.data(), kvb.page_ids.p + at, np * 4, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(hpos.data(), kvb.page_pos.p + at, np * 4, cudaMemcpyDeviceToHost));
+            std::vector<KvBlockRef> refs;
+            for (int i = 0; i < np; ++i) {
+              refs.push_back(KvBlockRef{qpool.data() + (size_t)hid[i] * stride, hpos[i],
+                                        static_cast<uint32_t>(std::min(bt, toks[s] - i * bt))});
+            }
+            std::vector<uint32_t> begin{0, static_cast<uint32_t>(np)};
+            kvb.seqs[s].dense = reference::FromBlocks(PagedKv{L, enc, refs, begin}, 0, 1);
+            at += np;
+          }
+          Dev<uint8_t> dq(qpool);
+          cuda::PagedKvView view = kvb.View(1);
+          view.pool = dq.p;
+          view.page_stride = stride;
+          view.codec = static_cast<int32_t>(enc.codec);
+          view.scales = static_cast<int32_t>(enc.scales);
+          std::vector<std::vector<int32_t>> qpos;
+          for (size_t s = 0; s < toks.size(); ++s) {
+            const auto& kp = kvb.seqs[s].dense.positions;
+            std::vector<int32_t> rows;
+            const int nr = 1 + rng() % 4;
+            for (int r = 0; r < nr; ++r) rows.push_back(kp.back() - (int)(rng() % 20));
+            if (s == 1) rows[0] = 1;  // before every key of sequence 1
+            qpos.push_back(rows);
+          }
+          auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+          Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
+          out.Poison();
+          lse.Poison();
+          const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
+          Dev<uint8_t> work(ws);
+          work.Zero();  // the split merge's counters start at 0
+          CUDA_OK(cuda::PagedDecode(cuda::AttnParams{}, qb.View(), view, {out.p, lse.p}, splits, work.p, ws, nullptr));
+          CUDA_OK(cudaDeviceSynchronize());
+          AttentionOptions o;
+          o.layer = 1;
+          // The CUDA-core kernel: fp32 arithmetic over exact code * scale
+          // values. The pipelined one: tensor cores on 16-bit operands (codes
+          // are exact in 16 bits, P and per-channel-scaled K are rounded).
+          const double tol = bt % 16 == 0 ? (bf16 ? 1e-2 : 3e-3) : 1e-4;
+          ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, tol,
+                        absl::StrCat("quantized decode ", name, " bt=", bt, " D=", D, " splits=", splits));
         }
-        Dev<uint8_t> dq(qpool);
-        cuda::PagedKvView view = kvb.View(1);
-        view.pool = dq.p;
-        view.page_stride = stride;
-        view.codec = static_cast<int32_t>(enc.codec);
-        view.scales = static_cast<int32_t>(enc.scales);
-        std::vector<std::vector<int32_t>> qpos;
-        for (size_t s = 0; s < toks.size(); ++s) {
-          const auto& kp = kvb.seqs[s].dense.positions;
-          std::vector<int32_t> rows;
-          const int nr = 1 + rng() % 4;
-          for (int r = 0; r < nr; ++r) rows.push_back(kp.back() - (int)(rng() % 20));
-          if (s == 1) rows[0] = 1;  // before every key of sequence 1
-          qpos.push_back(rows);
-        }
-        auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-        Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
-        out.Poison();
-        lse.Poison();
-        const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
-        Dev<uint8_t> work(ws);
-        work.Zero();  // the split merge's counters start at 0
-        CUDA_OK(cuda::PagedDecode(cuda::AttnParams{}, qb.View(), view, {out.p, lse.p}, splits, work.p, ws, nullptr));
-        CUDA_OK(cudaDeviceSynchronize());
-        AttentionOptions o;
-        o.layer = 1;
-        // The CUDA-core kernel: fp32 arithmetic over exact code * scale
-        // values. The pipelined one: tensor cores on 16-bit operands (codes
-        // are exact in 16 bits, P and per-channel-scaled K are rounded).
-        const double tol = bt % 16 == 0 ? (bf16 ? 1e-2 : 3e-3) : 1e-4;
-        ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, tol,
-                      absl::StrCat("quantized decode ", name, " bt=", bt, " D=", D, " splits=", splits));
-      }
 }
 
 TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {
@@ -394,8 +400,9 @@ TEST(GpuDecodeTest, SplitLimitsAreCheckedAtTheBoundary) {
   Dev<uint8_t> work(ws);
   work.Zero();
   const cuda::AttnParams p;
-  EXPECT_EQ(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, cuda::kMaxDecodeSplits + 1, work.p, ws, nullptr),
-            cudaErrorInvalidValue);
+  EXPECT_EQ(
+      cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, cuda::kMaxDecodeSplits + 1, work.p, ws, nullptr),
+      cudaErrorInvalidValue);
   EXPECT_EQ(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p + 1, lse.p}, 3, work.p, ws, nullptr),
             cudaErrorInvalidValue);
   // The merge's bulk copies need a 16-byte aligned workspace.
@@ -431,29 +438,29 @@ TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 100;
   for (cuda::PrefillKernel kernel : PrefillKernels())
-  for (int D : {64, 128})
-    for (int ratio : {1, 4})
-      for (int bt : {16, 64})
-        for (bool gap : {false, true}) {
-          std::mt19937_64 rng(seed++);
-          const int kv_heads = 2, q_heads = kv_heads * ratio;
-          const bool bf16 = seed % 2;
-          std::vector<int> toks = {300 + (int)(rng() % 200), 129};
-          auto kvb = MakeBatch(rng, bt, 1, kv_heads, D, bf16, toks, {0, 40}, gap, 0);
-          std::vector<std::vector<int32_t>> qpos(2);
-          // Sequence 0: the last 200 tokens as a chunk (prefix hit before them).
-          const auto& kp0 = kvb.seqs[0].dense.positions;
-          for (size_t i = kp0.size() - 200; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);
-          // Sequence 1: every key position, plus rows that see nothing (before position 40).
-          for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);
-          qpos[1].push_back(3);
-          qpos[1].push_back(39);
-          auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-          // P is rounded to 16 bits for the second matmul: tolerance of bf16 operands.
-          ASSERT_NO_FATAL_FAILURE(ExpectPrefillMatches(
-              {}, {}, qb, kvb, kernel, bf16 ? 1e-2 : 3e-3,
-              absl::StrCat("prefill ", KernelName(kernel), " D=", D, " ratio=", ratio, " bt=", bt, " gap=", gap)));
-        }
+    for (int D : {64, 128})
+      for (int ratio : {1, 4})
+        for (int bt : {16, 64})
+          for (bool gap : {false, true}) {
+            std::mt19937_64 rng(seed++);
+            const int kv_heads = 2, q_heads = kv_heads * ratio;
+            const bool bf16 = seed % 2;
+            std::vector<int> toks = {300 + (int)(rng() % 200), 129};
+            auto kvb = MakeBatch(rng, bt, 1, kv_heads, D, bf16, toks, {0, 40}, gap, 0);
+            std::vector<std::vector<int32_t>> qpos(2);
+            // Sequence 0: the last 200 tokens as a chunk (prefix hit before them).
+            const auto& kp0 = kvb.seqs[0].dense.positions;
+            for (size_t i = kp0.size() - 200; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);
+            // Sequence 1: every key position, plus rows that see nothing (before position 40).
+            for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);
+            qpos[1].push_back(3);
+            qpos[1].push_back(39);
+            auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+            // P is rounded to 16 bits for the second matmul: tolerance of bf16 operands.
+            ASSERT_NO_FATAL_FAILURE(ExpectPrefillMatches(
+                {}, {}, qb, kvb, kernel, bf16 ? 1e-2 : 3e-3,
+                absl::StrCat("prefill ", KernelName(kernel), " D=", D, " ratio=", ratio, " bt=", bt, " gap=", gap)));
+          }
 }
 
 // Long chunks: many 128-row tiles and KV streams that go round the wgmma
@@ -479,9 +486,9 @@ TEST(GpuPrefillTest, LongChunksMatchTheReference) {
         for (size_t i = kp0.size() - 600; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);  // a chunk after a prefix hit
         for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);                // a whole prompt
         auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-        ASSERT_NO_FATAL_FAILURE(ExpectPrefillMatches({}, {}, qb, kvb, kernel, bf16 ? 1e-2 : 3e-3,
-                                                     absl::StrCat("long prefill ", KernelName(kernel), " D=", D,
-                                                                  " bt=", bt)));
+        ASSERT_NO_FATAL_FAILURE(
+            ExpectPrefillMatches({}, {}, qb, kvb, kernel, bf16 ? 1e-2 : 3e-3,
+                                 absl::StrCat("long prefill ", KernelName(kernel), " D=", D, " bt=", bt)));
       }
 }
 
@@ -521,14 +528,14 @@ TEST(GpuPrefillTest, SlidingWindowAndNonCausal) {
   for (int i = 0; i < 700; i += 3) rows.push_back(i);
   auto qb = MakeQueries(rng, 32, 128, true, {rows});
   for (cuda::PrefillKernel kernel : PrefillKernels())
-  for (int mode = 0; mode < 2; ++mode) {
-    cuda::AttnParams p;
-    AttentionOptions o;
-    SetMaskMode(mode, 150, &p, &o);
-    ASSERT_NO_FATAL_FAILURE(
-        ExpectPrefillMatches(p, o, qb, kvb, kernel, 1e-2,
-                             absl::StrCat(KernelName(kernel), mode == 0 ? " prefill window" : " prefill non-causal")));
-  }
+    for (int mode = 0; mode < 2; ++mode) {
+      cuda::AttnParams p;
+      AttentionOptions o;
+      SetMaskMode(mode, 150, &p, &o);
+      ASSERT_NO_FATAL_FAILURE(ExpectPrefillMatches(
+          p, o, qb, kvb, kernel, 1e-2,
+          absl::StrCat(KernelName(kernel), mode == 0 ? " prefill window" : " prefill non-causal")));
+    }
 }
 
 TEST(GpuMergeTest, MatchesCpuMerge) {
@@ -645,7 +652,8 @@ TEST(GpuRingTest, PassKvAndPassQOnSeveralRanksEqualOneGpu) {
           num += d * d;
           den += ro[off * q_heads * D + i] * ro[off * q_heads * D + i];
         }
-        EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-2) << (algo ? "pass-Q" : "pass-KV") << " n=" << n << " rank " << r;
+        EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-2)
+            << (algo ? "pass-Q" : "pass-KV") << " n=" << n << " rank " << r;
         for (size_t i = 0; i < got_l[r].size(); ++i) {
           EXPECT_NEAR(got_l[r][i], rl[off * q_heads + i], 2e-2 * std::max(1.f, std::abs(rl[off * q_heads + i])));
         }

@@ -26,8 +26,8 @@ using namespace gpu_testing;
 
 class GpuNode {
  public:
-  GpuNode(BlockLayout layout, uint32_t q_heads, uint64_t hbm_pages, std::function<void(const absl::Status&)> on_fatal = nullptr,
-          int lanes = 2)
+  GpuNode(BlockLayout layout, uint32_t q_heads, uint64_t hbm_pages,
+          std::function<void(const absl::Status&)> on_fatal = nullptr, int lanes = 2)
       : L_(layout), q_heads_(q_heads) {
     BlockStoreOptions so;
     so.page_bytes = std::max<uint64_t>(layout.bytes(), 1 << 16);
@@ -125,7 +125,8 @@ class GpuNode {
         lerr = std::max(lerr, std::abs(lse[row * q_heads_ + i] - ref.lse[i]) / std::max(1.0, std::abs(ref.lse[i])));
       }
       if (!(den > 0) || std::sqrt(num / den) > tol || lerr > tol) {
-        return absl::InternalError(absl::StrCat(p.id, " layer ", layer, ": rel L2 ", std::sqrt(num / den), ", lse err ", lerr));
+        return absl::InternalError(
+            absl::StrCat(p.id, " layer ", layer, ": rel L2 ", std::sqrt(num / den), ", lse err ", lerr));
       }
       row += p.rows;
     }
@@ -138,7 +139,8 @@ class GpuNode {
     d.head_dim = L_.head_dim;
     const auto& k = k_[id][layer];
     const auto& v = v_[id][layer];
-    for (size_t t = 0; t < k.size() / (size_t{L_.kv_heads} * L_.head_dim); ++t) d.positions.push_back(static_cast<int64_t>(t));
+    for (size_t t = 0; t < k.size() / (size_t{L_.kv_heads} * L_.head_dim); ++t)
+      d.positions.push_back(static_cast<int64_t>(t));
     d.k = k;
     d.v = v;
     return d;

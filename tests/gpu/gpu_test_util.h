@@ -32,7 +32,9 @@ struct Dev {
   size_t n = 0;
   Dev() = default;
   explicit Dev(size_t count) : n(count) { cudaMalloc(&p, std::max<size_t>(1, count) * sizeof(T)); }
-  Dev(const std::vector<T>& h) : Dev(h.size()) { cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice); }
+  Dev(const std::vector<T>& h) : Dev(h.size()) {
+    cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
   Dev(Dev&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr; }
   Dev& operator=(Dev&& o) noexcept {
     std::swap(p, o.p);
@@ -99,8 +101,8 @@ struct PagedBatch {
 // The slots of a last page past its sequence's end hold `junk` (NaN by
 // default: a kernel must never read them into a result, not even as 0 x V).
 inline PagedBatch MakeBatch(std::mt19937_64& rng, int bt, int layers, int kv_heads, int D, bool bf16,
-                            const std::vector<int>& tokens, const std::vector<int>& pos_start, bool gap, int layer_for_dense,
-                            double junk = std::nan("")) {
+                            const std::vector<int>& tokens, const std::vector<int>& pos_start, bool gap,
+                            int layer_for_dense, double junk = std::nan("")) {
   PagedBatch b{bt, layers, kv_heads, D, bf16};
   int total_pages = 0;
   for (int t : tokens) total_pages += (t + bt - 1) / bt;

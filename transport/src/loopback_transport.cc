@@ -54,7 +54,8 @@ class LoopbackHub {
     std::shared_ptr<Completion> done;
   };
 
-  absl::StatusOr<std::unique_ptr<TransportRequest>> Send(int src, int dst, uint64_t tag, absl::Span<const uint8_t> data) {
+  absl::StatusOr<std::unique_ptr<TransportRequest>> Send(int src, int dst, uint64_t tag,
+                                                         absl::Span<const uint8_t> data) {
     auto c = std::make_shared<Completion>();
     std::shared_ptr<Completion> recv_done;
     absl::StatusOr<size_t> recv_result = data.size();
@@ -65,8 +66,8 @@ class LoopbackHub {
         PostedRecv r = posted.front();
         posted.pop_front();
         if (data.size() > r.buffer.size()) {
-          recv_result = absl::OutOfRangeError(absl::StrCat("loopback: message of ", data.size(),
-                                                           " bytes does not fit the receive buffer of ", r.buffer.size()));
+          recv_result = absl::OutOfRangeError(absl::StrCat(
+              "loopback: message of ", data.size(), " bytes does not fit the receive buffer of ", r.buffer.size()));
         } else if (!data.empty()) {
           std::memcpy(r.buffer.data(), data.data(), data.size());
         }

@@ -1,11 +1,11 @@
 #include "kvring/transport/ucx_rpc.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <future>
-#include "absl/synchronization/mutex.h"
-#include <cstdlib>
 #include <random>
 #include <unordered_map>
+#include "absl/synchronization/mutex.h"
 
 #include "absl/strings/str_cat.h"
 #include "ucx_worker.h"
@@ -47,10 +47,10 @@ struct SendCtx {
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   ucp_ep_h ep = nullptr;
   std::vector<uint8_t> header;
-  std::vector<uint8_t> staged;  // payload parts joined, or pieces + payload
+  std::vector<uint8_t> staged;    // payload parts joined, or pieces + payload
   std::vector<ucp_dt_iov_t> iov;  // several payload parts sent in place (UCP_DATATYPE_IOV)
   const void* data = nullptr;
-  size_t length = 0;             // bytes, or iov entries when `iov` is used
+  size_t length = 0;  // bytes, or iov entries when `iov` is used
   std::shared_ptr<void> keepalive;
   std::function<void(ucs_status_t)> done;
   std::function<void()> untrack;  // server: drop from the in-flight set
@@ -213,9 +213,9 @@ struct ServerState : std::enable_shared_from_this<ServerState> {
   uint64_t max_bytes = 0;
   absl::Mutex mu;
   bool alive ABSL_GUARDED_BY(mu) = true;
-  std::unordered_map<ucp_ep_h, uint64_t> eps;         // loop thread only: ep -> generation
-  std::unordered_map<uint64_t, ucp_ep_h> clients;      // loop thread only: client id -> ep back to it
-  uint64_t next_generation = 1;                        // loop thread only
+  std::unordered_map<ucp_ep_h, uint64_t> eps;      // loop thread only: ep -> generation
+  std::unordered_map<uint64_t, ucp_ep_h> clients;  // loop thread only: client id -> ep back to it
+  uint64_t next_generation = 1;                    // loop thread only
   // Replies in flight (loop thread only). On one host the endpoints run
   // without UCX's peer-failure mode (which would rule out shared memory and
   // CMA), so a client that dies mid-transfer is found here instead: a reply
@@ -308,8 +308,8 @@ ucs_status_t OnRequest(void* arg, const void* header, size_t header_length, void
                                   : header_length == sizeof(ReqHeader) && pieces <= length;
   if (!sane || length > st->max_bytes) {
     st->SendReply(ep, gen, h.request_id,
-                  absl::InvalidArgumentError(absl::StrCat("malformed or oversize UCX request (", length, " bytes)")), "", {},
-                  nullptr);
+                  absl::InvalidArgumentError(absl::StrCat("malformed or oversize UCX request (", length, " bytes)")),
+                  "", {}, nullptr);
     return UCS_OK;
   }
   std::string token, meta;
@@ -348,7 +348,8 @@ ucs_status_t OnPing(void*, const void*, size_t, void*, size_t, const ucp_am_recv
 // complete its wireup) and nothing else.
 ucp_ep_h OpenSentinel(ucp_worker_h worker, const void* address, ucp_err_handler_cb_t cb, void* arg) {
   ucp_ep_params_t p{};
-  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.field_mask =
+      UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   p.address = static_cast<const ucp_address_t*>(address);
   p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   p.err_handler.cb = cb;
@@ -374,7 +375,8 @@ ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* 
   std::memcpy(&h, header, sizeof(h));
   if (st->clients.count(h.client_id)) return UCS_OK;
   ucp_ep_params_t p{};
-  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.field_mask =
+      UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   p.address = static_cast<const ucp_address_t*>(data);
   p.err_mode = h.same_host ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
   p.err_handler.cb = OnServerEpError;
@@ -406,7 +408,7 @@ struct ClientState {
   UcxWorkerLoop* loop = nullptr;
   ucp_ep_h ep = nullptr;        // loop thread
   ucp_ep_h sentinel = nullptr;  // loop thread: same-host failure detector
-  uint64_t client_id = 0;  // set before any send
+  uint64_t client_id = 0;       // set before any send
   absl::Mutex mu;
   bool connected ABSL_GUARDED_BY(mu) = true;
   uint64_t next_id ABSL_GUARDED_BY(mu) = 1;
@@ -470,7 +472,8 @@ ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* 
     dst = staging->data();
   }
   ReceiveData(st->loop->worker(), data, length, param, dst,
-              [p, reply, h, msg = std::move(msg), meta = std::move(meta), staging, inline_pieces, length](ucs_status_t s) mutable {
+              [p, reply, h, msg = std::move(msg), meta = std::move(meta), staging, inline_pieces,
+               length](ucs_status_t s) mutable {
                 if (s != UCS_OK) {
                   reply->status = UcsError(s, "receiving a UCX reply");
                 } else {
@@ -523,7 +526,8 @@ void UcxReplier::Send(const absl::Status& status, std::string meta, std::vector<
 
 absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::string& listen, UcxHandler handler,
                                                                   ThreadPool* pool, uint64_t max_message_bytes,
-                                                                  UcxFastHandler fast_handler, const UcxLoopOptions& lo) {
+                                                                  UcxFastHandler fast_handler,
+                                                                  const UcxLoopOptions& lo) {
   // Only the interface of the listen address (all of them for 0.0.0.0).
   absl::StatusOr<std::string> device = NetDeviceOf(listen);
   if (!device.ok()) return device.status();
@@ -541,8 +545,8 @@ absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::str
   st->pool = pool;
   st->max_bytes = max_message_bytes;
   absl::StatusOr<std::string> addr = srv->loop_->Run([&]() -> absl::StatusOr<std::string> {
-    for (auto [id, cb] : {std::pair<unsigned, ucp_am_recv_callback_t>{kRequestAm, OnRequest}, {kHelloAm, OnHello},
-                          {kPingAm, OnPing}}) {
+    for (auto [id, cb] :
+         {std::pair<unsigned, ucp_am_recv_callback_t>{kRequestAm, OnRequest}, {kHelloAm, OnHello}, {kPingAm, OnPing}}) {
       ucp_am_handler_param_t hp{};
       hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
       hp.id = id;
@@ -599,8 +603,8 @@ bool UcxRpcClient::WaitFor(F& f, absl::Duration timeout) {
 }
 
 absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::string& address, absl::Duration timeout,
-                                                                     std::function<bool()> peer_alive,
-                                                                     const UcxLoopOptions& lo) {
+                                                                    std::function<bool()> peer_alive,
+                                                                    const UcxLoopOptions& lo) {
   const size_t at = address.find('@');
   const std::string hex_part = address.substr(0, at);
   const std::string host_key = at == std::string::npos ? "" : address.substr(at + 1);
@@ -650,7 +654,8 @@ absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::s
       if (u != UCS_OK) return UcsError(u, "ucp_worker_set_am_recv_handler");
     }
     ucp_ep_params_t p{};
-    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    p.field_mask =
+        UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
     p.address = reinterpret_cast<const ucp_address_t*>(server_addr.data());
     p.err_mode = same_host ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
     p.err_handler.cb = OnClientEpError;
@@ -758,19 +763,20 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
       // The send itself stalled. The payload must stay untouched until the
       // send completes: if the peer stops taking it, close the endpoint
       // (which cancels the send) before returning.
-      const absl::Status why =
-          absl::UnavailableError(absl::StrCat("UCX send to ", address_, " stalled for ", absl::FormatDuration(timeout)));
+      const absl::Status why = absl::UnavailableError(
+          absl::StrCat("UCX send to ", address_, " stalled for ", absl::FormatDuration(timeout)));
       Break(why);
       st->Take(id);
-      if (same_host_) return why;  // staged: nothing of the caller's is referenced (the context is freed if the send ever ends)
-      sent.wait();  // peer-failure mode: closing the endpoint cancels the send
+      if (same_host_)
+        return why;  // staged: nothing of the caller's is referenced (the context is freed if the send ever ends)
+      sent.wait();   // peer-failure mode: closing the endpoint cancels the send
       return why;
     }
     if (sent.get() == UCS_OK && st->Take(id) != nullptr) {
       // Without peer-failure detection a dead peer looks like silence: treat
       // it as a broken connection (the next call reconnects).
-      const absl::Status why =
-          absl::UnavailableError(absl::StrCat("no UCX reply from ", address_, " within ", absl::FormatDuration(timeout)));
+      const absl::Status why = absl::UnavailableError(
+          absl::StrCat("no UCX reply from ", address_, " within ", absl::FormatDuration(timeout)));
       Break(why);
       return why;
     }

@@ -76,12 +76,13 @@ absl::StatusOr<std::string> NetDeviceOf(const std::string& host_port) {
     }
   }
   freeifaddrs(all);
-  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat("no network interface has the address of ", host_port));
+  if (name.empty())
+    return absl::InvalidArgumentError(absl::StrCat("no network interface has the address of ", host_port));
   return name;
 }
 
 absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t features, const std::string& name,
-                                                                    const UcxLoopOptions& options) {
+                                                                     const UcxLoopOptions& options) {
   std::unique_ptr<UcxWorkerLoop> l(new UcxWorkerLoop());
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);

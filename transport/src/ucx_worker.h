@@ -39,7 +39,7 @@ absl::StatusOr<std::string> NetDeviceOf(const std::string& host_port);
 class UcxWorkerLoop {
  public:
   static absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> Create(uint64_t features, const std::string& name,
-                                                              const UcxLoopOptions& options);
+                                                               const UcxLoopOptions& options);
   ~UcxWorkerLoop();
   UcxWorkerLoop(const UcxWorkerLoop&) = delete;
   UcxWorkerLoop& operator=(const UcxWorkerLoop&) = delete;

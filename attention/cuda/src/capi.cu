@@ -12,8 +12,8 @@ using namespace kvring::cuda;
 
 namespace {
 PagedKvView Kv(const void* pool, uint64_t stride, int bt, int layers, int kv_heads, int head_dim, int dtype, int layer,
-               const int32_t* page_ids, const int32_t* page_pos, const int32_t* seq_page_begin, const int32_t* seq_tokens,
-               int num_seqs) {
+               const int32_t* page_ids, const int32_t* page_pos, const int32_t* seq_page_begin,
+               const int32_t* seq_tokens, int num_seqs) {
   PagedKvView v;
   v.pool = pool;
   v.page_stride = stride;

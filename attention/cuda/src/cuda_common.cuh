@@ -151,11 +151,10 @@ __device__ __forceinline__ void CpAsyncArriveNoInc(uint32_t bar) {
 __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
   }
 }
 
@@ -281,7 +280,10 @@ __device__ __forceinline__ int CountUpTo(const PagedKvView& kv, int pb, int npag
   int lo = 0, hi = npages;  // first page whose token 0 is > p
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
-    if (kv.page_pos[pb + mid] > p) hi = mid; else lo = mid + 1;
+    if (kv.page_pos[pb + mid] > p)
+      hi = mid;
+    else
+      lo = mid + 1;
   }
   if (lo == 0) return 0;
   const int page = lo - 1;
@@ -397,7 +399,8 @@ __device__ __forceinline__ void LoadDecodeQueries(const QueryView& q, const Deco
     const int r = c / kChunks, ch = c % kChunks;
     const bool valid = r < w.nv;
     const int v = w.v0 + (valid ? r : 0);
-    const T* src = static_cast<const T*>(q.q) + ((size_t)(w.rb + v / w.G) * q.q_heads + w.h * w.G + v % w.G) * D + ch * 8;
+    const T* src =
+        static_cast<const T*>(q.q) + ((size_t)(w.rb + v / w.G) * q.q_heads + w.h * w.G + v % w.G) * D + ch * 8;
     CpAsync16(SmemAddr(sq + Swz<D>(r, ch)), src, valid);
   }
   CpAsyncCommit();
@@ -506,8 +509,8 @@ __device__ __forceinline__ void DecodeScores(const uint32_t (&qa)[D / 16][4], co
 // tokens' V scales of quantized pages: columns tig * 2 + {0, 1} and 8 + those)
 // for P V only, not for the sums.
 template <int D, typename T, bool kPScale>
-__device__ __forceinline__ void DecodeSoftmaxPV(float (&sc)[2][4], const float* pscale, float& m0, float& m1,
-                                                float& l0, float& l1, float (&o)[D / 8][4], const uint8_t* vt) {
+__device__ __forceinline__ void DecodeSoftmaxPV(float (&sc)[2][4], const float* pscale, float& m0, float& m1, float& l0,
+                                                float& l1, float (&o)[D / 8][4], const uint8_t* vt) {
   constexpr int kDTiles = D / 8;
   const int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
   float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));

@@ -13,12 +13,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 absl::Status Cuda(cudaError_t e, const char* what) { return CudaStatus(e, what); }
-#define KVRING_CUDA_OK(expr, what)                              \
-  do {                                                          \
+#define KVRING_CUDA_OK(expr, what)                                 \
+  do {                                                             \
     if (absl::Status s_ = Cuda((expr), what); !s_.ok()) return s_; \
   } while (0)
-#define KVRING_OK(expr)                          \
-  do {                                           \
+#define KVRING_OK(expr)                                \
+  do {                                                 \
     if (absl::Status s_ = (expr); !s_.ok()) return s_; \
   } while (0)
 
@@ -39,7 +39,9 @@ class DeviceBuffer {
   }
   bool ok() const { return n_ == 0 || p_ != nullptr; }
   template <typename T = uint8_t>
-  T* get() const { return static_cast<T*>(p_); }
+  T* get() const {
+    return static_cast<T*>(p_);
+  }
   size_t size() const { return n_; }
   absl::Span<uint8_t> span() const { return {static_cast<uint8_t*>(p_), n_}; }
 
@@ -129,7 +131,8 @@ absl::Status GpuRingPassKv(Transport& t, const AttnParams& p, const QueryView& q
                            const GpuRingOptions& o, GpuRingStats* stats) {
   const auto start = Clock::now();
   const int n = t.size(), me = t.rank();
-  if (t.buffer_kind() != BufferKind::kDevice) return absl::InvalidArgumentError("GPU rings need a device-memory transport");
+  if (t.buffer_kind() != BufferKind::kDevice)
+    return absl::InvalidArgumentError("GPU rings need a device-memory transport");
   int npages = 0, ntok = 0;
   KVRING_CUDA_OK(cudaMemcpy(&npages, kv.seq_page_begin + 1, 4, cudaMemcpyDeviceToHost), "copy");
   KVRING_CUDA_OK(cudaMemcpy(&ntok, kv.seq_tokens, 4, cudaMemcpyDeviceToHost), "copy");
@@ -141,8 +144,8 @@ absl::Status GpuRingPassKv(Transport& t, const AttnParams& p, const QueryView& q
   // Wire form of a chunk: slices, then positions, then the token count.
   auto chunk_bytes = [&](int pages) { return (uint64_t)pages * slice + 4ull * pages + 4; };
   DeviceBuffer buf[2] = {DeviceBuffer(chunk_bytes(max_pages)), DeviceBuffer(chunk_bytes(max_pages))};
-  DeviceBuffer iota(4ull * std::max(1, max_pages)), meta(8ull * n), part_out((size_t)q.num_rows * q.q_heads * kv.head_dim * 4),
-      part_lse((size_t)q.num_rows * q.q_heads * 4);
+  DeviceBuffer iota(4ull * std::max(1, max_pages)), meta(8ull * n),
+      part_out((size_t)q.num_rows * q.q_heads * kv.head_dim * 4), part_lse((size_t)q.num_rows * q.q_heads * 4);
   if (!buf[0].ok() || !buf[1].ok() || !iota.ok() || !meta.ok() || !part_out.ok() || !part_lse.ok()) {
     return absl::ResourceExhaustedError("GPU ring: cudaMalloc failed");
   }
@@ -156,9 +159,11 @@ absl::Status GpuRingPassKv(Transport& t, const AttnParams& p, const QueryView& q
   KVRING_CUDA_OK(cudaMemcpyAsync(meta.get(), meta_h.data(), 8 * n, cudaMemcpyHostToDevice, s), "copy");
   // Pack our chunk.
   KVRING_CUDA_OK(PackLayerPages(kv, kv.page_ids, npages, buf[0].get(), s), "pack");
-  KVRING_CUDA_OK(cudaMemcpyAsync(buf[0].get() + npages * slice, kv.page_pos, 4ull * npages, cudaMemcpyDeviceToDevice, s), "copy");
-  KVRING_CUDA_OK(cudaMemcpyAsync(buf[0].get() + npages * slice + 4ull * npages, kv.seq_tokens, 4, cudaMemcpyDeviceToDevice, s),
-                 "copy");
+  KVRING_CUDA_OK(
+      cudaMemcpyAsync(buf[0].get() + npages * slice, kv.page_pos, 4ull * npages, cudaMemcpyDeviceToDevice, s), "copy");
+  KVRING_CUDA_OK(
+      cudaMemcpyAsync(buf[0].get() + npages * slice + 4ull * npages, kv.seq_tokens, 4, cudaMemcpyDeviceToDevice, s),
+      "copy");
   KVRING_CUDA_OK(cudaStreamSynchronize(s), "sync");
   KernelTimer timer(s);
   int cur = 0;
@@ -194,8 +199,9 @@ absl::Status GpuRingPassKv(Transport& t, const AttnParams& p, const QueryView& q
       OutputView dst = step == 0 ? out : OutputView{part_out.get<float>(), part_lse.get<float>()};
       KVRING_OK(AttendLocal(p, q, c, dst, opages, s));
       if (step > 0) {
-        KVRING_CUDA_OK(MergeInto(out, part_out.get<float>(), part_lse.get<float>(), q.num_rows * q.q_heads, kv.head_dim, s),
-                       "merge");
+        KVRING_CUDA_OK(
+            MergeInto(out, part_out.get<float>(), part_lse.get<float>(), q.num_rows * q.q_heads, kv.head_dim, s),
+            "merge");
       }
     } else if (step == 0 && q.num_rows > 0) {
       // Nothing local: start from "saw no key".
@@ -226,7 +232,8 @@ absl::Status GpuRingPassQ(Transport& t, const AttnParams& p, const QueryView& q,
                           const GpuRingOptions& o, GpuRingStats* stats) {
   const auto start = Clock::now();
   const int n = t.size(), me = t.rank();
-  if (t.buffer_kind() != BufferKind::kDevice) return absl::InvalidArgumentError("GPU rings need a device-memory transport");
+  if (t.buffer_kind() != BufferKind::kDevice)
+    return absl::InvalidArgumentError("GPU rings need a device-memory transport");
   int npages = 0;
   KVRING_CUDA_OK(cudaMemcpy(&npages, kv.seq_page_begin + 1, 4, cudaMemcpyDeviceToHost), "copy");
   auto rec = AllGather(t, {q.num_rows, npages, 0, 0}, o.timeout);
@@ -249,9 +256,11 @@ absl::Status GpuRingPassQ(Transport& t, const AttnParams& p, const QueryView& q,
     rm[2 * r + 1] = (*rec)[r][0];
   }
   KVRING_CUDA_OK(cudaMemcpyAsync(rowmeta.get(), rm.data(), 8 * n, cudaMemcpyHostToDevice, s), "copy");
-  KVRING_CUDA_OK(cudaMemcpyAsync(buf[0].get(), q.q, (uint64_t)q.num_rows * H * D * 2, cudaMemcpyDeviceToDevice, s), "copy");
+  KVRING_CUDA_OK(cudaMemcpyAsync(buf[0].get(), q.q, (uint64_t)q.num_rows * H * D * 2, cudaMemcpyDeviceToDevice, s),
+                 "copy");
   KVRING_CUDA_OK(cudaMemcpyAsync(buf[0].get() + (uint64_t)q.num_rows * H * D * 2, q.positions, 4ull * q.num_rows,
-                                 cudaMemcpyDeviceToDevice, s), "copy");
+                                 cudaMemcpyDeviceToDevice, s),
+                 "copy");
   KVRING_CUDA_OK(cudaStreamSynchronize(s), "sync");
   KernelTimer timer(s);
   int cur = 0;
@@ -325,13 +334,15 @@ absl::Status GpuRingPassQ(Transport& t, const AttnParams& p, const QueryView& q,
   }
   if (stats) stats->wait_ms += Ms(w0, Clock::now());
   if (q.num_rows > 0) {
-    KVRING_CUDA_OK(cudaMemcpyAsync(recvd.get() + (uint64_t)me * mine, partial_for[me].get(), mine, cudaMemcpyDeviceToDevice, s),
-                   "copy");
+    KVRING_CUDA_OK(
+        cudaMemcpyAsync(recvd.get() + (uint64_t)me * mine, partial_for[me].get(), mine, cudaMemcpyDeviceToDevice, s),
+        "copy");
     for (int k = 0; k < n; ++k) {
-      KVRING_CUDA_OK(cudaMemcpyAsync(stacked.get() + k * out_bytes, recvd.get() + k * mine, out_bytes, cudaMemcpyDeviceToDevice, s),
-                     "copy");
-      KVRING_CUDA_OK(cudaMemcpyAsync(stacked.get() + n * out_bytes + k * lse_bytes, recvd.get() + k * mine + out_bytes, lse_bytes,
+      KVRING_CUDA_OK(cudaMemcpyAsync(stacked.get() + k * out_bytes, recvd.get() + k * mine, out_bytes,
                                      cudaMemcpyDeviceToDevice, s),
+                     "copy");
+      KVRING_CUDA_OK(cudaMemcpyAsync(stacked.get() + n * out_bytes + k * lse_bytes, recvd.get() + k * mine + out_bytes,
+                                     lse_bytes, cudaMemcpyDeviceToDevice, s),
                      "copy");
     }
     KVRING_CUDA_OK(MergePartials(stacked.get<float>(), reinterpret_cast<const float*>(stacked.get() + n * out_bytes), n,

@@ -32,8 +32,9 @@ __global__ void MergeKernel(const float* __restrict__ out_parts, const float* __
   if (d == 0) lse[rh] = M + __logf(L);
 }
 
-__global__ void MergeIntoKernel(float* __restrict__ acc_out, float* __restrict__ acc_lse, const float* __restrict__ other_out,
-                                const float* __restrict__ other_lse, int rows_heads, int head_dim) {
+__global__ void MergeIntoKernel(float* __restrict__ acc_out, float* __restrict__ acc_lse,
+                                const float* __restrict__ other_out, const float* __restrict__ other_lse,
+                                int rows_heads, int head_dim) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (warp >= rows_heads) return;
@@ -68,7 +69,8 @@ cudaError_t MergePartials(const float* out_parts, const float* lse_parts, int nu
 
 cudaError_t MergeInto(OutputView acc, const float* other_out, const float* other_lse, int rows_heads, int head_dim,
                       cudaStream_t stream) {
-  if (acc.out == nullptr || acc.lse == nullptr || other_out == nullptr || other_lse == nullptr) return cudaErrorInvalidValue;
+  if (acc.out == nullptr || acc.lse == nullptr || other_out == nullptr || other_lse == nullptr)
+    return cudaErrorInvalidValue;
   if (rows_heads == 0) return cudaSuccess;
   const int threads = 256, warps_per_block = threads / 32;
   internal::MergeIntoKernel<<<(rows_heads + warps_per_block - 1) / warps_per_block, threads, 0, stream>>>(

@@ -20,7 +20,8 @@ __global__ void IotaKernel(int32_t* d, int n) {
 }
 }  // namespace
 
-cudaError_t PackLayerPages(const PagedKvView& kv, const int32_t* page_ids, int num_pages, void* dst, cudaStream_t stream) {
+cudaError_t PackLayerPages(const PagedKvView& kv, const int32_t* page_ids, int num_pages, void* dst,
+                           cudaStream_t stream) {
   if (num_pages == 0) return cudaSuccess;
   const uint64_t slice = LayerSliceBytes(kv);
   const uint64_t off = (uint64_t)kv.layer * slice;

@@ -35,8 +35,8 @@ __device__ __forceinline__ void Trace(int slot, unsigned long long v = 0) {
   if (slot != 15) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
   g_decode_trace[cta * kTraceSlots + slot] = v;
 }
-#define KVRING_TRACE(cond, ...) \
-  do {                          \
+#define KVRING_TRACE(cond, ...)   \
+  do {                            \
     if (cond) Trace(__VA_ARGS__); \
   } while (0)
 #else
@@ -82,8 +82,8 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
     const int prev = atomicAdd(counter, 1);
     s_last = prev == num_splits - 1;
     if (s_last) {
-      *counter = 0;      // every split has arrived: ready for the next call
-      __threadfence();   // the other CTAs' partials, after their arrivals (the CTA barrier passes it on)
+      *counter = 0;     // every split has arrived: ready for the next call
+      __threadfence();  // the other CTAs' partials, after their arrivals (the CTA barrier passes it on)
     }
   }
   __syncthreads();
@@ -99,7 +99,8 @@ __device__ __forceinline__ bool MergeSplitsIfLast(const DecodeWork& w, const Que
   auto load = [&](int s0) {  // partial rows of splits s0 .. s0 + chunk - 1 into buf, a copy a vector; warp 0 issues
     if (warp != 0) return;
     const int n = min(chunk, num_splits - s0);
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the partials (generic stores), before the bulk copies read them
+    asm volatile("fence.proxy.async.global;\n" ::
+                     : "memory");  // the partials (generic stores), before the bulk copies read them
     KVRING_TRACE(threadIdx.x == 0 && s0 == 0, 12);
     FenceProxyAsync();  // buf's earlier generic-proxy use, before the async writes
     if (lane == 0) MbarArriveExpectTx(bar, (uint32_t)(n * nout * 16));
@@ -214,10 +215,10 @@ struct PipeCfg {
   static constexpr int kPrefetchStages = kStages / 2;
   static_assert(kPrefetchStages * kPStage <= 64 * 16,
                 "the prefetched stages lie in the producer's first page-id window (TMA pages hold >= 16 tokens)");
-  static constexpr int kQOff = kStages * kStageBytes;        // stages first: 1024-aligned for the swizzle
+  static constexpr int kQOff = kStages * kStageBytes;  // stages first: 1024-aligned for the swizzle
   static constexpr int kBarOff = kQOff + kRows * D * 2;
   static constexpr int kBytes = kBarOff + 2 * kStages * 8;
-  static constexpr int kDynamic = kBytes + 1024;             // slack to align the base
+  static constexpr int kDynamic = kBytes + 1024;  // slack to align the base
   static_assert(kPConsumers * kRows * D * 4 <= kStages * kStageBytes, "merge buffer reuses the stages");
   // A stage is always taken by the same consumer warp (stage t by warp t % 4),
   // so a warp waits for a stage's round r only after it released round r - 1
@@ -270,8 +271,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
   }
   DecodeWork w;
   bool has_work = false;
-  PageWindow win;    // the producer's page ids
-  StreamEnds ends;   // the consumers' mask check
+  PageWindow win;   // the producer's page ids
+  StreamEnds ends;  // the consumers' mask check
   auto read_tables = [&] {
     has_work = DecodeWorkOf(q, kv, num_splits, row_groups, kRows, &w);
     if (has_work && warp == kPConsumers) {
@@ -411,7 +412,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
   // The consumers' (m, l, O) of the rows that exist, O at a row stride of D
   // + 4 floats (the 8 row groups of a fragment land in distinct banks).
   constexpr int kSoStride = D + 4;
-  static_assert(kPConsumers * kRows * kSoStride * 4 <= C::kStages * C::kStageBytes, "O of the warps fits in the stages");
+  static_assert(kPConsumers * kRows * kSoStride * 4 <= C::kStages * C::kStageBytes,
+                "O of the warps fits in the stages");
   float* so = reinterpret_cast<float*>(stages);  // [kPConsumers][kRows][kSoStride]
   if (warp < kPConsumers) {
     if (tig == 0) {
@@ -431,7 +433,7 @@ __global__ void __launch_bounds__(kPThreads, 2)
   __syncthreads();
   KVRING_TRACE(threadIdx.x == 0, 13);
   StoreDecodeRows<kPConsumers, D, kSoStride, /*kSplitMinor=*/true>(w, q, kRows, num_splits, &s_m[0][0], &s_l[0][0], so,
-                                                                    &s_fac[0][0], part_out, part_lse, out, lse);
+                                                                   &s_fac[0][0], part_out, part_lse, out, lse);
   bool merged = false;
   if (num_splits > 1) {  // (its first barrier: every thread is done reading `so`, which the merge reuses)
     merged = MergeSplitsIfLast<D, kPThreads>(w, q, num_splits, counters + DecodeRowHead(w, q, w.v0), part_out, part_lse,
@@ -447,11 +449,12 @@ __global__ void __launch_bounds__(kPThreads, 2)
 // launch overlaps its predecessor's tail (the kernel waits for it before it
 // reads global memory).
 template <int D, typename T, bool kTma>
-cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                              int row_groups, float* part_out, float* part_lse, int* counters, const CUtensorMap& map,
-                              cudaStream_t stream) {
+cudaError_t LaunchPipelinedAs(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
+                              int splits, int row_groups, float* part_out, float* part_lse, int* counters,
+                              const CUtensorMap& map, cudaStream_t stream) {
   const int smem = PipeCfg<D>::kDynamic;
-  cudaError_t e = cudaFuncSetAttribute(DecodePipelinedKernel<D, T, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e =
+      cudaFuncSetAttribute(DecodePipelinedKernel<D, T, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(splits, kv.kv_heads * row_groups, kv.num_seqs);
@@ -489,7 +492,8 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
   }
   if (q.q == nullptr || q.positions == nullptr || q.seq_row_begin == nullptr) return "query view has null pointers";
   if (kv.head_dim != 64 && kv.head_dim != 128) return "head_dim must be 64 or 128";
-  if (kv.kv_heads <= 0 || q.q_heads <= 0 || q.q_heads % kv.kv_heads != 0) return "q_heads must be a multiple of kv_heads";
+  if (kv.kv_heads <= 0 || q.q_heads <= 0 || q.q_heads % kv.kv_heads != 0)
+    return "q_heads must be a multiple of kv_heads";
   if (kv.layer < 0 || kv.layer >= kv.layers) return "layer out of range";
   if (kv.block_tokens <= 0 || kv.block_tokens > 256) return "block_tokens must be in [1, 256]";
   // (16-byte copies: cp.async and TMA)
@@ -538,9 +542,7 @@ namespace {
 // with more splits never land on them), then the partial O and LSE (plain
 // pages: each (row, head)'s splits together, for the fused merge; quantized
 // pages: split-major, for MergePartials).
-size_t CounterBytes(const QueryView& q) {
-  return ((size_t)q.num_rows * q.q_heads * sizeof(int) + 255) / 256 * 256;
-}
+size_t CounterBytes(const QueryView& q) { return ((size_t)q.num_rows * q.q_heads * sizeof(int) + 255) / 256 * 256; }
 }  // namespace
 
 size_t DecodeCounterBytes(const QueryView& q) { return CounterBytes(q); }

@@ -56,14 +56,18 @@ __device__ __forceinline__ int ScaleAt(const PagedKvView& kv, int which, int h, 
 template <typename T>
 __device__ __forceinline__ float ToF(T x);
 template <>
-__device__ __forceinline__ float ToF<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToF<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 template <>
-__device__ __forceinline__ float ToF<__half>(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToF<__half>(__half x) {
+  return __half2float(x);
+}
 
 template <int D, int kCodec, int kMode, typename T>
-__global__ void __launch_bounds__(kThreads, 4) QDecodeKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits,
-                                                          int row_groups, float* part_out, float* part_lse, float* out,
-                                                          float* lse) {
+__global__ void __launch_bounds__(kThreads, 4)
+    QDecodeKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
+                  float* part_lse, float* out, float* lse) {
   constexpr int kDpl = D / 32;  // V dims per lane
   __shared__ __align__(16) float sq[kRows][D];
   __shared__ __align__(16) float so[kWarps][kRows][D];
@@ -245,7 +249,7 @@ constexpr int kQPStage = 16, kQPConsumers = 4, kQPThreads = (kQPConsumers + 1) *
 
 template <int D, int kMode>
 struct QPipeCfg {
-  static constexpr int kCodeBytes = kQPStage * D;                     // K (or V) codes of a stage
+  static constexpr int kCodeBytes = kQPStage * D;  // K (or V) codes of a stage
   // A stage's scales, by 1-d bulk copies of 16-byte-aligned runs of the
   // page's scale words: K's at word 0 (per channel: D words; per token: the
   // stage's 16; per head: the aligned 4 that hold it), V's at word kVWord
@@ -255,7 +259,7 @@ struct QPipeCfg {
   static constexpr int kScaleBytes = 4 * (kVWord + 32);
   static constexpr int kStageBytes = 2 * kCodeBytes + kScaleBytes;
   static constexpr int kRing = (kQPStages * kStageBytes + 1023) / 1024 * 1024;
-  static constexpr int kPrivBytes = 2 * kQPStage * D * 2;             // a consumer's 16-bit K and V: [D/64][16][128 B] each
+  static constexpr int kPrivBytes = 2 * kQPStage * D * 2;  // a consumer's 16-bit K and V: [D/64][16][128 B] each
   static constexpr int kPrivOff = kRing;
   static constexpr int kQOff = kPrivOff + kQPConsumers * kPrivBytes;
   static constexpr int kBarOff = kQOff + kPRows * D * 2;
@@ -277,8 +281,8 @@ __device__ __forceinline__ uint4 Dequant8(uint2 raw, const float* sc) {
       f[i] = static_cast<float>(static_cast<int8_t>(b[i]));
       f[i + 1] = static_cast<float>(static_cast<int8_t>(b[i + 1]));
     } else {
-      const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(
-          static_cast<__nv_fp8x2_storage_t>(b[i] | (b[i + 1] << 8)), __NV_E4M3);
+      const __half2_raw hr =
+          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(b[i] | (b[i + 1] << 8)), __NV_E4M3);
       const float2 v = __half22float2(__half2(hr));
       f[i] = v.x;
       f[i + 1] = v.y;
@@ -462,8 +466,8 @@ cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const Paged
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
-  QDecodePipelinedKernel<D, T, kCodec, kMode><<<grid, kQPThreads, smem, stream>>>(p, q, kv, splits, row_groups, po, pl,
-                                                                                out.out, out.lse, codes);
+  QDecodePipelinedKernel<D, T, kCodec, kMode>
+      <<<grid, kQPThreads, smem, stream>>>(p, q, kv, splits, row_groups, po, pl, out.out, out.lse, codes);
   return cudaGetLastError();
 }
 
@@ -473,8 +477,8 @@ cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& k
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + kRows - 1) / kRows;
   dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
-  QDecodeKernel<D, kCodec, kMode, T><<<grid, kThreads, 0, stream>>>(p, q, kv, splits, row_groups, po, pl, out.out,
-                                                                    out.lse);
+  QDecodeKernel<D, kCodec, kMode, T>
+      <<<grid, kThreads, 0, stream>>>(p, q, kv, splits, row_groups, po, pl, out.out, out.lse);
   return cudaGetLastError();
 }
 

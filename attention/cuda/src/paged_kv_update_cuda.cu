@@ -10,7 +10,8 @@ __global__ void ApplyKvUpdatesKernel(PagedKvView kv, const KvAppendOp* appends, 
   const long per_op = 2L * kv.kv_heads * vecs;
   const long total = (long)num_appends * per_op;
   const uint64_t plane = (uint64_t)kv.block_tokens * kv.head_dim * 2;  // bytes of one (layer, K|V, head) plane
-  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total + num_writes; i += (long)gridDim.x * blockDim.x) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total + num_writes;
+       i += (long)gridDim.x * blockDim.x) {
     if (i >= total) {
       const TableWriteOp w = writes[i - total];
       *w.dst = w.value;
@@ -24,7 +25,8 @@ __global__ void ApplyKvUpdatesKernel(PagedKvView kv, const KvAppendOp* appends, 
     const uint4* src = (side == 0 ? new_k : new_v) + ((long)op.src_row * kv.kv_heads + head) * vecs + v;
     char* page = (char*)kv.pool + (uint64_t)op.page * kv.page_stride;
     uint4* dst = (uint4*)(page + (((uint64_t)kv.layer * 2 + side) * kv.kv_heads + head) * plane +
-                          (uint64_t)op.token * kv.head_dim * 2) + v;
+                          (uint64_t)op.token * kv.head_dim * 2) +
+                 v;
     *dst = *src;
   }
 }
@@ -64,7 +66,8 @@ cudaError_t GatherPageTables(const TableSegment* segments, int num_segments, int
                              int32_t* pos_out, cudaStream_t stream) {
   if (num_segments < 0 || max_count < 0) return cudaErrorInvalidValue;
   if (num_segments == 0 || max_count == 0) return cudaSuccess;
-  if (segments == nullptr || ids_out == nullptr || pos_out == nullptr || num_segments > 65535) return cudaErrorInvalidValue;
+  if (segments == nullptr || ids_out == nullptr || pos_out == nullptr || num_segments > 65535)
+    return cudaErrorInvalidValue;
   const int threads = 256;
   const dim3 grid((unsigned)std::min((max_count + threads - 1) / threads, 64), (unsigned)num_segments);
   GatherPageTablesKernel<<<grid, threads, 0, stream>>>(segments, ids_out, pos_out);

@@ -25,13 +25,14 @@ namespace {
 constexpr int kBM = 128, kBN = 64, kWarps = 4, kThreads = kWarps * 32, kMT = 2;
 
 template <int D, typename T>
-__global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out) {
+__global__ void __launch_bounds__(kThreads, 2)
+    PrefillKernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out) {
   constexpr int kKChunks = D / 16;  // k16 steps over the head dim
   constexpr int kDTiles = D / 8;    // n8 tiles of the output
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* sq = smem;                        // kBM x D
-  uint8_t* sk = smem + kBM * D * 2;          // 2 x kBN x D
-  uint8_t* sv = sk + 2 * kBN * D * 2;        // 2 x kBN x D
+  uint8_t* sq = smem;                  // kBM x D
+  uint8_t* sk = smem + kBM * D * 2;    // 2 x kBN x D
+  uint8_t* sv = sk + 2 * kBN * D * 2;  // 2 x kBN x D
   __shared__ int s_qmin, s_qmax;
 
   const int tile = blockIdx.x, hq = blockIdx.y, s = blockIdx.z;
@@ -155,8 +156,8 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
       uint32_t qa[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        LdMatrixX4(SmemAddr(sq + Swz<D>(warp * 32 + mt * 16 + (mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[mt][0], qa[mt][1],
-                   qa[mt][2], qa[mt][3]);
+        LdMatrixX4(SmemAddr(sq + Swz<D>(warp * 32 + mt * 16 + (mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[mt][0],
+                   qa[mt][1], qa[mt][2], qa[mt][3]);
       }
 #pragma unroll
       for (int j = 0; j < 8; j += 2) {
@@ -262,7 +263,8 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
       float* dst = out.out + ((size_t)(r0 + r) * q.q_heads + hq) * D;
 #pragma unroll
       for (int j = 0; j < kDTiles; ++j) {
-        *reinterpret_cast<float2*>(dst + j * 8 + tig * 2) = make_float2(o[mt][j][2 * hf] * inv, o[mt][j][2 * hf + 1] * inv);
+        *reinterpret_cast<float2*>(dst + j * 8 + tig * 2) =
+            make_float2(o[mt][j][2 * hf] * inv, o[mt][j][2 * hf + 1] * inv);
       }
       if (tig == 0) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = lv > 0.f ? (m[mt][hf] + log2f(lv)) * kLn2 : -INFINITY;
     }
@@ -270,7 +272,8 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(AttnParams p, Query
 }
 
 template <int D, typename T>
-cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, cudaStream_t stream) {
+cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
+                   cudaStream_t stream) {
   const size_t smem = (size_t)(kBM + 4 * kBN) * D * 2;
   cudaError_t e = cudaFuncSetAttribute(PrefillKernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;

@@ -57,13 +57,13 @@ namespace internal {
 namespace {
 
 constexpr int kBM = 128, kBN = 64, kStages = 5, kBox = 16;
-constexpr int kThreads = 256;               // the two consumer warpgroups
+constexpr int kThreads = 256;                // the two consumer warpgroups
 constexpr int kCtaThreads = kThreads + 128;  // and the producer warpgroup
 
 template <int D>
 struct Sm90Smem {
-  static constexpr int kQBytes = kBM * D * 2;    // [D/64][kBM][128 B]
-  static constexpr int kTileBytes = kBN * D * 2; // one K or V tile: [D/64][kBN][128 B]
+  static constexpr int kQBytes = kBM * D * 2;     // [D/64][kBM][128 B]
+  static constexpr int kTileBytes = kBN * D * 2;  // one K or V tile: [D/64][kBN][128 B]
   static constexpr int kK = kQBytes;
   static constexpr int kV = kK + kStages * kTileBytes;
   static constexpr int kBars = kV + kStages * kTileBytes;  // full[kStages], empty[kStages], q_full, q_empty
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
       MbarInit(full0 + 8 * i, 1);          // the producer's expect-tx arrival (+ the tile's bytes)
       MbarInit(empty0 + 8 * i, kThreads);  // every consumer thread, once done with the tile
     }
-    MbarInit(q_full, 1);         // the producer, once s_item / s_pos are written (+ Q's bytes)
+    MbarInit(q_full, 1);          // the producer, once s_item / s_pos are written (+ Q's bytes)
     MbarInit(q_empty, kThreads);  // every consumer thread, once it holds Q, s_item and s_pos in registers
     FenceMbarInit();
   }
@@ -214,9 +214,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
   const int wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
-  const int wr = wg * 64 + (warp & 3) * 16 + g;  // this thread's two rows (of its warpgroup's 64): wr, wr + 8
+  const int wr = wg * 64 + (warp & 3) * 16 + g;          // this thread's two rows (of its warpgroup's 64): wr, wr + 8
   if (wg == 1) NamedBarrierArrive(kTurn + 0, kThreads);  // warpgroup 0 takes the first turn
-  int gc = 0;  // KV tiles consumed (the ring's position)
+  int gc = 0;                                            // KV tiles consumed (the ring's position)
   for (int k = 0;; ++k) {
     MbarWait(q_full, k & 1);
     if (s_item[kDone]) break;
@@ -236,7 +236,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
     MbarArrive(q_empty);
     const int ntiles = n_end > n_begin ? (n_end - n_begin + kBN - 1) / kBN : 0;
     if (ntiles == 0) {  // no row of this tile sees a key
-      for (int i = tid; i < nrows * D; i += kThreads) out.out[((size_t)(r0 + i / D) * q.q_heads + hq) * D + i % D] = 0.f;
+      for (int i = tid; i < nrows * D; i += kThreads)
+        out.out[((size_t)(r0 + i / D) * q.q_heads + hq) * D + i % D] = 0.f;
       for (int r = tid; r < nrows; r += kThreads) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = -INFINITY;
       continue;
     }
@@ -435,10 +436,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
 
 template <int D, typename T>
 cudaError_t LaunchSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
-                                 const CUtensorMap& map, const CUtensorMap& q_map, cudaStream_t stream) {
+                       const CUtensorMap& map, const CUtensorMap& q_map, cudaStream_t stream) {
   const int smem = Sm90Smem<D>::kDynamic;
-  cudaError_t e =
-      cudaFuncSetAttribute(PrefillSm90Kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e = cudaFuncSetAttribute(PrefillSm90Kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   int dev = 0, sms = 0;
   if (e == cudaSuccess) e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);

@@ -57,10 +57,14 @@ double Element(const PagedKv& kv, const KvBlockRef& b, uint32_t layer, uint32_t 
   const uint64_t i = L.index(layer, which, head, t, d);
   if (!kv.encoding.quantized()) {
     switch (L.dtype) {
-      case DType::kF32: return reinterpret_cast<const float*>(b.data)[i];
-      case DType::kBF16: return Bf16ToFloat(reinterpret_cast<const uint16_t*>(b.data)[i]);
-      case DType::kF16: return F16ToFloat(reinterpret_cast<const uint16_t*>(b.data)[i]);
-      default: return 0;
+      case DType::kF32:
+        return reinterpret_cast<const float*>(b.data)[i];
+      case DType::kBF16:
+        return Bf16ToFloat(reinterpret_cast<const uint16_t*>(b.data)[i]);
+      case DType::kF16:
+        return F16ToFloat(reinterpret_cast<const uint16_t*>(b.data)[i]);
+      default:
+        return 0;
     }
   }
   const uint8_t c = b.data[i];

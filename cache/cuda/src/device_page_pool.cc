@@ -11,7 +11,8 @@ absl::Status Cuda(cudaError_t e, const std::string& what) { return CudaStatus(e,
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DevicePagePool>> DevicePagePool::Create(const DevicePagePoolOptions& o) {
-  if (o.page_bytes == 0 || o.page_bytes % 256 != 0) return absl::InvalidArgumentError("page_bytes must be a positive multiple of 256");
+  if (o.page_bytes == 0 || o.page_bytes % 256 != 0)
+    return absl::InvalidArgumentError("page_bytes must be a positive multiple of 256");
   if (o.num_pages == 0 || o.num_pages >= kNoPage) return absl::InvalidArgumentError("num_pages out of range");
   if (absl::Status s = Cuda(cudaSetDevice(o.device), absl::StrCat("cudaSetDevice(", o.device, ")")); !s.ok()) return s;
   const size_t pps = std::max<size_t>(1, o.slab_bytes / o.page_bytes);
@@ -19,7 +20,8 @@ absl::StatusOr<std::unique_ptr<DevicePagePool>> DevicePagePool::Create(const Dev
   for (size_t left = o.num_pages; left > 0;) {
     const size_t n = std::min(left, pps);
     void* p = nullptr;
-    if (absl::Status s = Cuda(cudaMalloc(&p, n * o.page_bytes), absl::StrCat("cudaMalloc of ", n * o.page_bytes, " bytes"));
+    if (absl::Status s =
+            Cuda(cudaMalloc(&p, n * o.page_bytes), absl::StrCat("cudaMalloc of ", n * o.page_bytes, " bytes"));
         !s.ok()) {
       return s;  // the destructor frees the slabs made so far
     }
@@ -56,18 +58,22 @@ void DeviceBlock::Release() {
 
 // ------------------------------------------------------------ DeviceBlockTier
 
-DeviceBlockTier::DeviceBlockTier(const DeviceBlockTierOptions& o, std::unique_ptr<DevicePagePool> pool, BlockStore* host)
+DeviceBlockTier::DeviceBlockTier(const DeviceBlockTierOptions& o, std::unique_ptr<DevicePagePool> pool,
+                                 BlockStore* host)
     : options_(o), pool_(std::move(pool)), host_(host), page_owner_(pool_->num_pages()), lru_(pool_->num_pages()) {}
 
-absl::StatusOr<std::unique_ptr<DeviceBlockTier>> DeviceBlockTier::Create(const DeviceBlockTierOptions& o, BlockStore* host) {
+absl::StatusOr<std::unique_ptr<DeviceBlockTier>> DeviceBlockTier::Create(const DeviceBlockTierOptions& o,
+                                                                         BlockStore* host) {
   if (host == nullptr) return absl::InvalidArgumentError("the HBM tier needs a host tier to demote to");
   if (o.staging_pages == 0) return absl::InvalidArgumentError("staging_pages must be > 0");
   auto pool = DevicePagePool::Create(o.pool);
   if (!pool.ok()) return pool.status();
   std::unique_ptr<DeviceBlockTier> t(new DeviceBlockTier(o, std::move(*pool), host));
-  if (absl::Status s = Cuda(cudaStreamCreateWithFlags(&t->demote_stream_, cudaStreamNonBlocking), "stream"); !s.ok()) return s;
+  if (absl::Status s = Cuda(cudaStreamCreateWithFlags(&t->demote_stream_, cudaStreamNonBlocking), "stream"); !s.ok())
+    return s;
   void* st = nullptr;
-  if (absl::Status s = Cuda(cudaHostAlloc(&st, o.staging_pages * o.pool.page_bytes, cudaHostAllocDefault), "cudaHostAlloc");
+  if (absl::Status s =
+          Cuda(cudaHostAlloc(&st, o.staging_pages * o.pool.page_bytes, cudaHostAllocDefault), "cudaHostAlloc");
       !s.ok()) {
     return s;
   }
@@ -215,8 +221,7 @@ absl::StatusOr<bool> DeviceBlockTier::Put(const PutArgs& a, const void* src, boo
   page_owner_[*page] = sk;
   lru_.Admit(*page, {});
   // Keep a few pages free: start demotions early (they finish on later calls).
-  while (pool_->free_pages() < options_.low_watermark_pages && !free_staging_.empty() &&
-         StartDemotionLocked().ok()) {
+  while (pool_->free_pages() < options_.low_watermark_pages && !free_staging_.empty() && StartDemotionLocked().ok()) {
   }
   return true;
 }
@@ -249,8 +254,8 @@ absl::StatusOr<DeviceBlock> DeviceBlockTier::Acquire(NamespaceId ns, const Block
   if (it != entries_.end()) return grant(it->second);
   absl::StatusOr<PageId> page = AllocateLocked(lock);
   if (!page.ok()) return page.status();
-  cudaError_t e =
-      cudaMemcpyAsync(pool_->page_address(*page), hb->payload().data(), hb->payload().size(), cudaMemcpyHostToDevice, stream);
+  cudaError_t e = cudaMemcpyAsync(pool_->page_address(*page), hb->payload().data(), hb->payload().size(),
+                                  cudaMemcpyHostToDevice, stream);
   // The host hold must outlive the copy.
   mu_.Unlock();
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream);

@@ -35,7 +35,8 @@ void Copy(const std::string& s, char* buf, size_t cap) {
 
 absl::StatusOr<BlockLayout> LayoutOf(const kvring_layout* l) {
   if (l == nullptr) return absl::InvalidArgumentError("layout is NULL");
-  if (l->dtype > static_cast<uint32_t>(DType::kBF16)) return absl::InvalidArgumentError("layout dtype must be 0 f32, 1 f16 or 2 bf16");
+  if (l->dtype > static_cast<uint32_t>(DType::kBF16))
+    return absl::InvalidArgumentError("layout dtype must be 0 f32, 1 f16 or 2 bf16");
   BlockLayout out{l->block_tokens, l->layers, l->kv_heads, l->head_dim, static_cast<DType>(l->dtype)};
   const char* why = nullptr;
   if (!out.IsValid(&why)) return absl::InvalidArgumentError(absl::StrCat("layout: ", why));
@@ -92,7 +93,8 @@ int kvring_chain(kvring_client* c, const char* model, const kvring_layout* layou
                  uint64_t n_tokens, const uint64_t* parent, uint64_t* keys_out) {
   auto l = LayoutOf(layout);
   if (!l.ok()) return Code(l.status());
-  if (n_tokens > 0 && (tokens == nullptr || keys_out == nullptr)) return Code(absl::InvalidArgumentError("tokens and keys_out are required"));
+  if (n_tokens > 0 && (tokens == nullptr || keys_out == nullptr))
+    return Code(absl::InvalidArgumentError("tokens and keys_out are required"));
   BlockKeyHasher h = c->c->Hasher(Str(model), *l);
   const BlockKey p = parent == nullptr ? h.Root() : BlockKey{parent[0], parent[1]};
   const std::vector<BlockKey> keys = h.ChainFrom(p, absl::MakeConstSpan(tokens, n_tokens));
@@ -115,7 +117,8 @@ int kvring_put(kvring_client* c, const uint64_t* keys, uint64_t n, const void* b
                uint64_t first_block, kvring_put_report* report) {
   auto l = LayoutOf(layout);
   if (!l.ok()) return Code(l.status());
-  if (n > 0 && (keys == nullptr || blocks == nullptr)) return Code(absl::InvalidArgumentError("keys and blocks are required"));
+  if (n > 0 && (keys == nullptr || blocks == nullptr))
+    return Code(absl::InvalidArgumentError("keys and blocks are required"));
   const std::vector<BlockKey> k = Keys(keys, n);
   const BlockKey p = parent == nullptr ? BlockKey{} : BlockKey{parent[0], parent[1]};
   std::vector<BlockData> list;
@@ -131,7 +134,8 @@ int kvring_put(kvring_client* c, const uint64_t* keys, uint64_t n, const void* b
     b.payload_on_device = on_device != 0;
     list.push_back(b);
   }
-  absl::StatusOr<PutReport> r = sequence_id == nullptr ? c->c->Put(list) : c->c->PutSequence(sequence_id, first_block, list);
+  absl::StatusOr<PutReport> r =
+      sequence_id == nullptr ? c->c->Put(list) : c->c->PutSequence(sequence_id, first_block, list);
   if (!r.ok()) return Code(r.status());
   if (report != nullptr) *report = kvring_put_report{r->blocks, r->inserted, r->replicas_written, r->bytes};
   return Code(absl::OkStatus());
@@ -182,7 +186,8 @@ int kvring_step(kvring_client* c, const kvring_step_args* a, float* out, float* 
   }
   auto l = LayoutOf(&a->layout);
   if (!l.ok()) return Code(l.status());
-  if (a->q_dtype > static_cast<uint32_t>(DType::kBF16)) return Code(absl::InvalidArgumentError("q_dtype must be 0, 1 or 2"));
+  if (a->q_dtype > static_cast<uint32_t>(DType::kBF16))
+    return Code(absl::InvalidArgumentError("q_dtype must be 0, 1 or 2"));
   if (a->num_seqs > 0 && a->seqs == nullptr) return Code(absl::InvalidArgumentError("seqs is NULL"));
   AttendStep st;
   st.layout = *l;
@@ -202,9 +207,9 @@ int kvring_step(kvring_client* c, const kvring_step_args* a, float* out, float* 
   absl::Status s = c->c->StepInto(st, PartialOutput{out, lse}, &rep);
   if (!s.ok()) return Code(s);
   if (report != nullptr) {
-    *report = kvring_attend_report{rep.shards,         rep.retries,        rep.blocks,         rep.bytes_sent,
-                                   rep.bytes_received, rep.appended_tokens, rep.seconds,       rep.node_seconds,
-                                   rep.kernel_seconds, rep.copy_seconds,   rep.merge_seconds};
+    *report = kvring_attend_report{rep.shards,         rep.retries,         rep.blocks,       rep.bytes_sent,
+                                   rep.bytes_received, rep.appended_tokens, rep.seconds,      rep.node_seconds,
+                                   rep.kernel_seconds, rep.copy_seconds,    rep.merge_seconds};
   }
   return Code(absl::OkStatus());
 }
@@ -251,7 +256,8 @@ int kvring_stats(kvring_client* c, kvring_node_stats* out, uint32_t cap, uint32_
 
 int kvring_merge(const float* const* outs, const float* const* lses, uint32_t parts, uint32_t rows, uint32_t heads,
                  uint32_t dim, float* out, float* lse) {
-  if (parts == 0 || outs == nullptr || lses == nullptr) return Code(absl::InvalidArgumentError("merge needs at least one partial"));
+  if (parts == 0 || outs == nullptr || lses == nullptr)
+    return Code(absl::InvalidArgumentError("merge needs at least one partial"));
   std::vector<ConstPartial> in;
   for (uint32_t i = 0; i < parts; ++i) in.push_back(ConstPartial{outs[i], lses[i]});
   return Code(MergePartials(in, rows, heads, dim, PartialOutput{out, lse}));

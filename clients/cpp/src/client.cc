@@ -1,9 +1,9 @@
 #include "kvring/client/client.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
-#include <atomic>
 #include <map>
 
 #include "absl/container/flat_hash_map.h"
@@ -13,9 +13,9 @@
 #include "grpcpp/create_channel.h"
 #include "kvring.grpc.pb.h"
 #include "kvring/attention/merge.h"
+#include "kvring/cache/quantize.h"
 #include "kvring/client/device_memory.h"
 #include "kvring/common/logging.h"
-#include "kvring/cache/quantize.h"
 #include "kvring/common/status_macros.h"
 #include "kvring/common/thread_pool.h"
 #include "kvring/protocol/shard_ring.h"
@@ -50,7 +50,9 @@ class ClientImpl {
 
   explicit ClientImpl(const ClientOptions& o)
       : o_(o),
-        quantize_wire_(!o.quantize ? "" : o.quantize->quantized() ? KvEncodingName(*o.quantize) : "none"),
+        quantize_wire_(!o.quantize               ? ""
+                       : o.quantize->quantized() ? KvEncodingName(*o.quantize)
+                                                 : "none"),
         pool_(o.threads ? o.threads : 16) {}
 
   absl::Status Init() {
@@ -61,7 +63,8 @@ class ClientImpl {
     req.set_version(1);
     auto ctx = Context(absl::Seconds(5));
     grpc::Status s = coord_->WhoAmI(ctx.get(), req, &tenant_);
-    if (!s.ok()) return absl::Status(FromGrpc(s).code(), absl::StrCat("coordinator ", o_.coordinator, ": ", s.error_message()));
+    if (!s.ok())
+      return absl::Status(FromGrpc(s).code(), absl::StrCat("coordinator ", o_.coordinator, ": ", s.error_message()));
     KVRING_ASSIGN_OR_RETURN(ns_, ResolveNamespace(tenant_, o_.ns));
     ns_id_ = NamespaceIdOf(ns_);
     return RefreshMap();
@@ -177,11 +180,12 @@ class ClientImpl {
     auto c = UcxRpcClient::Connect(
         n.ucx_address, absl::Seconds(2),
         [ch] {
-      // try_to_connect: a dropped connection goes IDLE; reconnecting to a dead
-      // daemon turns it TRANSIENT_FAILURE within milliseconds.
-      const grpc_connectivity_state s = ch->GetState(/*try_to_connect=*/true);
-      return s != GRPC_CHANNEL_TRANSIENT_FAILURE && s != GRPC_CHANNEL_SHUTDOWN;
-    }, o_.ucx_loop);
+          // try_to_connect: a dropped connection goes IDLE; reconnecting to a dead
+          // daemon turns it TRANSIENT_FAILURE within milliseconds.
+          const grpc_connectivity_state s = ch->GetState(/*try_to_connect=*/true);
+          return s != GRPC_CHANNEL_TRANSIENT_FAILURE && s != GRPC_CHANNEL_SHUTDOWN;
+        },
+        o_.ucx_loop);
     if (!c.ok()) {
       KVRING_LOG(WARNING) << "UCX to " << n.id << " failed (" << c.status().message() << "); using gRPC payloads";
       n.ucx_retry_after = absl::Now() + absl::Seconds(10);
@@ -192,7 +196,8 @@ class ClientImpl {
   }
 
   // ---- per-node calls ----
-  absl::StatusOr<v1::PutResponse> PutOn(Node& n, v1::PutRequest req, const std::vector<absl::Span<const uint8_t>>& payloads) {
+  absl::StatusOr<v1::PutResponse> PutOn(Node& n, v1::PutRequest req,
+                                        const std::vector<absl::Span<const uint8_t>>& payloads) {
     if (UcxRpcClient* u = Ucx(n)) {
       auto r = u->Call(kUcxMethodPut, o_.token, req.SerializeAsString(), payloads, {}, o_.rpc_timeout);
       if (!r.ok()) return r.status();
@@ -272,7 +277,8 @@ class ClientImpl {
       grpc::Status s = n.stub->Get(ctx.get(), req, &resp);
       if (!s.ok()) return FromGrpc(s);
     }
-    if (resp.blocks_size() != static_cast<int>(keys.size())) return absl::DataLossError("Get reply has the wrong number of blocks");
+    if (resp.blocks_size() != static_cast<int>(keys.size()))
+      return absl::DataLossError("Get reply has the wrong number of blocks");
     size_t off = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
       const v1::GetBlock& b = resp.blocks(static_cast<int>(i));
@@ -316,14 +322,16 @@ class ClientImpl {
       uint8_t* dst;
       if (!dsts.empty()) {
         if (dsts[i].size() < size) {
-          r.status = absl::InvalidArgumentError(absl::StrCat("destination of ", dsts[i].size(), " bytes for a block of ", size));
+          r.status = absl::InvalidArgumentError(
+              absl::StrCat("destination of ", dsts[i].size(), " bytes for a block of ", size));
           continue;
         }
         dst = dsts[i].data();
         if (on_device) {
           // Checked in host memory, then one copy to the device.
           if (PayloadChecksum(src, size) != r.meta.checksum) {
-            r.status = absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id, " fails its checksum"));
+            r.status =
+                absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id, " fails its checksum"));
           } else {
             r.status = dev->ToDevice(dst, src, size);
           }
@@ -388,7 +396,8 @@ class ClientImpl {
     auto ctx = Context(o_.rpc_timeout);
     grpc::Status s = n.stub->Attend(ctx.get(), req, &resp);
     if (!s.ok()) return FromGrpc(s);
-    if (resp.out().size() + resp.lse().size() != reply.size()) return absl::DataLossError("Attend reply has the wrong size");
+    if (resp.out().size() + resp.lse().size() != reply.size())
+      return absl::DataLossError("Attend reply has the wrong size");
     std::memcpy(reply.data(), resp.out().data(), resp.out().size());
     std::memcpy(reply.data() + resp.out().size(), resp.lse().data(), resp.lse().size());
     resp.clear_out();
@@ -397,7 +406,8 @@ class ClientImpl {
   }
 
   // ---- public operations ----
-  absl::StatusOr<PutReport> PutBlocks(absl::Span<const BlockData> blocks, const std::string* seq, uint64_t first_block) {
+  absl::StatusOr<PutReport> PutBlocks(absl::Span<const BlockData> blocks, const std::string* seq,
+                                      uint64_t first_block) {
     // Payloads in GPU memory: one copy each into pinned staging, sent from there.
     std::vector<BlockData> staged;
     DeviceMemory::Staging staging;
@@ -552,10 +562,10 @@ class ClientImpl {
       rep.inserted += inserted[i];
       rep.bytes += blocks[i].payload.size();
       if (acks[i] < W && first_error.ok()) {
-        first_error = absl::Status(last_err[i].ok() ? absl::StatusCode::kUnavailable : last_err[i].code(),
-                                   absl::StrCat("block ", i, " (", blocks[i].key.ToHex(), ") stored on ", acks[i], " of ", W,
-                                                " required replicas", last_err[i].ok() ? "" : ": ",
-                                                std::string(last_err[i].message())));
+        first_error = absl::Status(
+            last_err[i].ok() ? absl::StatusCode::kUnavailable : last_err[i].code(),
+            absl::StrCat("block ", i, " (", blocks[i].key.ToHex(), ") stored on ", acks[i], " of ", W,
+                         " required replicas", last_err[i].ok() ? "" : ": ", std::string(last_err[i].message())));
       }
     }
     if (!first_error.ok()) {
@@ -564,8 +574,9 @@ class ClientImpl {
       // (content-addressed and checksummed, so never wrong; evictable), and
       // a retry completes the put.
       if (absl::Status u = UnpinPlaced(*ring, blocks, pinned_on); !u.ok()) {
-        first_error = absl::Status(first_error.code(), absl::StrCat(first_error.message(), "; and taking its pins back failed: ",
-                                                                    u.message()));
+        first_error =
+            absl::Status(first_error.code(),
+                         absl::StrCat(first_error.message(), "; and taking its pins back failed: ", u.message()));
       }
       return first_error;
     }
@@ -713,8 +724,8 @@ class ClientImpl {
   // The plan of a step: which node attends which chunks of which sequence,
   // and which nodes take which appended tokens.
   struct SeqPart {
-    size_t seq = 0;                 // index into step.sequences
-    std::vector<uint64_t> chunks;   // chunks this node attends (ascending)
+    size_t seq = 0;                             // index into step.sequences
+    std::vector<uint64_t> chunks;               // chunks this node attends (ascending)
     uint64_t append_begin = 0, append_end = 0;  // appended positions it takes
   };
   struct NodeJob {
@@ -747,7 +758,8 @@ class ClientImpl {
     for (const auto& s : in.sequences) app += s.append_tokens;
     const size_t qb = size_t{in.q.num_rows} * in.q.q_heads * in.q.head_dim * DTypeSize(in.q.dtype);
     const size_t kvb = app * L.kv_heads * L.head_dim * DTypeSize(L.dtype);
-    const size_t ob = size_t{in.q.num_rows} * in.q.q_heads * in.q.head_dim * 4, lb = size_t{in.q.num_rows} * in.q.q_heads * 4;
+    const size_t ob = size_t{in.q.num_rows} * in.q.q_heads * in.q.head_dim * 4,
+                 lb = size_t{in.q.num_rows} * in.q.q_heads * 4;
     KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging stage, dev->Pinned(qb + 2 * kvb + ob + lb));
     AttendStep st = in;
     st.device_buffers = false;
@@ -789,17 +801,19 @@ class ClientImpl {
         return absl::InvalidArgumentError(absl::StrCat("sequence '", s.sequence_id, "' named twice in one step"));
       }
       if (s.context_tokens + s.append_tokens > kMaxSequenceTokens) {
-        return absl::InvalidArgumentError(absl::StrCat("sequence '", s.sequence_id, "' would exceed ", kMaxSequenceTokens,
-                                                       " tokens"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence '", s.sequence_id, "' would exceed ", kMaxSequenceTokens, " tokens"));
       }
       if (s.rows == 0 && s.append_tokens == 0) {
-        return absl::InvalidArgumentError(absl::StrCat("sequence '", s.sequence_id, "' has neither rows nor appended tokens"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence '", s.sequence_id, "' has neither rows nor appended tokens"));
       }
       rows += s.rows;
       appended += s.append_tokens;
     }
     if (rows != q.num_rows) {
-      return absl::InvalidArgumentError(absl::StrCat("the sequences have ", rows, " rows; the queries have ", q.num_rows));
+      return absl::InvalidArgumentError(
+          absl::StrCat("the sequences have ", rows, " rows; the queries have ", q.num_rows));
     }
     if (rows > 0 && (q.data == nullptr || q.positions == nullptr)) {
       return absl::InvalidArgumentError("queries need data and positions");
@@ -850,7 +864,7 @@ class ClientImpl {
       }
     }
     // Round 0: every node gets its chunks to attend and its appends.
-    std::map<int, std::map<size_t, SeqPart>> plan;  // node -> seq -> part
+    std::map<int, std::map<size_t, SeqPart>> plan;     // node -> seq -> part
     std::vector<std::pair<size_t, uint64_t>> pending;  // (sequence, chunk) still to attend
     for (size_t b = 0; b < nseq; ++b) {
       if (st.sequences[b].rows == 0) continue;
@@ -907,7 +921,8 @@ class ClientImpl {
       }
       plan.clear();
       std::vector<FailedChunk> failed;
-      KVRING_RETURN_IF_ERROR(RunJobs(st, *ring, jobs, row_begin, app_begin, total, units, out, &rep, &last_error, &failed));
+      KVRING_RETURN_IF_ERROR(
+          RunJobs(st, *ring, jobs, row_begin, app_begin, total, units, out, &rep, &last_error, &failed));
       pending.clear();
       for (FailedChunk& f : failed) {
         pending.emplace_back(f.seq, f.chunk);
@@ -918,9 +933,9 @@ class ClientImpl {
     for (const AppendUnit& u : units) {
       if (u.acks < W) {
         return absl::Status(u.last.ok() ? absl::StatusCode::kUnavailable : u.last.code(),
-                            absl::StrCat("tokens [", u.begin, ", ", u.end, ") of sequence '", st.sequences[u.seq].sequence_id,
-                                         "' appended on ", u.acks, " of ", W, " required replicas",
-                                         u.last.ok() ? "" : ": ", std::string(u.last.message())));
+                            absl::StrCat("tokens [", u.begin, ", ", u.end, ") of sequence '",
+                                         st.sequences[u.seq].sequence_id, "' appended on ", u.acks, " of ", W,
+                                         " required replicas", u.last.ok() ? "" : ": ", std::string(u.last.message())));
       }
       rep.appended_tokens += static_cast<uint32_t>((u.end - u.begin) * u.acks);
     }
@@ -935,8 +950,8 @@ class ClientImpl {
   // the step's error.
   absl::Status RunJobs(const AttendStep& st, const ShardRing& ring, const std::vector<NodeJob>& jobs,
                        const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
-                       const std::vector<uint64_t>& total, std::vector<AppendUnit>& units, PartialOutput out, AttendReport* rep,
-                       absl::Status* last_error, std::vector<FailedChunk>* failed = nullptr) {
+                       const std::vector<uint64_t>& total, std::vector<AppendUnit>& units, PartialOutput out,
+                       AttendReport* rep, absl::Status* last_error, std::vector<FailedChunk>* failed = nullptr) {
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
     const uint64_t chunk = ring.chunk_blocks(), bt = L.block_tokens;
@@ -991,7 +1006,8 @@ class ClientImpl {
           as->set_rows(s.rows);
           rows += s.rows;
           for (uint32_t r = 0; r < s.rows; ++r) req.add_positions(q.positions[row_begin[p.seq] + r]);
-          qp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, s.rows * qrow));
+          qp.push_back(
+              absl::MakeConstSpan(static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, s.rows * qrow));
           bytes += s.rows * qrow;
         }
         if (p.append_end > p.append_begin) {
@@ -1028,7 +1044,9 @@ class ClientImpl {
         if (absl::IsFailedPrecondition(s) && failed == nullptr) return s;
         for (const SeqPart& p : jobs[j].parts) {
           for (uint64_t c : p.chunks) {
-            if (failed) failed->push_back(FailedChunk{p.seq, c, false, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", s.ToString())});
+            if (failed)
+              failed->push_back(
+                  FailedChunk{p.seq, c, false, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", s.ToString())});
           }
         }
         continue;
@@ -1040,7 +1058,8 @@ class ClientImpl {
       std::vector<bool> served(jobs[j].parts.size(), true);
       for (size_t k = 0; k < jobs[j].parts.size(); ++k) {
         const SeqPart& p = jobs[j].parts[k];
-        const absl::Status ps = r.sequence_status_size() ? StatusOf(r.sequence_status(static_cast<int>(k))) : absl::OkStatus();
+        const absl::Status ps =
+            r.sequence_status_size() ? StatusOf(r.sequence_status(static_cast<int>(k))) : absl::OkStatus();
         if (ps.ok()) {
           unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { ++u.acks; });
           continue;
@@ -1057,7 +1076,8 @@ class ClientImpl {
         const bool again_here = absl::IsFailedPrecondition(ps) && p.append_end > p.append_begin;
         for (uint64_t c : p.chunks) {
           if (failed == nullptr) return ps;
-          failed->push_back(FailedChunk{p.seq, c, again_here, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", ps.ToString())});
+          failed->push_back(
+              FailedChunk{p.seq, c, again_here, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", ps.ToString())});
         }
       }
       if (res[j].rows == 0) continue;
@@ -1172,8 +1192,10 @@ class ClientImpl {
       }
       for (int k = 0; k < resp.results_size() && k < static_cast<int>(idx.size()); ++k) {
         absl::Status r = StatusOf(resp.results(k).status());
-        if (r.ok()) ++ok_count[idx[k]];
-        else if (!absl::IsNotFound(r) && first.ok()) first = r;
+        if (r.ok())
+          ++ok_count[idx[k]];
+        else if (!absl::IsNotFound(r) && first.ok())
+          first = r;
       }
     }
     if (!first.ok()) return first;
@@ -1224,7 +1246,9 @@ absl::StatusOr<std::optional<KvEncoding>> ParseQuantizeOption(std::string_view t
 }
 
 absl::StatusOr<size_t> Client::LookupPrefix(absl::Span<const BlockKey> chain) { return impl_->Lookup(chain); }
-absl::StatusOr<PutReport> Client::Put(absl::Span<const BlockData> blocks) { return impl_->PutBlocks(blocks, nullptr, 0); }
+absl::StatusOr<PutReport> Client::Put(absl::Span<const BlockData> blocks) {
+  return impl_->PutBlocks(blocks, nullptr, 0);
+}
 std::vector<GetResult> Client::Get(absl::Span<const BlockKey> keys) { return impl_->GetBlocks(keys, {}); }
 std::vector<GetResult> Client::GetInto(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts,
                                        bool on_device) {
@@ -1249,8 +1273,9 @@ absl::StatusOr<PartialResult> Client::Step(const AttendStep& step, AttendReport*
   KVRING_RETURN_IF_ERROR(impl_->StepInto(step, r.view(), report));
   return r;
 }
-absl::StatusOr<PartialResult> Client::Attend(const std::string& sequence_id, const BlockLayout& layout, uint64_t num_tokens,
-                                             const QueryTensor& q, const AttentionOptions& options, AttendReport* report) {
+absl::StatusOr<PartialResult> Client::Attend(const std::string& sequence_id, const BlockLayout& layout,
+                                             uint64_t num_tokens, const QueryTensor& q, const AttentionOptions& options,
+                                             AttendReport* report) {
   if (q.seq_ids != nullptr) return absl::InvalidArgumentError("Attend serves one sequence; seq_ids must be null");
   if (q.num_rows == 0) return absl::InvalidArgumentError("Attend needs at least one query row");
   AttendStep st;

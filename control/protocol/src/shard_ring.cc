@@ -56,8 +56,10 @@ std::vector<int> ShardRing::WriteTargets(uint64_t position) const {
 
 std::vector<int> ShardRing::ReadCandidates(uint64_t position) const {
   std::vector<int> pref = PreferenceList(position), out;
-  for (int i : pref) if (up(i)) out.push_back(i);
-  for (int i : pref) if (!up(i)) out.push_back(i);
+  for (int i : pref)
+    if (up(i)) out.push_back(i);
+  for (int i : pref)
+    if (!up(i)) out.push_back(i);
   return out;
 }
 

@@ -8,8 +8,8 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
-#include "kvring/common/cuda_status.h"
 #include "absl/synchronization/mutex.h"
+#include "kvring/common/cuda_status.h"
 
 namespace kvring {
 namespace {
@@ -80,7 +80,8 @@ absl::StatusOr<std::unique_ptr<NcclTransport>> NcclTransport::Create(int rank, i
   t->size_ = size;
   t->device_ = device;
   if (absl::Status s = CudaError(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return s;
-  if (absl::Status s = CudaError(cudaStreamCreateWithFlags(&t->stream_, cudaStreamNonBlocking), "stream"); !s.ok()) return s;
+  if (absl::Status s = CudaError(cudaStreamCreateWithFlags(&t->stream_, cudaStreamNonBlocking), "stream"); !s.ok())
+    return s;
   ncclUniqueId id;
   std::memcpy(&id, unique_id.data(), sizeof(id));
   if (absl::Status s = NcclError(ncclCommInitRank(&t->comm_, size, id, rank), "ncclCommInitRank"); !s.ok()) return s;
@@ -92,7 +93,8 @@ NcclTransport::~NcclTransport() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
-absl::StatusOr<std::unique_ptr<TransportRequest>> NcclTransport::Isend(int peer, uint64_t, absl::Span<const uint8_t> d) {
+absl::StatusOr<std::unique_ptr<TransportRequest>> NcclTransport::Isend(int peer, uint64_t,
+                                                                       absl::Span<const uint8_t> d) {
   if (peer < 0 || peer >= size_) return absl::InvalidArgumentError("peer out of range");
   auto slot = std::make_shared<std::shared_ptr<Group>>();
   pending_.push_back({Op{true, peer, const_cast<uint8_t*>(d.data()), d.size(), nullptr}, slot});
@@ -110,7 +112,8 @@ absl::Status NcclTransport::Flush() {
   if (pending_.empty()) return absl::OkStatus();
   cudaSetDevice(device_);
   auto group = std::make_shared<Group>();
-  if (absl::Status s = CudaError(cudaEventCreateWithFlags(&group->done, cudaEventDisableTiming), "event"); !s.ok()) return s;
+  if (absl::Status s = CudaError(cudaEventCreateWithFlags(&group->done, cudaEventDisableTiming), "event"); !s.ok())
+    return s;
   ncclGroupStart();
   for (auto& [op, slot] : pending_) {
     const ncclResult_t r = op.send ? ncclSend(op.ptr, op.bytes, ncclUint8, op.peer, comm_, stream_)
@@ -170,11 +173,13 @@ class LoopbackDevRequest final : public TransportRequest {
           break;
         }
       }
-      if (std::chrono::steady_clock::now() > end) return absl::DeadlineExceededError("device loopback: no matching message");
+      if (std::chrono::steady_clock::now() > end)
+        return absl::DeadlineExceededError("device loopback: no matching message");
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
     const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(end - std::chrono::steady_clock::now());
-    if (absl::Status s = WaitEvent(ev, absl::Nanoseconds(std::max<int64_t>(0, left.count())), nullptr); !s.ok()) return s;
+    if (absl::Status s = WaitEvent(ev, absl::Nanoseconds(std::max<int64_t>(0, left.count())), nullptr); !s.ok())
+      return s;
     return n_;
   }
 
@@ -212,9 +217,10 @@ absl::StatusOr<std::unique_ptr<TransportRequest>> DeviceLoopbackTransport::Isend
     DeviceLoopbackHub::Pending r = rq.front();
     rq.pop_front();
     cudaSetDevice(device_);
-    absl::Status st = data.size() > r.bytes ? absl::OutOfRangeError("device loopback: message larger than the receive buffer")
-                                            : CudaError(cudaMemcpyAsync(r.ptr, data.data(), data.size(),
-                                                                        cudaMemcpyDeviceToDevice, stream_), "copy");
+    absl::Status st =
+        data.size() > r.bytes
+            ? absl::OutOfRangeError("device loopback: message larger than the receive buffer")
+            : CudaError(cudaMemcpyAsync(r.ptr, data.data(), data.size(), cudaMemcpyDeviceToDevice, stream_), "copy");
     auto ev = std::make_shared<DeviceLoopbackHub::Event>();
     cudaEventCreateWithFlags(&ev->ev, cudaEventDisableTiming);
     cudaEventRecord(ev->ev, stream_);
@@ -239,9 +245,10 @@ absl::StatusOr<std::unique_ptr<TransportRequest>> DeviceLoopbackTransport::Irecv
     DeviceLoopbackHub::Pending snd = sq.front();
     sq.pop_front();
     cudaSetDevice(device_);
-    absl::Status st = snd.bytes > buffer.size() ? absl::OutOfRangeError("device loopback: message larger than the receive buffer")
-                                                : CudaError(cudaMemcpyAsync(buffer.data(), snd.ptr, snd.bytes,
-                                                                            cudaMemcpyDeviceToDevice, stream_), "copy");
+    absl::Status st =
+        snd.bytes > buffer.size()
+            ? absl::OutOfRangeError("device loopback: message larger than the receive buffer")
+            : CudaError(cudaMemcpyAsync(buffer.data(), snd.ptr, snd.bytes, cudaMemcpyDeviceToDevice, stream_), "copy");
     auto ev = std::make_shared<DeviceLoopbackHub::Event>();
     cudaEventCreateWithFlags(&ev->ev, cudaEventDisableTiming);
     cudaEventRecord(ev->ev, stream_);

@@ -49,11 +49,11 @@ class KvShard {
 
  private:
   struct Seq {
-    std::vector<KvBlockRef> blocks;       // referenced and completed blocks
+    std::vector<KvBlockRef> blocks;  // referenced and completed blocks
     bool owns_tail = false;
     int64_t tail_start = 0;
-    std::vector<uint8_t> tail;            // one block, layout order
-    std::vector<uint32_t> tail_tokens;    // per layer
+    std::vector<uint8_t> tail;          // one block, layout order
+    std::vector<uint32_t> tail_tokens;  // per layer
   };
   BlockLayout layout_;
   KvEncoding encoding_;

@@ -74,10 +74,9 @@ absl::Status RingPassQ(Transport& t, const AttentionOptions& options, const Quer
 // then pass-Q (all-to-all) computes attention over all KV, the new tokens
 // included. Other ranks pass an empty q and null new_k/new_v. `out` is
 // written on the caller only.
-absl::Status DecodeStep(Transport& t, const AttentionOptions& options, int caller,
-                        const std::vector<int>& tail_owner, const QueryTensor& q, const void* new_k,
-                        const void* new_v, KvShard& shard, PartialOutput out, const RingOptions& ring,
-                        RingStats* stats = nullptr);
+absl::Status DecodeStep(Transport& t, const AttentionOptions& options, int caller, const std::vector<int>& tail_owner,
+                        const QueryTensor& q, const void* new_k, const void* new_v, KvShard& shard, PartialOutput out,
+                        const RingOptions& ring, RingStats* stats = nullptr);
 
 // The load-balanced causal layout: a sequence of `num_blocks` blocks cut into
 // 2N contiguous chunks; shard i holds chunks i and 2N-1-i. Returns the shard

@@ -32,11 +32,11 @@ class BlockIndex {
  public:
   struct Entry {
     BlockMeta meta;
-    BlockKey parent;          // zero: first block of a sequence
-    PageId page = kNoPage;    // host-tier copy, if any
-    bool in_cold = false;     // a copy is in the cold tier
-    bool anchored = false;    // every ancestor is in this index (maintained)
-    uint32_t pins = 0;        // sum of tenant pins
+    BlockKey parent;        // zero: first block of a sequence
+    PageId page = kNoPage;  // host-tier copy, if any
+    bool in_cold = false;   // a copy is in the cold tier
+    bool anchored = false;  // every ancestor is in this index (maintained)
+    uint32_t pins = 0;      // sum of tenant pins
     absl::InlinedVector<std::pair<TenantId, uint32_t>, 1> pins_by_tenant;
 
     uint32_t TenantPins(TenantId t) const;

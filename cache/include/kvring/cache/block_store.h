@@ -71,7 +71,7 @@ struct TenantUsage {
 };
 
 struct BlockStoreStats {
-  uint64_t blocks = 0;        // held in any tier
+  uint64_t blocks = 0;  // held in any tier
   uint64_t host_blocks = 0;
   uint64_t cold_only_blocks = 0;
   uint64_t pinned_blocks = 0;
@@ -88,9 +88,9 @@ struct PutArgs {
   TenantId tenant = 0;
   NamespaceId ns = 0;
   BlockKey key;
-  BlockKey parent;  // zero for the first block of a sequence
-  BlockMeta meta;   // layout, encoding, payload_bytes; checksum 0 = compute
-  bool pin = false; // leave it pinned by `tenant` (charged to its quota)
+  BlockKey parent;   // zero for the first block of a sequence
+  BlockMeta meta;    // layout, encoding, payload_bytes; checksum 0 = compute
+  bool pin = false;  // leave it pinned by `tenant` (charged to its quota)
 };
 
 struct PutResult {

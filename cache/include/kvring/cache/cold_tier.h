@@ -26,8 +26,8 @@ struct ColdBlockInfo {
 
 struct ColdTierStats {
   uint64_t blocks = 0;
-  uint64_t raw_bytes = 0;         // payload bytes before compression
-  uint64_t stored_bytes = 0;      // bytes after compression
+  uint64_t raw_bytes = 0;     // payload bytes before compression
+  uint64_t stored_bytes = 0;  // bytes after compression
   uint64_t writes = 0, reads = 0, write_errors = 0, read_errors = 0;
 };
 

@@ -36,16 +36,16 @@ typedef struct {
 typedef struct {
   const char* coordinator; /* host:port */
   const char* token;
-  const char* ns;          /* "" or NULL: the tenant's own namespace */
-  int use_ucx;             /* the daemons' UCX data plane when they have one */
-  const char* quantize;    /* ClientOptions::quantize; NULL or "": the tenant's default */
-  double rpc_timeout_s;    /* <= 0: 10 s */
+  const char* ns;       /* "" or NULL: the tenant's own namespace */
+  int use_ucx;          /* the daemons' UCX data plane when they have one */
+  const char* quantize; /* ClientOptions::quantize; NULL or "": the tenant's default */
+  double rpc_timeout_s; /* <= 0: 10 s */
   const char* tls_ca;
   const char* tls_cert;
   const char* tls_key;
-  uint32_t threads;        /* fan-out threads; 0: 16 */
-  int32_t ucx_spin_us;     /* UCX progress threads: busy-poll this long after a message (-1: by core count) */
-  int32_t ucx_busy_poll;   /* UCX progress threads never sleep */
+  uint32_t threads;      /* fan-out threads; 0: 16 */
+  int32_t ucx_spin_us;   /* UCX progress threads: busy-poll this long after a message (-1: by core count) */
+  int32_t ucx_busy_poll; /* UCX progress threads never sleep */
 } kvring_options;
 
 typedef struct {
@@ -63,17 +63,17 @@ typedef struct {
   kvring_layout layout;
   const kvring_seq* seqs;
   uint32_t num_seqs;
-  const void* q;           /* [num_rows, q_heads, head_dim] in q_dtype, rows grouped by sequence */
-  uint32_t q_dtype;        /* 0 f32, 1 f16, 2 bf16 */
+  const void* q;    /* [num_rows, q_heads, head_dim] in q_dtype, rows grouped by sequence */
+  uint32_t q_dtype; /* 0 f32, 1 f16, 2 bf16 */
   uint32_t num_rows, q_heads, head_dim;
   const int64_t* positions; /* [num_rows], host memory */
-  const void* new_k;       /* [sum append_tokens, kv_heads, head_dim] in layout.dtype */
+  const void* new_k;        /* [sum append_tokens, kv_heads, head_dim] in layout.dtype */
   const void* new_v;
   uint32_t layer;
   int causal;
   int64_t window;
-  float softmax_scale;     /* 0: 1/sqrt(head_dim) */
-  int device_buffers;      /* q, new_k, new_v and out/lse are device memory */
+  float softmax_scale; /* 0: 1/sqrt(head_dim) */
+  int device_buffers;  /* q, new_k, new_v and out/lse are device memory */
 } kvring_step_args;
 
 typedef struct {

@@ -43,7 +43,10 @@ class HttpServer {
 
  private:
   void Loop();
-  struct Route { StatusHandler handler; std::string content_type; };
+  struct Route {
+    StatusHandler handler;
+    std::string content_type;
+  };
   std::map<std::string, Route> routes_;
   int fd_ = -1;
   std::atomic<bool> stop_{false};

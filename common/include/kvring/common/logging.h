@@ -44,8 +44,7 @@ struct LogVoidify {
 };
 }  // namespace kvring
 
-#define KVRING_LOG(severity)                                                \
-  (KVRING_LOG_LEVEL_##severity < ::kvring::GetLogLevel())                   \
-      ? (void)0                                                             \
-      : ::kvring::LogVoidify() &                                            \
-            ::kvring::LogMessage(KVRING_LOG_LEVEL_##severity, __FILE__, __LINE__).stream()
+#define KVRING_LOG(severity)                              \
+  (KVRING_LOG_LEVEL_##severity < ::kvring::GetLogLevel()) \
+      ? (void)0                                           \
+      : ::kvring::LogVoidify() & ::kvring::LogMessage(KVRING_LOG_LEVEL_##severity, __FILE__, __LINE__).stream()

@@ -8,10 +8,10 @@
 #define KVRING_CONCAT_(a, b) KVRING_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define KVRING_RETURN_IF_ERROR(expr)                  \
-  do {                                                \
-    ::absl::Status kvring_status_ = (expr);           \
-    if (!kvring_status_.ok()) return kvring_status_;  \
+#define KVRING_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::absl::Status kvring_status_ = (expr);          \
+    if (!kvring_status_.ok()) return kvring_status_; \
   } while (0)
 
 // `lhs = *expr` where expr is an absl::StatusOr; returns its status on error.

@@ -43,7 +43,7 @@ struct AttendBatch {
   absl::Span<const uint8_t> queries;  // [num_rows, q_heads, head_dim] in q_dtype
   std::vector<int64_t> positions;     // [num_rows]
   std::vector<AttendSequenceSpec> sequences;
-  std::optional<BlockLayout> layout;  // required when appending
+  std::optional<BlockLayout> layout;       // required when appending
   absl::Span<const uint8_t> new_k, new_v;  // [append rows, kv_heads, head_dim] in layout->dtype
 
   uint32_t append_rows() const {

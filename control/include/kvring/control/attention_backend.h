@@ -64,8 +64,8 @@ struct StepSequence {
   std::vector<BlockRange> ranges;
   uint64_t tokens = 0;
   const std::map<uint64_t, BlockKey>* full = nullptr;
-  std::vector<StepAppend> appends;  // applied before the attention
-  uint32_t row_begin = 0, rows = 0; // its query rows (rows > 0 iff ranges is non-empty)
+  std::vector<StepAppend> appends;   // applied before the attention
+  uint32_t row_begin = 0, rows = 0;  // its query rows (rows > 0 iff ranges is non-empty)
 
   uint64_t num_blocks() const {
     uint64_t n = 0;
@@ -80,14 +80,14 @@ struct StepSequence {
 // One step on one layer: appends, then attention of every query row over its
 // sequence's listed blocks.
 struct StepPlan {
-  BlockLayout layout;    // of every sequence in the step
-  KvEncoding encoding;   // of the full blocks (open blocks are plain)
+  BlockLayout layout;   // of every sequence in the step
+  KvEncoding encoding;  // of the full blocks (open blocks are plain)
   AttentionOptions options;
   uint32_t num_rows = 0, q_heads = 0, head_dim = 0;
   DType q_dtype = DType::kBF16;
-  absl::Span<const uint8_t> queries;         // [num_rows, q_heads, head_dim]
-  absl::Span<const int64_t> positions;       // [num_rows]
-  absl::Span<const uint8_t> new_k, new_v;    // [append rows, kv_heads, head_dim] in layout.dtype
+  absl::Span<const uint8_t> queries;       // [num_rows, q_heads, head_dim]
+  absl::Span<const int64_t> positions;     // [num_rows]
+  absl::Span<const uint8_t> new_k, new_v;  // [append rows, kv_heads, head_dim] in layout.dtype
   std::vector<StepSequence> sequences;
 };
 

@@ -24,11 +24,11 @@
 namespace kvring {
 
 struct CoordinatorLinkOptions {
-  std::string coordinator;   // host:port
+  std::string coordinator;  // host:port
   // Channel credentials towards the coordinator (null: plaintext).
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   std::string cluster_token;
-  v1::NodeInfo node;         // node_id, addresses, capacity
+  v1::NodeInfo node;  // node_id, addresses, capacity
   absl::Duration start_timeout = absl::Seconds(30);
   absl::Duration rpc_timeout = absl::Seconds(2);
   // Called after the tenant directory changed.

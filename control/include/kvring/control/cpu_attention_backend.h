@@ -40,7 +40,9 @@ class CpuAttentionBackend final : public AttentionBackend {
     NamespaceId ns;
     std::string id;
     uint64_t index;
-    friend bool operator==(const OpenId& a, const OpenId& b) { return a.ns == b.ns && a.index == b.index && a.id == b.id; }
+    friend bool operator==(const OpenId& a, const OpenId& b) {
+      return a.ns == b.ns && a.index == b.index && a.id == b.id;
+    }
     template <typename H>
     friend H AbslHashValue(H h, const OpenId& k) {
       return H::combine(std::move(h), k.ns, k.id, k.index);

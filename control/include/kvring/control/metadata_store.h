@@ -28,7 +28,8 @@ class MetadataStore {
   // NOT_FOUND when absent.
   absl::StatusOr<std::string> Get(const std::string& key);
   // Visits every record whose key starts with `prefix`, in key order.
-  absl::Status ScanPrefix(const std::string& prefix, const std::function<void(const std::string&, const std::string&)>& fn);
+  absl::Status ScanPrefix(const std::string& prefix,
+                          const std::function<void(const std::string&, const std::string&)>& fn);
 
  private:
   explicit MetadataStore(rocksdb::DB* db) : db_(db) {}

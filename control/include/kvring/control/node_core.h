@@ -114,8 +114,9 @@ class NodeCore {
   // A sequence block that arrived by Put: recorded, then offered to the backend.
   absl::Status AddSequenceBlock(const v1::Tenant& t, NamespaceId ns, const std::string& id, uint64_t index,
                                 const BlockKey& key, const BlockMeta& meta, absl::Span<const uint8_t> payload);
-  absl::Status PlanSequence(NamespaceId ns, TenantId tenant, const AttendBatch& b, size_t i, uint32_t row, uint32_t arow,
-                            const BlockLayout& L, SequenceTable::Handle& h, StepSequence* ss, std::vector<uint64_t>* opens);
+  absl::Status PlanSequence(NamespaceId ns, TenantId tenant, const AttendBatch& b, size_t i, uint32_t row,
+                            uint32_t arow, const BlockLayout& L, SequenceTable::Handle& h, StepSequence* ss,
+                            std::vector<uint64_t>* opens);
   absl::Status RollBack(const StepPlan& plan, const std::vector<std::pair<size_t, uint64_t>>& opened, absl::Status why);
   absl::Status Finish(OpScope& op, std::chrono::steady_clock::time_point t0, const AttendBatch& b,
                       const std::vector<absl::Status>& seq_status, PartialOutput out, AttendStats* stats,

@@ -16,13 +16,13 @@
 namespace kvring {
 
 struct RequestLimits {
-  uint32_t max_keys = 1u << 16;          // per Lookup / Get / Pin
+  uint32_t max_keys = 1u << 16;  // per Lookup / Get / Pin
   uint32_t max_blocks_per_put = 1024;
   uint64_t max_payload_bytes = 64ull << 20;  // per block (the daemon sets its page size)
   uint64_t max_request_bytes = 512ull << 20;
   uint32_t max_attend_rows = 4096;
-  uint32_t max_attend_blocks = 1u << 20;       // blocks over all ranges of one Attend
-  uint32_t max_attend_sequences = 1024;        // sequences in one Attend
+  uint32_t max_attend_blocks = 1u << 20;  // blocks over all ranges of one Attend
+  uint32_t max_attend_sequences = 1024;   // sequences in one Attend
   uint32_t max_sequence_id_bytes = kMaxSequenceIdBytes;
   uint32_t max_namespace_bytes = kMaxNamespaceBytes;
 };

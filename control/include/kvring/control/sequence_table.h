@@ -100,10 +100,10 @@ struct OpenBlockState {
 };
 
 struct SequenceState {
-  std::optional<BlockLayout> layout;  // known once a block was put, appended or read here
-  KvEncoding encoding;                // of its full blocks
+  std::optional<BlockLayout> layout;    // known once a block was put, appended or read here
+  KvEncoding encoding;                  // of its full blocks
   std::map<uint64_t, BlockKey> blocks;  // full blocks held here
-  BlockRuns runs;                        // the same indices, as runs
+  BlockRuns runs;                       // the same indices, as runs
   std::map<uint64_t, OpenBlockState> open;
 };
 

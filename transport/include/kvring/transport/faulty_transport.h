@@ -26,8 +26,7 @@ class FaultyTransport final : public Transport {
   BufferKind buffer_kind() const override { return inner_->buffer_kind(); }
   absl::StatusOr<std::unique_ptr<TransportRequest>> Isend(int peer, uint64_t tag,
                                                           absl::Span<const uint8_t> data) override;
-  absl::StatusOr<std::unique_ptr<TransportRequest>> Irecv(int peer, uint64_t tag,
-                                                          absl::Span<uint8_t> buffer) override {
+  absl::StatusOr<std::unique_ptr<TransportRequest>> Irecv(int peer, uint64_t tag, absl::Span<uint8_t> buffer) override {
     return inner_->Irecv(peer, tag, buffer);
   }
 

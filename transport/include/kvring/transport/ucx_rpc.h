@@ -26,11 +26,10 @@
 // (from any thread). An optional fast handler sees each request first, on
 // the UCX worker's own thread (no hand-off to the pool and back): it either
 // replies and returns true, or leaves request and replier untouched and
-// returns false (the request then goes to the pool). It must not block. Payload spans given to Send() must stay valid until the
-// reply is sent: pass their owner as `keepalive`.
-// UcxRpcClient: one endpoint to a server; Call() is thread-safe and may be
-// issued from many threads at once. A connection failure fails every
-// pending call with UNAVAILABLE. Both are torn down by their destructors.
+// returns false (the request then goes to the pool). It must not block. Payload spans given to Send() must stay valid
+// until the reply is sent: pass their owner as `keepalive`. UcxRpcClient: one endpoint to a server; Call() is
+// thread-safe and may be issued from many threads at once. A connection failure fails every pending call with
+// UNAVAILABLE. Both are torn down by their destructors.
 #pragma once
 
 #include <functional>

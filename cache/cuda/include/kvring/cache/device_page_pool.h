@@ -30,7 +30,7 @@
 namespace kvring {
 
 struct DevicePagePoolOptions {
-  size_t page_bytes = 2 << 20;     // Default: 2 MiB (one Llama-3-8B block of 16 tokens)
+  size_t page_bytes = 2 << 20;  // Default: 2 MiB (one Llama-3-8B block of 16 tokens)
   size_t num_pages = 512;
   int device = 0;
   size_t slab_bytes = 1ull << 30;  // Default: 1 GiB per cudaMalloc
@@ -99,7 +99,8 @@ class DeviceBlock {
 class DeviceBlockTier {
  public:
   // `host` (not owned) is the next tier and must outlive this one.
-  static absl::StatusOr<std::unique_ptr<DeviceBlockTier>> Create(const DeviceBlockTierOptions& options, BlockStore* host);
+  static absl::StatusOr<std::unique_ptr<DeviceBlockTier>> Create(const DeviceBlockTierOptions& options,
+                                                                 BlockStore* host);
   ~DeviceBlockTier();
   DeviceBlockTier(const DeviceBlockTier&) = delete;
   DeviceBlockTier& operator=(const DeviceBlockTier&) = delete;

@@ -23,30 +23,38 @@ enum class DType : uint8_t {
 
 constexpr uint32_t DTypeSize(DType t) {
   switch (t) {
-    case DType::kF32: return 4;
-    case DType::kF16: return 2;
-    case DType::kBF16: return 2;
-    case DType::kFP8E4M3: return 1;
-    case DType::kINT8: return 1;
+    case DType::kF32:
+      return 4;
+    case DType::kF16:
+      return 2;
+    case DType::kBF16:
+      return 2;
+    case DType::kFP8E4M3:
+      return 1;
+    case DType::kINT8:
+      return 1;
   }
   return 0;
 }
 
 constexpr const char* DTypeName(DType t) {
   switch (t) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
-    case DType::kFP8E4M3: return "fp8e4m3";
-    case DType::kINT8: return "int8";
+    case DType::kF32:
+      return "f32";
+    case DType::kF16:
+      return "f16";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kFP8E4M3:
+      return "fp8e4m3";
+    case DType::kINT8:
+      return "int8";
   }
   return "invalid";
 }
 
 // True for the dtypes an engine's KV comes in (fp32/fp16/bf16).
-constexpr bool IsFloatKvDType(DType t) {
-  return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16;
-}
+constexpr bool IsFloatKvDType(DType t) { return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16; }
 
 // Limits accepted at kvring's boundaries.
 inline constexpr uint32_t kMinBlockTokens = 1;
@@ -83,12 +91,18 @@ struct BlockLayout {
   // False with a static reason in *why when a field is out of range.
   constexpr bool IsValid(const char** why) const {
     const char* reason = nullptr;
-    if (block_tokens < kMinBlockTokens || block_tokens > kMaxBlockTokens) reason = "block_tokens must be in [1, 256]";
-    else if (layers == 0 || layers > kMaxLayers) reason = "layers must be in [1, 256]";
-    else if (kv_heads == 0 || kv_heads > kMaxKvHeads) reason = "kv_heads must be in [1, 256]";
-    else if (head_dim == 0 || head_dim > kMaxHeadDim || head_dim % 8 != 0) reason = "head_dim must be a multiple of 8 in [8, 512]";
-    else if (!IsFloatKvDType(dtype)) reason = "dtype must be f32, f16 or bf16";
-    else if (bytes() > kMaxBlockBytes) reason = "block is larger than 64 MiB";
+    if (block_tokens < kMinBlockTokens || block_tokens > kMaxBlockTokens)
+      reason = "block_tokens must be in [1, 256]";
+    else if (layers == 0 || layers > kMaxLayers)
+      reason = "layers must be in [1, 256]";
+    else if (kv_heads == 0 || kv_heads > kMaxKvHeads)
+      reason = "kv_heads must be in [1, 256]";
+    else if (head_dim == 0 || head_dim > kMaxHeadDim || head_dim % 8 != 0)
+      reason = "head_dim must be a multiple of 8 in [8, 512]";
+    else if (!IsFloatKvDType(dtype))
+      reason = "dtype must be f32, f16 or bf16";
+    else if (bytes() > kMaxBlockBytes)
+      reason = "block is larger than 64 MiB";
     if (why != nullptr) *why = reason;
     return reason == nullptr;
   }

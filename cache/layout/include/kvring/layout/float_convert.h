@@ -45,7 +45,7 @@ inline uint16_t FloatToF16(float f) {
   const uint32_t b = FloatToBits(f);
   const uint32_t sign = (b >> 16) & 0x8000u;
   const uint32_t abs = b & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to Inf
   if (abs < 0x38800000u) {  // below the smallest normal (2^-14): subnormal or zero
     const float a = BitsToFloat(abs);

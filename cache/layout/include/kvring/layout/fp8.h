@@ -35,7 +35,10 @@ constexpr uint8_t FloatToFp8E4M3(float f) {
   uint8_t lo = 0, hi = 0x7e;
   while (lo < hi) {  // first code with value >= a
     const uint8_t mid = static_cast<uint8_t>((lo + hi) / 2);
-    if (Fp8E4M3ToFloat(mid) < a) lo = static_cast<uint8_t>(mid + 1); else hi = mid;
+    if (Fp8E4M3ToFloat(mid) < a)
+      lo = static_cast<uint8_t>(mid + 1);
+    else
+      hi = mid;
   }
   uint8_t code = lo;
   if (code > 0) {

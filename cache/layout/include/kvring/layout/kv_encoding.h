@@ -29,7 +29,9 @@ struct KvEncoding {
 
   constexpr bool quantized() const { return codec != KvCodec::kPlain; }
   // One byte: codec in the low nibble, scale mode in the high nibble.
-  constexpr uint8_t Pack() const { return static_cast<uint8_t>(static_cast<uint8_t>(codec) | (static_cast<uint8_t>(scales) << 4)); }
+  constexpr uint8_t Pack() const {
+    return static_cast<uint8_t>(static_cast<uint8_t>(codec) | (static_cast<uint8_t>(scales) << 4));
+  }
   static constexpr bool Unpack(uint8_t b, KvEncoding* out) {
     const uint8_t c = b & 0xf, s = b >> 4;
     if (c > 2 || s > 2) return false;
@@ -44,9 +46,12 @@ struct KvEncoding {
 
 constexpr uint64_t ScaleCount(const BlockLayout& l, ScaleMode m) {
   switch (m) {
-    case ScaleMode::kPerHead: return uint64_t{l.layers} * 2 * l.kv_heads;
-    case ScaleMode::kPerToken: return uint64_t{l.layers} * 2 * l.kv_heads * l.block_tokens;
-    case ScaleMode::kKChannelVToken: return uint64_t{l.layers} * l.kv_heads * (l.head_dim + l.block_tokens);
+    case ScaleMode::kPerHead:
+      return uint64_t{l.layers} * 2 * l.kv_heads;
+    case ScaleMode::kPerToken:
+      return uint64_t{l.layers} * 2 * l.kv_heads * l.block_tokens;
+    case ScaleMode::kKChannelVToken:
+      return uint64_t{l.layers} * l.kv_heads * (l.head_dim + l.block_tokens);
   }
   return 0;
 }
@@ -62,8 +67,10 @@ constexpr uint64_t EncodedBytes(const BlockLayout& l, KvEncoding e) {
 constexpr uint64_t ScaleIndex(const BlockLayout& l, ScaleMode m, uint32_t layer, uint32_t kv, uint32_t head,
                               uint32_t token, uint32_t dim) {
   switch (m) {
-    case ScaleMode::kPerHead: return (uint64_t{layer} * 2 + kv) * l.kv_heads + head;
-    case ScaleMode::kPerToken: return ((uint64_t{layer} * 2 + kv) * l.kv_heads + head) * l.block_tokens + token;
+    case ScaleMode::kPerHead:
+      return (uint64_t{layer} * 2 + kv) * l.kv_heads + head;
+    case ScaleMode::kPerToken:
+      return ((uint64_t{layer} * 2 + kv) * l.kv_heads + head) * l.block_tokens + token;
     case ScaleMode::kKChannelVToken: {
       const uint64_t per_layer = uint64_t{l.kv_heads} * (l.head_dim + l.block_tokens);
       const uint64_t base = layer * per_layer;

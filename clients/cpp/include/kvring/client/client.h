@@ -123,7 +123,7 @@ struct AttendReport {
   // The slowest shard's own time on its request, and within it the
   // attention computation and the host<->device copies (GPU nodes).
   double node_seconds = 0, kernel_seconds = 0, copy_seconds = 0;
-  double merge_seconds = 0;      // merging the shards' partials here
+  double merge_seconds = 0;  // merging the shards' partials here
 };
 
 // One sequence of an attention step.

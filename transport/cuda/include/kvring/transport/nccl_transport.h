@@ -37,7 +37,8 @@ class NcclTransport final : public Transport {
   int size() const override { return size_; }
   std::string_view name() const override { return "nccl"; }
   BufferKind buffer_kind() const override { return BufferKind::kDevice; }
-  absl::StatusOr<std::unique_ptr<TransportRequest>> Isend(int peer, uint64_t tag, absl::Span<const uint8_t> data) override;
+  absl::StatusOr<std::unique_ptr<TransportRequest>> Isend(int peer, uint64_t tag,
+                                                          absl::Span<const uint8_t> data) override;
   absl::StatusOr<std::unique_ptr<TransportRequest>> Irecv(int peer, uint64_t tag, absl::Span<uint8_t> buffer) override;
   absl::Status Flush() override;
   cudaStream_t stream() const { return stream_; }
@@ -73,7 +74,8 @@ class DeviceLoopbackTransport final : public Transport {
   int size() const override { return size_; }
   std::string_view name() const override { return "device-loopback"; }
   BufferKind buffer_kind() const override { return BufferKind::kDevice; }
-  absl::StatusOr<std::unique_ptr<TransportRequest>> Isend(int peer, uint64_t tag, absl::Span<const uint8_t> data) override;
+  absl::StatusOr<std::unique_ptr<TransportRequest>> Isend(int peer, uint64_t tag,
+                                                          absl::Span<const uint8_t> data) override;
   absl::StatusOr<std::unique_ptr<TransportRequest>> Irecv(int peer, uint64_t tag, absl::Span<uint8_t> buffer) override;
 
  private:

@@ -47,7 +47,7 @@ absl::Status GpuRingPassQ(Transport& t, const AttnParams& p, const QueryView& q,
 // Single-GPU partial attention picking the kernel: decode (split-KV, CUDA
 // cores) for few rows per sequence, prefill (tensor cores) otherwise.
 // Allocates the decode workspace itself (stream-ordered).
-absl::Status AttendLocal(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int max_pages_per_seq,
-                         cudaStream_t stream);
+absl::Status AttendLocal(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
+                         int max_pages_per_seq, cudaStream_t stream);
 
 }  // namespace kvring::cuda

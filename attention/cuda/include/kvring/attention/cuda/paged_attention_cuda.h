@@ -8,11 +8,10 @@
 // the same contract as the CPU PartialAttention (attention/partial_attention.h).
 //
 // KV pages use the block layout [layer][K|V][kv_head][token][head_dim] in
-// bf16 or fp16, or int8/fp8 codes with per-block scales (decode). A sequence is a list of pages, all full but the last; each
-// page carries the absolute position of its token 0, so a shard may hold any
-// subset of a sequence's blocks. Queries are grouped by sequence (CSR).
-// Only these header types cross into device code; the header needs nothing
-// but the CUDA runtime.
+// bf16 or fp16, or int8/fp8 codes with per-block scales (decode). A sequence is a list of pages, all full but the last;
+// each page carries the absolute position of its token 0, so a shard may hold any subset of a sequence's blocks.
+// Queries are grouped by sequence (CSR). Only these header types cross into device code; the header needs nothing but
+// the CUDA runtime.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,20 +24,20 @@ namespace kvring::cuda {
 enum class KvType : int32_t { kBF16 = 0, kF16 = 1 };
 
 struct PagedKvView {
-  const void* pool = nullptr;          // base address of the page pool
-  uint64_t page_stride = 0;            // bytes between consecutive pages
+  const void* pool = nullptr;  // base address of the page pool
+  uint64_t page_stride = 0;    // bytes between consecutive pages
   int32_t block_tokens = 16, layers = 1, kv_heads = 8, head_dim = 128;
-  KvType dtype = KvType::kBF16;        // of the queries, and of plain pages
+  KvType dtype = KvType::kBF16;  // of the queries, and of plain pages
   // Quantized pages (kv_encoding.h): codec 1 int8, 2 fp8-e4m3 (0: plain
   // pages of `dtype`); scales 0 per head, 1 per token, 2 K per channel and
   // V per token. A quantized page holds 1-byte codes in the block layout,
   // then the fp32 scales. Decode only (PagedPrefill refuses them).
   int32_t codec = 0, scales = 0;
-  int32_t layer = 0;                   // the layer to attend over
-  const int32_t* page_ids = nullptr;   // [listed pages] pool page of each listed block
-  const int32_t* page_pos = nullptr;   // [listed pages] absolute position of each block's token 0
+  int32_t layer = 0;                        // the layer to attend over
+  const int32_t* page_ids = nullptr;        // [listed pages] pool page of each listed block
+  const int32_t* page_pos = nullptr;        // [listed pages] absolute position of each block's token 0
   const int32_t* seq_page_begin = nullptr;  // [num_seqs + 1] CSR into page_ids
-  const int32_t* seq_tokens = nullptr; // [num_seqs] valid tokens of each sequence's listed pages
+  const int32_t* seq_tokens = nullptr;      // [num_seqs] valid tokens of each sequence's listed pages
   int32_t num_seqs = 0;
   // The caller's promise that the tables (page_ids, page_pos, seq_page_begin,
   // seq_tokens, and the query view's seq_row_begin) are not written by any
@@ -54,11 +53,11 @@ struct PagedKvView {
 };
 
 struct QueryView {
-  const void* q = nullptr;             // [num_rows, q_heads, head_dim], dtype of the KV
-  const int32_t* positions = nullptr;  // [num_rows] absolute positions
+  const void* q = nullptr;                 // [num_rows, q_heads, head_dim], dtype of the KV
+  const int32_t* positions = nullptr;      // [num_rows] absolute positions
   const int32_t* seq_row_begin = nullptr;  // [num_seqs + 1] rows grouped by sequence
   int32_t num_rows = 0, q_heads = 0;
-  int32_t max_rows_per_seq = 1;        // bound used for launch shapes
+  int32_t max_rows_per_seq = 1;  // bound used for launch shapes
 };
 
 struct OutputView {
@@ -69,7 +68,7 @@ struct OutputView {
 struct AttnParams {
   float softmax_scale = 0;  // 0: 1/sqrt(head_dim)
   bool causal = true;
-  int32_t window = 0;       // > 0: keys at positions > p - window only
+  int32_t window = 0;  // > 0: keys at positions > p - window only
 };
 
 // ---- decode: few query rows per sequence, KV split across CTAs (flash-decoding)
@@ -131,7 +130,8 @@ namespace kvring::cuda {
 // Copies the `layer` slice ([K|V][kv_head][token][head_dim]) of each listed
 // page into `dst`, one slice after another: the packed form a KV chunk takes
 // on the wire, itself a page pool of one-layer pages (stride = slice bytes).
-cudaError_t PackLayerPages(const PagedKvView& kv, const int32_t* page_ids, int num_pages, void* dst, cudaStream_t stream);
+cudaError_t PackLayerPages(const PagedKvView& kv, const int32_t* page_ids, int num_pages, void* dst,
+                           cudaStream_t stream);
 // Bytes of one packed slice.
 inline uint64_t LayerSliceBytes(const PagedKvView& kv) {
   return 2ull * kv.kv_heads * kv.block_tokens * kv.head_dim * 2;
