@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command. Sets up (deploy/setup.sh), then:
+#  0. the format check: every C++/CUDA file as .clang-format has it
+#     (fix with: git ls-files '*.cc' '*.h' '*.cu' '*.cuh' | xargs clang-format -i);
 #  1. every test of the main build through ctest (GPU tests, label gpu, skip
 #     themselves without a device);
 #  2. a clang build (build-asan/) with ASan + UBSan, libFuzzer and
@@ -11,6 +13,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
+echo "[tests] phase 0: clang-format check"
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  git ls-files '*.cc' '*.h' '*.cu' '*.cuh' | xargs clang-format --dry-run --Werror
+else
+  find . -path ./build\* -prune -o \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) -print \
+    | xargs clang-format --dry-run --Werror
+fi
 BUILD_DIR=${KVRING_BUILD_DIR:-build}
 echo "[tests] phase 1: ctest in $BUILD_DIR"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j"$(nproc)" --timeout 600 ${KVRING_CTEST_ARGS:-}

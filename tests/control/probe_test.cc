@@ -144,6 +144,39 @@ TEST(ProbeTest, ANewTenantIsServedTheMomentItIsCreated) {
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kUnauthenticated) << bad.status();
 }
 
+// A tenant table of several pages (~1.3 MB: 150 tenants with 64 long
+// shared namespaces each) reaches every daemon: a tenant created after them
+// works at once, and one of the first ones still does.
+TEST(ProbeTest, DaemonsLearnATenantTableOfManyPages) {
+  Cluster cl(ClusterOptions{.nodes = 2, .replication = 2});
+  ASSERT_TRUE(cl.Start());
+  TenantSpec spec;
+  for (int i = 0; i < 64; ++i)
+    spec.shared_namespaces.push_back("shared/" + std::string(100, 'a' + i % 26) + std::to_string(i));
+  std::string first_token;
+  for (int t = 0; t < 150; ++t) {
+    spec.name = "bulk" + std::to_string(t);
+    absl::StatusOr<CreatedTenant> ct = CreateTenant(cl.coordinator_address(), cl.admin_token(), spec);
+    ASSERT_TRUE(ct.ok()) << t << ": " << ct.status();
+    if (t == 0) first_token = ct->token;
+  }
+  for (const std::string& name : {std::string("late"), std::string()}) {
+    std::string token = first_token;
+    if (!name.empty()) {
+      absl::StatusOr<std::string> t = CreateTenantNow(cl, name);
+      ASSERT_TRUE(t.ok()) << t.status();
+      token = *t;
+    }
+    auto c = cl.Connect(token);
+    ASSERT_TRUE(c.ok()) << c.status();
+    Blocks b = MakeChain(**c, SmallLayout(), "m", 12, 2);
+    absl::StatusOr<PutReport> r = (*c)->Put(b.data);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->replicas_written, 4u);
+  }
+  EXPECT_EQ(cl.Log("node0.log").find("Received message larger than max"), std::string::npos);
+}
+
 // A pinned put refused on some replica by the tenant's quota leaves no pins
 // anywhere: the failed put's pins are taken back.
 TEST(ProbeTest, AFailedPinnedPutLeavesNoPins) {
@@ -172,6 +205,46 @@ TEST(ProbeTest, AFailedPinnedPutLeavesNoPins) {
   uint64_t pinned = 0;
   for (const NodeStats& s : (*c)->Stats()) pinned += s.pinned_blocks;
   EXPECT_EQ(pinned, 2 * ok_puts) << ok_puts << " puts succeeded, " << failed << " failed";
+}
+
+// Attend over absurd lengths: a clear error, never zero chunks or a
+// bad_alloc; a sequence attended beyond what it holds says how much it holds.
+TEST(ProbeTest, AttendOverHugeLengthsIsAnError) {
+  Cluster cl(ClusterOptions{.nodes = 2, .replication = 1});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("huge");
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  Blocks b = MakeChain(**c, SmallLayout(), "m", 4, 4);
+  ASSERT_TRUE((*c)->PutSequence("s", 0, b.data).ok());
+  std::vector<uint16_t> q(4 * 64, FloatToBf16(0.5f));
+  std::vector<int64_t> pos = {10};
+  QueryTensor qt{q.data(), DType::kBF16, 1, 4, 64, pos.data(), nullptr};
+  for (uint64_t tokens : {~uint64_t{0}, uint64_t{1} << 40}) {
+    auto out = (*c)->Attend("s", SmallLayout(), tokens, qt, {});
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << tokens << ": " << out.status();
+  }
+  // Appending one token to a context of 2^64 - 1 tokens must not wrap around.
+  std::vector<uint16_t> kv(2 * 64, FloatToBf16(0.25f));
+  AttendSequence seq;
+  seq.sequence_id = "s";
+  seq.context_tokens = ~uint64_t{0};
+  seq.rows = 1;
+  seq.append_tokens = 1;
+  AttendStep step;
+  step.layout = SmallLayout();
+  step.sequences = {seq};
+  step.q = qt;
+  step.new_k = kv.data();
+  step.new_v = kv.data();
+  std::vector<float> o(4 * 64), lse(4);
+  absl::Status st = (*c)->StepInto(step, PartialOutput{o.data(), lse.data()});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  // 8 blocks asked of a sequence that holds 4.
+  auto more = (*c)->Attend("s", SmallLayout(), 8 * 16, qt, {});
+  EXPECT_FALSE(more.ok());
+  EXPECT_NE(more.status().message().find("4"), std::string::npos) << more.status();
 }
 
 // One Get of 120 cold blocks from a node with 8 host pages, over UCX (which

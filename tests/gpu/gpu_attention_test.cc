@@ -9,6 +9,7 @@
 #include "kvring/attention/cuda/gpu_ring.h"
 #include "kvring/attention/merge.h"
 #include "kvring/cache/quantize.h"
+#include "kvring/transport/device_loopback_transport.h"
 #include "kvring/transport/nccl_transport.h"
 
 namespace kvring {

@@ -3,7 +3,7 @@
 #include <random>
 
 #include "gpu_test_util.h"
-#include "kvring/cache/device_page_pool.h"
+#include "kvring/cache/device_block_tier.h"
 
 namespace kvring {
 namespace {

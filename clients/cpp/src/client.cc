@@ -800,7 +800,7 @@ class ClientImpl {
       if (!seen.emplace(s.sequence_id, 0).second) {
         return absl::InvalidArgumentError(absl::StrCat("sequence '", s.sequence_id, "' named twice in one step"));
       }
-      if (s.context_tokens + s.append_tokens > kMaxSequenceTokens) {
+      if (s.context_tokens > kMaxSequenceTokens || s.append_tokens > kMaxSequenceTokens - s.context_tokens) {
         return absl::InvalidArgumentError(
             absl::StrCat("sequence '", s.sequence_id, "' would exceed ", kMaxSequenceTokens, " tokens"));
       }

@@ -1,9 +1,12 @@
 // Transport: tagged point-to-point messages between the ranks of a group.
 //
-// One interface, several fabrics: LoopbackTransport (in-process, tests),
-// UcxTransport (host memory over TCP / shared memory / RDMA), NcclTransport
-// (GPU memory between GPU ranks). Each is plugged in behind this class and
-// the ring algorithms (attention/ring.h) run unchanged on any of them.
+// One interface, several fabrics: LoopbackTransport (in-process, host
+// memory; loopback_transport.h), FaultyTransport (a wrapper that injects
+// faults, for tests), NcclTransport (GPU memory between GPU ranks over NCCL)
+// and DeviceLoopbackTransport (GPU memory between ranks of one process). The
+// ring algorithms (attention/ring.h) run unchanged on any of them. (There is
+// no UCX Transport: across nodes, the daemons' UCX plane is request/reply,
+// ucx_rpc.h, and pass-Q needs no ring between nodes.)
 //
 // Contract:
 //  - Messages from one sender to one receiver with the same tag arrive in the
