@@ -281,6 +281,29 @@ def decode_rate(c, model, name, prompt_len, n_new, shards_label, results):
         f"sdpa {local_mem / 1e9:.2f} GB")
 
 
+class Sections:
+    """Runs the named parts of a benchmark: an exception is recorded under results["errors"] (and the run goes
+    on), a part returning False fails the run, and the results are saved to `path` after every part."""
+
+    def __init__(self, results, path):
+        self.results, self.path, self.ok = results, Path(path), True
+
+    def save(self):
+        self.path.write_text(json.dumps(self.results, indent=1, default=str))
+
+    def __call__(self, name, f):
+        t0 = time.time()
+        try:
+            self.ok &= f() is not False
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            self.results.setdefault("errors", {})[name] = repr(e)
+            self.ok = False
+        log(f"   ({name}: {time.time() - t0:.0f} s)")
+        self.save()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bin", default=str(ROOT / ".gpu"))
@@ -296,7 +319,6 @@ def main():
     import transformers
     results["transformers"] = transformers.__version__
     results["torch"] = torch.__version__
-    ok = True
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     page = str(2 << 20)  # one 16-token block of all 32 layers (8B); the 40-layer shape's blocks are 2.5 MiB
@@ -306,22 +328,7 @@ def main():
     if "figures" in parts:
         parts |= {"ttft", "decode"}
 
-    def save():
-        (out / "hf_e2e.json").write_text(json.dumps(results, indent=1, default=str))
-
-    def section(name, f):
-        nonlocal ok
-        t0 = time.time()
-        try:
-            r = f()
-            ok &= r is not False
-        except Exception as e:  # noqa: BLE001
-            import traceback
-            traceback.print_exc()
-            results.setdefault("errors", {})[name] = repr(e)
-            ok = False
-        log(f"   ({name}: {time.time() - t0:.0f} s)")
-        save()
+    section = Sections(results, out / "hf_e2e.json")
 
     if parts & {"passq", "prefix", "evicted", "kill", "ttft", "decode"}:
         log("== Llama-3-8B shapes (random weights)")
@@ -371,9 +378,9 @@ def main():
             c.close()
         del model
         torch.cuda.empty_cache()
-    log("hf_e2e: " + ("all checks passed" if ok else "SOME CHECKS FAILED"))
-    save()
-    sys.exit(0 if ok else 1)
+    log("hf_e2e: " + ("all checks passed" if section.ok else "SOME CHECKS FAILED"))
+    section.save()
+    sys.exit(0 if section.ok else 1)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_e2e import build_model, log  # noqa: E402
+from hf_e2e import Sections, build_model, log  # noqa: E402
 
 
 def rand_tokens(g, n, vocab):
@@ -243,23 +243,8 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = args.only.split(",")
-    ok = True
 
-    def save():
-        (out / "hf_workloads.json").write_text(json.dumps(results, indent=1, default=str))
-
-    def section(name, f):
-        nonlocal ok
-        t0 = time.time()
-        try:
-            f()
-        except Exception as e:  # noqa: BLE001
-            import traceback
-            traceback.print_exc()
-            results.setdefault("errors", {})[name] = repr(e)
-            ok = False
-        log(f"   ({name}: {time.time() - t0:.0f} s)")
-        save()
+    section = Sections(results, out / "hf_workloads.json")
 
     # cuDNN's SDPA builds an execution plan for each new sequence length (tens of ms each, once per process):
     # a turn's first generate meets 16 new lengths, the same turn's recompute right after meets none, which
@@ -289,9 +274,9 @@ def main():
         if "agent" in parts:
             section("agent", lambda: agent(c, model, results, args.agent_tokens))
         c.close()
-    log("hf_workloads: " + ("done" if ok else "SOME SECTIONS FAILED"))
-    save()
-    sys.exit(0 if ok else 1)
+    log("hf_workloads: " + ("done" if section.ok else "SOME SECTIONS FAILED"))
+    section.save()
+    sys.exit(0 if section.ok else 1)
 
 
 if __name__ == "__main__":
