@@ -261,15 +261,20 @@ def latency(args, kvring, kt, dev, results):
     ctx = 32768 if dev.type == "cuda" else 2048
     rows_out = []
     steps = 60 if args.quick else 200
-    # (shards, batches, UCX progress: spin microseconds of daemons and client, busy poll)
-    configs = [(int(n), (1, 8, 32), -1, False) for n in args.shards.split(",")]
-    if dev.type == "cuda" and args.shards == "1,4":  # the UCX progress settings compared (bench/RESULTS.md)
-        configs += [(1, (1,), 200, False), (1, (1,), 0, True), (4, (1,), 0, True)]
+    # (shards, batches, UCX progress: spin microseconds of daemons and client, busy poll, and the rows up to
+    # which the daemons serve a step on their UCX thread: --ucx_inline_attend_rows)
+    configs = [(int(n), (1, 8, 32), -1, False, 0) for n in args.shards.split(",")]
+    if args.inline_compare:  # steps on the daemons' UCX thread against the handler pool, one process each
+        configs = [(1, (1, 8), -1, False, 0), (1, (1, 8), -1, False, 64), (1, (1,), 200, False, 0),
+                   (1, (1,), 200, False, 64), (4, (1,), -1, False, 0), (4, (1,), -1, False, 64)]
+    elif dev.type == "cuda" and args.shards == "1,4":  # the UCX progress settings compared (bench/RESULTS.md)
+        configs += [(1, (1,), 200, False, 0), (1, (1,), 0, True, 0), (4, (1,), 0, True, 0)]
     else:
-        configs = [(1, (1, 4), -1, False), (4, (1,), -1, False)]
-    for shards, batches, spin, busy in configs:
+        configs = [(1, (1, 4), -1, False, 0), (4, (1,), -1, False, 0), (1, (1,), -1, False, 64)]
+    for shards, batches, spin, busy, inline in configs:
         chunk = max(1, (ctx // BT + shards - 1) // shards)
-        dflags = (f"--ucx_spin_us={spin}" if spin >= 0 else "") + (" --ucx_busy_poll" if busy else "")
+        dflags = ((f"--ucx_spin_us={spin}" if spin >= 0 else "") + (" --ucx_busy_poll" if busy else "") +
+                  (f" --ucx_inline_attend_rows={inline}" if inline else ""))
         with LocalCluster(nodes=shards, port=7800, replication=1, host_bytes="8G" if args.gpu >= 0 else "512M",
                           page_bytes=str(layout.bytes), gpu=args.gpu, hbm_bytes="10G", chunk_blocks=chunk, bin=args.bin,
                           root=ROOT, daemon_flags=dflags, gpus=args.gpu_list) as cl:
@@ -307,6 +312,7 @@ def latency(args, kvring, kt, dev, results):
                 rt = [r["seconds"] for r in reps]
                 row = {
                     "shards": shards, "batch": batch, "context": ctx, "ucx_spin_us": spin, "ucx_busy_poll": busy,
+                    "inline_attend_rows": inline,
                     "round_trip_p50_us": pct(rt, 50) * 1e6, "round_trip_p99_us": pct(rt, 99) * 1e6,
                     "python_wall_p50_us": pct(walls, 50) * 1e6,
                     "node_p50_us": pct([r["node_seconds"] for r in reps], 50) * 1e6,
@@ -320,7 +326,8 @@ def latency(args, kvring, kt, dev, results):
                 row["transfer_p50_us"] = row["round_trip_p50_us"] - row["node_p50_us"] - row["merge_p50_us"]
                 row["over_local_us"] = row["round_trip_p50_us"] - row["local_kernel_us"]
                 rows_out.append(row)
-                log(f"  {shards} shard(s), batch {batch:2d}, {ctx // 1024}K, UCX {'busy-poll' if busy else f'spin {spin}'}: "
+                log(f"  {shards} shard(s), batch {batch:2d}, {ctx // 1024}K, UCX {'busy-poll' if busy else f'spin {spin}'}"
+                    f"{', steps on the UCX thread' if inline else ''}: "
                     f"round trip p50 {row['round_trip_p50_us']:7.1f} us p99 {row['round_trip_p99_us']:7.1f} "
                     f"(python {row['python_wall_p50_us']:.0f}); node {row['node_p50_us']:.1f} = kernel {row['kernel_p50_us']:.1f} "
                     f"+ copies {row['copies_p50_us']:.1f}; merge {row['merge_p50_us']:.1f}; local kernel "
@@ -471,6 +478,8 @@ def main():
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run on CPU daemons")
     p.add_argument("--gpus", default="0", help="devices of the daemons (daemon i on the i-th mod n): 0,1,2,3 on a "
                    "4-GPU host; the default shares GPU 0")
+    p.add_argument("--inline-compare", action="store_true",
+                   help="latency: decode steps on the daemons' UCX thread (--ucx_inline_attend_rows) against the pool")
     p.add_argument("--shards", default="1,4", help="shard counts of the latency part (e.g. 1,2,4,8 on 8 GPUs)")
     ARGS = args = p.parse_args()
     import kvring

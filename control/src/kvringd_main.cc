@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
   std::string log_level = "info", ucx_listen;
   int64_t gpu = -1, gpu_lanes = 4, ucx_spin_us = -1;
   bool ucx_busy_poll = false;
+  int64_t ucx_inline_attend_rows = 0;
   uint64_t hbm_bytes = 0;
   uint64_t host_bytes = 1ull << 30, page_bytes = 2ull << 20, max_message = 256ull << 20;
   int64_t threads = 0;
@@ -103,6 +104,9 @@ int main(int argc, char** argv) {
       "UCX progress thread: busy-poll this long after each message before sleeping (-1: 20 with 8+ cores, else 0)");
   flags.AddBool("ucx_busy_poll", &ucx_busy_poll,
                 "UCX progress thread: poll without ever sleeping (lowest latency, one core busy)");
+  flags.AddInt("ucx_inline_attend_rows", &ucx_inline_attend_rows,
+               "serve Attend steps of at most this many query rows (decode) on the UCX thread itself: two thread "
+               "hand-offs fewer a step, while that thread serves nothing else (0: off)");
   flags.AddString("port_file", &port_file, "write the bound gRPC port here once serving (for scripts and tests)");
   flags.AddString("log_level", &log_level, "debug, info, warning or error");
   TlsConfig tls;
@@ -239,10 +243,17 @@ int main(int argc, char** argv) {
   std::unique_ptr<UcxDataPlane> ucx;
   std::string ucx_address;
   if (!ucx_listen.empty()) {
-    UcxLoopOptions lo;
-    lo.spin_us = static_cast<int>(ucx_spin_us);
-    lo.wakeup = !ucx_busy_poll;
-    auto u = UcxDataPlane::Start(&core, ucx_listen, max_message, 4, lo);
+    if (ucx_inline_attend_rows < 0 || ucx_inline_attend_rows > 4096) {
+      return Fail(absl::InvalidArgumentError("--ucx_inline_attend_rows must be in [0, 4096]"), "flags");
+    }
+    UcxDataPlaneOptions uo;
+    uo.listen = ucx_listen;
+    uo.max_message_bytes = max_message;
+    uo.threads = 4;
+    uo.loop.spin_us = static_cast<int>(ucx_spin_us);
+    uo.loop.wakeup = !ucx_busy_poll;
+    uo.inline_attend_rows = static_cast<uint32_t>(ucx_inline_attend_rows);
+    auto u = UcxDataPlane::Start(&core, uo);
     if (!u.ok()) return Fail(u.status(), "UCX data plane");
     ucx = std::move(*u);
     ucx_address = ucx->address();

@@ -5,17 +5,16 @@
 
 namespace kvring {
 
-absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(NodeCore* core, const std::string& listen,
-                                                                  uint64_t max_message_bytes, size_t threads,
-                                                                  const UcxLoopOptions& loop) {
+absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(NodeCore* core, const UcxDataPlaneOptions& o) {
   std::unique_ptr<UcxDataPlane> p(new UcxDataPlane());
+  p->options_ = o;
   p->core_ = core;
-  p->pool_ = std::make_unique<ThreadPool>(std::max<size_t>(1, threads));
+  p->pool_ = std::make_unique<ThreadPool>(std::max<size_t>(1, o.threads));
   UcxDataPlane* raw = p.get();
   auto server = UcxRpcServer::Start(
-      listen, [raw](UcxRequest&& req, UcxReplier reply) { raw->Handle(std::move(req), std::move(reply)); },
-      p->pool_.get(), max_message_bytes,
-      [raw](UcxRequest& req, UcxReplier& reply) { return raw->HandleFast(req, reply); }, loop);
+      o.listen, [raw](UcxRequest&& req, UcxReplier reply) { raw->Handle(std::move(req), std::move(reply)); },
+      p->pool_.get(), o.max_message_bytes,
+      [raw](UcxRequest& req, UcxReplier& reply) { return raw->HandleFast(req, reply); }, o.loop);
   if (!server.ok()) return server.status();
   p->server_ = std::move(*server);
   return p;
@@ -31,6 +30,17 @@ bool UcxDataPlane::HandleFast(UcxRequest& req, UcxReplier& reply) {
     reply.Send(absl::OkStatus(), "");
     return true;
   }
+  if (req.method == kUcxMethodAttend && options_.inline_attend_rows > 0) {
+    absl::StatusOr<v1::Tenant> tenant = core_->Authenticate(req.token);
+    if (!tenant.ok()) return false;  // the pool path answers with the error
+    v1::AttendRequest r;
+    if (!r.ParseFromString(req.meta)) return false;
+    uint64_t rows = 0;
+    for (const auto& s : r.sequences()) rows += s.rows();
+    if (rows > options_.inline_attend_rows) return false;
+    ServeAttend(*tenant, r, req, reply);
+    return true;
+  }
   if (req.method != kUcxMethodGet) return false;
   absl::StatusOr<v1::Tenant> tenant = core_->Authenticate(req.token);
   if (!tenant.ok()) return false;  // the pool path answers with the error
@@ -38,6 +48,29 @@ bool UcxDataPlane::HandleFast(UcxRequest& req, UcxReplier& reply) {
   if (!r.ParseFromString(req.meta) || !core_->GetStaysInMemory(*tenant, r)) return false;
   ServeGet(*tenant, r, reply);
   return true;
+}
+
+void UcxDataPlane::ServeAttend(const v1::Tenant& tenant, const v1::AttendRequest& r, const UcxRequest& req,
+                               UcxReplier& reply) {
+  // Queries and appended K/V stay in the received payload; the output is
+  // written once, into the buffer the reply is sent from.
+  absl::StatusOr<AttendBatch> batch = ParseAttendRequest(r, core_->limits(), req.payload);
+  if (!batch.ok()) {
+    reply.Send(batch.status(), "");
+    return;
+  }
+  const size_t out_n = size_t{batch->num_rows} * batch->q_heads * batch->head_dim;
+  const size_t lse_n = size_t{batch->num_rows} * batch->q_heads;
+  auto buf = std::make_shared<std::vector<float>>(out_n + lse_n);
+  v1::AttendResponse head;
+  absl::Status s = AttendInto(*core_, tenant, r, *batch, &head, PartialOutput{buf->data(), buf->data() + out_n});
+  if (!s.ok()) {
+    reply.Send(s, "");
+    return;
+  }
+  std::vector<absl::Span<const uint8_t>> parts{
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(buf->data()), buf->size() * sizeof(float))};
+  reply.Send(absl::OkStatus(), head.SerializeAsString(), std::move(parts), buf);
 }
 
 void UcxDataPlane::ServeGet(const v1::Tenant& tenant, const v1::GetRequest& r, UcxReplier& reply) {
@@ -107,25 +140,7 @@ void UcxDataPlane::Handle(UcxRequest&& req, UcxReplier reply) {
         reply.Send(absl::InvalidArgumentError("UCX Attend: request does not parse"), "");
         return;
       }
-      // Queries and appended K/V stay in the received payload; the output
-      // is written once, into the buffer the reply is sent from.
-      absl::StatusOr<AttendBatch> batch = ParseAttendRequest(r, core_->limits(), req.payload);
-      if (!batch.ok()) {
-        reply.Send(batch.status(), "");
-        return;
-      }
-      const size_t out_n = size_t{batch->num_rows} * batch->q_heads * batch->head_dim;
-      const size_t lse_n = size_t{batch->num_rows} * batch->q_heads;
-      auto buf = std::make_shared<std::vector<float>>(out_n + lse_n);
-      v1::AttendResponse head;
-      absl::Status s = AttendInto(*core_, *tenant, r, *batch, &head, PartialOutput{buf->data(), buf->data() + out_n});
-      if (!s.ok()) {
-        reply.Send(s, "");
-        return;
-      }
-      std::vector<absl::Span<const uint8_t>> parts{
-          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(buf->data()), buf->size() * sizeof(float))};
-      reply.Send(absl::OkStatus(), head.SerializeAsString(), std::move(parts), buf);
+      ServeAttend(*tenant, r, req, reply);
       return;
     }
     default:

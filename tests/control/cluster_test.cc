@@ -111,8 +111,13 @@ TEST(ClusterTest, PassQAttendAcrossFourDaemonsEqualsTheCpuReference) {
 // by appended chunks and then decoded token by token through the client;
 // the engine keeps no KV. Chunks of 4 blocks make the appends cross chunk
 // (and so shard) boundaries; R=2 puts every append on two shards.
-TEST(ClusterTest, DecodeInPlaceAcrossFourDaemonsWithReplicasEqualsTheReference) {
-  Cluster cl(ClusterOptions{.nodes = 4, .replication = 2, .extra_coordinator_flags = {"--sequence_chunk_blocks=4"}});
+// Decode in place over 4 daemons with R=2, checked against the reference;
+// `daemon_flags` vary how the daemons serve it.
+void DecodeInPlaceAcrossFourDaemons(std::vector<std::string> daemon_flags) {
+  Cluster cl(ClusterOptions{.nodes = 4,
+                            .replication = 2,
+                            .extra_daemon_flags = std::move(daemon_flags),
+                            .extra_coordinator_flags = {"--sequence_chunk_blocks=4"}});
   ASSERT_TRUE(cl.Start());
   auto token = cl.CreateTenant("decode");
   ASSERT_TRUE(token.ok());
@@ -158,6 +163,14 @@ TEST(ClusterTest, DecodeInPlaceAcrossFourDaemonsWithReplicasEqualsTheReference) 
   bad.step.sequences[0].context_tokens += 3;
   EXPECT_FALSE((*c)->Step(bad.step).ok());
   ASSERT_TRUE(run(0, {{"b", 1, 1}}, &rep).ok());
+}
+
+TEST(ClusterTest, DecodeInPlaceAcrossFourDaemonsWithReplicasEqualsTheReference) { DecodeInPlaceAcrossFourDaemons({}); }
+
+// The same with decode steps (up to 4 rows) served on the daemons' UCX
+// threads, and the prefill chunks on their handler threads.
+TEST(ClusterTest, DecodeStepsServedOnTheUcxThreadEqualTheReference) {
+  DecodeInPlaceAcrossFourDaemons({"--ucx_inline_attend_rows=4"});
 }
 
 TEST(ClusterTest, KillNineOneDaemonWithR2AndEveryAcknowledgedBlockIsStillReadable) {

@@ -19,12 +19,28 @@
 
 namespace kvring {
 
+struct UcxDataPlaneOptions {
+  // host:port to listen on (the UCX worker uses only that address's network
+  // device; 0.0.0.0: all). Required.
+  std::string listen;
+  // Largest request accepted. Default: 512 MiB.
+  uint64_t max_message_bytes = 512ull << 20;
+  // Handler threads for requests not served on the UCX thread. Default: 4.
+  size_t threads = 4;
+  // The UCX progress thread's polling (ucx_rpc.h).
+  UcxLoopOptions loop;
+  // Attend requests of at most this many query rows (decode steps) are
+  // served on the UCX thread itself: two thread hand-offs fewer a step, at
+  // the price of that thread not progressing other requests meanwhile (one
+  // step's node time, tens of microseconds on a GPU node). 0: every Attend
+  // goes to the handler threads. Default: 0.
+  uint32_t inline_attend_rows = 0;
+};
+
 class UcxDataPlane {
  public:
-  // Starts serving on `listen` (host:port); `core` must outlive the plane.
-  static absl::StatusOr<std::unique_ptr<UcxDataPlane>> Start(NodeCore* core, const std::string& listen,
-                                                             uint64_t max_message_bytes, size_t threads,
-                                                             const UcxLoopOptions& loop = {});
+  // Starts serving; `core` must outlive the plane.
+  static absl::StatusOr<std::unique_ptr<UcxDataPlane>> Start(NodeCore* core, const UcxDataPlaneOptions& options);
   ~UcxDataPlane();
   const std::string& address() const { return server_->address(); }
 
@@ -32,10 +48,13 @@ class UcxDataPlane {
   UcxDataPlane() = default;
   void Handle(UcxRequest&& req, UcxReplier reply);
   // On the UCX thread: a Get whose blocks are all in host memory (or
-  // absent) is served there, without the pool's two thread hand-offs; anything
-  // that could touch the disk tier or compute goes to the pool.
+  // absent), and an Attend of few rows when options.inline_attend_rows says
+  // so, are served there, without the pool's two thread hand-offs; anything
+  // that could touch the disk tier or compute much goes to the pool.
   bool HandleFast(UcxRequest& req, UcxReplier& reply);
   void ServeGet(const v1::Tenant& tenant, const v1::GetRequest& r, UcxReplier& reply);
+  void ServeAttend(const v1::Tenant& tenant, const v1::AttendRequest& r, const UcxRequest& req, UcxReplier& reply);
+  UcxDataPlaneOptions options_;
   NodeCore* core_ = nullptr;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<UcxRpcServer> server_;
