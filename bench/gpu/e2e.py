@@ -263,18 +263,19 @@ def latency(args, kvring, kt, dev, results):
     steps = 60 if args.quick else 200
     # (shards, batches, UCX progress: spin microseconds of daemons and client, busy poll, and the rows up to
     # which the daemons serve a step on their UCX thread: --ucx_inline_attend_rows)
-    configs = [(int(n), (1, 8, 32), -1, False, 0) for n in args.shards.split(",")]
+    # (-1: the daemon's default, 64 rows on a GPU node, 0 on a CPU node)
+    configs = [(int(n), (1, 8, 32), -1, False, -1) for n in args.shards.split(",")]
     if args.inline_compare:  # steps on the daemons' UCX thread against the handler pool, one process each
         configs = [(1, (1, 8), -1, False, 0), (1, (1, 8), -1, False, 64), (1, (1,), 200, False, 0),
                    (1, (1,), 200, False, 64), (4, (1,), -1, False, 0), (4, (1,), -1, False, 64)]
     elif dev.type == "cuda" and args.shards == "1,4":  # the UCX progress settings compared (bench/RESULTS.md)
-        configs += [(1, (1,), 200, False, 0), (1, (1,), 0, True, 0), (4, (1,), 0, True, 0)]
+        configs += [(1, (1,), 200, False, -1), (1, (1,), 0, True, -1), (4, (1,), 0, True, -1)]
     else:
-        configs = [(1, (1, 4), -1, False, 0), (4, (1,), -1, False, 0), (1, (1,), -1, False, 64)]
+        configs = [(1, (1, 4), -1, False, -1), (4, (1,), -1, False, -1), (1, (1,), -1, False, 64)]
     for shards, batches, spin, busy, inline in configs:
         chunk = max(1, (ctx // BT + shards - 1) // shards)
         dflags = ((f"--ucx_spin_us={spin}" if spin >= 0 else "") + (" --ucx_busy_poll" if busy else "") +
-                  (f" --ucx_inline_attend_rows={inline}" if inline else ""))
+                  (f" --ucx_inline_attend_rows={inline}" if inline >= 0 else ""))
         with LocalCluster(nodes=shards, port=7800, replication=1, host_bytes="8G" if args.gpu >= 0 else "512M",
                           page_bytes=str(layout.bytes), gpu=args.gpu, hbm_bytes="10G", chunk_blocks=chunk, bin=args.bin,
                           root=ROOT, daemon_flags=dflags, gpus=args.gpu_list) as cl:
@@ -327,7 +328,7 @@ def latency(args, kvring, kt, dev, results):
                 row["over_local_us"] = row["round_trip_p50_us"] - row["local_kernel_us"]
                 rows_out.append(row)
                 log(f"  {shards} shard(s), batch {batch:2d}, {ctx // 1024}K, UCX {'busy-poll' if busy else f'spin {spin}'}"
-                    f"{', steps on the UCX thread' if inline else ''}: "
+                    f"{', steps on the UCX thread' if inline > 0 else ', steps on the pool' if inline == 0 else ''}: "
                     f"round trip p50 {row['round_trip_p50_us']:7.1f} us p99 {row['round_trip_p99_us']:7.1f} "
                     f"(python {row['python_wall_p50_us']:.0f}); node {row['node_p50_us']:.1f} = kernel {row['kernel_p50_us']:.1f} "
                     f"+ copies {row['copies_p50_us']:.1f}; merge {row['merge_p50_us']:.1f}; local kernel "
