@@ -426,7 +426,11 @@ absl::Status BlockStore::Unpin(TenantId tenant, NamespaceId ns, const BlockKey& 
   absl::MutexLock lock(&mu_);
   BlockIndex::Entry* e = index_.Find(sk);
   if (e == nullptr) return absl::NotFoundError(absl::StrCat("block ", key.ToHex(), " not held"));
-  KVRING_ASSIGN_OR_RETURN(bool last, index_.Unpin(sk, tenant));
+  return UnpinLocked(tenant, sk, e);
+}
+
+absl::Status BlockStore::UnpinLocked(TenantId tenant, const ScopedKey& key, BlockIndex::Entry* e) {
+  KVRING_ASSIGN_OR_RETURN(bool last, index_.Unpin(key, tenant));
   tenants_[tenant].usage.pinned_bytes -= e->meta.payload_bytes;
   if (last && e->page != kNoPage) ReleaseHoldLocked(e->page);
   return absl::OkStatus();
@@ -459,13 +463,7 @@ absl::StatusOr<uint64_t> BlockStore::PurgeNamespaces(const absl::flat_hash_set<N
       BlockIndex::Entry* e = index_.Find(keys[i]);
       if (e == nullptr) continue;
       // Pins die with the namespace.
-      while (e->pins > 0) {
-        const TenantId t = e->pins_by_tenant.front().first;
-        absl::StatusOr<bool> last = index_.Unpin(keys[i], t);
-        if (!last.ok()) return last.status();
-        tenants_[t].usage.pinned_bytes -= e->meta.payload_bytes;
-        if (*last && e->page != kNoPage) ReleaseHoldLocked(e->page);
-      }
+      while (e->pins > 0) KVRING_RETURN_IF_ERROR(UnpinLocked(e->pins_by_tenant.front().first, keys[i], e));
       KVRING_RETURN_IF_ERROR(EraseLocked(keys[i], e));
       ++purged;
     }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -67,6 +66,11 @@ MetricsRegistry::Entry* MetricsRegistry::FindLocked(const std::string& name, con
   return nullptr;
 }
 
+void MetricsRegistry::AddLocked(std::unique_ptr<Entry> e) {
+  auto last = std::find_if(entries_.rbegin(), entries_.rend(), [&](const auto& x) { return x->name == e->name; });
+  entries_.insert(last == entries_.rend() ? entries_.end() : last.base(), std::move(e));
+}
+
 CounterMetric* MetricsRegistry::Counter(const std::string& name, const std::string& help, const std::string& labels) {
   absl::MutexLock lock(&mu_);
   if (Entry* e = FindLocked(name, labels)) return e->counter.get();
@@ -77,7 +81,7 @@ CounterMetric* MetricsRegistry::Counter(const std::string& name, const std::stri
   e->kind = Kind::kCounter;
   e->counter = std::make_unique<CounterMetric>();
   CounterMetric* out = e->counter.get();
-  entries_.push_back(std::move(e));
+  AddLocked(std::move(e));
   return out;
 }
 
@@ -91,7 +95,7 @@ GaugeMetric* MetricsRegistry::Gauge(const std::string& name, const std::string& 
   e->kind = Kind::kGauge;
   e->gauge = std::make_unique<GaugeMetric>();
   GaugeMetric* out = e->gauge.get();
-  entries_.push_back(std::move(e));
+  AddLocked(std::move(e));
   return out;
 }
 
@@ -106,26 +110,15 @@ HistogramMetric* MetricsRegistry::Histogram(const std::string& name, const std::
   e->kind = Kind::kHistogram;
   e->histogram = std::make_unique<HistogramMetric>(std::move(bounds));
   HistogramMetric* out = e->histogram.get();
-  entries_.push_back(std::move(e));
+  AddLocked(std::move(e));
   return out;
 }
 
 std::string MetricsRegistry::Render() const {
   absl::MutexLock lock(&mu_);
-  // Families in the order their first series was registered; the series of
-  // one family together, whatever order they were registered in.
-  std::vector<const Entry*> order;
-  absl::flat_hash_map<std::string, size_t> family;
-  std::vector<std::vector<const Entry*>> series;
-  for (const auto& e : entries_) {
-    auto [it, fresh] = family.try_emplace(e->name, series.size());
-    if (fresh) series.emplace_back();
-    series[it->second].push_back(e.get());
-  }
-  for (const auto& f : series) order.insert(order.end(), f.begin(), f.end());
   std::string out;
   std::string last_name;
-  for (const Entry* e : order) {
+  for (const auto& e : entries_) {  // a family's series are adjacent (AddLocked)
     if (e->name != last_name) {
       const char* type = e->kind == Kind::kCounter ? "counter" : e->kind == Kind::kGauge ? "gauge" : "histogram";
       absl::StrAppend(&out, "# HELP ", e->name, " ", e->help, "\n# TYPE ", e->name, " ", type, "\n");

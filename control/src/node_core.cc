@@ -102,8 +102,7 @@ absl::StatusOr<ReclaimResult> NodeCore::ReclaimDeletedTenants() {
   for (const auto& [ns, id] : sequences_->SequencesIn(dead)) {
     SequenceTable::Handle h = sequences_->Lock(ns, id);
     const SequenceRef ref{ns, id, 0};
-    for (const auto& [index, open] : h.state().open) backend_->DiscardOpenBlock(ref, index);
-    backend_->ForgetSequence(ref);
+    backend_->ForgetSequence(ref);  // open blocks included
     KVRING_RETURN_IF_ERROR(h.Forget());
     ++r.sequences;
   }

@@ -361,6 +361,18 @@ class ClientImpl {
     return resp.prefix_length();
   }
 
+  absl::StatusOr<v1::PinResponse> PinOn(Node& n, const std::vector<BlockKey>& keys, bool unpin) {
+    v1::PinRequest req;
+    *req.mutable_header() = Header();
+    req.set_unpin(unpin);
+    for (const auto& k : keys) KeyToProto(k, req.add_keys());
+    v1::PinResponse resp;
+    auto ctx = Context(o_.rpc_timeout);
+    grpc::Status s = n.stub->Pin(ctx.get(), req, &resp);
+    if (!s.ok()) return FromGrpc(s);
+    return resp;
+  }
+
   // One Attend to one node: `parts` is the bulk payload (queries || new_k ||
   // new_v, as spans); the reply's out || lse lands in `reply` (sized for it).
   absl::StatusOr<v1::AttendResponse> AttendOn(Node& n, v1::AttendRequest req,
@@ -594,14 +606,11 @@ class ClientImpl {
     for (const auto& [node_idx, idx] : plan) {
       auto node = NodeFor(ring.node(node_idx).node_id());
       if (!node) continue;
-      v1::PinRequest req;
-      *req.mutable_header() = Header();
-      req.set_unpin(true);
-      for (size_t i : idx) KeyToProto(blocks[i].key, req.add_keys());
-      v1::PinResponse resp;
-      auto ctx = Context(o_.rpc_timeout);
-      absl::Status s = FromGrpc(node->stub->Pin(ctx.get(), req, &resp));
-      for (int k = 0; s.ok() && k < resp.results_size(); ++k) s = StatusOf(resp.results(k).status());
+      std::vector<BlockKey> keys;
+      for (size_t i : idx) keys.push_back(blocks[i].key);
+      absl::StatusOr<v1::PinResponse> resp = PinOn(*node, keys, /*unpin=*/true);
+      absl::Status s = resp.status();
+      for (int k = 0; s.ok() && k < resp->results_size(); ++k) s = StatusOf(resp->results(k).status());
       if (!s.ok() && first.ok()) first = s;
     }
     return first;
@@ -1173,13 +1182,10 @@ class ClientImpl {
     for (auto& [node_idx, idx] : plan) {
       auto node = NodeFor(ring->node(node_idx).node_id());
       if (!node) continue;
-      v1::PinRequest req;
-      *req.mutable_header() = Header();
-      req.set_unpin(unpin);
-      for (size_t i : idx) KeyToProto(keys[i], req.add_keys());
-      v1::PinResponse resp;
-      auto ctx = Context(o_.rpc_timeout);
-      absl::Status s = FromGrpc(node->stub->Pin(ctx.get(), req, &resp));
+      std::vector<BlockKey> ks;
+      for (size_t i : idx) ks.push_back(keys[i]);
+      absl::StatusOr<v1::PinResponse> resp = PinOn(*node, ks, unpin);
+      absl::Status s = resp.status();
       if (!s.ok()) {
         // A node that cannot answer is survivable (another replica pins);
         // any other refusal (auth, bad request) is the caller's to see.
@@ -1190,8 +1196,8 @@ class ClientImpl {
         }
         continue;
       }
-      for (int k = 0; k < resp.results_size() && k < static_cast<int>(idx.size()); ++k) {
-        absl::Status r = StatusOf(resp.results(k).status());
+      for (int k = 0; k < resp->results_size() && k < static_cast<int>(idx.size()); ++k) {
+        absl::Status r = StatusOf(resp->results(k).status());
         if (r.ok())
           ++ok_count[idx[k]];
         else if (!absl::IsNotFound(r) && first.ok())

@@ -14,9 +14,6 @@
 namespace kvring {
 namespace {
 absl::Status CudaError(cudaError_t e, const char* what) { return CudaStatus(e, what); }
-absl::Status WaitEvent(cudaEvent_t ev, absl::Duration timeout, std::nullptr_t) {
-  return transport_cuda::WaitEvent(ev, timeout);
-}
 }  // namespace
 
 // ------------------------------------------------------------ device loopback
@@ -66,7 +63,7 @@ class LoopbackDevRequest final : public TransportRequest {
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
     const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(end - std::chrono::steady_clock::now());
-    if (absl::Status s = WaitEvent(ev, absl::Nanoseconds(std::max<int64_t>(0, left.count())), nullptr); !s.ok())
+    if (absl::Status s = transport_cuda::WaitEvent(ev, absl::Nanoseconds(std::max<int64_t>(0, left.count()))); !s.ok())
       return s;
     return n_;
   }

@@ -188,6 +188,10 @@ class BlockStore {
   void HoldLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseHoldLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseRead(PageId page) ABSL_LOCKS_EXCLUDED(mu_);
+  // One pin of `tenant` off the entry (its pinned bytes, and the page's hold
+  // when it was the last pin).
+  absl::Status UnpinLocked(TenantId tenant, const ScopedKey& key, BlockIndex::Entry* e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PinLocked(TenantId tenant, const ScopedKey& key, BlockIndex::Entry* e)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SlotInfo SlotInfoLocked(const ScopedKey& key, const BlockIndex::Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

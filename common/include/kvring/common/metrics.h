@@ -93,6 +93,9 @@ class MetricsRegistry {
     std::unique_ptr<HistogramMetric> histogram;
   };
   Entry* FindLocked(const std::string& name, const std::string& labels) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Inserts `e` after the last series of its family (so that Render() meets
+  // each family's series together), or at the end for a new family.
+  void AddLocked(std::unique_ptr<Entry> e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
