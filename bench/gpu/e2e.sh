@@ -45,8 +45,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 rc=0
 if [ $TESTS = 1 ]; then
   echo "== gpu tests"
-  timeout 300 "$TEST" --gtest_color=no --gtest_filter="$FILTER" 2>&1 | tee "$OUT/gpu_test.log" | grep -E "^\[ +(OK|FAILED|SKIPPED|PASSED) |Failure|error:|Expected|Which|Value of|Actual" | head -80
-  grep -q "^\[  PASSED  \]" "$OUT/gpu_test.log" && ! grep -q "^\[  FAILED  \]" "$OUT/gpu_test.log" || rc=1
+  for t in "$TEST" "$(dirname "$TEST")/gpu_cluster_test"; do
+    log="$OUT/$(basename "$t").log"
+    timeout 300 "$t" --gtest_color=no --gtest_filter="$FILTER" 2>&1 | tee "$log" | grep -E "^\[ +(OK|FAILED|SKIPPED|PASSED) |Failure|error:|Expected|Which|Value of|Actual" | head -80
+    grep -q "^\[  PASSED  \]" "$log" && ! grep -q "^\[  FAILED  \]" "$log" || rc=1
+  done
 fi
 if [ $E2E = 1 ]; then
   echo "== e2e"

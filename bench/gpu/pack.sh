@@ -2,7 +2,7 @@
 # Builds the GPU binaries here and packs them, stripped, with the Debian
 # libraries they need (the device machine has CUDA and NCCL but none of
 # Debian's) into .gpu/ (git-ignored; pass it to the device tool as `carry`):
-#   .gpu/bin/       gpu_test, nccl_probe, ring_bench
+#   .gpu/bin/       gpu_test, gpu_cluster_test (starts ../control's daemons), nccl_probe, ring_bench
 #   .gpu/control/   kvringd, kvring-coordinator   (the layout deploy/local-cluster.sh --bin expects)
 #   .gpu/clients/   kvring (the CLI)
 #   .gpu/python/    the kvring Python package with libkvring_c.so (any Python 3: the device's 3.12 + torch)
@@ -12,9 +12,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${KVRING_BUILD_DIR:-build}
-ninja -C "$BUILD" gpu_test nccl_probe ring_bench kvring_cuda_capi kvringd kvring-coordinator kvring kvring_c kvring_python
+ninja -C "$BUILD" gpu_test gpu_cluster_test nccl_probe ring_bench kvring_cuda_capi kvringd kvring-coordinator kvring kvring_c kvring_python
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib .gpu/control .gpu/clients .gpu/python
-cp "$BUILD/tests/gpu/gpu_test" "$BUILD/bench/gpu/nccl_probe" "$BUILD/bench/gpu/ring_bench" .gpu/bin/
+cp "$BUILD/tests/gpu/gpu_test" "$BUILD/tests/gpu/gpu_cluster_test" "$BUILD/bench/gpu/nccl_probe" "$BUILD/bench/gpu/ring_bench" .gpu/bin/
 cp "$BUILD/control/kvringd" "$BUILD/control/kvring-coordinator" .gpu/control/
 cp "$BUILD/clients/kvring" .gpu/clients/
 cp -r "$BUILD/python/kvring" .gpu/python/

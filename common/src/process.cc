@@ -42,6 +42,15 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& path) {
   return out;
 }
 
+absl::StatusOr<std::string> HostBootId() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string line;
+  if (!in || !std::getline(in, line)) return absl::NotFoundError("cannot read /proc/sys/kernel/random/boot_id");
+  std::string id(absl::StripAsciiWhitespace(line));
+  if (id.empty()) return absl::NotFoundError("/proc/sys/kernel/random/boot_id is empty");
+  return id;
+}
+
 absl::StatusOr<HostPort> ParseHostPort(const std::string& s) {
   const size_t colon = s.rfind(':');
   if (colon == std::string::npos || colon == 0)

@@ -192,6 +192,7 @@ int main(int argc, char** argv) {
   CpuAttentionBackend cpu_backend(store->get(), &pool);
   AttentionBackend* backend = &cpu_backend;
   std::unique_ptr<AttentionBackend> gpu_backend;
+  std::unique_ptr<DeviceDelivery> delivery;
   std::atomic<bool> gpu_failed{false};
   if (gpu >= 0) {
     CudaBackendOptions go;
@@ -203,7 +204,7 @@ int main(int argc, char** argv) {
     // unhealthy and shut down, so that a supervisor restarts the daemon (the
     // host and cold tiers keep their blocks; replicas serve meanwhile).
     go.on_fatal = [&gpu_failed](const absl::Status& why) {
-      gpu_failed = true;
+      if (gpu_failed.exchange(true)) return;
       KVRING_LOG(ERROR) << "GPU failed (" << why << "): shutting down for a restart";
       kill(getpid(), SIGTERM);
     };
@@ -211,8 +212,15 @@ int main(int argc, char** argv) {
     if (!b.ok()) return Fail(b.status(), "--gpu");
     gpu_backend = std::move(*b);
     backend = gpu_backend.get();
+    // Get into the GPU memory of engines on this host (CUDA IPC).
+    auto d = DeviceDelivery::Create({.device = static_cast<int>(gpu), .on_fatal = go.on_fatal});
+    if (d.ok()) {
+      delivery = std::move(*d);
+    } else {
+      KVRING_LOG(WARNING) << "no delivery into callers' GPU memory: " << d.status();
+    }
   }
-  NodeCore core(co, store->get(), seqs->get(), backend, &tenants, &metrics);
+  NodeCore core(co, store->get(), seqs->get(), backend, &tenants, &metrics, delivery.get());
   NodeService service(&core);
 
   grpc::ServerBuilder builder;
@@ -303,9 +311,9 @@ int main(int argc, char** argv) {
           return metrics.Render();
         },
         MetricsRegistry::kContentType);
-    http.HandleWithStatus("/healthz", [backend] {
-      return backend->stats().healthy ? HttpServer::Response{"200 OK", "ok\n"}
-                                      : HttpServer::Response{"503 Service Unavailable", "gpu failed\n"};
+    http.HandleWithStatus("/healthz", [backend, &gpu_failed] {
+      return backend->stats().healthy && !gpu_failed ? HttpServer::Response{"200 OK", "ok\n"}
+                                                     : HttpServer::Response{"503 Service Unavailable", "gpu failed\n"};
     });
     auto mp = http.Start(mhp->host, mhp->port);
     if (!mp.ok()) return Fail(mp.status(), "metrics server");

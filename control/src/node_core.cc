@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvring/cache/quantize.h"
 #include "kvring/common/logging.h"
+#include "kvring/common/process.h"
 #include "kvring/common/status_macros.h"
 
 namespace kvring {
@@ -37,13 +38,15 @@ double Since(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* sequences, AttentionBackend* backend,
-                   TenantDirectory* tenants, MetricsRegistry* metrics)
+                   TenantDirectory* tenants, MetricsRegistry* metrics, DeviceDelivery* delivery)
     : options_(std::move(options)),
       store_(store),
       sequences_(sequences),
       backend_(backend),
       tenants_(tenants),
-      metrics_(metrics) {
+      metrics_(metrics),
+      delivery_(delivery),
+      host_id_(HostBootId().value_or("")) {
   lookup_ = Op("lookup");
   put_ = Op("put");
   get_ = Op("get");
@@ -53,6 +56,8 @@ NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* se
   put_bytes_ = metrics_->Counter("kvring_put_bytes_total", "Payload bytes accepted by Put");
   quantized_ = metrics_->Counter("kvring_quantized_blocks_total", "Plain blocks quantized by this node at Put");
   get_bytes_ = metrics_->Counter("kvring_get_bytes_total", "Payload bytes served by Get");
+  device_bytes_ = metrics_->Counter("kvring_get_device_delivered_bytes_total",
+                                    "Payload bytes Get copied straight into the GPU memory of callers on this host");
   appended_tokens_ =
       metrics_->Counter("kvring_appended_tokens_total", "Tokens appended to attention sequences (per layer)");
   sealed_blocks_ = metrics_->Counter("kvring_sealed_blocks_total", "Blocks built from appends and stored");
@@ -231,6 +236,17 @@ absl::Status NodeCore::Get(const v1::Tenant& t, const v1::GetRequest& req, v1::G
   auto ns = Namespace(t, req.header());
   if (!ns.ok()) return op.Done(ns.status());
   if (absl::Status s = ValidateKeys(req.keys(), options_.limits); !s.ok()) return op.Done(s);
+  if (absl::Status s = ValidateDevicePlaces(req); !s.ok()) return op.Done(s);
+  if (req.device_places_size() > 0) {
+    std::string refusal = DeviceRefusal(req);
+    if (refusal.empty()) {
+      absl::Status s = GetIntoDevice(*ns, req, resp);
+      if (!absl::IsFailedPrecondition(s)) return op.Done(s);
+      refusal = std::string(s.message());  // the caller's memory cannot be mapped here: payloads instead
+      resp->Clear();
+    }
+    resp->set_device_refusal(refusal);
+  }
   uint64_t total = 0;
   for (const auto& k : req.keys()) {
     v1::GetBlock* out = resp->add_blocks();
@@ -258,6 +274,60 @@ absl::Status NodeCore::Get(const v1::Tenant& t, const v1::GetRequest& req, v1::G
     }
   }
   return op.Done(absl::OkStatus());
+}
+
+std::string NodeCore::DeviceRefusal(const v1::GetRequest& req) const {
+  if (delivery_ == nullptr) return "this node has no GPU to deliver from";
+  if (host_id_.empty()) return "this node cannot tell which host it is on";
+  if (req.host_id() != host_id_) return "the caller is on another host";
+  return "";
+}
+
+absl::Status NodeCore::GetIntoDevice(NamespaceId ns, const v1::GetRequest& req, v1::GetResponse* resp) {
+  std::vector<std::string> handles;
+  handles.reserve(req.device_allocations_size());
+  for (const auto& a : req.device_allocations()) handles.push_back(a.ipc_handle());
+  KVRING_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDelivery::Batch> batch, delivery_->Begin(handles));
+  // The blocks stay held until their copies have landed (batch->Finish).
+  std::vector<PinnedBlock> held;
+  held.reserve(req.keys_size());
+  uint64_t bytes = 0;
+  for (int i = 0; i < req.keys_size(); ++i) {
+    const v1::Key& k = req.keys(i);
+    v1::GetBlock* out = resp->add_blocks();
+    absl::StatusOr<PinnedBlock> b = store_->Acquire(ns, KeyFromProto(k));
+    absl::Status st = b.status();
+    const v1::DevicePlace& place = req.device_places(i);
+    if (st.ok() && b->meta().payload_bytes > place.capacity()) {
+      st = absl::InvalidArgumentError(
+          absl::StrCat("device place of ", place.capacity(), " bytes for a block of ", b->meta().payload_bytes));
+    }
+    // The bytes reach the caller without passing through its hands, so they
+    // are checked here, against the checksum the writer gave.
+    if (st.ok() && PayloadChecksum(b->payload().data(), b->payload().size()) != b->meta().checksum) {
+      st = absl::DataLossError(absl::StrCat("block ", KeyFromProto(k).ToHex(), " fails its checksum on this node"));
+    }
+    if (st.ok()) {
+      st = batch->Add(place.allocation(), place.offset(), b->payload());
+      if (absl::IsInternal(st)) return st;  // a CUDA error: the request fails
+    }
+    SetStatus(st, out->mutable_status());
+    if (!st.ok()) continue;
+    v1::BlockHeader* h = out->mutable_block();
+    *h->mutable_key() = k;
+    KeyToProto(b->parent(), h->mutable_parent());
+    LayoutToProto(b->meta().layout, h->mutable_layout());
+    h->set_encoding(b->meta().encoding.Pack());
+    h->set_payload_bytes(b->meta().payload_bytes);
+    h->set_checksum(b->meta().checksum);
+    bytes += b->meta().payload_bytes;
+    held.push_back(std::move(*b));
+  }
+  KVRING_RETURN_IF_ERROR(batch->Finish());
+  get_bytes_->Add(bytes);
+  device_bytes_->Add(bytes);
+  resp->set_delivered_to_device(true);
+  return absl::OkStatus();
 }
 
 bool NodeCore::GetStaysInMemory(const v1::Tenant& t, const v1::GetRequest& req) {
@@ -699,6 +769,7 @@ absl::Status NodeCore::Stats(const v1::Tenant& t, const v1::StatsRequest& req, v
   resp->set_hbm_misses(bs.misses);
   resp->set_hbm_demotions(bs.demotions);
   resp->set_open_blocks(sequences_->open_blocks());
+  resp->set_device_delivered_bytes(device_bytes_->value());
   return op.Done(absl::OkStatus());
 }
 

@@ -30,6 +30,34 @@ absl::Status ValidateKeys(const google::protobuf::RepeatedPtrField<v1::Key>& key
   return absl::OkStatus();
 }
 
+absl::Status ValidateDevicePlaces(const v1::GetRequest& r) {
+  if (r.device_places_size() == 0 && r.device_allocations_size() == 0) return absl::OkStatus();
+  if (r.device_places_size() != r.keys_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(r.device_places_size(), " device places for ", r.keys_size(), " keys; give one per key"));
+  }
+  if (r.device_allocations_size() == 0 || r.device_allocations_size() > kMaxGetDeviceAllocations) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        r.device_allocations_size(), " device allocations; give between 1 and ", kMaxGetDeviceAllocations));
+  }
+  for (int i = 0; i < r.device_allocations_size(); ++i) {
+    if (r.device_allocations(i).ipc_handle().size() != kIpcHandleBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("device allocation ", i, " has a handle of ",
+                                                     r.device_allocations(i).ipc_handle().size(), " bytes, not ",
+                                                     kIpcHandleBytes));
+    }
+  }
+  for (int i = 0; i < r.device_places_size(); ++i) {
+    if (r.device_places(i).allocation() >= static_cast<uint32_t>(r.device_allocations_size())) {
+      return absl::InvalidArgumentError(absl::StrCat("device place ", i, " names allocation ",
+                                                     r.device_places(i).allocation(), " of ",
+                                                     r.device_allocations_size()));
+    }
+  }
+  if (r.host_id().size() > 64) return absl::InvalidArgumentError("host_id is longer than 64 bytes");
+  return absl::OkStatus();
+}
+
 absl::Status ValidatePutBlock(const v1::PutBlock& b, const RequestLimits& limits, bool payload_external,
                               BlockMeta* meta) {
   const v1::BlockHeader& h = b.block();

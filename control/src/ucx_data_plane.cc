@@ -45,7 +45,11 @@ bool UcxDataPlane::HandleFast(UcxRequest& req, UcxReplier& reply) {
   absl::StatusOr<v1::Tenant> tenant = core_->Authenticate(req.token);
   if (!tenant.ok()) return false;  // the pool path answers with the error
   v1::GetRequest r;
-  if (!r.ParseFromString(req.meta) || !core_->GetStaysInMemory(*tenant, r)) return false;
+  // Copies into a caller's GPU memory run on the pool: they take as long as
+  // their bytes, and this thread serves everyone's small requests.
+  if (!r.ParseFromString(req.meta) || r.device_places_size() > 0 || !core_->GetStaysInMemory(*tenant, r)) {
+    return false;
+  }
   ServeGet(*tenant, r, reply);
   return true;
 }

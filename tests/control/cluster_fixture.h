@@ -118,7 +118,18 @@ class Cluster {
     std::filesystem::remove_all(dir_, ec);
   }
 
-  static std::string Bin(const std::string& rel) { return std::string(KVRING_BIN_DIR) + "/" + rel; }
+  // A binary of this build: beside the test in a packed tree (<root>/bin/<test>
+  // with <root>/control/kvringd, bench/gpu/pack.sh's layout), else in the
+  // build directory the test was compiled for.
+  static std::string Bin(const std::string& rel) {
+    std::error_code ec;
+    const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    if (!ec) {
+      const std::filesystem::path packed = self.parent_path().parent_path() / rel;
+      if (self.parent_path().filename() == "bin" && std::filesystem::exists(packed)) return packed.string();
+    }
+    return std::string(KVRING_BIN_DIR) + "/" + rel;
+  }
   const std::filesystem::path& dir() const { return dir_; }
 
   ::testing::AssertionResult Start() {

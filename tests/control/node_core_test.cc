@@ -5,12 +5,16 @@
 // over the same K/V.
 #include "kvring/control/node_core.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <map>
 #include <random>
 
 #include "gtest/gtest.h"
 #include "kvring/attention/reference.h"
+#include "kvring/common/process.h"
 #include "kvring/control/cpu_attention_backend.h"
 #include "kvring/control/request_validation.h"
 
@@ -387,6 +391,217 @@ TEST_F(NodeCoreTest, PutSequenceBlocksAndAppendedBlocksFormOneSequence) {
   SequenceTable::Handle h = seqs_->Lock(ns, "p");
   EXPECT_EQ(h.state().blocks.size(), 3u);  // 0, 1 put; 2 sealed from appends
   EXPECT_EQ(h.state().blocks[0], (BlockKey{100, 7}));
+}
+
+// ---- Get into a caller's GPU memory (device places) ----
+// The node's side of same-host delivery, with a fake delivery that "maps"
+// each handle to a host buffer: what gets copied where, what is checked
+// first (block 9 has a bit flipped in the host tier after it was stored),
+// and when the node answers with payloads instead. (The CUDA IPC
+// delivery itself runs against real processes on a GPU: gpu_node_test.)
+class FakeDelivery : public DeviceDelivery {
+ public:
+  struct Alloc {
+    std::vector<uint8_t> bytes;
+  };
+  std::map<std::string, Alloc> allocs;  // by handle
+  absl::Status begin_status = absl::OkStatus();
+  int finished = 0;
+
+  absl::StatusOr<std::unique_ptr<Batch>> Begin(absl::Span<const std::string> handles) override {
+    if (!begin_status.ok()) return begin_status;
+    std::vector<Alloc*> maps;
+    for (const auto& h : handles) {
+      auto it = allocs.find(h);
+      if (it == allocs.end()) return absl::FailedPreconditionError("no such allocation");
+      maps.push_back(&it->second);
+    }
+    return std::unique_ptr<Batch>(new FakeBatch(this, std::move(maps)));
+  }
+
+ private:
+  class FakeBatch : public Batch {
+   public:
+    FakeBatch(FakeDelivery* o, std::vector<Alloc*> m) : o_(o), m_(std::move(m)) {}
+    absl::Status Add(uint32_t a, uint64_t offset, absl::Span<const uint8_t> src) override {
+      if (a >= m_.size() || offset + src.size() > m_[a]->bytes.size()) return absl::InvalidArgumentError("outside");
+      std::memcpy(m_[a]->bytes.data() + offset, src.data(), src.size());
+      return absl::OkStatus();
+    }
+    absl::Status Finish() override {
+      ++o_->finished;
+      return absl::OkStatus();
+    }
+
+   private:
+    FakeDelivery* o_;
+    std::vector<Alloc*> m_;
+  };
+};
+
+class NodeCoreDeliveryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    BlockStoreOptions so;
+    so.page_bytes = 1 << 12;
+    so.num_pages = 64;
+    so.prefault = false;
+    store_ = std::move(BlockStore::Create(so).value());
+    seqs_ = std::move(SequenceTable::Create(nullptr).value());
+    backend_ = std::make_unique<CpuAttentionBackend>(store_.get(), nullptr);
+    NodeCoreOptions no;
+    no.limits.max_payload_bytes = so.page_bytes;
+    core_ = std::make_unique<NodeCore>(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_, &fake_);
+    plain_ = std::make_unique<NodeCore>(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_);
+    tenant_.set_id(3);
+    tenant_.set_namespace_(TenantNamespace(3));
+    host_ = HostBootId().value();
+    fake_.allocs[Handle('a')].bytes.assign(4 * L_.bytes(), 0);
+    // Blocks 1..3, and block 9 which is then corrupted in place.
+    std::mt19937 rng(5);
+    for (uint64_t i = 1; i <= 3; ++i) {
+      std::vector<uint8_t> p(L_.bytes());
+      for (auto& x : p) x = static_cast<uint8_t>(rng());
+      payloads_[i] = p;
+      PutArgs a{.tenant = 3, .ns = NamespaceIdOf(TenantNamespace(3)), .key = BlockKey{i, 1}};
+      a.meta.layout = L_;
+      a.meta.payload_bytes = static_cast<uint32_t>(L_.bytes());
+      ASSERT_TRUE(store_->Put(a, p).ok());
+    }
+    std::vector<uint8_t> bad(L_.bytes(), 7);
+    PutArgs a{.tenant = 3, .ns = NamespaceIdOf(TenantNamespace(3)), .key = BlockKey{9, 1}};
+    a.meta.layout = L_;
+    a.meta.payload_bytes = static_cast<uint32_t>(L_.bytes());
+    ASSERT_TRUE(store_->Put(a, bad).ok());
+    // A bit flipped in the host tier after the block was stored.
+    PinnedBlock held = std::move(store_->Acquire(a.ns, a.key).value());
+    const_cast<uint8_t*>(held.payload().data())[17] ^= 0x10;
+  }
+  static std::string Handle(char c) { return std::string(kIpcHandleBytes, c); }
+  // A Get of `keys`, block i placed at i * block bytes of allocation 'a'.
+  v1::GetRequest Request(const std::vector<uint64_t>& keys, const std::string& host) const {
+    v1::GetRequest r;
+    r.mutable_header()->set_version(1);
+    r.set_host_id(host);
+    r.add_device_allocations()->set_ipc_handle(Handle('a'));
+    for (size_t i = 0; i < keys.size(); ++i) {
+      KeyToProto(BlockKey{keys[i], 1}, r.add_keys());
+      v1::DevicePlace* p = r.add_device_places();
+      p->set_offset(i * L_.bytes());
+      p->set_capacity(L_.bytes());
+    }
+    return r;
+  }
+  absl::Span<const uint8_t> Landed(size_t slot) {
+    return absl::MakeConstSpan(fake_.allocs[Handle('a')].bytes).subspan(slot * L_.bytes(), L_.bytes());
+  }
+
+  const BlockLayout L_{4, 2, 2, 16, DType::kF32};
+  std::unique_ptr<BlockStore> store_;
+  std::unique_ptr<SequenceTable> seqs_;
+  std::unique_ptr<CpuAttentionBackend> backend_;
+  TenantDirectory tenants_;
+  MetricsRegistry metrics_;
+  FakeDelivery fake_;
+  std::unique_ptr<NodeCore> core_, plain_;
+  v1::Tenant tenant_;
+  std::string host_;
+  std::map<uint64_t, std::vector<uint8_t>> payloads_;
+};
+
+TEST_F(NodeCoreDeliveryTest, BlocksAreCopiedToTheirPlacesAndNoPayloadsFollow) {
+  v1::GetResponse resp;
+  ASSERT_TRUE(core_->Get(tenant_, Request({3, 1, 77, 2}, host_), &resp).ok());
+  EXPECT_TRUE(resp.delivered_to_device());
+  EXPECT_EQ(fake_.finished, 1);
+  ASSERT_EQ(resp.blocks_size(), 4);
+  const uint64_t order[] = {3, 1, 0, 2};
+  for (int i = 0; i < 4; ++i) {
+    const v1::GetBlock& b = resp.blocks(i);
+    EXPECT_TRUE(b.payload().empty());
+    if (order[i] == 0) {
+      EXPECT_EQ(b.status().code(), static_cast<int>(absl::StatusCode::kNotFound));
+      continue;
+    }
+    ASSERT_EQ(b.status().code(), 0) << b.status().message();
+    EXPECT_EQ(b.block().payload_bytes(), L_.bytes());
+    EXPECT_EQ(b.block().checksum(), PayloadChecksum(payloads_[order[i]].data(), L_.bytes()));
+    const auto landed = Landed(i);
+    EXPECT_TRUE(std::equal(landed.begin(), landed.end(), payloads_[order[i]].begin())) << "slot " << i;
+  }
+  v1::StatsRequest sr;
+  sr.mutable_header()->set_version(1);
+  v1::StatsResponse st;
+  ASSERT_TRUE(core_->Stats(tenant_, sr, &st).ok());
+  EXPECT_EQ(st.device_delivered_bytes(), 3 * L_.bytes());
+}
+
+TEST_F(NodeCoreDeliveryTest, ACorruptBlockOrASmallPlaceIsRefusedAndTheRestDelivered) {
+  v1::GetRequest r = Request({9, 1, 2}, host_);
+  r.mutable_device_places(2)->set_capacity(L_.bytes() - 1);
+  v1::GetResponse resp;
+  ASSERT_TRUE(core_->Get(tenant_, r, &resp).ok());
+  EXPECT_TRUE(resp.delivered_to_device());
+  EXPECT_EQ(resp.blocks(0).status().code(), static_cast<int>(absl::StatusCode::kDataLoss));
+  EXPECT_NE(resp.blocks(0).status().message().find("fails its checksum"), std::string::npos);
+  EXPECT_EQ(resp.blocks(1).status().code(), 0);
+  EXPECT_EQ(resp.blocks(2).status().code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  // Nothing was written for the refused blocks.
+  for (int slot : {0, 2}) {
+    const auto landed = Landed(slot);
+    EXPECT_TRUE(std::all_of(landed.begin(), landed.end(), [](uint8_t x) { return x == 0; })) << slot;
+  }
+  const auto one = Landed(1);
+  EXPECT_TRUE(std::equal(one.begin(), one.end(), payloads_[1].begin()));
+}
+
+TEST_F(NodeCoreDeliveryTest, ANodeThatCannotDeliverAnswersWithPayloadsAndSaysWhy) {
+  struct Case {
+    NodeCore* core;
+    std::string host;
+    absl::Status begin;
+    std::string why;
+  };
+  const Case cases[] = {
+      {plain_.get(), host_, absl::OkStatus(), "no GPU"},
+      {core_.get(), "another-host", absl::OkStatus(), "another host"},
+      {core_.get(), host_, absl::FailedPreconditionError("cannot map the caller's GPU memory"), "cannot map"},
+  };
+  for (const Case& c : cases) {
+    fake_.begin_status = c.begin;
+    v1::GetResponse resp;
+    ASSERT_TRUE(c.core->Get(tenant_, Request({1, 2}, c.host), &resp).ok()) << c.why;
+    EXPECT_FALSE(resp.delivered_to_device()) << c.why;
+    EXPECT_NE(resp.device_refusal().find(c.why), std::string::npos) << resp.device_refusal();
+    ASSERT_EQ(resp.blocks_size(), 2);
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_EQ(resp.blocks(i).status().code(), 0) << c.why;
+      EXPECT_EQ(resp.blocks(i).payload(), std::string(payloads_[i + 1].begin(), payloads_[i + 1].end())) << c.why;
+    }
+  }
+  EXPECT_EQ(fake_.finished, 0);
+}
+
+TEST_F(NodeCoreDeliveryTest, MalformedDevicePlacesAreInvalidArguments) {
+  std::vector<std::pair<std::string, std::function<void(v1::GetRequest&)>>> cases = {
+      {"device places for", [](v1::GetRequest& r) { r.mutable_device_places()->RemoveLast(); }},
+      {"has a handle of", [](v1::GetRequest& r) { r.mutable_device_allocations(0)->set_ipc_handle("short"); }},
+      {"names allocation", [](v1::GetRequest& r) { r.mutable_device_places(1)->set_allocation(1); }},
+      {"device allocations; give",
+       [](v1::GetRequest& r) {
+         for (int i = 0; i < kMaxGetDeviceAllocations; ++i) r.add_device_allocations()->set_ipc_handle(Handle('b'));
+       }},
+      {"host_id is longer", [](v1::GetRequest& r) { r.set_host_id(std::string(65, 'h')); }},
+  };
+  for (auto& [why, mutate] : cases) {
+    v1::GetRequest r = Request({1, 2}, host_);
+    mutate(r);
+    v1::GetResponse resp;
+    absl::Status s = core_->Get(tenant_, r, &resp);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << why << ": " << s;
+    EXPECT_NE(s.message().find(why), std::string::npos) << s.message();
+  }
+  EXPECT_EQ(fake_.finished, 0);
 }
 
 }  // namespace

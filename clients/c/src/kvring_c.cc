@@ -71,6 +71,7 @@ int kvring_connect(const kvring_options* o, kvring_client** out) {
   co.threads = o->threads;
   co.ucx_loop.spin_us = o->ucx_spin_us;
   co.ucx_loop.wakeup = o->ucx_busy_poll == 0;
+  co.device_delivery = o->no_device_delivery == 0;
   auto c = Client::Connect(co);
   if (!c.ok()) return Code(c.status());
   *out = new kvring_client{std::move(*c)};
@@ -250,6 +251,7 @@ int kvring_stats(kvring_client* c, kvring_node_stats* out, uint32_t cap, uint32_
     o.hbm_misses = s.hbm_misses;
     o.hbm_demotions = s.hbm_demotions;
     o.open_blocks = s.open_blocks;
+    o.device_delivered_bytes = s.device_delivered_bytes;
   }
   return Code(absl::OkStatus());
 }

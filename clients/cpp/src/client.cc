@@ -16,6 +16,7 @@
 #include "kvring/cache/quantize.h"
 #include "kvring/client/device_memory.h"
 #include "kvring/common/logging.h"
+#include "kvring/common/process.h"
 #include "kvring/common/status_macros.h"
 #include "kvring/common/thread_pool.h"
 #include "kvring/protocol/shard_ring.h"
@@ -46,6 +47,9 @@ class ClientImpl {
     absl::Mutex mu;
     std::unique_ptr<UcxRpcClient> ucx ABSL_GUARDED_BY(mu);
     absl::Time ucx_retry_after ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+    // The node answered device places with payloads: it cannot deliver into
+    // this process's GPU memory (no GPU, another host); not asked again.
+    std::atomic<bool> device_refused{false};
   };
 
   explicit ClientImpl(const ClientOptions& o)
@@ -216,6 +220,34 @@ class ClientImpl {
     return resp;
   }
 
+  // Names, in `req`, where each destination lies in this process's GPU
+  // memory (the allocations as IPC handles, one place per key). False (and
+  // `req` without places) when some destination cannot be exported.
+  bool AddDevicePlaces(DeviceMemory& dev, const std::vector<absl::Span<uint8_t>>& dsts, v1::GetRequest* req) {
+    std::vector<DeviceMemory::ExportedAllocation> allocs;
+    for (const auto& d : dsts) {
+      const uintptr_t p = reinterpret_cast<uintptr_t>(d.data());
+      size_t a = 0;
+      while (a < allocs.size() && !(p >= allocs[a].base && p - allocs[a].base < allocs[a].bytes)) ++a;
+      if (a == allocs.size()) {
+        absl::StatusOr<DeviceMemory::ExportedAllocation> e = dev.Export(d.data());
+        if (!e.ok() || allocs.size() == static_cast<size_t>(kMaxGetDeviceAllocations)) {
+          req->clear_device_allocations();
+          req->clear_device_places();
+          return false;
+        }
+        allocs.push_back(std::move(*e));
+        req->add_device_allocations()->set_ipc_handle(allocs.back().ipc_handle);
+      }
+      v1::DevicePlace* pl = req->add_device_places();
+      pl->set_allocation(static_cast<uint32_t>(a));
+      pl->set_offset(p - allocs[a].base);
+      pl->set_capacity(std::min<uint64_t>(d.size(), allocs[a].bytes - (p - allocs[a].base)));
+    }
+    req->set_host_id(host_id_);
+    return true;
+  }
+
   // `dsts` (empty, or one per key): where payloads go; else into results.
   absl::StatusOr<std::vector<GetResult>> GetOn(Node& n, const std::vector<BlockKey>& keys,
                                                const std::vector<absl::Span<uint8_t>>& dsts, bool on_device = false) {
@@ -223,15 +255,21 @@ class ClientImpl {
     // straight from the reply), are checked there, then copied to the GPU.
     DeviceMemory* dev = nullptr;
     DeviceMemory::Staging staging;
-    if (on_device) {
-      KVRING_ASSIGN_OR_RETURN(dev, Dev());
-      size_t total = 0;
-      for (const auto& d : dsts) total += d.size();
-      KVRING_ASSIGN_OR_RETURN(staging, dev->Pinned(total));
-    }
     v1::GetRequest req;
     *req.mutable_header() = Header();
     for (const auto& k : keys) KeyToProto(k, req.add_keys());
+    // A GPU node on this host copies the blocks into the destinations itself.
+    bool device_places = false;
+    if (on_device) {
+      KVRING_ASSIGN_OR_RETURN(dev, Dev());
+      device_places =
+          o_.device_delivery && !host_id_.empty() && !n.device_refused.load() && AddDevicePlaces(*dev, dsts, &req);
+      if (!device_places) {
+        size_t total = 0;
+        for (const auto& d : dsts) total += d.size();
+        KVRING_ASSIGN_OR_RETURN(staging, dev->Pinned(total));
+      }
+    }
     v1::GetResponse resp;
     std::vector<uint8_t> bulk;
     absl::Span<const uint8_t> bulk_view;  // the UCX payload: `bulk`, or the staging it landed in
@@ -244,7 +282,9 @@ class ClientImpl {
     thread_local std::vector<uint8_t> landing;
     if (UcxRpcClient* u = Ucx(n)) {
       absl::Span<uint8_t> into;
-      if (on_device) {
+      if (device_places) {
+        // nothing lands here (a refusing node's payloads come as their own buffer)
+      } else if (on_device) {
         into = absl::MakeSpan(staging.data(), staging.size());
       } else if (keys.size() > 1 && !dsts.empty()) {
         size_t total = 0;
@@ -279,6 +319,36 @@ class ClientImpl {
     }
     if (resp.blocks_size() != static_cast<int>(keys.size()))
       return absl::DataLossError("Get reply has the wrong number of blocks");
+    if (device_places && !resp.delivered_to_device()) {
+      // The node answered with payloads instead; it will again (no GPU,
+      // another host, memory it cannot map): ask it the ordinary way.
+      if (!n.device_refused.exchange(true)) {
+        KVRING_LOG(INFO) << "node " << n.id << " does not deliver into this process's GPU memory ("
+                         << resp.device_refusal() << "); its blocks come through pinned staging";
+      }
+    }
+    if (device_places && resp.delivered_to_device()) {
+      for (size_t i = 0; i < keys.size(); ++i) {
+        const v1::GetBlock& b = resp.blocks(static_cast<int>(i));
+        GetResult& r = out[i];
+        r.node_id = n.id;
+        r.status = StatusOf(b.status());
+        if (!r.status.ok()) continue;
+        absl::StatusOr<BlockLayout> layout = LayoutFromProto(b.block().layout());
+        if (!layout.ok()) {
+          r.status = layout.status();
+          continue;
+        }
+        r.meta.layout = *layout;
+        KvEncoding::Unpack(static_cast<uint8_t>(b.block().encoding()), &r.meta.encoding);
+        r.meta.payload_bytes = b.block().payload_bytes();
+        r.meta.checksum = b.block().checksum();
+        r.parent = KeyFromProto(b.block().parent());
+        r.delivered_in_place = true;
+        last_block_bytes_.store(r.meta.payload_bytes, std::memory_order_relaxed);
+      }
+      return out;
+    }
     size_t off = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
       const v1::GetBlock& b = resp.blocks(static_cast<int>(i));
@@ -1165,6 +1235,7 @@ class ClientImpl {
       s.hbm_misses = r.hbm_misses();
       s.hbm_demotions = r.hbm_demotions();
       s.open_blocks = r.open_blocks();
+      s.device_delivered_bytes = r.device_delivered_bytes();
     });
     return out;
   }
@@ -1212,6 +1283,7 @@ class ClientImpl {
   }
 
   std::atomic<size_t> last_block_bytes_{0};
+  const std::string host_id_ = HostBootId().value_or("");  // for same-host delivery ("": never asked)
   absl::Mutex dev_mu_;
   std::unique_ptr<DeviceMemory> dev_ ABSL_GUARDED_BY(dev_mu_);
   ClientOptions o_;

@@ -4,6 +4,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "kvring/client/device_memory.h"
+#include "kvring/common/cuda_ipc.h"
 #include "kvring/common/cuda_status.h"
 
 namespace kvring {
@@ -35,6 +36,17 @@ class CudaDeviceMemory final : public DeviceMemory {
   }
   absl::Status ToHost(void* dst, const void* src, size_t bytes) override {
     return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "copy from device memory");
+  }
+  absl::StatusOr<ExportedAllocation> Export(const void* p) override {
+    absl::StatusOr<DeviceAllocationRange> r = AllocationOf(p);
+    if (!r.ok()) return absl::FailedPreconditionError(r.status().message());
+    cudaIpcMemHandle_t h;
+    if (cudaError_t e = cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(r->base)); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return absl::FailedPreconditionError(
+          absl::StrCat("this device memory cannot be shared (cudaIpcGetMemHandle: ", cudaGetErrorName(e), ")"));
+    }
+    return ExportedAllocation{IpcHandleBytes(h), r->base, r->bytes};
   }
 
  protected:

@@ -21,7 +21,8 @@ class Layout_(ctypes.Structure):
 class Options(ctypes.Structure):
     _fields_ = [("coordinator", c_char_p), ("token", c_char_p), ("ns", c_char_p), ("use_ucx", c_int),
                 ("quantize", c_char_p), ("rpc_timeout_s", c_double), ("tls_ca", c_char_p), ("tls_cert", c_char_p),
-                ("tls_key", c_char_p), ("threads", c_u32), ("ucx_spin_us", ctypes.c_int32), ("ucx_busy_poll", ctypes.c_int32)]
+                ("tls_key", c_char_p), ("threads", c_u32), ("ucx_spin_us", ctypes.c_int32), ("ucx_busy_poll", ctypes.c_int32),
+                ("no_device_delivery", ctypes.c_int32)]
 
 
 class PutReport(ctypes.Structure):
@@ -56,7 +57,7 @@ class NodeStats(ctypes.Structure):
                                       "num_pages", "puts", "hits", "misses", "evictions", "demotions", "promotions",
                                       "sequences", "cold_stored_bytes", "cold_raw_bytes", "hbm_pages",
                                       "hbm_free_pages", "hbm_page_bytes", "hbm_blocks", "hbm_hits", "hbm_misses",
-                                      "hbm_demotions", "open_blocks")])
+                                      "hbm_demotions", "open_blocks", "device_delivered_bytes")])
 
     def as_dict(self):
         d = {}
@@ -94,8 +95,8 @@ def _load():
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
-    if lib.kvring_api_version() != 1:
-        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 1" % lib.kvring_api_version())
+    if lib.kvring_api_version() != 2:
+        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 2" % lib.kvring_api_version())
     return lib
 
 

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KVRING_C_API_VERSION 1
+#define KVRING_C_API_VERSION 2
 
 typedef struct kvring_client kvring_client;
 
@@ -43,9 +43,10 @@ typedef struct {
   const char* tls_ca;
   const char* tls_cert;
   const char* tls_key;
-  uint32_t threads;      /* fan-out threads; 0: 16 */
-  int32_t ucx_spin_us;   /* UCX progress threads: busy-poll this long after a message (-1: by core count) */
-  int32_t ucx_busy_poll; /* UCX progress threads never sleep */
+  uint32_t threads;           /* fan-out threads; 0: 16 */
+  int32_t ucx_spin_us;        /* UCX progress threads: busy-poll this long after a message (-1: by core count) */
+  int32_t ucx_busy_poll;      /* UCX progress threads never sleep */
+  int32_t no_device_delivery; /* ClientOptions::device_delivery = false (version 2) */
 } kvring_options;
 
 typedef struct {
@@ -91,6 +92,7 @@ typedef struct {
   uint64_t puts, hits, misses, evictions, demotions, promotions, sequences;
   uint64_t cold_stored_bytes, cold_raw_bytes;
   uint64_t hbm_pages, hbm_free_pages, hbm_page_bytes, hbm_blocks, hbm_hits, hbm_misses, hbm_demotions, open_blocks;
+  uint64_t device_delivered_bytes; /* Get payload bytes copied straight into callers' GPU memory (version 2) */
 } kvring_node_stats;
 
 int kvring_api_version(void);

@@ -18,6 +18,11 @@ int WaitForTerminationSignal();
 // The first line of a file, trimmed (for tokens kept out of argv).
 absl::StatusOr<std::string> ReadSecretFile(const std::string& path);
 
+// This host's identity for same-host checks: the kernel's boot id
+// (/proc/sys/kernel/random/boot_id; new at every boot, shared by every
+// process and container of the host). NOT_FOUND where it cannot be read.
+absl::StatusOr<std::string> HostBootId();
+
 struct HostPort {
   std::string host;
   int port = 0;

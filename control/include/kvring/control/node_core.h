@@ -33,6 +33,7 @@
 #include "kvring/control/attend_batch.h"
 #include "kvring/control/attention_backend.h"
 #include "kvring/control/auth.h"
+#include "kvring/control/device_delivery.h"
 #include "kvring/control/request_validation.h"
 #include "kvring/control/sequence_table.h"
 
@@ -55,9 +56,10 @@ class OpScope;
 
 class NodeCore {
  public:
-  // None of the pointers is owned; all must outlive the core.
+  // None of the pointers is owned; all must outlive the core. `delivery`
+  // (optional; GPU nodes): Get into the GPU memory of callers on this host.
   NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* sequences, AttentionBackend* backend,
-           TenantDirectory* tenants, MetricsRegistry* metrics);
+           TenantDirectory* tenants, MetricsRegistry* metrics, DeviceDelivery* delivery = nullptr);
 
   absl::StatusOr<v1::Tenant> Authenticate(const std::string& token) const { return tenants_->ByToken(token); }
   TenantDirectory* tenants() const { return tenants_; }
@@ -68,7 +70,11 @@ class NodeCore {
   absl::Status Put(const v1::Tenant& t, const v1::PutRequest& req, absl::Span<const absl::Span<const uint8_t>> external,
                    v1::PutResponse* resp);
   // With `held` non-null, payloads stay in the store (read holds returned
-  // for a zero-copy send) instead of being copied into `resp`.
+  // for a zero-copy send) instead of being copied into `resp`. A request
+  // with device places (a caller on this host, this node with a GPU) gets
+  // its blocks copied into the caller's GPU memory, each checked against
+  // its checksum first, and no payloads (resp->delivered_to_device); one this
+  // node cannot deliver is answered with payloads and resp->device_refusal.
   absl::Status Get(const v1::Tenant& t, const v1::GetRequest& req, v1::GetResponse* resp,
                    std::vector<PinnedBlock>* held = nullptr);
   // Whether Get(t, req) would not touch the disk tier (every block in host
@@ -111,6 +117,11 @@ class NodeCore {
   OpMetrics Op(const std::string& name);
   absl::StatusOr<NamespaceId> Namespace(const v1::Tenant& t, const v1::RequestHeader& h) const;
   absl::StatusOr<NamespaceId> Namespace(const v1::Tenant& t, const std::string& requested) const;
+  // Why this node will not deliver `req` into device memory ("": it will).
+  std::string DeviceRefusal(const v1::GetRequest& req) const;
+  // Get's device path: blocks checked, then copied into the caller's memory.
+  // FAILED_PRECONDITION when the caller's memory cannot be mapped.
+  absl::Status GetIntoDevice(NamespaceId ns, const v1::GetRequest& req, v1::GetResponse* resp);
   // A sequence block that arrived by Put: recorded, then offered to the backend.
   absl::Status AddSequenceBlock(const v1::Tenant& t, NamespaceId ns, const std::string& id, uint64_t index,
                                 const BlockKey& key, const BlockMeta& meta, absl::Span<const uint8_t> payload);
@@ -135,10 +146,13 @@ class NodeCore {
   AttentionBackend* backend_;
   TenantDirectory* tenants_;
   MetricsRegistry* metrics_;
+  DeviceDelivery* delivery_;
+  std::string host_id_;  // this host's boot id ("" if unknown: no device delivery)
   OpMetrics lookup_, put_, get_, pin_, attend_, stats_;
   CounterMetric* put_bytes_;
   CounterMetric* quantized_;
   CounterMetric* get_bytes_;
+  CounterMetric* device_bytes_;
   CounterMetric* appended_tokens_;
   CounterMetric* sealed_blocks_;
   HistogramMetric* attend_kernel_;

@@ -30,6 +30,12 @@ struct RequestLimits {
 absl::Status ValidateHeader(const v1::RequestHeader& h, const RequestLimits& limits);
 absl::Status ValidateKeys(const google::protobuf::RepeatedPtrField<v1::Key>& keys, const RequestLimits& limits);
 
+// A Get's device places (kvring.proto DevicePlace), when it has any: one per
+// key, each naming one of at most kMaxGetDeviceAllocations allocations (wire.h),
+// each handle kIpcHandleBytes long, a host id of at most 64 bytes. Where a
+// place lands inside the allocation is checked by the node that maps it.
+absl::Status ValidateDevicePlaces(const v1::GetRequest& r);
+
 // A block of a Put: header fields, sizes, and (unless it travels separately,
 // `payload_external`) that the payload has exactly payload_bytes bytes.
 // On success fills `meta` (layout, encoding, size, checksum).

@@ -76,6 +76,14 @@ struct ClientOptions {
   // ("int8/kivi", "none", "" for the tenant's): ParseQuantizeOption.
   // Default: nullopt.
   std::optional<KvEncoding> quantize;
+  // GetInto on_device from a GPU node on this host: the node copies the
+  // blocks straight into the destinations (CUDA IPC: one DMA from its host
+  // tier, no network, no staging here). Needs destinations in cudaMalloc
+  // memory (the default of torch's allocator; not cudaMallocAsync pools or
+  // expandable segments, which fall back). The node checks the checksum of
+  // its copy before the DMA. Elsewhere, and with false, payloads come over
+  // the network into pinned staging. Default: true.
+  bool device_delivery = true;
   // TLS towards the coordinator and the nodes (common/tls_config.h): set
   // tls.ca_file (and cert_file/key_file for mutual TLS). With TLS on,
   // payloads go over gRPC: use_ucx is ignored (UCX is not encrypted).
@@ -105,6 +113,9 @@ struct GetResult {
   BlockKey parent;
   std::vector<uint8_t> payload;
   std::string node_id;  // which replica answered
+  // GetInto on_device: the node copied the block into the destination itself
+  // (same host, CUDA IPC), instead of sending it.
+  bool delivered_in_place = false;
 };
 
 struct PutReport {
@@ -164,6 +175,9 @@ struct NodeStats {
   std::string backend;
   uint64_t hbm_pages = 0, hbm_free_pages = 0, hbm_page_bytes = 0, hbm_blocks = 0, hbm_hits = 0, hbm_misses = 0,
            hbm_demotions = 0, open_blocks = 0;
+  // Get payload bytes the node copied straight into callers' GPU memory
+  // (same host, CUDA IPC: GetInto with on_device).
+  uint64_t device_delivered_bytes = 0;
   absl::Status status;
 };
 
@@ -206,8 +220,11 @@ class Client {
   // size): no allocation per block; over UCX the bytes land in place.
   // results[i].payload stays empty; results[i].meta says how many bytes.
   // With `on_device`, the destinations are GPU memory (an engine's KV pool):
-  // the bytes land in pinned staging, are checked there, and go to the
-  // device in one copy per block.
+  // a GPU node on this host copies the blocks into them itself (CUDA IPC;
+  // ClientOptions::device_delivery, results[i].delivered_in_place); from
+  // other nodes the bytes land in pinned staging, are checked there, and go
+  // to the device in one copy per block. The destinations must stay
+  // allocated for the call.
   std::vector<GetResult> GetInto(absl::Span<const BlockKey> keys, absl::Span<const absl::Span<uint8_t>> dsts,
                                  bool on_device = false);
   absl::Status Pin(absl::Span<const BlockKey> keys, bool unpin = false);

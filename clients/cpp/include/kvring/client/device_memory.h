@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 
@@ -54,6 +55,17 @@ class DeviceMemory {
   virtual absl::Status ToHost(void* dst, const void* src, size_t bytes) = 0;
   // Whether `p` is device (or managed) memory of this process's CUDA context.
   static bool IsDevicePointer(const void* p);
+
+  // The allocation `p` lies in, exported for a node on this host to write
+  // into (CUDA IPC): its handle's bytes, base and size. FAILED_PRECONDITION
+  // for memory that cannot be exported (cudaMallocAsync pools, VMM
+  // allocations such as torch's expandable segments).
+  struct ExportedAllocation {
+    std::string ipc_handle;
+    uintptr_t base = 0;
+    size_t bytes = 0;
+  };
+  virtual absl::StatusOr<ExportedAllocation> Export(const void* p) = 0;
 
  protected:
   virtual void Return(uint8_t* p, size_t n) = 0;

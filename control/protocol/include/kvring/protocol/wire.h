@@ -18,6 +18,11 @@ namespace kvring {
 // Longest sequence id and namespace name the protocol carries.
 inline constexpr uint32_t kMaxSequenceIdBytes = 256;
 inline constexpr uint32_t kMaxNamespaceBytes = 256;
+// A Get's device places (kvring.proto DevicePlace): at most this many
+// allocations, each named by a CUDA IPC handle of kIpcHandleBytes bytes
+// (sizeof(cudaIpcMemHandle_t)).
+inline constexpr int kMaxGetDeviceAllocations = 16;
+inline constexpr size_t kIpcHandleBytes = 64;
 
 // INVALID_ARGUMENT naming what is wrong with the layout (dtype code, ranges).
 absl::StatusOr<BlockLayout> LayoutFromProto(const v1::Layout& l);
