@@ -230,20 +230,11 @@ class Cluster {
   // Creates a tenant and returns its token (waits until every UP daemon knows it).
   absl::StatusOr<std::string> CreateTenant(const std::string& name, std::vector<std::string> shared = {},
                                            uint64_t quota = 0, const std::string& kv_encoding = "") {
-    auto stub = CoordinatorStub();
-    grpc::ClientContext ctx;
-    ctx.AddMetadata("authorization", "Bearer " + admin_token_);
-    v1::CreateTenantRequest req;
-    req.set_version(1);
-    req.set_name(name);
-    req.set_max_pinned_bytes(quota);
-    req.set_kv_encoding(kv_encoding);
-    for (auto& s : shared) req.add_shared_namespaces(s);
-    v1::CreateTenantResponse resp;
-    grpc::Status s = stub->CreateTenant(&ctx, req, &resp);
-    if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+    TenantSpec spec{name, std::move(shared), quota, kv_encoding};
+    absl::StatusOr<CreatedTenant> t = kvring::CreateTenant(coordinator_address(), admin_token_, spec, o_.client_tls);
+    if (!t.ok()) return t.status();
     absl::SleepFor(absl::Milliseconds(400));  // > heartbeat interval: daemons refresh their directory
-    return resp.token();
+    return t->token;
   }
 
   absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& token, const std::string& ns = "", bool ucx = true,

@@ -5,8 +5,10 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <set>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -24,6 +26,7 @@
 #include "kvring/protocol/ucx_methods.h"
 #include "kvring/protocol/wire.h"
 #include "kvring/transport/ucx_rpc.h"
+#include "node_channel.h"
 
 namespace kvring {
 
@@ -40,17 +43,7 @@ double Since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 
 class ClientImpl {
  public:
-  struct Node {
-    std::string id, address, ucx_address;
-    std::shared_ptr<grpc::Channel> channel;
-    std::unique_ptr<v1::Node::Stub> stub;
-    absl::Mutex mu;
-    std::unique_ptr<UcxRpcClient> ucx ABSL_GUARDED_BY(mu);
-    absl::Time ucx_retry_after ABSL_GUARDED_BY(mu) = absl::InfinitePast();
-    // The node answered device places with payloads: it cannot deliver into
-    // this process's GPU memory (no GPU, another host); not asked again.
-    std::atomic<bool> device_refused{false};
-  };
+  using Node = NodeConnection;
 
   explicit ClientImpl(const ClientOptions& o)
       : o_(o),
@@ -99,16 +92,9 @@ class ClientImpl {
     absl::MutexLock l(&mu_);
     for (const auto& n : map.nodes()) {
       auto& conn = nodes_[n.node_id()];
-      if (conn == nullptr || conn->address != n.grpc_address() || conn->ucx_address != n.ucx_address()) {
-        conn = std::make_shared<Node>();
-        conn->id = n.node_id();
-        conn->address = n.grpc_address();
-        conn->ucx_address = n.ucx_address();
-        grpc::ChannelArguments args;
-        args.SetMaxReceiveMessageSize(-1);
-        args.SetMaxSendMessageSize(-1);
-        conn->channel = grpc::CreateCustomChannel(n.grpc_address(), creds_, args);
-        conn->stub = v1::Node::NewStub(conn->channel);
+      if (conn == nullptr || conn->grpc_address() != n.grpc_address() || conn->ucx_address() != n.ucx_address()) {
+        conn = std::make_shared<Node>(n.node_id(), n.grpc_address(), n.ucx_address(), creds_,
+                                      ChannelCallOptions{o_.token, o_.rpc_timeout}, o_.use_ucx, o_.ucx_loop);
       }
     }
     ring_ = ring;
@@ -171,53 +157,49 @@ class ClientImpl {
     return good;
   }
 
-  UcxRpcClient* Ucx(Node& n) {
-    if (!o_.use_ucx || n.ucx_address.empty()) return nullptr;
-    absl::MutexLock l(&n.mu);
-    if (n.ucx && n.ucx->connected()) return n.ucx.get();
-    // Down, or never connected: (re)connect, but not more often than every
-    // 10 s; meanwhile the node is served over gRPC.
-    if (absl::Now() < n.ucx_retry_after) return nullptr;
-    n.ucx.reset();
-    // The daemon's gRPC channel doubles as the liveness signal for UCX calls.
-    std::shared_ptr<grpc::Channel> ch = n.channel;
-    auto c = UcxRpcClient::Connect(
-        n.ucx_address, absl::Seconds(2),
-        [ch] {
-          // try_to_connect: a dropped connection goes IDLE; reconnecting to a dead
-          // daemon turns it TRANSIENT_FAILURE within milliseconds.
-          const grpc_connectivity_state s = ch->GetState(/*try_to_connect=*/true);
-          return s != GRPC_CHANNEL_TRANSIENT_FAILURE && s != GRPC_CHANNEL_SHUTDOWN;
-        },
-        o_.ucx_loop);
-    if (!c.ok()) {
-      KVRING_LOG(WARNING) << "UCX to " << n.id << " failed (" << c.status().message() << "); using gRPC payloads";
-      n.ucx_retry_after = absl::Now() + absl::Seconds(10);
-      return nullptr;
+  // One round of calls to nodes, the shape of every operation's fan-out:
+  // call(j, node) for each job j, in parallel on the fan-out pool (job j
+  // goes to node `nodes[j]` of `ring`; a node this client does not know gets
+  // unknown_node(j)). Then every node whose result failed(result) says did
+  // not answer (a node failure) is suspected, once: its replicas serve the
+  // next round and the map is refreshed.
+  template <typename R>
+  std::vector<R> FanOut(const ShardRing& ring, absl::Span<const int> nodes, absl::FunctionRef<R(size_t, Node&)> call,
+                        absl::FunctionRef<R(size_t)> unknown_node, absl::FunctionRef<bool(const R&)> failed) {
+    std::vector<R> res(nodes.size());
+    pool_.ParallelFor(nodes.size(), [&](size_t j) {
+      std::shared_ptr<Node> node = NodeFor(ring.node(nodes[j]).node_id());
+      res[j] = node ? call(j, *node) : unknown_node(j);
+    });
+    std::set<int> down;
+    for (size_t j = 0; j < nodes.size(); ++j) {
+      if (failed(res[j])) down.insert(nodes[j]);
     }
-    n.ucx = std::move(*c);
-    return n.ucx.get();
+    for (int i : down) Suspect(ring.node(i).node_id());
+    return res;
   }
+  // The same for calls with one status: a node failure status is a node that
+  // did not answer.
+  template <typename T>
+  std::vector<absl::StatusOr<T>> FanOut(const ShardRing& ring, absl::Span<const int> nodes,
+                                        absl::FunctionRef<absl::StatusOr<T>(size_t, Node&)> call) {
+    return FanOut<absl::StatusOr<T>>(
+        ring, nodes, call, [](size_t) { return absl::StatusOr<T>(absl::UnavailableError("unknown node")); },
+        [](const absl::StatusOr<T>& r) { return !r.ok() && IsNodeFailure(r.status()); });
+  }
+  template <typename Job>
+  static std::vector<int> NodesOf(const std::vector<Job>& jobs) {
+    std::vector<int> nodes;
+    nodes.reserve(jobs.size());
+    for (const Job& j : jobs) nodes.push_back(NodeIndex(j));
+    return nodes;
+  }
+  static int NodeIndex(const std::pair<int, std::vector<size_t>>& job) { return job.first; }
 
   // ---- per-node calls ----
   absl::StatusOr<v1::PutResponse> PutOn(Node& n, v1::PutRequest req,
                                         const std::vector<absl::Span<const uint8_t>>& payloads) {
-    if (UcxRpcClient* u = Ucx(n)) {
-      auto r = u->Call(kUcxMethodPut, o_.token, req.SerializeAsString(), payloads, {}, o_.rpc_timeout);
-      if (!r.ok()) return r.status();
-      if (!r->status.ok()) return r->status;
-      v1::PutResponse resp;
-      if (!resp.ParseFromString(r->meta)) return absl::DataLossError("bad UCX Put reply");
-      return resp;
-    }
-    for (int i = 0; i < req.blocks_size(); ++i) {
-      req.mutable_blocks(i)->set_payload(reinterpret_cast<const char*>(payloads[i].data()), payloads[i].size());
-    }
-    v1::PutResponse resp;
-    auto ctx = Context(o_.rpc_timeout);
-    grpc::Status s = n.stub->Put(ctx.get(), req, &resp);
-    if (!s.ok()) return FromGrpc(s);
-    return resp;
+    return n.Channel()->Put(std::move(req), payloads);
   }
 
   // Names, in `req`, where each destination lies in this process's GPU
@@ -280,42 +262,38 @@ class ClientImpl {
     // thread's landing buffer (kept, so its pages are not faulted in again
     // for every call), then each block is copied to its destination.
     thread_local std::vector<uint8_t> landing;
-    if (UcxRpcClient* u = Ucx(n)) {
-      absl::Span<uint8_t> into;
-      if (device_places) {
-        // nothing lands here (a refusing node's payloads come as their own buffer)
-      } else if (on_device) {
-        into = absl::MakeSpan(staging.data(), staging.size());
-      } else if (keys.size() > 1 && !dsts.empty()) {
-        size_t total = 0;
-        for (const auto& d : dsts) total += d.size();
-        if (landing.size() < total) landing.resize(total);
-        into = absl::MakeSpan(landing.data(), total);
-      } else if (keys.size() == 1) {
-        if (!dsts.empty()) {
-          into = dsts[0];
-        } else {
-          out[0].payload.resize(last_block_bytes_.load(std::memory_order_relaxed));
-          into = absl::MakeSpan(out[0].payload);
-        }
+    std::shared_ptr<NodeChannel> ch = n.Channel();
+    absl::Span<uint8_t> into;
+    if (!ch->payloads_beside() || device_places) {
+      // inline in the reply (gRPC), or nothing to land (a refusing node's
+      // payloads come as their own buffer)
+    } else if (on_device) {
+      into = absl::MakeSpan(staging.data(), staging.size());
+    } else if (keys.size() > 1 && !dsts.empty()) {
+      size_t total = 0;
+      for (const auto& d : dsts) total += d.size();
+      if (landing.size() < total) landing.resize(total);
+      into = absl::MakeSpan(landing.data(), total);
+    } else if (keys.size() == 1) {
+      if (!dsts.empty()) {
+        into = dsts[0];
+      } else {
+        out[0].payload.resize(last_block_bytes_.load(std::memory_order_relaxed));
+        into = absl::MakeSpan(out[0].payload);
       }
-      auto r = u->Call(kUcxMethodGet, o_.token, req.SerializeAsString(), {}, into, o_.rpc_timeout);
-      if (!r.ok()) return r.status();
-      if (!r->status.ok()) return r->status;
-      if (!resp.ParseFromString(r->meta)) return absl::DataLossError("bad UCX Get reply");
-      if (r->payload_in_buffer && (on_device || (keys.size() > 1 && !dsts.empty()))) {
-        bulk_view = absl::MakeConstSpan(into.data(), r->payload_size);
-      } else if (r->payload_in_buffer) {
-        if (dsts.empty()) out[0].payload.resize(r->payload_size);
+    }
+    KVRING_ASSIGN_OR_RETURN(GetReply g, ch->Get(req, into));
+    resp = std::move(g.resp);
+    if (g.bulk_reply) {
+      if (g.in_into && (on_device || (keys.size() > 1 && !dsts.empty()))) {
+        bulk_view = absl::MakeConstSpan(into.data(), g.bulk_size);
+      } else if (g.in_into) {
+        if (dsts.empty()) out[0].payload.resize(g.bulk_size);
         landed = true;
       } else {
-        bulk = std::move(r->payload);
+        bulk = std::move(g.bulk);
       }
       via_ucx = true;
-    } else {
-      auto ctx = Context(o_.rpc_timeout);
-      grpc::Status s = n.stub->Get(ctx.get(), req, &resp);
-      if (!s.ok()) return FromGrpc(s);
     }
     if (resp.blocks_size() != static_cast<int>(keys.size()))
       return absl::DataLossError("Get reply has the wrong number of blocks");
@@ -323,7 +301,7 @@ class ClientImpl {
       // The node answered with payloads instead; it will again (no GPU,
       // another host, memory it cannot map): ask it the ordinary way.
       if (!n.device_refused.exchange(true)) {
-        KVRING_LOG(INFO) << "node " << n.id << " does not deliver into this process's GPU memory ("
+        KVRING_LOG(INFO) << "node " << n.id() << " does not deliver into this process's GPU memory ("
                          << resp.device_refusal() << "); its blocks come through pinned staging";
       }
     }
@@ -331,7 +309,7 @@ class ClientImpl {
       for (size_t i = 0; i < keys.size(); ++i) {
         const v1::GetBlock& b = resp.blocks(static_cast<int>(i));
         GetResult& r = out[i];
-        r.node_id = n.id;
+        r.node_id = n.id();
         r.status = StatusOf(b.status());
         if (!r.status.ok()) continue;
         absl::StatusOr<BlockLayout> layout = LayoutFromProto(b.block().layout());
@@ -353,7 +331,7 @@ class ClientImpl {
     for (size_t i = 0; i < keys.size(); ++i) {
       const v1::GetBlock& b = resp.blocks(static_cast<int>(i));
       GetResult& r = out[i];
-      r.node_id = n.id;
+      r.node_id = n.id();
       r.status = StatusOf(b.status());
       if (!r.status.ok()) {
         r.payload.clear();
@@ -401,7 +379,7 @@ class ClientImpl {
           // Checked in host memory, then one copy to the device.
           if (PayloadChecksum(src, size) != r.meta.checksum) {
             r.status =
-                absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id, " fails its checksum"));
+                absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id(), " fails its checksum"));
           } else {
             r.status = dev->ToDevice(dst, src, size);
           }
@@ -413,7 +391,8 @@ class ClientImpl {
       }
       if (src != nullptr) std::memcpy(dst, src, size);
       if (PayloadChecksum(dst, size) != r.meta.checksum) {
-        r.status = absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id, " fails its checksum"));
+        r.status =
+            absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id(), " fails its checksum"));
         r.payload.clear();
       }
     }
@@ -424,10 +403,7 @@ class ClientImpl {
     v1::LookupRequest req;
     *req.mutable_header() = Header();
     for (const auto& k : keys) KeyToProto(k, req.add_keys());
-    v1::LookupResponse resp;
-    auto ctx = Context(o_.rpc_timeout);
-    grpc::Status s = n.stub->Lookup(ctx.get(), req, &resp);
-    if (!s.ok()) return FromGrpc(s);
+    KVRING_ASSIGN_OR_RETURN(v1::LookupResponse resp, n.Grpc().Lookup(req));
     return resp.prefix_length();
   }
 
@@ -436,11 +412,7 @@ class ClientImpl {
     *req.mutable_header() = Header();
     req.set_unpin(unpin);
     for (const auto& k : keys) KeyToProto(k, req.add_keys());
-    v1::PinResponse resp;
-    auto ctx = Context(o_.rpc_timeout);
-    grpc::Status s = n.stub->Pin(ctx.get(), req, &resp);
-    if (!s.ok()) return FromGrpc(s);
-    return resp;
+    return n.Grpc().Pin(req);
   }
 
   // One Attend to one node: `parts` is the bulk payload (queries || new_k ||
@@ -450,41 +422,7 @@ class ClientImpl {
                                               const std::vector<absl::Span<const uint8_t>>& k_parts,
                                               const std::vector<absl::Span<const uint8_t>>& v_parts,
                                               absl::Span<uint8_t> reply) {
-    if (UcxRpcClient* u = Ucx(n)) {
-      std::vector<absl::Span<const uint8_t>> all;
-      all.reserve(parts.size() + k_parts.size() + v_parts.size());
-      all.insert(all.end(), parts.begin(), parts.end());
-      all.insert(all.end(), k_parts.begin(), k_parts.end());
-      all.insert(all.end(), v_parts.begin(), v_parts.end());
-      auto r = u->Call(kUcxMethodAttend, o_.token, req.SerializeAsString(), all, reply, o_.rpc_timeout);
-      if (!r.ok()) return r.status();
-      if (!r->status.ok()) return r->status;
-      v1::AttendResponse resp;
-      if (!resp.ParseFromString(r->meta)) return absl::DataLossError("bad UCX Attend reply");
-      if (r->payload_size != reply.size()) return absl::DataLossError("UCX Attend reply has the wrong size");
-      if (!r->payload_in_buffer) std::memcpy(reply.data(), r->payload.data(), reply.size());
-      return resp;
-    }
-    auto cat = [](const std::vector<absl::Span<const uint8_t>>& ps, std::string* dst) {
-      size_t n = 0;
-      for (const auto& p : ps) n += p.size();
-      dst->reserve(n);
-      for (const auto& p : ps) dst->append(reinterpret_cast<const char*>(p.data()), p.size());
-    };
-    cat(parts, req.mutable_queries());
-    cat(k_parts, req.mutable_new_k());
-    cat(v_parts, req.mutable_new_v());
-    v1::AttendResponse resp;
-    auto ctx = Context(o_.rpc_timeout);
-    grpc::Status s = n.stub->Attend(ctx.get(), req, &resp);
-    if (!s.ok()) return FromGrpc(s);
-    if (resp.out().size() + resp.lse().size() != reply.size())
-      return absl::DataLossError("Attend reply has the wrong size");
-    std::memcpy(reply.data(), resp.out().data(), resp.out().size());
-    std::memcpy(reply.data() + resp.out().size(), resp.lse().data(), resp.lse().size());
-    resp.clear_out();
-    resp.clear_lse();
-    return resp;
+    return n.Channel()->Attend(std::move(req), parts, k_parts, v_parts, reply);
   }
 
   // ---- public operations ----
@@ -562,64 +500,66 @@ class ClientImpl {
         absl::Status status;
         bool inserted = false;
       };
-      std::vector<std::vector<Outcome>> results(jobs.size());
-      pool_.ParallelFor(jobs.size(), [&](size_t j) {
-        const int node_idx = jobs[j].first;
-        const auto& idx = jobs[j].second;
-        results[j].assign(idx.size(), Outcome{});
-        auto node = NodeFor(ring->node(node_idx).node_id());
-        if (!node) {
-          for (auto& r : results[j]) r.status = absl::UnavailableError("unknown node");
-          return;
-        }
-        // Split into messages of at most max_batch_bytes.
-        size_t start = 0;
-        while (start < idx.size()) {
-          v1::PutRequest req;
-          *req.mutable_header() = Header();
-          req.set_quantize(quantize_wire_);
-          std::vector<absl::Span<const uint8_t>> payloads;
-          uint64_t bytes = 0;
-          size_t end = start;
-          while (end < idx.size() && (end == start || bytes + blocks[idx[end]].payload.size() <= o_.max_batch_bytes)) {
-            const BlockData& b = blocks[idx[end]];
-            v1::PutBlock* pb = req.add_blocks();
-            KeyToProto(b.key, pb->mutable_block()->mutable_key());
-            if (!b.parent.is_zero()) KeyToProto(b.parent, pb->mutable_block()->mutable_parent());
-            LayoutToProto(b.layout, pb->mutable_block()->mutable_layout());
-            pb->mutable_block()->set_encoding(b.encoding.Pack());
-            pb->mutable_block()->set_payload_bytes(static_cast<uint32_t>(b.payload.size()));
-            pb->mutable_block()->set_checksum(PayloadChecksum(b.payload.data(), b.payload.size()));
-            pb->set_pin(b.pin);
-            if (seq) {
-              pb->mutable_sequence()->set_sequence_id(*seq);
-              pb->mutable_sequence()->set_block_index(first_block + idx[end]);
+      using Outcomes = std::vector<Outcome>;
+      auto any_node_failure = [](const Outcomes& os) {
+        return std::any_of(os.begin(), os.end(), [](const Outcome& o) { return IsNodeFailure(o.status); });
+      };
+      std::vector<Outcomes> results = FanOut<Outcomes>(
+          *ring, NodesOf(jobs),
+          [&](size_t j, Node& node) {
+            const auto& idx = jobs[j].second;
+            Outcomes res(idx.size());
+            // Split into messages of at most max_batch_bytes.
+            size_t start = 0;
+            while (start < idx.size()) {
+              v1::PutRequest req;
+              *req.mutable_header() = Header();
+              req.set_quantize(quantize_wire_);
+              std::vector<absl::Span<const uint8_t>> payloads;
+              uint64_t bytes = 0;
+              size_t end = start;
+              while (end < idx.size() &&
+                     (end == start || bytes + blocks[idx[end]].payload.size() <= o_.max_batch_bytes)) {
+                const BlockData& b = blocks[idx[end]];
+                v1::PutBlock* pb = req.add_blocks();
+                KeyToProto(b.key, pb->mutable_block()->mutable_key());
+                if (!b.parent.is_zero()) KeyToProto(b.parent, pb->mutable_block()->mutable_parent());
+                LayoutToProto(b.layout, pb->mutable_block()->mutable_layout());
+                pb->mutable_block()->set_encoding(b.encoding.Pack());
+                pb->mutable_block()->set_payload_bytes(static_cast<uint32_t>(b.payload.size()));
+                pb->mutable_block()->set_checksum(PayloadChecksum(b.payload.data(), b.payload.size()));
+                pb->set_pin(b.pin);
+                if (seq) {
+                  pb->mutable_sequence()->set_sequence_id(*seq);
+                  pb->mutable_sequence()->set_block_index(first_block + idx[end]);
+                }
+                payloads.push_back(b.payload);
+                bytes += b.payload.size();
+                ++end;
+              }
+              absl::StatusOr<v1::PutResponse> resp = PutOn(node, std::move(req), payloads);
+              for (size_t k = start; k < end; ++k) {
+                if (!resp.ok()) {
+                  res[k].status = resp.status();
+                } else if (resp->results_size() != static_cast<int>(end - start)) {
+                  res[k].status = absl::DataLossError("Put reply has the wrong number of results");
+                } else {
+                  const auto& r = resp->results(static_cast<int>(k - start));
+                  res[k].status = StatusOf(r.status());
+                  res[k].inserted = r.inserted();
+                }
+              }
+              if (!resp.ok() && IsNodeFailure(resp.status())) {
+                for (size_t k = end; k < idx.size(); ++k) res[k].status = resp.status();
+                break;
+              }
+              start = end;
             }
-            payloads.push_back(b.payload);
-            bytes += b.payload.size();
-            ++end;
-          }
-          absl::StatusOr<v1::PutResponse> resp = PutOn(*node, std::move(req), payloads);
-          for (size_t k = start; k < end; ++k) {
-            if (!resp.ok()) {
-              results[j][k].status = resp.status();
-            } else if (resp->results_size() != static_cast<int>(end - start)) {
-              results[j][k].status = absl::DataLossError("Put reply has the wrong number of results");
-            } else {
-              const auto& r = resp->results(static_cast<int>(k - start));
-              results[j][k].status = StatusOf(r.status());
-              results[j][k].inserted = r.inserted();
-            }
-          }
-          if (!resp.ok() && IsNodeFailure(resp.status())) {
-            for (size_t k = end; k < idx.size(); ++k) results[j][k].status = resp.status();
-            break;
-          }
-          start = end;
-        }
-      });
+            return res;
+          },
+          [&](size_t j) { return Outcomes(jobs[j].second.size(), Outcome{absl::UnavailableError("unknown node")}); },
+          any_node_failure);
       for (size_t j = 0; j < jobs.size(); ++j) {
-        bool failed_node = false;
         for (size_t k = 0; k < jobs[j].second.size(); ++k) {
           const size_t i = jobs[j].second[k];
           const absl::Status& s = results[j][k].status;
@@ -631,12 +571,10 @@ class ClientImpl {
           } else if (IsNodeFailure(s)) {
             last_err[i] = s;
             ++want[i];  // try the next candidate
-            failed_node = true;
           } else {
             last_err[i] = s;  // the node refused the block (bad input, quota...): no retry elsewhere
           }
         }
-        if (failed_node) Suspect(ring->node(jobs[j].first).node_id());
       }
     }
     absl::Status first_error = absl::OkStatus();
@@ -723,24 +661,18 @@ class ClientImpl {
           bytes += b;
         }
       }
-      std::vector<absl::StatusOr<std::vector<GetResult>>> res(jobs.size(), absl::UnknownError(""));
-      pool_.ParallelFor(jobs.size(), [&](size_t j) {
-        auto node = NodeFor(ring->node(jobs[j].first).node_id());
-        if (!node) {
-          res[j] = absl::UnavailableError("unknown node");
-          return;
-        }
-        std::vector<BlockKey> ks;
-        std::vector<absl::Span<uint8_t>> ds;
-        for (size_t i : jobs[j].second) {
-          ks.push_back(keys[i]);
-          if (!dsts.empty()) ds.push_back(dsts[i]);
-        }
-        res[j] = GetOn(*node, ks, ds, on_device);
-      });
+      std::vector<absl::StatusOr<std::vector<GetResult>>> res =
+          FanOut<std::vector<GetResult>>(*ring, NodesOf(jobs), [&](size_t j, Node& node) {
+            std::vector<BlockKey> ks;
+            std::vector<absl::Span<uint8_t>> ds;
+            for (size_t i : jobs[j].second) {
+              ks.push_back(keys[i]);
+              if (!dsts.empty()) ds.push_back(dsts[i]);
+            }
+            return GetOn(node, ks, ds, on_device);
+          });
       for (size_t j = 0; j < jobs.size(); ++j) {
         if (!res[j].ok()) {
-          if (IsNodeFailure(res[j].status())) Suspect(ring->node(jobs[j].first).node_id());
           for (size_t i : jobs[j].second) out[i].status = res[j].status();
           continue;
         }
@@ -771,16 +703,10 @@ class ClientImpl {
       plan[c[0]].push_back(i);
     }
     std::vector<std::pair<int, std::vector<size_t>>> jobs(plan.begin(), plan.end());
-    std::vector<absl::StatusOr<uint32_t>> res(jobs.size(), absl::UnknownError(""));
-    pool_.ParallelFor(jobs.size(), [&](size_t j) {
-      auto node = NodeFor(ring->node(jobs[j].first).node_id());
-      if (!node) {
-        res[j] = absl::UnavailableError("unknown node");
-        return;
-      }
+    std::vector<absl::StatusOr<uint32_t>> res = FanOut<uint32_t>(*ring, NodesOf(jobs), [&](size_t j, Node& node) {
       std::vector<BlockKey> ks;
       for (size_t i : jobs[j].second) ks.push_back(chain[i]);
-      res[j] = LookupOn(*node, ks);
+      return LookupOn(node, ks);
     });
     size_t prefix = chain.size();
     for (size_t j = 0; j < jobs.size(); ++j) {
@@ -790,7 +716,6 @@ class ClientImpl {
         // engine recomputes). Any other answer (a revoked token, a bad
         // request) is the caller's to see, not a miss.
         if (!IsNodeFailure(res[j].status())) return res[j].status();
-        Suspect(ring->node(jobs[j].first).node_id());
         prefix = std::min(prefix, idx[0]);
         continue;
       }
@@ -811,6 +736,7 @@ class ClientImpl {
     int node = 0;
     std::vector<SeqPart> parts;
   };
+  static int NodeIndex(const NodeJob& job) { return job.node; }
   // The appended tokens [begin, end) of sequence `seq` that fall in `chunk`,
   // and the replicas that acknowledged them.
   struct AppendUnit {
@@ -1043,68 +969,68 @@ class ClientImpl {
       uint32_t rows = 0;
       uint64_t sent = 0;
     };
-    std::vector<Result> res(jobs.size());
-    pool_.ParallelFor(jobs.size(), [&](size_t j) {
-      auto node = NodeFor(ring.node(jobs[j].node).node_id());
-      if (!node) {
-        res[j].resp = absl::UnavailableError("unknown node");
-        return;
-      }
-      v1::AttendRequest req;
-      *req.mutable_header() = Header();
-      req.set_layer(st.options.layer);
-      req.set_q_heads(q.q_heads);
-      req.set_head_dim(q.head_dim);
-      req.set_q_dtype(static_cast<uint32_t>(q.dtype));
-      req.set_causal(st.options.causal);
-      req.set_window(st.options.window);
-      req.set_softmax_scale(st.options.softmax_scale);
-      LayoutToProto(L, req.mutable_layout());
-      std::vector<absl::Span<const uint8_t>> qp, kp, vp;
-      uint32_t rows = 0;
-      uint64_t bytes = 0;
-      for (const SeqPart& p : jobs[j].parts) {
-        const auto& s = st.sequences[p.seq];
-        v1::AttendSequence* as = req.add_sequences();
-        as->set_sequence_id(s.sequence_id);
-        as->set_tokens(total[p.seq]);
-        const uint64_t nblocks = (total[p.seq] + bt - 1) / bt;
-        std::vector<uint64_t> chunks = p.chunks;
-        std::sort(chunks.begin(), chunks.end());
-        for (uint64_t c : chunks) {
-          const uint64_t b0 = c * chunk, b1 = std::min(nblocks, (c + 1) * chunk);
-          if (as->ranges_size() > 0 && as->ranges(as->ranges_size() - 1).end() == b0) {
-            as->mutable_ranges(as->ranges_size() - 1)->set_end(b1);
-          } else {
-            v1::BlockRange* r = as->add_ranges();
-            r->set_begin(b0);
-            r->set_end(b1);
+    std::vector<Result> res = FanOut<Result>(
+        ring, NodesOf(jobs),
+        [&](size_t j, Node& node) {
+          Result out;
+          v1::AttendRequest req;
+          *req.mutable_header() = Header();
+          req.set_layer(st.options.layer);
+          req.set_q_heads(q.q_heads);
+          req.set_head_dim(q.head_dim);
+          req.set_q_dtype(static_cast<uint32_t>(q.dtype));
+          req.set_causal(st.options.causal);
+          req.set_window(st.options.window);
+          req.set_softmax_scale(st.options.softmax_scale);
+          LayoutToProto(L, req.mutable_layout());
+          std::vector<absl::Span<const uint8_t>> qp, kp, vp;
+          uint32_t rows = 0;
+          uint64_t bytes = 0;
+          for (const SeqPart& p : jobs[j].parts) {
+            const auto& s = st.sequences[p.seq];
+            v1::AttendSequence* as = req.add_sequences();
+            as->set_sequence_id(s.sequence_id);
+            as->set_tokens(total[p.seq]);
+            const uint64_t nblocks = (total[p.seq] + bt - 1) / bt;
+            std::vector<uint64_t> chunks = p.chunks;
+            std::sort(chunks.begin(), chunks.end());
+            for (uint64_t c : chunks) {
+              const uint64_t b0 = c * chunk, b1 = std::min(nblocks, (c + 1) * chunk);
+              if (as->ranges_size() > 0 && as->ranges(as->ranges_size() - 1).end() == b0) {
+                as->mutable_ranges(as->ranges_size() - 1)->set_end(b1);
+              } else {
+                v1::BlockRange* r = as->add_ranges();
+                r->set_begin(b0);
+                r->set_end(b1);
+              }
+            }
+            if (!p.chunks.empty()) {
+              as->set_rows(s.rows);
+              rows += s.rows;
+              for (uint32_t r = 0; r < s.rows; ++r) req.add_positions(q.positions[row_begin[p.seq] + r]);
+              qp.push_back(
+                  absl::MakeConstSpan(static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, s.rows * qrow));
+              bytes += s.rows * qrow;
+            }
+            if (p.append_end > p.append_begin) {
+              const uint64_t n = p.append_end - p.append_begin;
+              const uint64_t src = app_begin[p.seq] + (p.append_begin - s.context_tokens);
+              as->set_append_position(p.append_begin);
+              as->set_append_tokens(static_cast<uint32_t>(n));
+              kp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_k) + src * kvrow, n * kvrow));
+              vp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_v) + src * kvrow, n * kvrow));
+              bytes += 2 * n * kvrow;
+            }
           }
-        }
-        if (!p.chunks.empty()) {
-          as->set_rows(s.rows);
-          rows += s.rows;
-          for (uint32_t r = 0; r < s.rows; ++r) req.add_positions(q.positions[row_begin[p.seq] + r]);
-          qp.push_back(
-              absl::MakeConstSpan(static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, s.rows * qrow));
-          bytes += s.rows * qrow;
-        }
-        if (p.append_end > p.append_begin) {
-          const uint64_t n = p.append_end - p.append_begin;
-          const uint64_t src = app_begin[p.seq] + (p.append_begin - s.context_tokens);
-          as->set_append_position(p.append_begin);
-          as->set_append_tokens(static_cast<uint32_t>(n));
-          kp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_k) + src * kvrow, n * kvrow));
-          vp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_v) + src * kvrow, n * kvrow));
-          bytes += 2 * n * kvrow;
-        }
-      }
-      req.set_num_rows(rows);
-      res[j].rows = rows;
-      res[j].sent = bytes + req.ByteSizeLong();
-      res[j].reply.resize(size_t{rows} * (hq + q.q_heads) * sizeof(float));
-      res[j].resp = AttendOn(*node, std::move(req), qp, kp, vp, absl::MakeSpan(res[j].reply));
-    });
+          req.set_num_rows(rows);
+          out.rows = rows;
+          out.sent = bytes + req.ByteSizeLong();
+          out.reply.resize(size_t{rows} * (hq + q.q_heads) * sizeof(float));
+          out.resp = AttendOn(node, std::move(req), qp, kp, vp, absl::MakeSpan(out.reply));
+          return out;
+        },
+        [](size_t) { return Result{absl::UnavailableError("unknown node")}; },
+        [](const Result& r) { return !r.resp.ok() && IsNodeFailure(r.resp.status()); });
     const auto tm = Clock::now();
     for (size_t j = 0; j < jobs.size(); ++j) {
       const absl::Status& s = res[j].resp.status();
@@ -1115,7 +1041,6 @@ class ClientImpl {
       };
       if (!s.ok()) {
         *last_error = s;
-        if (IsNodeFailure(s)) Suspect(ring.node(jobs[j].node).node_id());
         for (const SeqPart& p : jobs[j].parts) {
           unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { u.last = s; });
         }
@@ -1206,11 +1131,10 @@ class ClientImpl {
       }
       v1::StatsRequest req;
       *req.mutable_header() = Header();
-      v1::StatsResponse r;
-      auto ctx = Context(absl::Seconds(2));
-      grpc::Status g = node->stub->Stats(ctx.get(), req, &r);
-      s.status = FromGrpc(g);
-      if (!g.ok()) return;
+      absl::StatusOr<v1::StatsResponse> got = node->Grpc().Stats(req, absl::Seconds(2));
+      s.status = got.status();
+      if (!got.ok()) return;
+      const v1::StatsResponse& r = *got;
       s.blocks = r.blocks();
       s.host_blocks = r.host_blocks();
       s.cold_blocks = r.cold_blocks();
@@ -1250,25 +1174,23 @@ class ClientImpl {
     }
     absl::Status first = absl::OkStatus();
     std::vector<int> ok_count(keys.size(), 0);
-    for (auto& [node_idx, idx] : plan) {
-      auto node = NodeFor(ring->node(node_idx).node_id());
-      if (!node) continue;
-      std::vector<BlockKey> ks;
-      for (size_t i : idx) ks.push_back(keys[i]);
-      absl::StatusOr<v1::PinResponse> resp = PinOn(*node, ks, unpin);
-      absl::Status s = resp.status();
-      if (!s.ok()) {
+    std::vector<std::pair<int, std::vector<size_t>>> jobs(plan.begin(), plan.end());
+    std::vector<absl::StatusOr<v1::PinResponse>> res =
+        FanOut<v1::PinResponse>(*ring, NodesOf(jobs), [&](size_t j, Node& node) {
+          std::vector<BlockKey> ks;
+          for (size_t i : jobs[j].second) ks.push_back(keys[i]);
+          return PinOn(node, ks, unpin);
+        });
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const std::vector<size_t>& idx = jobs[j].second;
+      if (!res[j].ok()) {
         // A node that cannot answer is survivable (another replica pins);
         // any other refusal (auth, bad request) is the caller's to see.
-        if (IsNodeFailure(s)) {
-          Suspect(ring->node(node_idx).node_id());
-        } else if (first.ok()) {
-          first = s;
-        }
+        if (!IsNodeFailure(res[j].status()) && first.ok()) first = res[j].status();
         continue;
       }
-      for (int k = 0; k < resp->results_size() && k < static_cast<int>(idx.size()); ++k) {
-        absl::Status r = StatusOf(resp->results(k).status());
+      for (int k = 0; k < res[j]->results_size() && k < static_cast<int>(idx.size()); ++k) {
+        absl::Status r = StatusOf(res[j]->results(k).status());
         if (r.ok())
           ++ok_count[idx[k]];
         else if (!absl::IsNotFound(r) && first.ok())
