@@ -342,59 +342,63 @@ def getinto(args, kvring, kt, dev, results):
     from kvring.local_cluster import LocalCluster
     layout = kvring.Layout(BT, 32, HKV, D, "bf16")  # 2 MiB blocks (Llama-3-8B, all layers)
     n = 256 if args.quick else 1024
-    with LocalCluster(nodes=4, port=7900, replication=1, host_bytes="4G", page_bytes="2M", gpu=0, hbm_bytes="256M",
-                      bin=args.bin, root=ROOT) as cl:
-        c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60)
-        src = torch.randint(0, 1 << 14, (n, layout.bytes // 2), dtype=torch.int16, device=dev)
-        keys = np.stack([np.arange(1, n + 1, dtype=np.uint64), np.full(n, 77, np.uint64)], 1)
-        kt.put(c, keys, src, layout)
-        def best(f, reps=4):
-            ts = []
-            for _ in range(reps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                f()
-                ts.append(time.perf_counter() - t0)
-            return min(ts)
+    rows = []
+    for nodes in [int(x) for x in args.getinto_nodes.split(",")]:
+        with LocalCluster(nodes=nodes, port=7900, replication=1, host_bytes=f"{16 // nodes}G", page_bytes="2M", gpu=0,
+                          hbm_bytes="256M", bin=args.bin, root=ROOT) as cl:
+            rows.append(getinto_one(args, kvring, kt, dev, cl, layout, n, nodes))
+    results["getinto"] = rows
 
-        delivered0 = sum(s["device_delivered_bytes"] for s in c.stats())
-        dst = torch.empty_like(src)
-        t_dev = best(lambda: kt.get_into(c, keys, layout, dst))
-        dst.zero_()
-        found = kt.get_into(c, keys, layout, dst)
-        assert found.all() and torch.equal(dst, src), "GetInto returned other bytes"
-        in_place = sum(s["device_delivered_bytes"] for s in c.stats()) - delivered0
-        assert in_place == 5 * n * layout.bytes, f"the daemons delivered {in_place} bytes in place, not every block"
-        # The same through pinned staging in this process (what a caller on
-        # another host gets, less the network).
-        cs = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60, device_delivery=False)
-        dst.zero_()
-        t_staged = best(lambda: kt.get_into(cs, keys, layout, dst))
-        assert torch.equal(dst, src), "GetInto through staging returned other bytes"
-        cs.close()
-        host = torch.empty(src.shape, dtype=torch.int16).pin_memory()
-        t_host = best(lambda: kt.get_into(c, keys, layout, host))
-        t_np = best(lambda: c.get_into(keys, layout, np.empty((n, layout.bytes), np.uint8)))
-        ts = [t_dev]
-        pinned = torch.empty(n * layout.bytes // 2, dtype=torch.int16).pin_memory()
-        h2d = []
-        for _ in range(5):
+
+def getinto_one(args, kvring, kt, dev, cl, layout, n, nodes):
+    c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60)
+    src = torch.randint(0, 1 << 14, (n, layout.bytes // 2), dtype=torch.int16, device=dev)
+    keys = np.stack([np.arange(1, n + 1, dtype=np.uint64), np.full(n, 77, np.uint64)], 1)
+    kt.put(c, keys, src, layout)
+
+    def best(f, reps=4):
+        ts = []
+        for _ in range(reps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            src.view(-1).copy_(pinned, non_blocking=True)
-            torch.cuda.synchronize()
-            h2d.append(time.perf_counter() - t0)
-        gb = n * layout.bytes / 1e9
-        r = {"blocks": n, "block_bytes": layout.bytes, "getinto_gbps": gb / min(ts), "h2d_gbps": gb / min(h2d),
-             "getinto_staged_gbps": gb / t_staged, "getinto_pinned_host_gbps": gb / t_host,
-             "getinto_numpy_gbps": gb / t_np}
-        r["ratio"] = r["getinto_gbps"] / r["h2d_gbps"]
-        results["getinto"] = r
-        log(f"  GetInto {n} x 2 MiB into device memory: {r['getinto_gbps']:.1f} GB/s delivered in place by the daemons "
-            f"(staged through this process: {r['getinto_staged_gbps']:.1f}); into pinned host memory "
-            f"{r['getinto_pinned_host_gbps']:.1f}, into numpy {r['getinto_numpy_gbps']:.1f}; pinned H2D {r['h2d_gbps']:.1f} GB/s; "
-            f"device/H2D {r['ratio']:.2f}")
-        c.close()
+            f()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    delivered0 = sum(s["device_delivered_bytes"] for s in c.stats())
+    dst = torch.empty_like(src)
+    t_dev = best(lambda: kt.get_into(c, keys, layout, dst))
+    dst.zero_()
+    found = kt.get_into(c, keys, layout, dst)
+    assert found.all() and torch.equal(dst, src), "GetInto returned other bytes"
+    in_place = sum(s["device_delivered_bytes"] for s in c.stats()) - delivered0
+    assert in_place == 5 * n * layout.bytes, f"the daemons delivered {in_place} bytes in place, not every block"
+    # The same through pinned staging in this process (what a caller on
+    # another host gets, less the network).
+    cs = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60, device_delivery=False)
+    dst.zero_()
+    t_staged = best(lambda: kt.get_into(cs, keys, layout, dst))
+    assert torch.equal(dst, src), "GetInto through staging returned other bytes"
+    cs.close()
+    host = torch.empty(src.shape, dtype=torch.int16).pin_memory()
+    t_host = best(lambda: kt.get_into(c, keys, layout, host))
+    pinned = torch.empty(n * layout.bytes // 2, dtype=torch.int16).pin_memory()
+    h2d = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        src.view(-1).copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize()
+        h2d.append(time.perf_counter() - t0)
+    gb = n * layout.bytes / 1e9
+    r = {"daemons": nodes, "blocks": n, "block_bytes": layout.bytes, "getinto_gbps": gb / t_dev,
+         "h2d_gbps": gb / min(h2d), "getinto_staged_gbps": gb / t_staged, "getinto_pinned_host_gbps": gb / t_host}
+    r["ratio"] = r["getinto_gbps"] / r["h2d_gbps"]
+    log(f"  GetInto {n} x 2 MiB from {nodes} daemon(s) into device memory: {r['getinto_gbps']:.1f} GB/s delivered in "
+        f"place by the daemons (staged through this process: {r['getinto_staged_gbps']:.1f}); into pinned host memory "
+        f"{r['getinto_pinned_host_gbps']:.1f}; pinned H2D {r['h2d_gbps']:.1f} GB/s; device/H2D {r['ratio']:.2f}")
+    c.close()
+    return r
 
 
 def faults(args, kvring, kt, dev, results):
@@ -494,6 +498,7 @@ def main():
                    "4-GPU host; the default shares GPU 0")
     p.add_argument("--inline-compare", action="store_true",
                    help="latency: decode steps on the daemons' UCX thread (--ucx_inline_attend_rows) against the pool")
+    p.add_argument("--getinto-nodes", default="1,4", help="daemon counts of the GetInto part (sharing the GPU)")
     p.add_argument("--shards", default="1,4", help="shard counts of the latency part (e.g. 1,2,4,8 on 8 GPUs)")
     ARGS = args = p.parse_args()
     import kvring

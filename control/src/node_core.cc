@@ -288,10 +288,15 @@ absl::Status NodeCore::GetIntoDevice(NamespaceId ns, const v1::GetRequest& req, 
   handles.reserve(req.device_allocations_size());
   for (const auto& a : req.device_allocations()) handles.push_back(a.ipc_handle());
   KVRING_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDelivery::Batch> batch, delivery_->Begin(handles));
-  // The blocks stay held until their copies have landed (batch->Finish).
+  // Every block is found and checked first, then every copy is queued at
+  // once: the GPU sees one deep queue (on a GPU shared by several daemons a
+  // context gets the copy engines in time slices; a queue fed block by block
+  // leaves its slices half idle). The blocks stay held until their copies
+  // have landed (batch->Finish).
   std::vector<PinnedBlock> held;
+  std::vector<int> index;  // held[j] is block index[j] of the request
   held.reserve(req.keys_size());
-  uint64_t bytes = 0;
+  index.reserve(req.keys_size());
   for (int i = 0; i < req.keys_size(); ++i) {
     const v1::Key& k = req.keys(i);
     v1::GetBlock* out = resp->add_blocks();
@@ -307,21 +312,29 @@ absl::Status NodeCore::GetIntoDevice(NamespaceId ns, const v1::GetRequest& req, 
     if (st.ok() && PayloadChecksum(b->payload().data(), b->payload().size()) != b->meta().checksum) {
       st = absl::DataLossError(absl::StrCat("block ", KeyFromProto(k).ToHex(), " fails its checksum on this node"));
     }
-    if (st.ok()) {
-      st = batch->Add(place.allocation(), place.offset(), b->payload());
-      if (absl::IsInternal(st)) return st;  // a CUDA error: the request fails
-    }
     SetStatus(st, out->mutable_status());
     if (!st.ok()) continue;
-    v1::BlockHeader* h = out->mutable_block();
-    *h->mutable_key() = k;
-    KeyToProto(b->parent(), h->mutable_parent());
-    LayoutToProto(b->meta().layout, h->mutable_layout());
-    h->set_encoding(b->meta().encoding.Pack());
-    h->set_payload_bytes(b->meta().payload_bytes);
-    h->set_checksum(b->meta().checksum);
-    bytes += b->meta().payload_bytes;
     held.push_back(std::move(*b));
+    index.push_back(i);
+  }
+  uint64_t bytes = 0;
+  for (size_t j = 0; j < held.size(); ++j) {
+    const int i = index[j];
+    const v1::DevicePlace& place = req.device_places(i);
+    absl::Status st = batch->Add(place.allocation(), place.offset(), held[j].payload());
+    if (absl::IsInternal(st)) return st;  // a CUDA error: the request fails
+    v1::GetBlock* out = resp->mutable_blocks(i);
+    SetStatus(st, out->mutable_status());
+    if (!st.ok()) continue;
+    const PinnedBlock& b = held[j];
+    v1::BlockHeader* h = out->mutable_block();
+    *h->mutable_key() = req.keys(i);
+    KeyToProto(b.parent(), h->mutable_parent());
+    LayoutToProto(b.meta().layout, h->mutable_layout());
+    h->set_encoding(b.meta().encoding.Pack());
+    h->set_payload_bytes(b.meta().payload_bytes);
+    h->set_checksum(b.meta().checksum);
+    bytes += b.meta().payload_bytes;
   }
   KVRING_RETURN_IF_ERROR(batch->Finish());
   get_bytes_->Add(bytes);

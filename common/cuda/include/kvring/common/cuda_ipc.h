@@ -6,7 +6,8 @@
 // (the driver's cuMemGetAddressRange, reached through the runtime's entry
 // point so that nothing links libcuda directly: binaries still start on a
 // host without a driver). Works for IPC-mapped pointers too, which is how a
-// node learns the true size of what a handle mapped.
+// node learns the true size of what a handle mapped. Makes the allocation's
+// device current on the calling thread.
 //
 // Header-only; thread-safe (the entry point is looked up once).
 #pragma once
@@ -20,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "kvring/common/cuda_status.h"
+#include "kvring/common/status_macros.h"
 
 namespace kvring {
 
@@ -41,6 +43,15 @@ inline absl::StatusOr<DeviceAllocationRange> AllocationOf(const void* p) {
     return reinterpret_cast<Fn>(f);
   }();
   if (fn == nullptr) return absl::UnimplementedError("the CUDA driver has no cuMemGetAddressRange");
+  // A driver call needs a context current on this thread, and a thread the
+  // runtime has not used yet has none: make the owner's primary context
+  // current (cudaSetDevice does) first.
+  cudaPointerAttributes a;
+  if (cudaError_t e = cudaPointerGetAttributes(&a, p); e != cudaSuccess || a.type != cudaMemoryTypeDevice) {
+    (void)cudaGetLastError();
+    return absl::InvalidArgumentError("not device memory of this process");
+  }
+  KVRING_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(a.device), "cudaSetDevice for the allocation's device"));
   CUdeviceptr base = 0;
   size_t bytes = 0;
   if (CUresult r = fn(&base, &bytes, reinterpret_cast<CUdeviceptr>(p)); r != CUDA_SUCCESS) {
