@@ -343,10 +343,17 @@ def getinto(args, kvring, kt, dev, results):
     layout = kvring.Layout(BT, 32, HKV, D, "bf16")  # 2 MiB blocks (Llama-3-8B, all layers)
     n = 256 if args.quick else 1024
     rows = []
-    for nodes in [int(x) for x in args.getinto_nodes.split(",")]:
+    runs = [(int(x), False) for x in args.getinto_nodes.split(",")]
+    if args.getinto_checksum:
+        runs.append((runs[0][0], True))
+    for nodes, checksum in runs:
         with LocalCluster(nodes=nodes, port=7900, replication=1, host_bytes=f"{16 // nodes}G", page_bytes="2M", gpu=0,
-                          hbm_bytes="256M", bin=args.bin, root=ROOT) as cl:
+                          hbm_bytes="256M", bin=args.bin, root=ROOT,
+                          daemon_flags="--delivery_checksum=true" if checksum else "") as cl:
             rows.append(getinto_one(args, kvring, kt, dev, cl, layout, n, nodes))
+            rows[-1]["delivery_checksum"] = checksum
+            if checksum:
+                log("    (the run above: --delivery_checksum=true, each block checked again before its copy)")
     results["getinto"] = rows
 
 
@@ -499,6 +506,8 @@ def main():
     p.add_argument("--inline-compare", action="store_true",
                    help="latency: decode steps on the daemons' UCX thread (--ucx_inline_attend_rows) against the pool")
     p.add_argument("--getinto-nodes", default="1,4", help="daemon counts of the GetInto part (sharing the GPU)")
+    p.add_argument("--getinto-checksum", action="store_true",
+                   help="also run the first daemon count with --delivery_checksum=true")
     p.add_argument("--shards", default="1,4", help="shard counts of the latency part (e.g. 1,2,4,8 on 8 GPUs)")
     ARGS = args = p.parse_args()
     import kvring

@@ -74,6 +74,7 @@ int main(int argc, char** argv) {
   uint64_t host_bytes = 1ull << 30, page_bytes = 2ull << 20, max_message = 256ull << 20;
   int64_t threads = 0;
   bool write_through = false, cold_sync = false, lock_memory = false, check_config = false;
+  bool delivery_checksum = false;
   FlagSet flags("kvringd", "the kvring node daemon: a shard of the KV-block store with attention where the KV lives");
   flags.AddString("listen", &listen, "gRPC listen address host:port (port 0: any free port)");
   flags.AddString("advertise", &advertise,
@@ -91,6 +92,9 @@ int main(int argc, char** argv) {
   flags.AddBool("cold_write_through", &write_through, "write every Put to the cold tier before acknowledging it");
   flags.AddBool("cold_sync", &cold_sync, "fsync cold-tier writes (survive power loss, not just crashes)");
   flags.AddBool("lock_memory", &lock_memory, "mlock the host tier");
+  flags.AddBool("delivery_checksum", &delivery_checksum,
+                "with --gpu: check each block's checksum again before copying it into a same-host caller's GPU "
+                "memory (blocks are checked when they enter the host tier; the re-check costs host memory bandwidth)");
   flags.AddInt("threads", &threads, "attention compute threads (0: all cores)");
   flags.AddInt("gpu", &gpu, "CUDA device for the HBM tier and GPU attention (-1: none, attention on the CPU)");
   flags.AddBytes("hbm_bytes", &hbm_bytes, "with --gpu: HBM for attention sequences (e.g. 40G; required with --gpu)");
@@ -189,6 +193,7 @@ int main(int argc, char** argv) {
   co.node_id = *id;
   co.limits.max_payload_bytes = page_bytes;
   co.limits.max_request_bytes = max_message;
+  co.delivery_checksum = delivery_checksum;
   CpuAttentionBackend cpu_backend(store->get(), &pool);
   AttentionBackend* backend = &cpu_backend;
   std::unique_ptr<AttentionBackend> gpu_backend;

@@ -396,8 +396,8 @@ TEST_F(NodeCoreTest, PutSequenceBlocksAndAppendedBlocksFormOneSequence) {
 // ---- Get into a caller's GPU memory (device places) ----
 // The node's side of same-host delivery, with a fake delivery that "maps"
 // each handle to a host buffer: what gets copied where, what is checked
-// first (block 9 has a bit flipped in the host tier after it was stored),
-// and when the node answers with payloads instead. (The CUDA IPC
+// first with delivery_checksum on (block 9 has a bit flipped in the host
+// tier after it was stored), and when the node answers with payloads instead. (The CUDA IPC
 // delivery itself runs against real processes on a GPU: gpu_node_test.)
 class FakeDelivery : public DeviceDelivery {
  public:
@@ -451,6 +451,7 @@ class NodeCoreDeliveryTest : public ::testing::Test {
     backend_ = std::make_unique<CpuAttentionBackend>(store_.get(), nullptr);
     NodeCoreOptions no;
     no.limits.max_payload_bytes = so.page_bytes;
+    no.delivery_checksum = true;
     core_ = std::make_unique<NodeCore>(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_, &fake_);
     plain_ = std::make_unique<NodeCore>(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_);
     tenant_.set_id(3);
@@ -551,6 +552,23 @@ TEST_F(NodeCoreDeliveryTest, ACorruptBlockOrASmallPlaceIsRefusedAndTheRestDelive
     const auto landed = Landed(slot);
     EXPECT_TRUE(std::all_of(landed.begin(), landed.end(), [](uint8_t x) { return x == 0; })) << slot;
   }
+  const auto one = Landed(1);
+  EXPECT_TRUE(std::equal(one.begin(), one.end(), payloads_[1].begin()));
+}
+
+TEST_F(NodeCoreDeliveryTest, WithoutTheDeliveryChecksumTheHostTierBytesGoAsTheyAre) {
+  // The default trades the second check for bandwidth: the bytes of block 9
+  // (corrupted in the host tier after they were checked at Put) go out as
+  // they are. (The fixture's core_ has the check on.)
+  NodeCoreOptions no;
+  no.limits.max_payload_bytes = 1 << 12;
+  EXPECT_FALSE(no.delivery_checksum);
+  NodeCore unchecked(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_, &fake_);
+  v1::GetResponse resp;
+  ASSERT_TRUE(unchecked.Get(tenant_, Request({9, 1}, host_), &resp).ok());
+  EXPECT_TRUE(resp.delivered_to_device());
+  EXPECT_EQ(resp.blocks(0).status().code(), 0);
+  EXPECT_EQ(resp.blocks(1).status().code(), 0);
   const auto one = Landed(1);
   EXPECT_TRUE(std::equal(one.begin(), one.end(), payloads_[1].begin()));
 }

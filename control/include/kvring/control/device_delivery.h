@@ -6,8 +6,8 @@
 // is one allocation reused by every call; at most `max_mapped` stay, least
 // recently used closed first), checks every copy against the range it really
 // mapped (the driver's, not the caller's word), and copies host -> device on
-// the calling thread's own stream. A Batch's copies run while the caller
-// prepares the next (its checksum, say); Finish waits for all of them, so a
+// the calling thread's own stream. A Batch's copies are queued as they are
+// added and run while the caller goes on; Finish waits for all of them, so a
 // reply sent after it means "the bytes are there". The node only ever writes
 // the caller's memory, never reads it.
 //

@@ -50,6 +50,13 @@ struct NodeCoreOptions {
   std::string ucx_address;
   // Limits every request is validated against (request_validation.h).
   RequestLimits limits;
+  // Check each block's checksum again before copying it into a same-host
+  // caller's GPU memory. The bytes were checked when they entered the host
+  // tier (and when read back from the cold tier), and the copy is one DMA
+  // (PCIe is CRC-protected); this re-check of DRAM-resident bytes costs host
+  // memory bandwidth the copies compete for: on the H200 host 19 GB/s with
+  // it against 49 GB/s without (docs/DEVICE-DELIVERY.md). Default: false.
+  bool delivery_checksum = false;
 };
 
 class OpScope;
