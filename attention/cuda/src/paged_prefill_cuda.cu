@@ -24,6 +24,32 @@ namespace {
 
 constexpr int kBM = 128, kBN = 64, kWarps = 4, kThreads = kWarps * 32, kMT = 2;
 
+// Epilogue of a row tile: each thread's rows of O normalized by their
+// softmax sums (completed across the quad), and their LSE.
+template <int D>
+__device__ __forceinline__ void StoreRowTile(const QueryView& q, OutputView& out, int hq, int r0, int nrows, int warp,
+                                             int g, int tig, const float (&o)[kMT][D / 8][4], const float (&m)[kMT][2],
+                                             const float (&l)[kMT][2]) {
+  constexpr int kDTiles = D / 8;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const float lv = QuadSum(l[mt][hf]);
+      const int r = warp * 32 + mt * 16 + g + hf * 8;
+      if (r >= nrows) continue;
+      const float inv = lv > 0.f ? 1.f / lv : 0.f;
+      float* dst = out.out + ((size_t)(r0 + r) * q.q_heads + hq) * D;
+#pragma unroll
+      for (int j = 0; j < kDTiles; ++j) {
+        *reinterpret_cast<float2*>(dst + j * 8 + tig * 2) =
+            make_float2(o[mt][j][2 * hf] * inv, o[mt][j][2 * hf + 1] * inv);
+      }
+      if (tig == 0) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = lv > 0.f ? (m[mt][hf] + log2f(lv)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
 template <int D, typename T>
 __global__ void __launch_bounds__(kThreads, 2)
     PrefillKernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out) {
@@ -251,24 +277,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     __syncthreads();  // the buffer is reloaded two iterations on
   }
-  // Finish: full row sums across the quad, normalize, write.
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const float lv = QuadSum(l[mt][hf]);
-      const int r = warp * 32 + mt * 16 + g + hf * 8;
-      if (r >= nrows) continue;
-      const float inv = lv > 0.f ? 1.f / lv : 0.f;
-      float* dst = out.out + ((size_t)(r0 + r) * q.q_heads + hq) * D;
-#pragma unroll
-      for (int j = 0; j < kDTiles; ++j) {
-        *reinterpret_cast<float2*>(dst + j * 8 + tig * 2) =
-            make_float2(o[mt][j][2 * hf] * inv, o[mt][j][2 * hf + 1] * inv);
-      }
-      if (tig == 0) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = lv > 0.f ? (m[mt][hf] + log2f(lv)) * kLn2 : -INFINITY;
-    }
-  }
+  StoreRowTile<D>(q, out, hq, r0, nrows, warp, g, tig, o, m, l);
 }
 
 template <int D, typename T>

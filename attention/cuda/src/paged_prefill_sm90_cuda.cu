@@ -88,129 +88,146 @@ __device__ __forceinline__ void RegDealloc() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+// The CTA's barriers in shared memory (addresses), past the Q and K/V stages.
+struct Sm90Barriers {
+  uint32_t base, full0, empty0, q_full, q_empty;
+};
+
+// Producer (one warp): walks this CTA's row tiles; for each it publishes the
+// tile's metadata (s_item, s_pos) and its Q once the consumers hold the last
+// one, then streams the tile's visible K/V tiles through the stage ring
+// (full0/empty0). Ends with s_item[kDone] = 1.
+template <int D>
+__device__ __forceinline__ void ProduceRowTiles(const AttnParams& p, const QueryView& q, const PagedKvView& kv,
+                                                int row_tiles, const CUtensorMap* pool_map, const CUtensorMap* q_map,
+                                                const Sm90Barriers& b, int* s_item, int* s_pos, int tid) {
+  using S = Sm90Smem<D>;
+  const uint32_t base = b.base, full0 = b.full0, empty0 = b.empty0, q_full = b.q_full, q_empty = b.q_empty;
+  const int lane = tid & 31;
+  if (lane == 0) {
+    TmaPrefetchMap(pool_map);
+    TmaPrefetchMap(q_map);
+  }
+  const int X = q.q_heads * kv.num_seqs, G = q.q_heads / kv.kv_heads;
+  const long long total = (long long)X * row_tiles;
+  int k = 0, gl = 0;  // row tiles sent, KV tiles sent
+  for (long long round = 0; round * gridDim.x < total; ++round) {
+    const long long idx = round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+    if (idx >= total) continue;
+    const int x = (int)(idx % X), tile = row_tiles - 1 - (int)(idx / X), hq = x % q.q_heads, s = x / q.q_heads;
+    const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
+    const int r0 = rb + tile * kBM;
+    if (r0 >= re) continue;
+    const int nrows = min(kBM, re - r0);
+    const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb, ntok = kv.seq_tokens[s];
+    int pos[kBM / 32], mn = INT32_MAX, mx = INT32_MIN;
+#pragma unroll
+    for (int i = 0; i < kBM / 32; ++i) {
+      const int r = lane + 32 * i;
+      pos[i] = r < nrows ? q.positions[r0 + r] : INT32_MIN;
+      if (r < nrows) {
+        mn = min(mn, pos[i]);
+        mx = max(mx, pos[i]);
+      }
+    }
+    mn = __reduce_min_sync(0xffffffffu, mn);
+    mx = __reduce_max_sync(0xffffffffu, mx);
+    const int2 keys = VisibleKeys(p, kv, pb, npages, ntok, mn, mx, kBN);
+    const int ntiles = keys.y > keys.x ? (keys.y - keys.x + kBN - 1) / kBN : 0;
+    int p0 = 0;
+    const bool contiguous = npages > 0 && PagesContiguous(kv, pb, npages, &p0);
+    // The consumers hold the previous tile's Q and metadata in registers.
+    if (k > 0) MbarWait(q_empty, (k - 1) & 1);
+#pragma unroll
+    for (int i = 0; i < kBM / 32; ++i) s_pos[lane + 32 * i] = pos[i];
+    if (lane == 0) {
+      s_item[kDone] = 0;
+      s_item[kHq] = hq;
+      s_item[kR0] = r0;
+      s_item[kNrows] = nrows;
+      s_item[kPb] = pb;
+      s_item[kNtok] = ntok;
+      s_item[kNBegin] = keys.x;
+      s_item[kNEnd] = keys.y;
+      s_item[kQmin] = mn;
+      s_item[kQmax] = mx;
+      s_item[kContig] = contiguous;
+      s_item[kP0] = p0;
+    }
+    __threadfence_block();
+    __syncwarp();
+    if (lane == 0) {  // Q rows past the last row read as zeros (or as the next sequence's rows: never stored)
+      MbarArriveExpectTx(q_full, S::kQBytes);
+#pragma unroll
+      for (int dc = 0; dc < D / 64; ++dc) TmaLoad3d(base + dc * kBM * 128, q_map, dc * 64, hq, r0, q_full);
+    }
+    ++k;
+    // KV tiles: lanes 0..3 copy a 16-token box each of K and V (the page
+    // id is read before the wait for the stage).
+    const int hk = hq / G, kplane = (kv.layer * 2) * kv.kv_heads + hk, vplane = kplane + kv.kv_heads;
+    for (int j = 0; j < ntiles; ++j, ++gl) {
+      const int st = gl % kStages;
+      int page = -1, off = 0;
+      if (lane < kBN / kBox) {
+        const int i0 = keys.x + j * kBN + lane * kBox, pg = i0 / kv.block_tokens;
+        page = pg < npages ? kv.page_ids[pb + pg] : -1;
+        off = i0 - pg * kv.block_tokens;
+      }
+      if (gl >= kStages) MbarWait(empty0 + 8 * st, ((gl / kStages) - 1) & 1);
+      if (lane == 0) MbarArriveExpectTx(full0 + 8 * st, 2 * S::kTileBytes);
+      __syncwarp();
+      if (lane < kBN / kBox) {
+        const uint32_t kt = base + S::kK + st * S::kTileBytes, vt = base + S::kV + st * S::kTileBytes;
+#pragma unroll
+        for (int dc = 0; dc < D / 64; ++dc) {
+          const uint32_t o = dc * kBN * 128 + lane * kBox * 128;
+          TmaLoad5d(kt + o, pool_map, 0, dc, off, kplane, page, full0 + 8 * st);
+          TmaLoad5d(vt + o, pool_map, 0, dc, off, vplane, page, full0 + 8 * st);
+        }
+      }
+    }
+  }
+  if (k > 0) MbarWait(q_empty, (k - 1) & 1);
+  if (lane == 0) {
+    s_item[kDone] = 1;
+    MbarArrive(q_full);
+  }
+}
+
+// Epilogue of a row tile: this thread's two rows (wr, wr + 8) of O
+// normalized by their softmax sums, and their LSE.
+template <int D>
+__device__ __forceinline__ void StoreRows(const QueryView& q, OutputView& out, int hq, int r0, int nrows, int wr,
+                                          int tig, const float (&o)[D / 2], float m0, float m1, float l0, float l1) {
+  l0 = QuadSum(l0);
+  l1 = QuadSum(l1);
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = wr + hf * 8;
+    if (r >= nrows) continue;
+    const float lv = hf ? l1 : l0, mv = hf ? m1 : m0;
+    const float inv = lv > 0.f ? 1.f / lv : 0.f;
+    float* dst = out.out + ((size_t)(r0 + r) * q.q_heads + hq) * D;
+#pragma unroll
+    for (int jd = 0; jd < D / 8; ++jd) {
+      *reinterpret_cast<float2*>(dst + jd * 8 + tig * 2) =
+          make_float2(o[4 * jd + 2 * hf] * inv, o[4 * jd + 2 * hf + 1] * inv);
+    }
+    if (tig == 0) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = lv > 0.f ? (mv + log2f(lv)) * kLn2 : -INFINITY;
+  }
+}
+
+// Consumers (two warpgroups of 64 rows): for each row tile the producer
+// publishes, the mainloop (S = Q K^T on the tensor cores, online softmax,
+// O += P V, the warpgroups taking turns at the tensor cores), then the
+// epilogue. A tile no row of which sees a key writes O = 0, LSE = -inf.
 template <int D, typename T>
-__global__ void __launch_bounds__(kCtaThreads, 1)
-    PrefillSm90Kernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out, int row_tiles,
-                      const __grid_constant__ CUtensorMap pool_map, const __grid_constant__ CUtensorMap q_map) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void ConsumeRowTiles(const AttnParams& p, const QueryView& q, const PagedKvView& kv,
+                                                OutputView& out, const Sm90Barriers& b, const int* s_item,
+                                                const int* s_pos, int tid) {
   using S = Sm90Smem<D>;
   constexpr int kKSteps = D / 16;
-  extern __shared__ uint8_t smem_raw[];
-  __shared__ int s_item[kItemInts];
-  __shared__ int s_pos[kBM];
-  const uint32_t base = SmemBase1024(smem_raw);
-  const uint32_t full0 = base + S::kBars, empty0 = full0 + kStages * 8, q_full = empty0 + kStages * 8,
-                 q_empty = q_full + 8;
-  const int tid = threadIdx.x;
-  if (tid == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      MbarInit(full0 + 8 * i, 1);          // the producer's expect-tx arrival (+ the tile's bytes)
-      MbarInit(empty0 + 8 * i, kThreads);  // every consumer thread, once done with the tile
-    }
-    MbarInit(q_full, 1);          // the producer, once s_item / s_pos are written (+ Q's bytes)
-    MbarInit(q_empty, kThreads);  // every consumer thread, once it holds Q, s_item and s_pos in registers
-    FenceMbarInit();
-  }
-  __syncthreads();  // (the last CTA-wide barrier: the producer warpgroup's idle warps leave)
-
-  if (tid >= kThreads) {
-    // ---- producer (warp 8; warps 9-11 leave)
-    RegDealloc<24>();
-    if (tid >= kThreads + 32) return;
-    const int lane = tid & 31;
-    if (lane == 0) {
-      TmaPrefetchMap(&pool_map);
-      TmaPrefetchMap(&q_map);
-    }
-    const int X = q.q_heads * kv.num_seqs, G = q.q_heads / kv.kv_heads;
-    const long long total = (long long)X * row_tiles;
-    int k = 0, gl = 0;  // row tiles sent, KV tiles sent
-    for (long long round = 0; round * gridDim.x < total; ++round) {
-      const long long idx = round * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
-      if (idx >= total) continue;
-      const int x = (int)(idx % X), tile = row_tiles - 1 - (int)(idx / X), hq = x % q.q_heads, s = x / q.q_heads;
-      const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
-      const int r0 = rb + tile * kBM;
-      if (r0 >= re) continue;
-      const int nrows = min(kBM, re - r0);
-      const int pb = kv.seq_page_begin[s], npages = kv.seq_page_begin[s + 1] - pb, ntok = kv.seq_tokens[s];
-      int pos[kBM / 32], mn = INT32_MAX, mx = INT32_MIN;
-#pragma unroll
-      for (int i = 0; i < kBM / 32; ++i) {
-        const int r = lane + 32 * i;
-        pos[i] = r < nrows ? q.positions[r0 + r] : INT32_MIN;
-        if (r < nrows) {
-          mn = min(mn, pos[i]);
-          mx = max(mx, pos[i]);
-        }
-      }
-      mn = __reduce_min_sync(0xffffffffu, mn);
-      mx = __reduce_max_sync(0xffffffffu, mx);
-      const int2 keys = VisibleKeys(p, kv, pb, npages, ntok, mn, mx, kBN);
-      const int ntiles = keys.y > keys.x ? (keys.y - keys.x + kBN - 1) / kBN : 0;
-      int p0 = 0;
-      const bool contiguous = npages > 0 && PagesContiguous(kv, pb, npages, &p0);
-      // The consumers hold the previous tile's Q and metadata in registers.
-      if (k > 0) MbarWait(q_empty, (k - 1) & 1);
-#pragma unroll
-      for (int i = 0; i < kBM / 32; ++i) s_pos[lane + 32 * i] = pos[i];
-      if (lane == 0) {
-        s_item[kDone] = 0;
-        s_item[kHq] = hq;
-        s_item[kR0] = r0;
-        s_item[kNrows] = nrows;
-        s_item[kPb] = pb;
-        s_item[kNtok] = ntok;
-        s_item[kNBegin] = keys.x;
-        s_item[kNEnd] = keys.y;
-        s_item[kQmin] = mn;
-        s_item[kQmax] = mx;
-        s_item[kContig] = contiguous;
-        s_item[kP0] = p0;
-      }
-      __threadfence_block();
-      __syncwarp();
-      if (lane == 0) {  // Q rows past the last row read as zeros (or as the next sequence's rows: never stored)
-        MbarArriveExpectTx(q_full, S::kQBytes);
-#pragma unroll
-        for (int dc = 0; dc < D / 64; ++dc) TmaLoad3d(base + dc * kBM * 128, &q_map, dc * 64, hq, r0, q_full);
-      }
-      ++k;
-      // KV tiles: lanes 0..3 copy a 16-token box each of K and V (the page
-      // id is read before the wait for the stage).
-      const int hk = hq / G, kplane = (kv.layer * 2) * kv.kv_heads + hk, vplane = kplane + kv.kv_heads;
-      for (int j = 0; j < ntiles; ++j, ++gl) {
-        const int st = gl % kStages;
-        int page = -1, off = 0;
-        if (lane < kBN / kBox) {
-          const int i0 = keys.x + j * kBN + lane * kBox, pg = i0 / kv.block_tokens;
-          page = pg < npages ? kv.page_ids[pb + pg] : -1;
-          off = i0 - pg * kv.block_tokens;
-        }
-        if (gl >= kStages) MbarWait(empty0 + 8 * st, ((gl / kStages) - 1) & 1);
-        if (lane == 0) MbarArriveExpectTx(full0 + 8 * st, 2 * S::kTileBytes);
-        __syncwarp();
-        if (lane < kBN / kBox) {
-          const uint32_t kt = base + S::kK + st * S::kTileBytes, vt = base + S::kV + st * S::kTileBytes;
-#pragma unroll
-          for (int dc = 0; dc < D / 64; ++dc) {
-            const uint32_t o = dc * kBN * 128 + lane * kBox * 128;
-            TmaLoad5d(kt + o, &pool_map, 0, dc, off, kplane, page, full0 + 8 * st);
-            TmaLoad5d(vt + o, &pool_map, 0, dc, off, vplane, page, full0 + 8 * st);
-          }
-        }
-      }
-    }
-    if (k > 0) MbarWait(q_empty, (k - 1) & 1);
-    if (lane == 0) {
-      s_item[kDone] = 1;
-      MbarArrive(q_full);
-    }
-    return;
-  }
-
-  // ---- consumers: two warpgroups of 64 rows
-  RegAlloc<240>();
+  const uint32_t base = b.base, full0 = b.full0, empty0 = b.empty0, q_full = b.q_full, q_empty = b.q_empty;
   const int wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
@@ -411,24 +428,47 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
     MbarArrive(empty0 + 8 * ((gc + j) % kStages));
     gc += ntiles;
 
-    l0 = QuadSum(l0);
-    l1 = QuadSum(l1);
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r = wr + hf * 8;
-      if (r >= nrows) continue;
-      const float lv = hf ? l1 : l0, mv = hf ? m1 : m0;
-      const float inv = lv > 0.f ? 1.f / lv : 0.f;
-      float* dst = out.out + ((size_t)(r0 + r) * q.q_heads + hq) * D;
-#pragma unroll
-      for (int jd = 0; jd < D / 8; ++jd) {
-        *reinterpret_cast<float2*>(dst + jd * 8 + tig * 2) =
-            make_float2(o[4 * jd + 2 * hf] * inv, o[4 * jd + 2 * hf + 1] * inv);
-      }
-      if (tig == 0) out.lse[(size_t)(r0 + r) * q.q_heads + hq] = lv > 0.f ? (mv + log2f(lv)) * kLn2 : -INFINITY;
-    }
+    StoreRows<D>(q, out, hq, r0, nrows, wr, tig, o, m0, m1, l0, l1);
   }
   if (wg == 0) NamedBarrier(kTurn + 0, kThreads);  // warpgroup 1's last hand-over (no barrier left half-arrived)
+}
+
+template <int D, typename T>
+__global__ void __launch_bounds__(kCtaThreads, 1)
+    PrefillSm90Kernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out, int row_tiles,
+                      const __grid_constant__ CUtensorMap pool_map, const __grid_constant__ CUtensorMap q_map) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = Sm90Smem<D>;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int s_item[kItemInts];
+  __shared__ int s_pos[kBM];
+  Sm90Barriers b;
+  b.base = SmemBase1024(smem_raw);
+  b.full0 = b.base + S::kBars;
+  b.empty0 = b.full0 + kStages * 8;
+  b.q_full = b.empty0 + kStages * 8;
+  b.q_empty = b.q_full + 8;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(b.full0 + 8 * i, 1);          // the producer's expect-tx arrival (+ the tile's bytes)
+      MbarInit(b.empty0 + 8 * i, kThreads);  // every consumer thread, once done with the tile
+    }
+    MbarInit(b.q_full, 1);          // the producer, once s_item / s_pos are written (+ Q's bytes)
+    MbarInit(b.q_empty, kThreads);  // every consumer thread, once it holds Q, s_item and s_pos in registers
+    FenceMbarInit();
+  }
+  __syncthreads();  // (the last CTA-wide barrier: the producer warpgroup's idle warps leave)
+  if (tid >= kThreads) {
+    // ---- producer (warp 8; warps 9-11 leave)
+    RegDealloc<24>();
+    if (tid >= kThreads + 32) return;
+    ProduceRowTiles<D>(p, q, kv, row_tiles, &pool_map, &q_map, b, s_item, s_pos, tid);
+    return;
+  }
+  // ---- consumers
+  RegAlloc<240>();
+  ConsumeRowTiles<D, T>(p, q, kv, out, b, s_item, s_pos, tid);
 #else
   __trap();
 #endif
