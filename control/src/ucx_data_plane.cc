@@ -4,6 +4,17 @@
 #include "kvring/control/node_service.h"
 
 namespace kvring {
+namespace {
+// Requests the UCX thread authenticated and parsed, then left to the pool.
+struct ParsedAttend {
+  v1::Tenant tenant;
+  v1::AttendRequest request;
+};
+struct ParsedGet {
+  v1::Tenant tenant;
+  v1::GetRequest request;
+};
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(NodeCore* core, const UcxDataPlaneOptions& o) {
   std::unique_ptr<UcxDataPlane> p(new UcxDataPlane());
@@ -33,24 +44,34 @@ bool UcxDataPlane::HandleFast(UcxRequest& req, UcxReplier& reply) {
   if (req.method == kUcxMethodAttend && options_.inline_attend_rows > 0) {
     absl::StatusOr<v1::Tenant> tenant = core_->Authenticate(req.token);
     if (!tenant.ok()) return false;  // the pool path answers with the error
-    v1::AttendRequest r;
-    if (!r.ParseFromString(req.meta)) return false;
+    auto parsed = std::make_shared<ParsedAttend>();
+    if (!parsed->request.ParseFromString(req.meta)) return false;
     uint64_t rows = 0;
-    for (const auto& s : r.sequences()) rows += s.rows();
-    if (rows > options_.inline_attend_rows) return false;
-    ServeAttend(*tenant, r, req, reply);
+    for (const auto& s : parsed->request.sequences()) rows += s.rows();
+    if (rows > options_.inline_attend_rows) {
+      // Too big for this thread: the pool serves it, without authenticating
+      // and parsing it again.
+      parsed->tenant = std::move(*tenant);
+      req.handler_state = std::move(parsed);
+      return false;
+    }
+    ServeAttend(*tenant, parsed->request, req, reply);
     return true;
   }
   if (req.method != kUcxMethodGet) return false;
   absl::StatusOr<v1::Tenant> tenant = core_->Authenticate(req.token);
   if (!tenant.ok()) return false;  // the pool path answers with the error
-  v1::GetRequest r;
+  auto parsed = std::make_shared<ParsedGet>();
+  if (!parsed->request.ParseFromString(req.meta)) return false;
   // Copies into a caller's GPU memory run on the pool: they take as long as
-  // their bytes, and this thread serves everyone's small requests.
-  if (!r.ParseFromString(req.meta) || r.device_places_size() > 0 || !core_->GetStaysInMemory(*tenant, r)) {
+  // their bytes, and this thread serves everyone's small requests. So do
+  // reads from the cold tier.
+  if (parsed->request.device_places_size() > 0 || !core_->GetStaysInMemory(*tenant, parsed->request)) {
+    parsed->tenant = std::move(*tenant);
+    req.handler_state = std::move(parsed);
     return false;
   }
-  ServeGet(*tenant, r, reply);
+  ServeGet(*tenant, parsed->request, reply);
   return true;
 }
 
@@ -89,6 +110,16 @@ void UcxDataPlane::ServeGet(const v1::Tenant& tenant, const v1::GetRequest& r, U
 void UcxDataPlane::Handle(UcxRequest&& req, UcxReplier reply) {
   if (req.method == kUcxMethodPing) {
     reply.Send(absl::OkStatus(), "");
+    return;
+  }
+  if (req.method == kUcxMethodAttend && req.handler_state != nullptr) {
+    const auto* parsed = static_cast<const ParsedAttend*>(req.handler_state.get());
+    ServeAttend(parsed->tenant, parsed->request, req, reply);
+    return;
+  }
+  if (req.method == kUcxMethodGet && req.handler_state != nullptr) {
+    const auto* parsed = static_cast<const ParsedGet*>(req.handler_state.get());
+    ServeGet(parsed->tenant, parsed->request, reply);
     return;
   }
   absl::StatusOr<v1::Tenant> tenant = core_->Authenticate(req.token);

@@ -77,6 +77,10 @@ struct UcxRequest {
   std::string meta;
   absl::Span<const uint8_t> payload;
   std::shared_ptr<void> storage;  // owns `payload`
+  // What a fast handler that declined the request already worked out (its
+  // parsed form, say), handed to the pool's handler with the request; the
+  // transport never looks at it.
+  std::shared_ptr<void> handler_state;
 };
 
 class UcxReplier {
@@ -97,6 +101,8 @@ class UcxReplier {
 };
 
 using UcxHandler = std::function<void(UcxRequest&&, UcxReplier)>;
+// Runs on the progress thread first: true when it answered the request; false
+// hands the request (with any handler_state it set) to the pool's handler.
 using UcxFastHandler = std::function<bool(UcxRequest&, UcxReplier&)>;
 
 class UcxRpcServer {
