@@ -31,7 +31,6 @@ class OpScope {
 };
 
 namespace {
-void SetStatus(const absl::Status& s, v1::Status* out) { StatusToProto(s, out); }
 double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -74,12 +73,9 @@ NodeCore::OpMetrics NodeCore::Op(const std::string& name) {
                    metrics_->Histogram("kvring_request_seconds", "Request latency in seconds", l)};
 }
 
-absl::StatusOr<NamespaceId> NodeCore::Namespace(const v1::Tenant& t, const v1::RequestHeader& h) const {
-  KVRING_RETURN_IF_ERROR(ValidateHeader(h, options_.limits));
-  return Namespace(t, h.namespace_());
-}
-
 absl::StatusOr<NamespaceId> NodeCore::Namespace(const v1::Tenant& t, const std::string& requested) const {
+  if (requested.size() > options_.limits.max_namespace_bytes)
+    return absl::InvalidArgumentError("namespace name too long");
   KVRING_ASSIGN_OR_RETURN(std::string ns, ResolveNamespace(t, requested));
   return NamespaceIdOf(ns);
 }
@@ -118,62 +114,52 @@ absl::StatusOr<ReclaimResult> NodeCore::ReclaimDeletedTenants() {
   return r;
 }
 
-absl::Status NodeCore::Lookup(const v1::Tenant& t, const v1::LookupRequest& req, v1::LookupResponse* resp) {
+absl::StatusOr<LookupResult> NodeCore::Lookup(const v1::Tenant& t, const std::string& requested,
+                                              absl::Span<const BlockKey> keys, bool each) {
   OpScope op(lookup_);
-  auto ns = Namespace(t, req.header());
+  auto ns = Namespace(t, requested);
   if (!ns.ok()) return op.Done(ns.status());
-  if (absl::Status s = ValidateKeys(req.keys(), options_.limits); !s.ok()) return op.Done(s);
-  std::vector<BlockKey> keys;
-  keys.reserve(req.keys_size());
-  for (const auto& k : req.keys()) keys.push_back(KeyFromProto(k));
-  resp->set_prefix_length(static_cast<uint32_t>(store_->LookupPrefix(*ns, keys)));
-  if (req.each()) {
-    for (bool h : store_->Contains(*ns, keys)) resp->add_held(h);
-  }
-  return op.Done(absl::OkStatus());
+  if (absl::Status s = ValidateKeys(keys, options_.limits); !s.ok()) return op.Done(s);
+  LookupResult r;
+  r.prefix_length = static_cast<uint32_t>(store_->LookupPrefix(*ns, keys));
+  if (each) r.held = store_->Contains(*ns, keys);
+  op.Done(absl::OkStatus());
+  return r;
 }
 
-absl::Status NodeCore::Put(const v1::Tenant& t, const v1::PutRequest& req,
-                           absl::Span<const absl::Span<const uint8_t>> external, v1::PutResponse* resp) {
+absl::StatusOr<std::vector<PutOutcome>> NodeCore::Put(const v1::Tenant& t, const std::string& requested,
+                                                      const std::string& request_quantize,
+                                                      absl::Span<const PutBlockIn> blocks) {
   OpScope op(put_);
-  auto ns = Namespace(t, req.header());
+  auto ns = Namespace(t, requested);
   if (!ns.ok()) return op.Done(ns.status());
-  const bool ext = !external.empty();
-  if (ext && external.size() != static_cast<size_t>(req.blocks_size())) {
-    return op.Done(
-        absl::InvalidArgumentError(absl::StrCat(external.size(), " payloads for ", req.blocks_size(), " blocks")));
-  }
-  if (absl::Status s = ValidatePutRequest(req, options_.limits, ext); !s.ok()) return op.Done(s);
   // What plain blocks become here: the request's choice, else the tenant's.
   KvEncoding target;
-  const std::string& quantize = req.quantize().empty() ? t.kv_encoding() : req.quantize();
+  const std::string& quantize = request_quantize.empty() ? t.kv_encoding() : request_quantize;
   if (absl::Status s = ParseKvEncoding(quantize, &target); !s.ok()) {
     return op.Done(absl::InvalidArgumentError(absl::StrCat("quantize: ", s.message())));
   }
+  std::vector<PutOutcome> out(blocks.size());
   std::vector<uint8_t> quantized;
-  for (int i = 0; i < req.blocks_size(); ++i) {
-    const v1::PutBlock& b = req.blocks(i);
-    BlockMeta meta;
-    (void)ValidatePutBlock(b, options_.limits, ext, &meta);  // validated above
-    absl::Span<const uint8_t> payload =
-        ext ? external[i]
-            : absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.payload().data()), b.payload().size());
-    v1::BlockResult* r = resp->add_results();
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const PutBlockIn& b = blocks[i];
+    BlockMeta meta = b.meta;
+    absl::Span<const uint8_t> payload = b.payload;
+    PutOutcome* r = &out[i];
     if (payload.size() != meta.payload_bytes) {
-      SetStatus(absl::InvalidArgumentError(
-                    absl::StrCat("payload has ", payload.size(), " bytes; the header says ", meta.payload_bytes)),
-                r->mutable_status());
+      r->status = absl::InvalidArgumentError(
+          absl::StrCat("payload has ", payload.size(), " bytes; the header says ", meta.payload_bytes));
       continue;
     }
     if (target.quantized() && !meta.encoding.quantized()) {
       // The sender's checksum covers the plain bytes: check it before they
       // are replaced by codes (the store then checksums the codes).
       if (meta.checksum != 0 && PayloadChecksum(payload.data(), payload.size()) != meta.checksum) {
-        SetStatus(absl::DataLossError("payload checksum mismatch (before quantization)"), r->mutable_status());
+        r->status = absl::DataLossError("payload checksum mismatch (before quantization)");
         continue;
       }
       if (absl::Status s = QuantizeBlock(meta.layout, payload, target, &quantized); !s.ok()) {
-        SetStatus(s, r->mutable_status());
+        r->status = s;
         continue;
       }
       meta.encoding = target;
@@ -185,16 +171,16 @@ absl::Status NodeCore::Put(const v1::Tenant& t, const v1::PutRequest& req,
     PutArgs a;
     a.tenant = t.id();
     a.ns = *ns;
-    a.key = KeyFromProto(b.block().key());
-    a.parent = KeyFromProto(b.block().parent());
+    a.key = b.key;
+    a.parent = b.parent;
     a.meta = meta;
-    a.pin = b.pin();
+    a.pin = b.pin;
     absl::StatusOr<PutResult> pr;
-    if (b.has_sequence()) {
+    if (b.sequence_id != nullptr) {
       // The sequence's lock covers the store write, so an append never
       // races a Put of the same block.
-      SequenceTable::Handle h = sequences_->Lock(*ns, b.sequence().sequence_id());
-      const uint64_t index = b.sequence().block_index();
+      SequenceTable::Handle h = sequences_->Lock(*ns, *b.sequence_id);
+      const uint64_t index = b.block_index;
       SequenceState& st = h.state();
       if (st.open.count(index)) {
         pr = absl::FailedPreconditionError(
@@ -221,149 +207,125 @@ absl::Status NodeCore::Put(const v1::Tenant& t, const v1::PutRequest& req,
     } else {
       pr = store_->Put(a, payload);
     }
-    SetStatus(pr.status(), r->mutable_status());
+    r->status = pr.status();
     if (pr.ok()) {
-      r->set_inserted(pr->inserted);
+      r->inserted = pr->inserted;
       put_bytes_->Add(payload.size());
     }
   }
-  return op.Done(absl::OkStatus());
+  op.Done(absl::OkStatus());
+  return out;
 }
 
-absl::Status NodeCore::Get(const v1::Tenant& t, const v1::GetRequest& req, v1::GetResponse* resp,
-                           std::vector<PinnedBlock>* held) {
+absl::StatusOr<GetOut> NodeCore::Get(const v1::Tenant& t, const std::string& requested, absl::Span<const BlockKey> keys,
+                                     const DeviceTarget* device) {
   OpScope op(get_);
-  auto ns = Namespace(t, req.header());
+  auto ns = Namespace(t, requested);
   if (!ns.ok()) return op.Done(ns.status());
-  if (absl::Status s = ValidateKeys(req.keys(), options_.limits); !s.ok()) return op.Done(s);
-  if (absl::Status s = ValidateDevicePlaces(req); !s.ok()) return op.Done(s);
-  if (req.device_places_size() > 0) {
-    std::string refusal = DeviceRefusal(req);
+  if (absl::Status s = ValidateKeys(keys, options_.limits); !s.ok()) return op.Done(s);
+  GetOut out;
+  if (device != nullptr) {
+    std::string refusal = DeviceRefusal(*device);
     if (refusal.empty()) {
-      absl::Status s = GetIntoDevice(*ns, req, resp);
-      if (!absl::IsFailedPrecondition(s)) return op.Done(s);
+      absl::Status s = GetIntoDevice(*ns, keys, *device, &out);
+      if (!absl::IsFailedPrecondition(s)) {
+        op.Done(s);
+        if (!s.ok()) return s;
+        return out;
+      }
       refusal = std::string(s.message());  // the caller's memory cannot be mapped here: payloads instead
-      resp->Clear();
+      out = GetOut();
     }
-    resp->set_device_refusal(refusal);
+    out.device_refusal = refusal;
   }
+  out.blocks.resize(keys.size());
   uint64_t total = 0;
-  for (const auto& k : req.keys()) {
-    v1::GetBlock* out = resp->add_blocks();
-    absl::StatusOr<PinnedBlock> b = store_->Acquire(*ns, KeyFromProto(k));
-    SetStatus(b.status(), out->mutable_status());
-    if (!b.ok()) continue;
-    total += b->meta().payload_bytes;
-    if (total > options_.limits.max_request_bytes) {
-      SetStatus(absl::ResourceExhaustedError("response would exceed the request size limit; get fewer blocks at once"),
-                out->mutable_status());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    GetBlockOut& o = out.blocks[i];
+    absl::StatusOr<PinnedBlock> b = store_->Acquire(*ns, keys[i]);
+    if (!b.ok()) {
+      o.status = b.status();
       continue;
     }
-    v1::BlockHeader* h = out->mutable_block();
-    *h->mutable_key() = k;
-    KeyToProto(b->parent(), h->mutable_parent());
-    LayoutToProto(b->meta().layout, h->mutable_layout());
-    h->set_encoding(b->meta().encoding.Pack());
-    h->set_payload_bytes(b->meta().payload_bytes);
-    h->set_checksum(b->meta().checksum);
-    get_bytes_->Add(b->meta().payload_bytes);
-    if (held != nullptr) {
-      held->push_back(std::move(*b));
-    } else {
-      out->set_payload(reinterpret_cast<const char*>(b->payload().data()), b->payload().size());
+    total += b->meta().payload_bytes;
+    if (total > options_.limits.max_request_bytes) {
+      o.status = absl::ResourceExhaustedError("response would exceed the request size limit; get fewer blocks at once");
+      continue;
     }
+    get_bytes_->Add(b->meta().payload_bytes);
+    o.block = std::move(*b);
   }
-  return op.Done(absl::OkStatus());
+  op.Done(absl::OkStatus());
+  return out;
 }
 
-std::string NodeCore::DeviceRefusal(const v1::GetRequest& req) const {
+std::string NodeCore::DeviceRefusal(const DeviceTarget& device) const {
   if (delivery_ == nullptr) return "this node has no GPU to deliver from";
   if (host_id_.empty()) return "this node cannot tell which host it is on";
-  if (req.host_id() != host_id_) return "the caller is on another host";
+  if (device.host_id != host_id_) return "the caller is on another host";
   return "";
 }
 
-absl::Status NodeCore::GetIntoDevice(NamespaceId ns, const v1::GetRequest& req, v1::GetResponse* resp) {
-  std::vector<std::string> handles;
-  handles.reserve(req.device_allocations_size());
-  for (const auto& a : req.device_allocations()) handles.push_back(a.ipc_handle());
-  KVRING_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDelivery::Batch> batch, delivery_->Begin(handles));
+absl::Status NodeCore::GetIntoDevice(NamespaceId ns, absl::Span<const BlockKey> keys, const DeviceTarget& device,
+                                     GetOut* out) {
+  KVRING_ASSIGN_OR_RETURN(std::unique_ptr<DeviceDelivery::Batch> batch, delivery_->Begin(device.handles));
   // Every block is found and checked first, then every copy is queued at
   // once: the GPU sees one deep queue (on a GPU shared by several daemons a
   // context gets the copy engines in time slices; a queue fed block by block
   // leaves its slices half idle). The blocks stay held until their copies
   // have landed (batch->Finish).
-  std::vector<PinnedBlock> held;
-  std::vector<int> index;  // held[j] is block index[j] of the request
-  held.reserve(req.keys_size());
-  index.reserve(req.keys_size());
-  for (int i = 0; i < req.keys_size(); ++i) {
-    const v1::Key& k = req.keys(i);
-    v1::GetBlock* out = resp->add_blocks();
-    absl::StatusOr<PinnedBlock> b = store_->Acquire(ns, KeyFromProto(k));
+  out->blocks.resize(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    GetBlockOut& o = out->blocks[i];
+    absl::StatusOr<PinnedBlock> b = store_->Acquire(ns, keys[i]);
     absl::Status st = b.status();
-    const v1::DevicePlace& place = req.device_places(i);
-    if (st.ok() && b->meta().payload_bytes > place.capacity()) {
+    const DeviceTarget::Place& place = device.places[i];
+    if (st.ok() && b->meta().payload_bytes > place.capacity) {
       st = absl::InvalidArgumentError(
-          absl::StrCat("device place of ", place.capacity(), " bytes for a block of ", b->meta().payload_bytes));
+          absl::StrCat("device place of ", place.capacity, " bytes for a block of ", b->meta().payload_bytes));
     }
-    // The bytes reach the caller without passing through its hands, so they
-    // are checked here, against the checksum the writer gave.
+    // The bytes reach the caller without passing through its hands: with
+    // delivery_checksum they are checked here, against the writer's checksum.
     if (st.ok() && options_.delivery_checksum &&
         PayloadChecksum(b->payload().data(), b->payload().size()) != b->meta().checksum) {
-      st = absl::DataLossError(absl::StrCat("block ", KeyFromProto(k).ToHex(), " fails its checksum on this node"));
+      st = absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " fails its checksum on this node"));
     }
-    SetStatus(st, out->mutable_status());
-    if (!st.ok()) continue;
-    held.push_back(std::move(*b));
-    index.push_back(i);
+    o.status = st;
+    if (st.ok()) o.block = std::move(*b);
   }
   uint64_t bytes = 0;
-  for (size_t j = 0; j < held.size(); ++j) {
-    const int i = index[j];
-    const v1::DevicePlace& place = req.device_places(i);
-    absl::Status st = batch->Add(place.allocation(), place.offset(), held[j].payload());
-    if (absl::IsInternal(st)) return st;  // a CUDA error: the request fails
-    v1::GetBlock* out = resp->mutable_blocks(i);
-    SetStatus(st, out->mutable_status());
-    if (!st.ok()) continue;
-    const PinnedBlock& b = held[j];
-    v1::BlockHeader* h = out->mutable_block();
-    *h->mutable_key() = req.keys(i);
-    KeyToProto(b.parent(), h->mutable_parent());
-    LayoutToProto(b.meta().layout, h->mutable_layout());
-    h->set_encoding(b.meta().encoding.Pack());
-    h->set_payload_bytes(b.meta().payload_bytes);
-    h->set_checksum(b.meta().checksum);
-    bytes += b.meta().payload_bytes;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    GetBlockOut& o = out->blocks[i];
+    if (!o.status.ok()) continue;
+    const DeviceTarget::Place& place = device.places[i];
+    o.status = batch->Add(place.allocation, place.offset, o.block.payload());
+    if (absl::IsInternal(o.status)) return o.status;  // a CUDA error: the request fails
+    if (o.status.ok()) bytes += o.block.meta().payload_bytes;
   }
   KVRING_RETURN_IF_ERROR(batch->Finish());
   get_bytes_->Add(bytes);
   device_bytes_->Add(bytes);
-  resp->set_delivered_to_device(true);
+  out->delivered_to_device = true;
   return absl::OkStatus();
 }
 
-bool NodeCore::GetStaysInMemory(const v1::Tenant& t, const v1::GetRequest& req) {
-  auto ns = Namespace(t, req.header());
-  if (!ns.ok() || !ValidateKeys(req.keys(), options_.limits).ok()) return true;
-  std::vector<BlockKey> keys;
-  keys.reserve(req.keys_size());
-  for (const auto& k : req.keys()) keys.push_back(KeyFromProto(k));
+bool NodeCore::GetStaysInMemory(const v1::Tenant& t, const std::string& requested, absl::Span<const BlockKey> keys) {
+  auto ns = Namespace(t, requested);
+  if (!ns.ok() || !ValidateKeys(keys, options_.limits).ok()) return true;
   return store_->InMemoryOrAbsent(*ns, keys);
 }
 
-absl::Status NodeCore::Pin(const v1::Tenant& t, const v1::PinRequest& req, v1::PinResponse* resp) {
+absl::StatusOr<std::vector<absl::Status>> NodeCore::Pin(const v1::Tenant& t, const std::string& requested,
+                                                        absl::Span<const BlockKey> keys, bool unpin) {
   OpScope op(pin_);
-  auto ns = Namespace(t, req.header());
+  auto ns = Namespace(t, requested);
   if (!ns.ok()) return op.Done(ns.status());
-  if (absl::Status s = ValidateKeys(req.keys(), options_.limits); !s.ok()) return op.Done(s);
-  for (const auto& k : req.keys()) {
-    absl::Status s =
-        req.unpin() ? store_->Unpin(t.id(), *ns, KeyFromProto(k)) : store_->Pin(t.id(), *ns, KeyFromProto(k));
-    SetStatus(s, resp->add_results()->mutable_status());
-  }
-  return op.Done(absl::OkStatus());
+  if (absl::Status s = ValidateKeys(keys, options_.limits); !s.ok()) return op.Done(s);
+  std::vector<absl::Status> out;
+  out.reserve(keys.size());
+  for (const BlockKey& k : keys) out.push_back(unpin ? store_->Unpin(t.id(), *ns, k) : store_->Pin(t.id(), *ns, k));
+  op.Done(absl::OkStatus());
+  return out;
 }
 
 absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_ns, const AttendBatch& b,
@@ -745,46 +707,23 @@ uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h)
   return sealed;
 }
 
-absl::Status NodeCore::Stats(const v1::Tenant& t, const v1::StatsRequest& req, v1::StatsResponse* resp) {
+NodeReport NodeCore::Stats(const v1::Tenant& t) {
   OpScope op(stats_);
-  if (absl::Status s = ValidateHeader(req.header(), options_.limits); !s.ok()) return op.Done(s);
-  const BlockStoreStats s = store_->stats();
-  resp->set_node_id(options_.node_id);
-  resp->set_blocks(s.blocks);
-  resp->set_host_blocks(s.host_blocks);
-  resp->set_cold_blocks(s.cold_only_blocks);
-  resp->set_pinned_blocks(s.pinned_blocks);
-  resp->set_free_pages(s.free_pages);
-  resp->set_num_pages(s.num_pages);
-  resp->set_page_bytes(s.page_bytes);
-  resp->set_puts(s.puts);
-  resp->set_hits(s.hits);
-  resp->set_misses(s.misses);
-  resp->set_evictions(s.evictions);
-  resp->set_demotions(s.demotions);
-  resp->set_promotions(s.promotions);
-  resp->set_sequences(sequences_->num_sequences());
-  const TenantUsage u = store_->GetTenantUsage(t.id());
-  resp->set_tenant_pinned_bytes(u.pinned_bytes);
-  resp->set_tenant_owned_bytes(u.owned_bytes);
+  NodeReport r;
+  r.node_id = options_.node_id;
+  r.ucx_address = options_.ucx_address;
+  r.store = store_->stats();
+  r.sequences = sequences_->num_sequences();
+  r.open_blocks = sequences_->open_blocks();
+  r.tenant = store_->GetTenantUsage(t.id());
   if (store_->cold_tier() != nullptr) {
-    const ColdTierStats c = store_->cold_tier()->stats();
-    resp->set_cold_stored_bytes(c.stored_bytes);
-    resp->set_cold_raw_bytes(c.raw_bytes);
+    r.has_cold_tier = true;
+    r.cold = store_->cold_tier()->stats();
   }
-  resp->set_ucx_address(options_.ucx_address);
-  const BackendStats bs = backend_->stats();
-  resp->set_backend(bs.name);
-  resp->set_hbm_pages(bs.pages);
-  resp->set_hbm_free_pages(bs.free_pages);
-  resp->set_hbm_page_bytes(bs.page_bytes);
-  resp->set_hbm_blocks(bs.resident_blocks);
-  resp->set_hbm_hits(bs.hits);
-  resp->set_hbm_misses(bs.misses);
-  resp->set_hbm_demotions(bs.demotions);
-  resp->set_open_blocks(sequences_->open_blocks());
-  resp->set_device_delivered_bytes(device_bytes_->value());
-  return op.Done(absl::OkStatus());
+  r.backend = backend_->stats();
+  r.device_delivered_bytes = device_bytes_->value();
+  op.Done(absl::OkStatus());
+  return r;
 }
 
 }  // namespace kvring

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "kvring/control/node_wire.h"
+
 namespace kvring {
 
 #define KVRING_NODE_RPC(Name, Req, Resp, call)                                                   \
@@ -11,11 +13,11 @@ namespace kvring {
     return ToGrpc(call);                                                                         \
   }
 
-KVRING_NODE_RPC(Lookup, LookupRequest, LookupResponse, core_->Lookup(*t, *req, resp))
-KVRING_NODE_RPC(Put, PutRequest, PutResponse, core_->Put(*t, *req, {}, resp))
-KVRING_NODE_RPC(Get, GetRequest, GetResponse, core_->Get(*t, *req, resp))
-KVRING_NODE_RPC(Pin, PinRequest, PinResponse, core_->Pin(*t, *req, resp))
-KVRING_NODE_RPC(Stats, StatsRequest, StatsResponse, core_->Stats(*t, *req, resp))
+KVRING_NODE_RPC(Lookup, LookupRequest, LookupResponse, WireLookup(*core_, *t, *req, resp))
+KVRING_NODE_RPC(Put, PutRequest, PutResponse, WirePut(*core_, *t, *req, {}, resp))
+KVRING_NODE_RPC(Get, GetRequest, GetResponse, WireGet(*core_, *t, *req, resp))
+KVRING_NODE_RPC(Pin, PinRequest, PinResponse, WirePin(*core_, *t, *req, resp))
+KVRING_NODE_RPC(Stats, StatsRequest, StatsResponse, WireStats(*core_, *t, *req, resp))
 
 #undef KVRING_NODE_RPC
 

@@ -30,6 +30,17 @@ absl::Status ValidateKeys(const google::protobuf::RepeatedPtrField<v1::Key>& key
   return absl::OkStatus();
 }
 
+absl::Status ValidateKeys(absl::Span<const BlockKey> keys, const RequestLimits& limits) {
+  if (keys.size() > limits.max_keys) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(keys.size(), " keys in one request; the limit is ", limits.max_keys));
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (keys[i].is_zero()) return absl::InvalidArgumentError(absl::StrCat("key ", i, " is zero"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateDevicePlaces(const v1::GetRequest& r) {
   if (r.device_places_size() == 0 && r.device_allocations_size() == 0) return absl::OkStatus();
   if (r.device_places_size() != r.keys_size()) {

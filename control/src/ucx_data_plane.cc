@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvring/control/node_service.h"
+#include "kvring/control/node_wire.h"
 
 namespace kvring {
 namespace {
@@ -66,7 +67,7 @@ bool UcxDataPlane::HandleFast(UcxRequest& req, UcxReplier& reply) {
   // Copies into a caller's GPU memory run on the pool: they take as long as
   // their bytes, and this thread serves everyone's small requests. So do
   // reads from the cold tier.
-  if (parsed->request.device_places_size() > 0 || !core_->GetStaysInMemory(*tenant, parsed->request)) {
+  if (parsed->request.device_places_size() > 0 || !WireGetStaysInMemory(*core_, *tenant, parsed->request)) {
     parsed->tenant = std::move(*tenant);
     req.handler_state = std::move(parsed);
     return false;
@@ -101,7 +102,7 @@ void UcxDataPlane::ServeAttend(const v1::Tenant& tenant, const v1::AttendRequest
 void UcxDataPlane::ServeGet(const v1::Tenant& tenant, const v1::GetRequest& r, UcxReplier& reply) {
   auto held = std::make_shared<std::vector<PinnedBlock>>();
   v1::GetResponse resp;
-  absl::Status s = core_->Get(tenant, r, &resp, held.get());
+  absl::Status s = WireGet(*core_, tenant, r, &resp, held.get());
   std::vector<absl::Span<const uint8_t>> parts;
   for (const PinnedBlock& b : *held) parts.push_back(b.payload());
   reply.Send(s, s.ok() ? resp.SerializeAsString() : "", std::move(parts), held);
@@ -154,9 +155,9 @@ void UcxDataPlane::Handle(UcxRequest&& req, UcxReplier reply) {
       }
       if (parts.empty()) parts.push_back({});  // "external" even with no blocks
       v1::PutResponse resp;
-      absl::Status s = core_->Put(
-          *tenant, r, r.blocks_size() ? absl::MakeConstSpan(parts) : absl::Span<const absl::Span<const uint8_t>>(),
-          &resp);
+      absl::Status s =
+          WirePut(*core_, *tenant, r,
+                  r.blocks_size() ? absl::MakeConstSpan(parts) : absl::Span<const absl::Span<const uint8_t>>(), &resp);
       reply.Send(s, s.ok() ? resp.SerializeAsString() : "");
       return;
     }

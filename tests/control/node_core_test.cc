@@ -16,6 +16,7 @@
 #include "kvring/attention/reference.h"
 #include "kvring/common/process.h"
 #include "kvring/control/cpu_attention_backend.h"
+#include "kvring/control/node_wire.h"
 #include "kvring/control/request_validation.h"
 
 namespace kvring {
@@ -376,7 +377,7 @@ TEST_F(NodeCoreTest, PutSequenceBlocksAndAppendedBlocksFormOneSequence) {
     pb->mutable_sequence()->set_block_index(i);
   }
   v1::PutResponse resp;
-  ASSERT_TRUE(core_->Put(tenant_, put, {}, &resp).ok());
+  ASSERT_TRUE(WirePut(*core_, tenant_, put, {}, &resp).ok());
   for (const auto& r : resp.results()) ASSERT_EQ(r.status().code(), 0) << r.status().message();
   for (int step = 0; step < 6; ++step) {
     for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"p", 1, 1}}).ok()) << step;
@@ -385,7 +386,7 @@ TEST_F(NodeCoreTest, PutSequenceBlocksAndAppendedBlocksFormOneSequence) {
   v1::PutRequest clash = put;
   clash.mutable_blocks()->DeleteSubrange(1, 1);
   clash.mutable_blocks(0)->mutable_sequence()->set_block_index(3);
-  ASSERT_TRUE(core_->Put(tenant_, clash, {}, &resp).ok());
+  ASSERT_TRUE(WirePut(*core_, tenant_, clash, {}, &resp).ok());
   EXPECT_EQ(resp.results(resp.results_size() - 1).status().code(),
             static_cast<int>(absl::StatusCode::kFailedPrecondition));
   SequenceTable::Handle h = seqs_->Lock(ns, "p");
@@ -512,7 +513,7 @@ class NodeCoreDeliveryTest : public ::testing::Test {
 
 TEST_F(NodeCoreDeliveryTest, BlocksAreCopiedToTheirPlacesAndNoPayloadsFollow) {
   v1::GetResponse resp;
-  ASSERT_TRUE(core_->Get(tenant_, Request({3, 1, 77, 2}, host_), &resp).ok());
+  ASSERT_TRUE(WireGet(*core_, tenant_, Request({3, 1, 77, 2}, host_), &resp).ok());
   EXPECT_TRUE(resp.delivered_to_device());
   EXPECT_EQ(fake_.finished, 1);
   ASSERT_EQ(resp.blocks_size(), 4);
@@ -533,7 +534,7 @@ TEST_F(NodeCoreDeliveryTest, BlocksAreCopiedToTheirPlacesAndNoPayloadsFollow) {
   v1::StatsRequest sr;
   sr.mutable_header()->set_version(1);
   v1::StatsResponse st;
-  ASSERT_TRUE(core_->Stats(tenant_, sr, &st).ok());
+  ASSERT_TRUE(WireStats(*core_, tenant_, sr, &st).ok());
   EXPECT_EQ(st.device_delivered_bytes(), 3 * L_.bytes());
 }
 
@@ -541,7 +542,7 @@ TEST_F(NodeCoreDeliveryTest, ACorruptBlockOrASmallPlaceIsRefusedAndTheRestDelive
   v1::GetRequest r = Request({9, 1, 2}, host_);
   r.mutable_device_places(2)->set_capacity(L_.bytes() - 1);
   v1::GetResponse resp;
-  ASSERT_TRUE(core_->Get(tenant_, r, &resp).ok());
+  ASSERT_TRUE(WireGet(*core_, tenant_, r, &resp).ok());
   EXPECT_TRUE(resp.delivered_to_device());
   EXPECT_EQ(resp.blocks(0).status().code(), static_cast<int>(absl::StatusCode::kDataLoss));
   EXPECT_NE(resp.blocks(0).status().message().find("fails its checksum"), std::string::npos);
@@ -565,7 +566,7 @@ TEST_F(NodeCoreDeliveryTest, WithoutTheDeliveryChecksumTheHostTierBytesGoAsTheyA
   EXPECT_FALSE(no.delivery_checksum);
   NodeCore unchecked(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_, &fake_);
   v1::GetResponse resp;
-  ASSERT_TRUE(unchecked.Get(tenant_, Request({9, 1}, host_), &resp).ok());
+  ASSERT_TRUE(WireGet(unchecked, tenant_, Request({9, 1}, host_), &resp).ok());
   EXPECT_TRUE(resp.delivered_to_device());
   EXPECT_EQ(resp.blocks(0).status().code(), 0);
   EXPECT_EQ(resp.blocks(1).status().code(), 0);
@@ -588,7 +589,7 @@ TEST_F(NodeCoreDeliveryTest, ANodeThatCannotDeliverAnswersWithPayloadsAndSaysWhy
   for (const Case& c : cases) {
     fake_.begin_status = c.begin;
     v1::GetResponse resp;
-    ASSERT_TRUE(c.core->Get(tenant_, Request({1, 2}, c.host), &resp).ok()) << c.why;
+    ASSERT_TRUE(WireGet(*c.core, tenant_, Request({1, 2}, c.host), &resp).ok()) << c.why;
     EXPECT_FALSE(resp.delivered_to_device()) << c.why;
     EXPECT_NE(resp.device_refusal().find(c.why), std::string::npos) << resp.device_refusal();
     ASSERT_EQ(resp.blocks_size(), 2);
@@ -615,7 +616,7 @@ TEST_F(NodeCoreDeliveryTest, MalformedDevicePlacesAreInvalidArguments) {
     v1::GetRequest r = Request({1, 2}, host_);
     mutate(r);
     v1::GetResponse resp;
-    absl::Status s = core_->Get(tenant_, r, &resp);
+    absl::Status s = WireGet(*core_, tenant_, r, &resp);
     EXPECT_TRUE(absl::IsInvalidArgument(s)) << why << ": " << s;
     EXPECT_NE(s.message().find(why), std::string::npos) << s.message();
   }

@@ -15,6 +15,7 @@
 #include "kvring/control/auth.h"
 #include "kvring/control/cpu_attention_backend.h"
 #include "kvring/control/node_core.h"
+#include "kvring/control/node_wire.h"
 #include "kvring/control/request_validation.h"
 #include "kvring/control/sequence_table.h"
 
@@ -64,13 +65,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 0: {
       v1::LookupRequest r;
       v1::LookupResponse resp;
-      if (r.ParseFromArray(body, static_cast<int>(n))) (void)env->core->Lookup(env->tenant, r, &resp);
+      if (r.ParseFromArray(body, static_cast<int>(n))) (void)WireLookup(*env->core, env->tenant, r, &resp);
       break;
     }
     case 1: {  // inline payloads
       v1::PutRequest r;
       v1::PutResponse resp;
-      if (r.ParseFromArray(body, static_cast<int>(n))) (void)env->core->Put(env->tenant, r, {}, &resp);
+      if (r.ParseFromArray(body, static_cast<int>(n))) (void)WirePut(*env->core, env->tenant, r, {}, &resp);
       break;
     }
     case 2: {  // external payloads: the message, then the tail cut into one span per block
@@ -84,13 +85,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       for (size_t i = 0; i < blocks && blocks <= 64; ++i) {
         ext.push_back(absl::MakeConstSpan(body + msg + rest * i / blocks, rest / blocks));
       }
-      (void)env->core->Put(env->tenant, r, ext, &resp);
+      (void)WirePut(*env->core, env->tenant, r, ext, &resp);
       break;
     }
     case 3: {
       v1::GetRequest r;
       v1::GetResponse resp;
-      if (r.ParseFromArray(body, static_cast<int>(n))) (void)env->core->Get(env->tenant, r, &resp);
+      if (r.ParseFromArray(body, static_cast<int>(n))) (void)WireGet(*env->core, env->tenant, r, &resp);
       break;
     }
     case 4: {
@@ -108,7 +109,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 5: {
       v1::PinRequest r;
       v1::PinResponse resp;
-      if (r.ParseFromArray(body, static_cast<int>(n))) (void)env->core->Pin(env->tenant, r, &resp);
+      if (r.ParseFromArray(body, static_cast<int>(n))) (void)WirePin(*env->core, env->tenant, r, &resp);
       break;
     }
   }

@@ -14,6 +14,7 @@
 #include "kvring/common/status_macros.h"
 #include "kvring/control/cuda_attention_backend.h"
 #include "kvring/control/node_core.h"
+#include "kvring/control/node_wire.h"
 #include "kvring/control/request_validation.h"
 
 // Launches a kernel that writes through a null pointer (gpu_fault_kernel.cu).
@@ -191,7 +192,7 @@ class GpuNode {
       pb->mutable_sequence()->set_block_index(first + i);
     }
     v1::PutResponse resp;
-    KVRING_RETURN_IF_ERROR(core_->Put(tenant_, put, {}, &resp));
+    KVRING_RETURN_IF_ERROR(WirePut(*core_, tenant_, put, {}, &resp));
     for (const auto& r : resp.results()) {
       if (r.status().code() != 0) return StatusFromProto(r.status());
     }

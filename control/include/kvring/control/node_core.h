@@ -1,8 +1,11 @@
 // NodeCore: what a daemon does for each request, independent of how the
-// request arrived (gRPC: NodeService; UCX: UcxDataPlane, both thin adapters).
+// request arrived (gRPC: NodeService; UCX: UcxDataPlane, both thin adapters
+// over node_wire.h, which parses the wire's messages into these types).
 //
-// Attend takes native types (attend_batch.h: spans into the request's own
-// buffers) and writes its output into the caller's buffers; the attention
+// Every call takes native types: keys, blocks with payload spans, held
+// blocks out (PinnedBlock), and for Attend attend_batch.h (spans into the
+// request's own buffers) with its output written into the caller's
+// buffers; the attention
 // itself runs on the node's AttentionBackend (CPU or CUDA). Attention
 // sequences: blocks stored with PutSequence and blocks the node builds from
 // appended K/V (Attend with new_k/new_v: decode in place). An append must
@@ -59,6 +62,58 @@ struct NodeCoreOptions {
   bool delivery_checksum = false;
 };
 
+struct LookupResult {
+  uint32_t prefix_length = 0;
+  std::vector<bool> held;  // with `each`: one per key
+};
+
+// A block of a Put, validated by the wire layer (layout, encoding, sizes).
+struct PutBlockIn {
+  BlockKey key, parent;  // parent zero: the first block of a chain
+  BlockMeta meta;        // checksum 0: none given
+  absl::Span<const uint8_t> payload;
+  bool pin = false;                          // leave it pinned by the tenant
+  const std::string* sequence_id = nullptr;  // a block of an attention sequence (PutSequence)
+  uint64_t block_index = 0;
+};
+struct PutOutcome {
+  absl::Status status;
+  bool inserted = false;  // false: already held (deduplicated)
+};
+
+// Where a same-host caller wants a Get's blocks in its GPU memory
+// (kvring.proto DevicePlace; validated: one place per key).
+struct DeviceTarget {
+  std::string host_id;
+  std::vector<std::string> handles;  // cudaIpcMemHandle_t bytes, one per allocation
+  struct Place {
+    uint32_t allocation = 0;
+    uint64_t offset = 0, capacity = 0;
+  };
+  std::vector<Place> places;
+};
+struct GetBlockOut {
+  absl::Status status;
+  PinnedBlock block;  // OK: the block, held (its payload stays valid while held)
+};
+struct GetOut {
+  std::vector<GetBlockOut> blocks;  // one per key
+  bool delivered_to_device = false;
+  std::string device_refusal;
+};
+
+// A node's Stats: its store, sequences, backend and the caller's usage.
+struct NodeReport {
+  std::string node_id, ucx_address;
+  BlockStoreStats store;
+  uint64_t sequences = 0, open_blocks = 0;
+  TenantUsage tenant;
+  bool has_cold_tier = false;
+  ColdTierStats cold;
+  BackendStats backend;
+  uint64_t device_delivered_bytes = 0;
+};
+
 class OpScope;
 
 class NodeCore {
@@ -71,23 +126,32 @@ class NodeCore {
   absl::StatusOr<v1::Tenant> Authenticate(const std::string& token) const { return tenants_->ByToken(token); }
   TenantDirectory* tenants() const { return tenants_; }
 
-  absl::Status Lookup(const v1::Tenant& t, const v1::LookupRequest& req, v1::LookupResponse* resp);
-  // `external` (optional): payloads that arrived beside the message (UCX),
-  // one per block; when empty the payloads are inline in `req`.
-  absl::Status Put(const v1::Tenant& t, const v1::PutRequest& req, absl::Span<const absl::Span<const uint8_t>> external,
-                   v1::PutResponse* resp);
-  // With `held` non-null, payloads stay in the store (read holds returned
-  // for a zero-copy send) instead of being copied into `resp`. A request
-  // with device places (a caller on this host, this node with a GPU) gets
-  // its blocks copied into the caller's GPU memory, each checked against
-  // its checksum first, and no payloads (resp->delivered_to_device); one this
-  // node cannot deliver is answered with payloads and resp->device_refusal.
-  absl::Status Get(const v1::Tenant& t, const v1::GetRequest& req, v1::GetResponse* resp,
-                   std::vector<PinnedBlock>* held = nullptr);
-  // Whether Get(t, req) would not touch the disk tier (every block in host
-  // memory or not held; a request that fails validation counts as staying).
-  bool GetStaysInMemory(const v1::Tenant& t, const v1::GetRequest& req);
-  absl::Status Pin(const v1::Tenant& t, const v1::PinRequest& req, v1::PinResponse* resp);
+  // Every call names the namespace it acts in as the request header spells
+  // it ("" = the tenant's own; else one of its shared namespaces). The wire's
+  // messages are parsed into these types by node_wire.h.
+
+  // The longest held prefix of `keys` and, with `each`, whether each is held.
+  absl::StatusOr<LookupResult> Lookup(const v1::Tenant& t, const std::string& ns, absl::Span<const BlockKey> keys,
+                                      bool each);
+  // Stores each block; `quantize` ("" = the tenant's encoding) is what plain
+  // blocks become. Blocks succeed or fail one by one (the returned statuses);
+  // the call's own status is for the request as a whole.
+  absl::StatusOr<std::vector<PutOutcome>> Put(const v1::Tenant& t, const std::string& ns, const std::string& quantize,
+                                              absl::Span<const PutBlockIn> blocks);
+  // Reads each block: held in the store (PinnedBlock) for the caller to send.
+  // With `device` (a caller on this host, this node with a GPU) the blocks are
+  // copied into the caller's GPU memory instead, each after its checksum
+  // check when delivery_checksum is on (GetOut::delivered_to_device); a node
+  // that cannot deliver answers with held blocks and says why in
+  // GetOut::device_refusal.
+  absl::StatusOr<GetOut> Get(const v1::Tenant& t, const std::string& ns, absl::Span<const BlockKey> keys,
+                             const DeviceTarget* device = nullptr);
+  // Whether Get(t, ns, keys) would not touch the disk tier (every block in
+  // host memory or not held; a request that fails validation counts as staying).
+  bool GetStaysInMemory(const v1::Tenant& t, const std::string& ns, absl::Span<const BlockKey> keys);
+  // Pins (or unpins) each block for the tenant; one status per key.
+  absl::StatusOr<std::vector<absl::Status>> Pin(const v1::Tenant& t, const std::string& ns,
+                                                absl::Span<const BlockKey> keys, bool unpin);
   // Appends, then attends, for every sequence of the batch; writes
   // out.out [num_rows, q_heads, head_dim] and out.lse [num_rows, q_heads].
   // `requested_ns`: the request header's namespace (empty: the tenant's).
@@ -100,7 +164,8 @@ class NodeCore {
   absl::Status Attend(const v1::Tenant& t, const std::string& requested_ns, const AttendBatch& batch, PartialOutput out,
                       AttendStats* stats);
   const RequestLimits& limits() const { return options_.limits; }
-  absl::Status Stats(const v1::Tenant& t, const v1::StatsRequest& req, v1::StatsResponse* resp);
+  // The node's counters and tiers, and the tenant's usage.
+  NodeReport Stats(const v1::Tenant& t);
 
   // Applies every tenant's pinned-bytes quota to the store (after the
   // directory changes).
@@ -122,13 +187,12 @@ class NodeCore {
     HistogramMetric* latency;
   };
   OpMetrics Op(const std::string& name);
-  absl::StatusOr<NamespaceId> Namespace(const v1::Tenant& t, const v1::RequestHeader& h) const;
   absl::StatusOr<NamespaceId> Namespace(const v1::Tenant& t, const std::string& requested) const;
-  // Why this node will not deliver `req` into device memory ("": it will).
-  std::string DeviceRefusal(const v1::GetRequest& req) const;
+  // Why this node will not deliver into the caller's device memory ("": it will).
+  std::string DeviceRefusal(const DeviceTarget& device) const;
   // Get's device path: blocks checked, then copied into the caller's memory.
   // FAILED_PRECONDITION when the caller's memory cannot be mapped.
-  absl::Status GetIntoDevice(NamespaceId ns, const v1::GetRequest& req, v1::GetResponse* resp);
+  absl::Status GetIntoDevice(NamespaceId ns, absl::Span<const BlockKey> keys, const DeviceTarget& device, GetOut* out);
   // A sequence block that arrived by Put: recorded, then offered to the backend.
   absl::Status AddSequenceBlock(const v1::Tenant& t, NamespaceId ns, const std::string& id, uint64_t index,
                                 const BlockKey& key, const BlockMeta& meta, absl::Span<const uint8_t> payload);

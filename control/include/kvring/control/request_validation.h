@@ -29,6 +29,7 @@ struct RequestLimits {
 
 absl::Status ValidateHeader(const v1::RequestHeader& h, const RequestLimits& limits);
 absl::Status ValidateKeys(const google::protobuf::RepeatedPtrField<v1::Key>& keys, const RequestLimits& limits);
+absl::Status ValidateKeys(absl::Span<const BlockKey> keys, const RequestLimits& limits);
 
 // A Get's device places (kvring.proto DevicePlace), when it has any: one per
 // key, each naming one of at most kMaxGetDeviceAllocations allocations (wire.h),

@@ -1,0 +1,32 @@
+// The wire side of NodeCore's calls, shared by the daemon's two faces (gRPC:
+// NodeService; UCX: UcxDataPlane). Each function checks the message's
+// version and shape, parses it into the core's types (node_core.h), calls
+// the core and writes the reply message; the core never sees a protobuf.
+// Put's payloads arrive inline or beside the message (`external`, UCX: one
+// span per block); Get's go inline in the reply, or (`held` non-null, UCX)
+// stay held in the store for a zero-copy send.
+//
+// Errors: the request's status (malformed, unauthorized namespace, ...);
+// per-block outcomes go into the reply. Thread-safe as the core is.
+#pragma once
+
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kvring.pb.h"
+#include "kvring/control/node_core.h"
+
+namespace kvring {
+
+absl::Status WireLookup(NodeCore& core, const v1::Tenant& t, const v1::LookupRequest& req, v1::LookupResponse* resp);
+absl::Status WirePut(NodeCore& core, const v1::Tenant& t, const v1::PutRequest& req,
+                     absl::Span<const absl::Span<const uint8_t>> external, v1::PutResponse* resp);
+absl::Status WireGet(NodeCore& core, const v1::Tenant& t, const v1::GetRequest& req, v1::GetResponse* resp,
+                     std::vector<PinnedBlock>* held = nullptr);
+// Whether WireGet would stay in host memory (NodeCore::GetStaysInMemory).
+bool WireGetStaysInMemory(NodeCore& core, const v1::Tenant& t, const v1::GetRequest& req);
+absl::Status WirePin(NodeCore& core, const v1::Tenant& t, const v1::PinRequest& req, v1::PinResponse* resp);
+absl::Status WireStats(NodeCore& core, const v1::Tenant& t, const v1::StatsRequest& req, v1::StatsResponse* resp);
+
+}  // namespace kvring

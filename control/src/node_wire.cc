@@ -1,0 +1,153 @@
+#include "kvring/control/node_wire.h"
+
+#include "absl/strings/str_cat.h"
+#include "kvring/common/status_macros.h"
+#include "kvring/control/request_validation.h"
+#include "kvring/protocol/wire.h"
+
+namespace kvring {
+namespace {
+
+std::vector<BlockKey> KeysOf(const google::protobuf::RepeatedPtrField<v1::Key>& keys) {
+  std::vector<BlockKey> out;
+  out.reserve(keys.size());
+  for (const auto& k : keys) out.push_back(KeyFromProto(k));
+  return out;
+}
+
+void HeaderOf(const PinnedBlock& b, const v1::Key& key, v1::BlockHeader* h) {
+  *h->mutable_key() = key;
+  KeyToProto(b.parent(), h->mutable_parent());
+  LayoutToProto(b.meta().layout, h->mutable_layout());
+  h->set_encoding(b.meta().encoding.Pack());
+  h->set_payload_bytes(b.meta().payload_bytes);
+  h->set_checksum(b.meta().checksum);
+}
+
+}  // namespace
+
+absl::Status WireLookup(NodeCore& core, const v1::Tenant& t, const v1::LookupRequest& req, v1::LookupResponse* resp) {
+  KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));
+  KVRING_RETURN_IF_ERROR(ValidateKeys(req.keys(), core.limits()));
+  KVRING_ASSIGN_OR_RETURN(LookupResult r, core.Lookup(t, req.header().namespace_(), KeysOf(req.keys()), req.each()));
+  resp->set_prefix_length(r.prefix_length);
+  for (bool h : r.held) resp->add_held(h);
+  return absl::OkStatus();
+}
+
+absl::Status WirePut(NodeCore& core, const v1::Tenant& t, const v1::PutRequest& req,
+                     absl::Span<const absl::Span<const uint8_t>> external, v1::PutResponse* resp) {
+  const bool ext = !external.empty();
+  if (ext && external.size() != static_cast<size_t>(req.blocks_size())) {
+    return absl::InvalidArgumentError(absl::StrCat(external.size(), " payloads for ", req.blocks_size(), " blocks"));
+  }
+  KVRING_RETURN_IF_ERROR(ValidatePutRequest(req, core.limits(), ext));
+  std::vector<PutBlockIn> blocks(req.blocks_size());
+  for (int i = 0; i < req.blocks_size(); ++i) {
+    const v1::PutBlock& b = req.blocks(i);
+    PutBlockIn& in = blocks[i];
+    (void)ValidatePutBlock(b, core.limits(), ext, &in.meta);  // validated above
+    in.key = KeyFromProto(b.block().key());
+    in.parent = KeyFromProto(b.block().parent());
+    in.payload = ext ? external[i]
+                     : absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.payload().data()), b.payload().size());
+    in.pin = b.pin();
+    if (b.has_sequence()) {
+      in.sequence_id = &b.sequence().sequence_id();
+      in.block_index = b.sequence().block_index();
+    }
+  }
+  KVRING_ASSIGN_OR_RETURN(std::vector<PutOutcome> out, core.Put(t, req.header().namespace_(), req.quantize(), blocks));
+  for (const PutOutcome& o : out) {
+    v1::BlockResult* r = resp->add_results();
+    StatusToProto(o.status, r->mutable_status());
+    r->set_inserted(o.inserted);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WireGet(NodeCore& core, const v1::Tenant& t, const v1::GetRequest& req, v1::GetResponse* resp,
+                     std::vector<PinnedBlock>* held) {
+  KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));
+  KVRING_RETURN_IF_ERROR(ValidateKeys(req.keys(), core.limits()));
+  KVRING_RETURN_IF_ERROR(ValidateDevicePlaces(req));
+  DeviceTarget device;
+  const bool to_device = req.device_places_size() > 0;
+  if (to_device) {
+    device.host_id = req.host_id();
+    for (const auto& a : req.device_allocations()) device.handles.push_back(a.ipc_handle());
+    for (const auto& p : req.device_places()) device.places.push_back({p.allocation(), p.offset(), p.capacity()});
+  }
+  KVRING_ASSIGN_OR_RETURN(GetOut out,
+                          core.Get(t, req.header().namespace_(), KeysOf(req.keys()), to_device ? &device : nullptr));
+  resp->set_delivered_to_device(out.delivered_to_device);
+  resp->set_device_refusal(out.device_refusal);
+  for (int i = 0; i < req.keys_size(); ++i) {
+    GetBlockOut& o = out.blocks[i];
+    v1::GetBlock* b = resp->add_blocks();
+    StatusToProto(o.status, b->mutable_status());
+    if (!o.status.ok()) continue;
+    HeaderOf(o.block, req.keys(i), b->mutable_block());
+    if (out.delivered_to_device) continue;  // the bytes are in the caller's memory
+    if (held != nullptr) {
+      held->push_back(std::move(o.block));
+    } else {
+      b->set_payload(reinterpret_cast<const char*>(o.block.payload().data()), o.block.payload().size());
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool WireGetStaysInMemory(NodeCore& core, const v1::Tenant& t, const v1::GetRequest& req) {
+  if (!ValidateHeader(req.header(), core.limits()).ok() || !ValidateKeys(req.keys(), core.limits()).ok()) return true;
+  return core.GetStaysInMemory(t, req.header().namespace_(), KeysOf(req.keys()));
+}
+
+absl::Status WirePin(NodeCore& core, const v1::Tenant& t, const v1::PinRequest& req, v1::PinResponse* resp) {
+  KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));
+  KVRING_RETURN_IF_ERROR(ValidateKeys(req.keys(), core.limits()));
+  KVRING_ASSIGN_OR_RETURN(std::vector<absl::Status> out,
+                          core.Pin(t, req.header().namespace_(), KeysOf(req.keys()), req.unpin()));
+  for (const absl::Status& s : out) StatusToProto(s, resp->add_results()->mutable_status());
+  return absl::OkStatus();
+}
+
+absl::Status WireStats(NodeCore& core, const v1::Tenant& t, const v1::StatsRequest& req, v1::StatsResponse* resp) {
+  KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));
+  const NodeReport r = core.Stats(t);
+  resp->set_node_id(r.node_id);
+  resp->set_blocks(r.store.blocks);
+  resp->set_host_blocks(r.store.host_blocks);
+  resp->set_cold_blocks(r.store.cold_only_blocks);
+  resp->set_pinned_blocks(r.store.pinned_blocks);
+  resp->set_free_pages(r.store.free_pages);
+  resp->set_num_pages(r.store.num_pages);
+  resp->set_page_bytes(r.store.page_bytes);
+  resp->set_puts(r.store.puts);
+  resp->set_hits(r.store.hits);
+  resp->set_misses(r.store.misses);
+  resp->set_evictions(r.store.evictions);
+  resp->set_demotions(r.store.demotions);
+  resp->set_promotions(r.store.promotions);
+  resp->set_sequences(r.sequences);
+  resp->set_tenant_pinned_bytes(r.tenant.pinned_bytes);
+  resp->set_tenant_owned_bytes(r.tenant.owned_bytes);
+  if (r.has_cold_tier) {
+    resp->set_cold_stored_bytes(r.cold.stored_bytes);
+    resp->set_cold_raw_bytes(r.cold.raw_bytes);
+  }
+  resp->set_ucx_address(r.ucx_address);
+  resp->set_backend(r.backend.name);
+  resp->set_hbm_pages(r.backend.pages);
+  resp->set_hbm_free_pages(r.backend.free_pages);
+  resp->set_hbm_page_bytes(r.backend.page_bytes);
+  resp->set_hbm_blocks(r.backend.resident_blocks);
+  resp->set_hbm_hits(r.backend.hits);
+  resp->set_hbm_misses(r.backend.misses);
+  resp->set_hbm_demotions(r.backend.demotions);
+  resp->set_open_blocks(r.open_blocks);
+  resp->set_device_delivered_bytes(r.device_delivered_bytes);
+  return absl::OkStatus();
+}
+
+}  // namespace kvring
