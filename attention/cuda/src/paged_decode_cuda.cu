@@ -231,6 +231,58 @@ struct PipeCfg {
                 "the split-merge's weights and one split's partial rows fit in the stages");
 };
 
+// The decode CTA's producer warp: streams the split's K/V, one 16-token
+// stage of K and V at a time, through the ring (full0 / empty0), by TMA (a
+// box a plane) or cp.async (its 32 lanes), moving its page window along.
+template <int D, typename T, bool kTma, typename StageBox, typename Plane>
+__device__ __forceinline__ void ProduceDecodeStages(const PagedKvView& kv, PageWindow& win, int h, int pb, int npages,
+                                                    int tok_lo, int tok_hi, int ntiles, uint8_t* stages, uint32_t full0,
+                                                    uint32_t empty0, int lane, int bt, const CUtensorMap* pool_map,
+                                                    StageBox& stage_box, Plane& plane) {
+  using C = PipeCfg<D>;
+  constexpr int kChunks = D / 8;
+  const char* pool = static_cast<const char*>(kv.pool);
+  const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
+  // The stream is read once: its lines leave L2 first, so they do not push
+  // out the next launch's prefetched stages (nor anything else).
+  const uint64_t evict_first = L2EvictFirstPolicy();
+  for (int t = 0; t < ntiles; ++t) {
+    const int st = t % C::kStages;
+    if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
+    const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
+    if constexpr (kTma) {
+      // The stage lies in one page (block_tokens % 16 == 0).
+      int page, off;
+      stage_box(t, &page, &off);
+      KVRING_TRACE(lane == 0 && t == 0, 2);
+      if (lane == 0) {
+        MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
+        // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
+        TmaLoad5dHint(sk, pool_map, 0, off, 0, plane(0), page, full0 + 8 * st, evict_first);
+        TmaLoad5dHint(sv, pool_map, 0, off, 0, plane(1), page, full0 + 8 * st, evict_first);
+      }
+    } else {
+      constexpr int kPerLane = kPStage * kChunks / 32;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        const int id = k * 32 + lane, row = id / kChunks, ch = id % kChunks;
+        const int i = tok_lo + t * kPStage + row;
+        const bool valid = i < tok_hi;
+        const int pg = i / bt;  // in the window: a stage spans at most 16 pages
+        const char* src =
+            pool + (uint64_t)win.Page(pg) * kv.page_stride + (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
+        const uint32_t off = Sw128(kPStage, row, ch);
+        CpAsync16(sk + off, valid ? src + koff : pool, valid);
+        CpAsync16(sv + off, valid ? src + voff : pool, valid);
+      }
+      CpAsyncArriveNoInc(full0 + 8 * st);
+    }
+    win.Advance(kv, pb, npages, (tok_lo + (t + 1) * kPStage) / bt);
+  }
+  if constexpr (!kTma) CpAsyncWait<0>();
+  KVRING_TRACE(lane == 0, 4);
+}
+
 template <int D, typename T, bool kTma>
 __global__ void __launch_bounds__(kPThreads, 2)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
@@ -330,46 +382,8 @@ __global__ void __launch_bounds__(kPThreads, 2)
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   if (warp == kPConsumers) {
     // ---- producer
-    const char* pool = static_cast<const char*>(kv.pool);
-    const uint64_t koff = PlaneOffset(kv, 0, h) * sizeof(T), voff = PlaneOffset(kv, 1, h) * sizeof(T);
-    // The stream is read once: its lines leave L2 first, so they do not push
-    // out the next launch's prefetched stages (nor anything else).
-    const uint64_t evict_first = L2EvictFirstPolicy();
-    for (int t = 0; t < ntiles; ++t) {
-      const int st = t % C::kStages;
-      if (t >= C::kStages) MbarWait(empty0 + 8 * st, ((t / C::kStages) - 1) & 1);
-      const uint32_t sk = SmemAddr(stages + st * C::kStageBytes), sv = sk + C::kPlaneBytes;
-      if constexpr (kTma) {
-        // The stage lies in one page (block_tokens % 16 == 0).
-        int page, off;
-        stage_box(t, &page, &off);
-        KVRING_TRACE(lane == 0 && t == 0, 2);
-        if (lane == 0) {
-          MbarArriveExpectTx(full0 + 8 * st, C::kStageBytes);
-          // One box a plane: its D / 64 column blocks land as [D/64][16][128 B].
-          TmaLoad5dHint(sk, &pool_map, 0, off, 0, plane(0), page, full0 + 8 * st, evict_first);
-          TmaLoad5dHint(sv, &pool_map, 0, off, 0, plane(1), page, full0 + 8 * st, evict_first);
-        }
-      } else {
-        constexpr int kPerLane = kPStage * kChunks / 32;
-#pragma unroll
-        for (int k = 0; k < kPerLane; ++k) {
-          const int id = k * 32 + lane, row = id / kChunks, ch = id % kChunks;
-          const int i = tok_lo + t * kPStage + row;
-          const bool valid = i < tok_hi;
-          const int pg = i / bt;  // in the window: a stage spans at most 16 pages
-          const char* src =
-              pool + (uint64_t)win.Page(pg) * kv.page_stride + (uint64_t)(i - pg * bt) * D * sizeof(T) + ch * 16;
-          const uint32_t off = Sw128(kPStage, row, ch);
-          CpAsync16(sk + off, valid ? src + koff : pool, valid);
-          CpAsync16(sv + off, valid ? src + voff : pool, valid);
-        }
-        CpAsyncArriveNoInc(full0 + 8 * st);
-      }
-      win.Advance(kv, pb, npages, (tok_lo + (t + 1) * kPStage) / bt);
-    }
-    if constexpr (!kTma) CpAsyncWait<0>();
-    KVRING_TRACE(lane == 0, 4);
+    ProduceDecodeStages<D, T, kTma>(kv, win, h, pb, npages, tok_lo, tok_hi, ntiles, stages, full0, empty0, lane, bt,
+                                    &pool_map, stage_box, plane);
   } else {
     // ---- consumers
     uint32_t qa[kKSteps][4];
