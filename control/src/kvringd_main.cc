@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   uint64_t host_bytes = 1ull << 30, page_bytes = 2ull << 20, max_message = 256ull << 20;
   int64_t threads = 0;
   bool write_through = false, cold_sync = false, lock_memory = false, check_config = false;
-  bool delivery_checksum = false;
+  bool delivery_checksum = false, device_delivery = true;
   FlagSet flags("kvringd", "the kvring node daemon: a shard of the KV-block store with attention where the KV lives");
   flags.AddString("listen", &listen, "gRPC listen address host:port (port 0: any free port)");
   flags.AddString("advertise", &advertise,
@@ -92,6 +92,10 @@ int main(int argc, char** argv) {
   flags.AddBool("cold_write_through", &write_through, "write every Put to the cold tier before acknowledging it");
   flags.AddBool("cold_sync", &cold_sync, "fsync cold-tier writes (survive power loss, not just crashes)");
   flags.AddBool("lock_memory", &lock_memory, "mlock the host tier");
+  flags.AddBool("device_delivery", &device_delivery,
+                "with --gpu: copy Get's blocks straight into the GPU memory of callers on this host that ask for it "
+                "(CUDA IPC). Any process on the host that learns a caller's memory handle could name it: turn this "
+                "off on hosts whose engines do not trust each other");
   flags.AddBool("delivery_checksum", &delivery_checksum,
                 "with --gpu: check each block's checksum again before copying it into a same-host caller's GPU "
                 "memory (blocks are checked when they enter the host tier; the re-check costs host memory bandwidth)");
@@ -218,11 +222,13 @@ int main(int argc, char** argv) {
     gpu_backend = std::move(*b);
     backend = gpu_backend.get();
     // Get into the GPU memory of engines on this host (CUDA IPC).
-    auto d = DeviceDelivery::Create({.device = static_cast<int>(gpu), .on_fatal = go.on_fatal});
-    if (d.ok()) {
-      delivery = std::move(*d);
-    } else {
-      KVRING_LOG(WARNING) << "no delivery into callers' GPU memory: " << d.status();
+    if (device_delivery) {
+      auto d = DeviceDelivery::Create({.device = static_cast<int>(gpu), .on_fatal = go.on_fatal});
+      if (d.ok()) {
+        delivery = std::move(*d);
+      } else {
+        KVRING_LOG(WARNING) << "no delivery into callers' GPU memory: " << d.status();
+      }
     }
   }
   NodeCore core(co, store->get(), seqs->get(), backend, &tenants, &metrics, delivery.get());

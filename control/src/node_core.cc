@@ -20,9 +20,13 @@ class OpScope {
     m_.requests->Add();
   }
   absl::Status Done(absl::Status s) {
+    Record(s);
+    return s;
+  }
+  // The same, for a call that returns something else than the status.
+  void Record(const absl::Status& s) {
     m_.latency->Observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
     if (!s.ok()) m_.errors->Add();
-    return s;
   }
 
  private:
@@ -123,7 +127,7 @@ absl::StatusOr<LookupResult> NodeCore::Lookup(const v1::Tenant& t, const std::st
   LookupResult r;
   r.prefix_length = static_cast<uint32_t>(store_->LookupPrefix(*ns, keys));
   if (each) r.held = store_->Contains(*ns, keys);
-  op.Done(absl::OkStatus());
+  op.Record(absl::OkStatus());
   return r;
 }
 
@@ -213,7 +217,7 @@ absl::StatusOr<std::vector<PutOutcome>> NodeCore::Put(const v1::Tenant& t, const
       put_bytes_->Add(payload.size());
     }
   }
-  op.Done(absl::OkStatus());
+  op.Record(absl::OkStatus());
   return out;
 }
 
@@ -229,7 +233,7 @@ absl::StatusOr<GetOut> NodeCore::Get(const v1::Tenant& t, const std::string& req
     if (refusal.empty()) {
       absl::Status s = GetIntoDevice(*ns, keys, *device, &out);
       if (!absl::IsFailedPrecondition(s)) {
-        op.Done(s);
+        op.Record(s);
         if (!s.ok()) return s;
         return out;
       }
@@ -255,12 +259,12 @@ absl::StatusOr<GetOut> NodeCore::Get(const v1::Tenant& t, const std::string& req
     get_bytes_->Add(b->meta().payload_bytes);
     o.block = std::move(*b);
   }
-  op.Done(absl::OkStatus());
+  op.Record(absl::OkStatus());
   return out;
 }
 
 std::string NodeCore::DeviceRefusal(const DeviceTarget& device) const {
-  if (delivery_ == nullptr) return "this node has no GPU to deliver from";
+  if (delivery_ == nullptr) return "this node has no GPU to deliver from, or delivery is off (--device_delivery)";
   if (host_id_.empty()) return "this node cannot tell which host it is on";
   if (device.host_id != host_id_) return "the caller is on another host";
   return "";
@@ -324,7 +328,7 @@ absl::StatusOr<std::vector<absl::Status>> NodeCore::Pin(const v1::Tenant& t, con
   std::vector<absl::Status> out;
   out.reserve(keys.size());
   for (const BlockKey& k : keys) out.push_back(unpin ? store_->Unpin(t.id(), *ns, k) : store_->Pin(t.id(), *ns, k));
-  op.Done(absl::OkStatus());
+  op.Record(absl::OkStatus());
   return out;
 }
 
@@ -722,7 +726,7 @@ NodeReport NodeCore::Stats(const v1::Tenant& t) {
   }
   r.backend = backend_->stats();
   r.device_delivered_bytes = device_bytes_->value();
-  op.Done(absl::OkStatus());
+  op.Record(absl::OkStatus());
   return r;
 }
 
