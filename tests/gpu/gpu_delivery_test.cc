@@ -11,6 +11,7 @@
 #include "kvring/common/cuda_ipc.h"
 #include "kvring/common/process.h"
 #include "kvring/protocol/wire.h"
+#include "require_gpu.h"
 
 namespace kvring {
 namespace {
@@ -20,12 +21,7 @@ using testing::Cluster;
 using testing::ClusterOptions;
 using testing::MakeChain;
 
-#define KVRING_REQUIRE_GPU()                                        \
-  if (int n = 0; cudaGetDeviceCount(&n) != cudaSuccess || n == 0) { \
-    GTEST_SKIP() << "no CUDA device";                               \
-  }
-
-// 1 MiB blocks (the daemons' page size).
+// 256 KiB blocks (the daemons have 1 MiB pages).
 const BlockLayout kLayout{32, 2, 8, 128, DType::kBF16};
 
 struct DeviceBuffer {

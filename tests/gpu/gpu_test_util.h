@@ -14,15 +14,9 @@
 #include "kvring/attention/cuda/paged_attention_cuda.h"
 #include "kvring/attention/reference.h"
 #include "kvring/layout/float_convert.h"
+#include "require_gpu.h"
 
 namespace kvring::gpu_testing {
-
-inline bool HaveGpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define KVRING_REQUIRE_GPU() \
-  if (!::kvring::gpu_testing::HaveGpu()) GTEST_SKIP() << "no CUDA device"
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 

@@ -23,7 +23,6 @@
 #include "kvring/common/thread_pool.h"
 #include "kvring/protocol/shard_ring.h"
 #include "kvring/protocol/tls.h"
-#include "kvring/protocol/ucx_methods.h"
 #include "kvring/protocol/wire.h"
 #include "kvring/transport/ucx_rpc.h"
 #include "node_channel.h"
@@ -230,6 +229,18 @@ class ClientImpl {
     return true;
   }
 
+  // A Get reply's block header into `r` (meta and parent); remembers the
+  // block size for sizing later replies. INVALID_ARGUMENT for a bad layout.
+  absl::Status HeaderInto(const v1::BlockHeader& h, GetResult* r) {
+    last_block_bytes_.store(h.payload_bytes(), std::memory_order_relaxed);
+    KVRING_ASSIGN_OR_RETURN(r->meta.layout, LayoutFromProto(h.layout()));
+    KvEncoding::Unpack(static_cast<uint8_t>(h.encoding()), &r->meta.encoding);
+    r->meta.payload_bytes = h.payload_bytes();
+    r->meta.checksum = h.checksum();
+    r->parent = KeyFromProto(h.parent());
+    return absl::OkStatus();
+  }
+
   // `dsts` (empty, or one per key): where payloads go; else into results.
   absl::StatusOr<std::vector<GetResult>> GetOn(Node& n, const std::vector<BlockKey>& keys,
                                                const std::vector<absl::Span<uint8_t>>& dsts, bool on_device = false) {
@@ -311,19 +322,8 @@ class ClientImpl {
         GetResult& r = out[i];
         r.node_id = n.id();
         r.status = StatusOf(b.status());
-        if (!r.status.ok()) continue;
-        absl::StatusOr<BlockLayout> layout = LayoutFromProto(b.block().layout());
-        if (!layout.ok()) {
-          r.status = layout.status();
-          continue;
-        }
-        r.meta.layout = *layout;
-        KvEncoding::Unpack(static_cast<uint8_t>(b.block().encoding()), &r.meta.encoding);
-        r.meta.payload_bytes = b.block().payload_bytes();
-        r.meta.checksum = b.block().checksum();
-        r.parent = KeyFromProto(b.block().parent());
-        r.delivered_in_place = true;
-        last_block_bytes_.store(r.meta.payload_bytes, std::memory_order_relaxed);
+        if (r.status.ok()) r.status = HeaderInto(b.block(), &r);
+        r.delivered_in_place = r.status.ok();
       }
       return out;
     }
@@ -338,17 +338,10 @@ class ClientImpl {
         continue;
       }
       const size_t size = b.block().payload_bytes();
-      last_block_bytes_.store(size, std::memory_order_relaxed);
-      auto layout = LayoutFromProto(b.block().layout());
-      if (!layout.ok()) {
-        r.status = layout.status();
+      if (absl::Status h = HeaderInto(b.block(), &r); !h.ok()) {
+        r.status = h;
         continue;
       }
-      r.meta.layout = *layout;
-      KvEncoding::Unpack(static_cast<uint8_t>(b.block().encoding()), &r.meta.encoding);
-      r.meta.payload_bytes = static_cast<uint32_t>(size);
-      r.meta.checksum = b.block().checksum();
-      r.parent = KeyFromProto(b.block().parent());
       const uint8_t* src = nullptr;
       if (landed) {
         // already in place
