@@ -280,6 +280,8 @@ def latency(args, kvring, kt, dev, results):
                           page_bytes=str(layout.bytes), gpu=args.gpu, hbm_bytes="10G", chunk_blocks=chunk, bin=args.bin,
                           root=ROOT, daemon_flags=dflags, gpus=args.gpu_list) as cl:
             c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60, ucx_spin_us=spin, ucx_busy_poll=busy)
+            cx = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60, ucx_spin_us=spin, ucx_busy_poll=busy,
+                               device_exchange_min_bytes=0)
             for batch in batches:
                 seqs = [Seq(f"lat-{shards}-{batch}-{i}", 1, ctx - 5, dev) for i in range(batch)]
                 for s in seqs:
@@ -300,6 +302,22 @@ def latency(args, kvring, kt, dev, results):
                     if it >= 10:
                         walls.append(wall)
                         reps.append(rep)
+                # The engine's tensors on the GPU (kvring.torch): a GPU node on this host reads the queries
+                # and K/V and writes its partial in the client's exchange buffer (CUDA IPC), merged there.
+                # Both ways: staged (the client's default for steps this small) and forced through the exchange.
+                dreps, xreps = [], []
+                if dev.type == "cuda":
+                    qd = torch.randn(batch, hq, D, dtype=torch.bfloat16, device=dev)
+                    nkd = torch.randn(batch, HKV, D, dtype=torch.bfloat16, device=dev)
+                    nvd = torch.randn(batch, HKV, D, dtype=torch.bfloat16, device=dev)
+                    for client, reps_out in ((c, dreps), (cx, xreps)):
+                        for it in range(steps + 10):
+                            spec = [(s.id, lengths[i], 1, 1) for i, s in enumerate(seqs)]
+                            _, _, rep = kt.step(client, layout, spec, qd, np.array(lengths, np.int64), nkd, nvd,
+                                                layer=0, report=True)
+                            lengths = [x + 1 for x in lengths]
+                            if it >= 10:
+                                reps_out.append(rep)
                 kernel_ms = sdpa_ms = float("nan")
                 if dev.type == "cuda":
                     kv_local = [(torch.randn(lengths[i], HKV, D, dtype=torch.bfloat16, device=dev),
@@ -324,6 +342,18 @@ def latency(args, kvring, kt, dev, results):
                     "bytes_per_step": reps[-1]["bytes_sent"] + reps[-1]["bytes_received"],
                     "pull_bytes_per_step": sum(lengths) * HKV * D * 2 * 2,
                 }
+                for name, rs in (("device", dreps), ("exchange", xreps)):
+                    if not rs:
+                        continue
+                    drt = [r["seconds"] for r in rs]
+                    row.update({f"{name}_round_trip_p50_us": pct(drt, 50) * 1e6,
+                                f"{name}_round_trip_p99_us": pct(drt, 99) * 1e6,
+                                f"{name}_node_p50_us": pct([r["node_seconds"] for r in rs], 50) * 1e6,
+                                f"{name}_kernel_p50_us": pct([r["kernel_seconds"] for r in rs], 50) * 1e6,
+                                f"{name}_copies_p50_us": pct([r["copy_seconds"] for r in rs], 50) * 1e6,
+                                f"{name}_merge_p50_us": pct([r["merge_seconds"] for r in rs], 50) * 1e6,
+                                f"{name}_shards_in_place": rs[-1]["shards_in_place"],
+                                f"{name}_bytes_per_step": rs[-1]["bytes_sent"] + rs[-1]["bytes_received"]})
                 row["transfer_p50_us"] = row["round_trip_p50_us"] - row["node_p50_us"] - row["merge_p50_us"]
                 row["over_local_us"] = row["round_trip_p50_us"] - row["local_kernel_us"]
                 rows_out.append(row)
@@ -334,7 +364,15 @@ def latency(args, kvring, kt, dev, results):
                     f"+ copies {row['copies_p50_us']:.1f}; merge {row['merge_p50_us']:.1f}; local kernel "
                     f"{row['local_kernel_us']:.1f}, SDPA {row['local_sdpa_us']:.1f}; {row['bytes_per_step'] / 1e3:.0f} KB/step "
                     f"vs pull {row['pull_bytes_per_step'] / 1e6:.0f} MB")
+                for name, what in (("device", "device tensors, staged"), ("exchange", "device tensors, exchange")):
+                    if f"{name}_round_trip_p50_us" in row:
+                        log(f"    {what}: round trip p50 {row[f'{name}_round_trip_p50_us']:7.1f} us p99 "
+                            f"{row[f'{name}_round_trip_p99_us']:7.1f}; node {row[f'{name}_node_p50_us']:.1f} = kernel "
+                            f"{row[f'{name}_kernel_p50_us']:.1f} + copies {row[f'{name}_copies_p50_us']:.1f}; merge "
+                            f"{row[f'{name}_merge_p50_us']:.1f}; {row[f'{name}_shards_in_place']} of {shards} shard(s) "
+                            f"in place; {row[f'{name}_bytes_per_step'] / 1e3:.1f} KB/step")
             c.close()
+            cx.close()
     results["latency"] = rows_out
 
 

@@ -163,10 +163,12 @@ def agent(c, model, results, total, chunk=8192, milestones=(32768, 65536, 131072
                     peak = torch.cuda.max_memory_allocated() - weights
                     rows.append({"context": done, "passq_decode_tokens_per_s": tps, "prefill_s_so_far": t_prefill,
                                  "engine_peak_bytes_above_weights": peak, "bytes_sent": sess.bytes_sent,
-                                 "bytes_received": sess.bytes_received})
+                                 "bytes_received": sess.bytes_received, "shard_steps": sess.shard_steps,
+                                 "shard_steps_in_place": sess.shard_steps_in_place})
                     log(f"  agent: context {done // 1024}K tokens on kvring (prefill so far {t_prefill:.1f} s): "
                         f"decode {tps:.1f} tok/s, engine peak {peak / 1e9:.2f} GB above the weights, "
-                        f"{sess.bytes_sent / 1e9:.1f} GB sent / {sess.bytes_received / 1e9:.1f} GB received")
+                        f"{sess.bytes_sent / 1e9:.1f} GB sent / {sess.bytes_received / 1e9:.1f} GB received; "
+                        f"{sess.shard_steps_in_place} of {sess.shard_steps} shard steps in this GPU's memory")
     finally:
         sess.detach()
     res = {"tokens": total, "shards": 4, "rows": rows}
@@ -257,8 +259,11 @@ def main():
     model = build_model(32, 32, 8, 4096, 14336, seed=1)
     page = str(2 << 20)
     # HBM: 4 daemons x 12 GB hold a 128K context 3x over (16 GiB of KV).
-    hbm = "12G" if args.agent_tokens <= 262144 else "20G"
-    with LocalCluster(nodes=4, port=8600, replication=1, host_bytes="8G", page_bytes=page, gpu=0, hbm_bytes=hbm,
+    # Beyond 256K (64 GiB of KV at 512K: 16 GiB a daemon), 20 GB of HBM and of host tier a daemon.
+    hbm = host = "12G" if args.agent_tokens <= 262144 else "20G"
+    if args.agent_tokens <= 262144:
+        host = "8G"
+    with LocalCluster(nodes=4, port=8600, replication=1, host_bytes=host, page_bytes=page, gpu=0, hbm_bytes=hbm,
                       chunk_blocks=256, bin=args.bin, root=ROOT) as cl:
         c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=300)
         if "cachecheck" in parts:

@@ -62,6 +62,9 @@ absl::Status CpuAttentionBackend::ReadOpenBlock(const SequenceRef& seq, uint64_t
 }
 
 absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, StepTimes* times) {
+  if (plan.device != nullptr) {  // DeviceIoRefusal says no: the core does not send these
+    return absl::FailedPreconditionError("the CPU backend cannot read or write GPU memory");
+  }
   const BlockLayout& L = plan.layout;
   const size_t esz = DTypeSize(L.dtype);
   const size_t row_bytes = size_t{L.head_dim} * esz;

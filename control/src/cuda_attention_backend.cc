@@ -352,6 +352,12 @@ class CudaAttentionBackend final : public AttentionBackend {
   }
 
   absl::Status Step(const StepPlan& plan, PartialOutput out, StepTimes* times) override;
+  std::string DeviceIoRefusal(const BlockLayout& l, const KvEncoding& e, DType q_dtype) const override {
+    if (!KernelsTake(l))
+      return "this node attends over these blocks on the CPU (its kernels take bf16/f16, head_dim 64/128)";
+    if (q_dtype != l.dtype) return "queries in GPU memory must be in the blocks' dtype";
+    return "";
+  }
 
  private:
   void* PageAddress(int32_t page) const { return static_cast<uint8_t*>(pool_base_) + uint64_t(page) * o_.page_bytes; }
@@ -699,10 +705,18 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
     }
   }
   const bool direct = kseqs.size() == 1 && kseqs[0].runs.size() == 1;
+  // A device plan: queries, K/V and output in the caller's GPU memory
+  // (mapped). Its rows are used in place when the plan's rows are the
+  // batch's; else the queries are gathered into the blob on the device and
+  // the output scattered back from the lane's.
+  const AttendDeviceIo* dx = plan.device;
+  bool in_place = dx != nullptr;
+  for (const KSeq& ks : kseqs) in_place &= plan.sequences[ks.plan_i].src_row == plan.sequences[ks.plan_i].row_begin;
+  const size_t q_row = size_t{plan.q_heads} * plan.head_dim;
   Blob blob;
-  const size_t off_q = blob.Add(q_elems * esz);
-  const size_t off_k = blob.Add(size_t{append_rows} * kv_row);
-  const size_t off_v = blob.Add(size_t{append_rows} * kv_row);
+  const size_t off_q = blob.Add(in_place ? 0 : q_elems * esz);
+  const size_t off_k = blob.Add(dx != nullptr ? 0 : size_t{append_rows} * kv_row);
+  const size_t off_v = blob.Add(dx != nullptr ? 0 : size_t{append_rows} * kv_row);
   const size_t off_pos = blob.Add(size_t{plan.num_rows} * 4);
   const size_t off_rows = blob.Add((kseqs.size() + 1) * 4);
   const size_t off_pages = blob.Add((kseqs.size() + 1) * 4);
@@ -721,8 +735,8 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   }
   uint8_t* h = lane->h_in.p;
   uint8_t* dv = lane->d_in.p;
-  ConvertQueries(plan.queries.data(), plan.q_dtype, q_elems, L.dtype, h + off_q);
-  if (append_rows > 0) {
+  if (dx == nullptr) ConvertQueries(plan.queries.data(), plan.q_dtype, q_elems, L.dtype, h + off_q);
+  if (dx == nullptr && append_rows > 0) {
     std::memcpy(h + off_k, plan.new_k.data(), size_t{append_rows} * kv_row);
     std::memcpy(h + off_v, plan.new_v.data(), size_t{append_rows} * kv_row);
   }
@@ -788,6 +802,17 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   }
   if (s.ok())
     s = Check(cudaMemcpyAsync(dv, h, blob.size(), cudaMemcpyHostToDevice, st), "copy of the step to the device");
+  if (dx != nullptr && !in_place) {
+    // The plan's query rows, gathered from the batch's (same dtype: DeviceIoRefusal).
+    for (const KSeq& ks : kseqs) {
+      if (!s.ok()) break;
+      const StepSequence& ss = plan.sequences[ks.plan_i];
+      s = Check(cudaMemcpyAsync(dv + off_q + size_t{ss.row_begin} * q_row * esz,
+                                dx->queries + size_t{ss.src_row} * q_row * esz, size_t{ss.rows} * q_row * esz,
+                                cudaMemcpyDeviceToDevice, st),
+                "gathering the queries from the caller's GPU memory");
+    }
+  }
   cuda::PagedKvView kv;
   kv.pool = pool_base_;
   kv.page_stride = o_.page_bytes;
@@ -798,10 +823,10 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   kv.dtype = L.dtype == DType::kBF16 ? cuda::KvType::kBF16 : cuda::KvType::kF16;
   kv.layer = static_cast<int32_t>(plan.options.layer);
   if (s.ok() && (append_ops > 0 || num_writes > 0)) {
-    s = Check(cuda::ApplyKvUpdates(kv, reinterpret_cast<const cuda::KvAppendOp*>(dv + off_appends),
-                                   static_cast<int>(append_ops), dv + off_k, dv + off_v,
-                                   reinterpret_cast<const cuda::TableWriteOp*>(dv + off_writes),
-                                   static_cast<int>(num_writes), st),
+    s = Check(cuda::ApplyKvUpdates(
+                  kv, reinterpret_cast<const cuda::KvAppendOp*>(dv + off_appends), static_cast<int>(append_ops),
+                  dx != nullptr ? dx->new_k : dv + off_k, dx != nullptr ? dx->new_v : dv + off_v,
+                  reinterpret_cast<const cuda::TableWriteOp*>(dv + off_writes), static_cast<int>(num_writes), st),
               "appending K/V into HBM pages");
   }
   if (quantized) {
@@ -826,11 +851,11 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
     kv.page_ids = ids;
     kv.page_pos = tpos;
   }
-  float* d_o = reinterpret_cast<float*>(lane->d_out.p);
-  float* d_l = reinterpret_cast<float*>(lane->d_out.p + out_o);
+  float* d_o = in_place ? dx->out : reinterpret_cast<float*>(lane->d_out.p);
+  float* d_l = in_place ? dx->lse : reinterpret_cast<float*>(lane->d_out.p + out_o);
   if (s.ok() && !kseqs.empty()) {
     cuda::QueryView qv;
-    qv.q = dv + off_q;
+    qv.q = in_place ? dx->queries : dv + off_q;
     qv.positions = reinterpret_cast<const int32_t*>(dv + off_pos);
     qv.seq_row_begin = reinterpret_cast<const int32_t*>(dv + off_rows);
     qv.num_rows = static_cast<int32_t>(plan.num_rows);
@@ -870,9 +895,25 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
       s = Check(cuda::PagedPrefill(p, qv, kv, cuda::OutputView{d_o, d_l}, st), "prefill attention kernel");
     }
     if (s.ok()) s = Check(cudaEventRecord(lane->kernel_end, st), "event");
-    if (s.ok())
-      s = Check(cudaMemcpyAsync(lane->h_out.p, lane->d_out.p, out_bytes, cudaMemcpyDeviceToHost, st),
-                "copy of O and LSE");
+    if (dx == nullptr) {
+      if (s.ok())
+        s = Check(cudaMemcpyAsync(lane->h_out.p, lane->d_out.p, out_bytes, cudaMemcpyDeviceToHost, st),
+                  "copy of O and LSE");
+    } else if (!in_place) {
+      // Each sequence's rows to its place in the caller's output.
+      for (const KSeq& ks : kseqs) {
+        if (!s.ok()) break;
+        const StepSequence& ss = plan.sequences[ks.plan_i];
+        s = Check(cudaMemcpyAsync(dx->out + size_t{ss.src_row} * q_row, d_o + size_t{ss.row_begin} * q_row,
+                                  size_t{ss.rows} * q_row * 4, cudaMemcpyDeviceToDevice, st),
+                  "copy of O into the caller's GPU memory");
+        if (s.ok())
+          s = Check(
+              cudaMemcpyAsync(dx->lse + size_t{ss.src_row} * plan.q_heads, d_l + size_t{ss.row_begin} * plan.q_heads,
+                              size_t{ss.rows} * plan.q_heads * 4, cudaMemcpyDeviceToDevice, st),
+              "copy of LSE into the caller's GPU memory");
+      }
+    }
   }
   if (s.ok()) s = Check(cudaEventRecord(lane->done, st), "event");
   if (s.ok()) s = Check(cudaEventSynchronize(lane->done), "the step on the GPU");
@@ -884,7 +925,7 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
     }
     return fail(s);
   }
-  if (!kseqs.empty()) {
+  if (dx == nullptr && !kseqs.empty()) {
     std::memcpy(out.out, lane->h_out.p, q_elems * 4);
     std::memcpy(out.lse, lane->h_out.p + out_o, size_t{plan.num_rows} * plan.q_heads * 4);
   }

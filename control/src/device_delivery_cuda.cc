@@ -106,6 +106,22 @@ class CudaBatch final : public DeviceDelivery::Batch {
         cudaMemcpyAsync(m.base + offset, src.data(), src.size(), cudaMemcpyHostToDevice, cudaStreamPerThread),
         "cudaMemcpyAsync into the caller's GPU memory");
   }
+  absl::StatusOr<uint8_t*> Region(uint32_t allocation, uint64_t offset, uint64_t bytes) override {
+    if (allocation >= maps_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device region names allocation ", allocation, " of ", maps_.size()));
+    }
+    const Mapping& m = *maps_[allocation];
+    if (offset > m.bytes || bytes > m.bytes - offset) {
+      return absl::InvalidArgumentError(absl::StrCat("a region of ", bytes, " bytes at offset ", offset,
+                                                     " does not fit the caller's allocation of ", m.bytes, " bytes"));
+    }
+    return m.base + offset;
+  }
+  absl::Status Read(const uint8_t* device_src, absl::Span<uint8_t> dst) override {
+    return owner_->Check(cudaMemcpy(dst.data(), device_src, dst.size(), cudaMemcpyDeviceToHost),
+                         "reading the caller's GPU memory");
+  }
   absl::Status Finish() override {
     pending_ = false;
     return owner_->Check(cudaStreamSynchronize(cudaStreamPerThread), "waiting for the copies into the caller's memory");

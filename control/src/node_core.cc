@@ -61,6 +61,9 @@ NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* se
   get_bytes_ = metrics_->Counter("kvring_get_bytes_total", "Payload bytes served by Get");
   device_bytes_ = metrics_->Counter("kvring_get_device_delivered_bytes_total",
                                     "Payload bytes Get copied straight into the GPU memory of callers on this host");
+  device_exchanges_ =
+      metrics_->Counter("kvring_attend_device_exchanges_total",
+                        "Attends whose queries, K/V and output stayed in the GPU memory of a caller on this host");
   appended_tokens_ =
       metrics_->Counter("kvring_appended_tokens_total", "Tokens appended to attention sequences (per layer)");
   sealed_blocks_ = metrics_->Counter("kvring_sealed_blocks_total", "Blocks built from appends and stored");
@@ -229,7 +232,7 @@ absl::StatusOr<GetOut> NodeCore::Get(const v1::Tenant& t, const std::string& req
   if (absl::Status s = ValidateKeys(keys, options_.limits); !s.ok()) return op.Done(s);
   GetOut out;
   if (device != nullptr) {
-    std::string refusal = DeviceRefusal(*device);
+    std::string refusal = DeviceRefusal(device->host_id);
     if (refusal.empty()) {
       absl::Status s = GetIntoDevice(*ns, keys, *device, &out);
       if (!absl::IsFailedPrecondition(s)) {
@@ -263,11 +266,48 @@ absl::StatusOr<GetOut> NodeCore::Get(const v1::Tenant& t, const std::string& req
   return out;
 }
 
-std::string NodeCore::DeviceRefusal(const DeviceTarget& device) const {
+std::string NodeCore::DeviceRefusal(const std::string& caller_host) const {
   if (delivery_ == nullptr) return "this node has no GPU to deliver from, or delivery is off (--device_delivery)";
   if (host_id_.empty()) return "this node cannot tell which host it is on";
-  if (device.host_id != host_id_) return "the caller is on another host";
+  if (caller_host != host_id_) return "the caller is on another host";
   return "";
+}
+
+absl::Status NodeCore::AttendOnDevice(const v1::Tenant& t, const std::string& requested_ns, AttendBatch batch,
+                                      const DeviceExchangeIn& x, AttendStats* stats) {
+  auto refuse = [&](std::string why) {
+    if (stats != nullptr) {
+      stats->device_refusal = std::move(why);
+      stats->backend = backend_->name();
+    }
+    return absl::OkStatus();
+  };
+  if (std::string why = DeviceRefusal(x.host_id); !why.empty()) return refuse(std::move(why));
+  const std::string handles[] = {x.ipc_handle};
+  absl::StatusOr<std::unique_ptr<DeviceDelivery::Batch>> mapped = delivery_->Begin(handles);
+  if (absl::IsFailedPrecondition(mapped.status())) return refuse(std::string(mapped.status().message()));
+  if (!mapped.ok()) return mapped.status();
+  DeviceDelivery::Batch& m = **mapped;
+  const uint64_t rows = batch.num_rows, hq = uint64_t{batch.q_heads} * batch.head_dim;
+  const uint64_t kv_bytes = batch.layout.has_value() ? uint64_t{batch.append_rows()} * batch.layout->kv_heads *
+                                                           batch.layout->head_dim * DTypeSize(batch.layout->dtype)
+                                                     : 0;
+  AttendDeviceIo io;
+  KVRING_ASSIGN_OR_RETURN(uint8_t * q, m.Region(0, x.queries, rows * hq * DTypeSize(batch.q_dtype)));
+  KVRING_ASSIGN_OR_RETURN(uint8_t * k, m.Region(0, x.new_k, kv_bytes));
+  KVRING_ASSIGN_OR_RETURN(uint8_t * v, m.Region(0, x.new_v, kv_bytes));
+  KVRING_ASSIGN_OR_RETURN(uint8_t * o, m.Region(0, x.out, rows * hq * sizeof(float)));
+  KVRING_ASSIGN_OR_RETURN(uint8_t * l, m.Region(0, x.lse, rows * batch.q_heads * sizeof(float)));
+  io.queries = q;
+  io.new_k = k;
+  io.new_v = v;
+  io.out = reinterpret_cast<float*>(o);
+  io.lse = reinterpret_cast<float*>(l);
+  io.read = [&m](const uint8_t* src, absl::Span<uint8_t> dst) { return m.Read(src, dst); };
+  batch.device = &io;
+  absl::Status s = Attend(t, requested_ns, batch, PartialOutput{nullptr, nullptr}, stats);
+  if (s.ok() && (stats == nullptr || stats->device_refusal.empty())) device_exchanges_->Add(1);
+  return s;
 }
 
 absl::Status NodeCore::GetIntoDevice(NamespaceId ns, absl::Span<const BlockKey> keys, const DeviceTarget& device,
@@ -410,6 +450,16 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
     return op.Done(
         absl::InvalidArgumentError(absl::StrCat("layer ", layer, " but the blocks have ", L.layers, " layers")));
   }
+  if (b.device != nullptr) {
+    // Nothing is planned or applied before this: a refused request changes nothing.
+    if (std::string why = backend_->DeviceIoRefusal(L, *encoding, b.q_dtype); !why.empty()) {
+      if (stats != nullptr) {
+        stats->device_refusal = std::move(why);
+        stats->backend = backend_->name();
+      }
+      return op.Done(absl::OkStatus());
+    }
+  }
 
   // The plan of each sequence: appends (each continues its layer's tail
   // here, or repeats tokens held), then the blocks its rows read.
@@ -441,10 +491,15 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
   plan.q_dtype = b.q_dtype;
   plan.new_k = b.new_k;
   plan.new_v = b.new_v;
+  plan.device = b.device;
   const size_t qrow = size_t{b.q_heads} * b.head_dim * DTypeSize(b.q_dtype);
   const size_t orow = size_t{b.q_heads} * b.head_dim;
   bool compact = false;
   for (size_t i = 0; i < n; ++i) compact |= !seq_status[i].ok() && b.sequences[i].rows > 0;
+  // A device batch's queries and output stay where they are: the backend
+  // reads and writes each sequence's rows at its src_row (only the host
+  // positions are compacted).
+  const bool host_rows = b.device == nullptr;
   std::vector<uint8_t> q_compact;
   std::vector<int64_t> pos_compact;
   std::vector<float> out_compact, lse_compact;
@@ -453,9 +508,12 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
     if (!seq_status[i].ok()) continue;
     StepSequence ss = std::move(planned[i]);
     ss.row_begin = plan.num_rows;
+    ss.src_row = row_of[i];
     if (compact && ss.rows > 0) {
-      q_compact.insert(q_compact.end(), b.queries.begin() + row_of[i] * qrow,
-                       b.queries.begin() + (row_of[i] + ss.rows) * qrow);
+      if (host_rows) {
+        q_compact.insert(q_compact.end(), b.queries.begin() + row_of[i] * qrow,
+                         b.queries.begin() + (row_of[i] + ss.rows) * qrow);
+      }
       pos_compact.insert(pos_compact.end(), b.positions.begin() + row_of[i], b.positions.begin() + row_of[i] + ss.rows);
       row_map.emplace_back(row_of[i], ss.rows);
     }
@@ -463,15 +521,16 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
     plan.sequences.push_back(std::move(ss));
   }
   PartialOutput step_out = out;
+  plan.queries = b.queries;
+  plan.positions = b.positions;
   if (compact) {
-    plan.queries = q_compact;
     plan.positions = pos_compact;
-    out_compact.resize(plan.num_rows * orow);
-    lse_compact.resize(size_t{plan.num_rows} * b.q_heads);
-    step_out = PartialOutput{out_compact.data(), lse_compact.data()};
-  } else {
-    plan.queries = b.queries;
-    plan.positions = b.positions;
+    if (host_rows) {
+      plan.queries = q_compact;
+      out_compact.resize(plan.num_rows * orow);
+      lse_compact.resize(size_t{plan.num_rows} * b.q_heads);
+      step_out = PartialOutput{out_compact.data(), lse_compact.data()};
+    }
   }
   // Open the new blocks (a sequence that cannot is dropped from the step).
   std::vector<std::pair<size_t, uint64_t>> opened;  // (plan index, block)
@@ -489,7 +548,7 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
     absl::Status s = backend_->Step(plan, step_out, &times);
     if (!s.ok()) return op.Done(RollBack(plan, opened, s));
   }
-  if (compact) {
+  if (compact && host_rows) {
     for (size_t r = 0, k = 0; k < row_map.size(); ++k) {
       std::memcpy(out.out + size_t{row_map[k].first} * orow, out_compact.data() + r * orow,
                   row_map[k].second * orow * 4);
@@ -529,9 +588,11 @@ absl::Status NodeCore::RollBack(const StepPlan& plan, const std::vector<std::pai
 absl::Status NodeCore::Finish(OpScope& op, std::chrono::steady_clock::time_point t0, const AttendBatch& b,
                               const std::vector<absl::Status>& seq_status, PartialOutput out, AttendStats* stats,
                               uint32_t appended, uint32_t sealed, uint32_t nblocks, const StepTimes& times) {
-  // Rows of the sequences that failed see nothing: O = 0, LSE = -inf.
+  // Rows of the sequences that failed see nothing: O = 0, LSE = -inf (a
+  // device batch's are left as they were: the caller reads no row of a
+  // sequence not served).
   const size_t orow = size_t{b.q_heads} * b.head_dim;
-  for (size_t i = 0, row = 0; i < b.sequences.size(); row += b.sequences[i].rows, ++i) {
+  for (size_t i = 0, row = 0; b.device == nullptr && i < b.sequences.size(); row += b.sequences[i].rows, ++i) {
     if (seq_status[i].ok() || b.sequences[i].rows == 0) continue;
     std::fill(out.out + row * orow, out.out + (row + b.sequences[i].rows) * orow, 0.f);
     std::fill(out.lse + row * b.q_heads, out.lse + (row + b.sequences[i].rows) * b.q_heads,
@@ -662,11 +723,26 @@ absl::Status NodeCore::SameTokens(NamespaceId ns, SequenceTable::Handle& h, uint
     base = block.data();
   }
   const size_t esz = DTypeSize(L.dtype), row = size_t{L.head_dim} * esz;
+  const size_t n = size_t{count} * L.kv_heads * row, at = size_t{src_row} * L.kv_heads * row;
+  // Rows [src_row, src_row + count) of the appended K and V.
+  const uint8_t* new_k = nullptr;
+  const uint8_t* new_v = nullptr;
+  std::vector<uint8_t> staged;  // a device batch's rows, read to the host
+  if (b.device == nullptr) {
+    new_k = b.new_k.data() + at;
+    new_v = b.new_v.data() + at;
+  } else {
+    staged.resize(2 * n);
+    KVRING_RETURN_IF_ERROR(b.device->read(b.device->new_k + at, absl::MakeSpan(staged.data(), n)));
+    KVRING_RETURN_IF_ERROR(b.device->read(b.device->new_v + at, absl::MakeSpan(staged.data() + n, n)));
+    new_k = staged.data();
+    new_v = staged.data() + n;
+  }
   for (uint32_t t = 0; t < count; ++t) {
     for (uint32_t hd = 0; hd < L.kv_heads; ++hd) {
-      const size_t src = ((size_t{src_row} + t) * L.kv_heads + hd) * row;
-      if (std::memcmp(base + L.index(layer, 0, hd, off + t, 0) * esz, b.new_k.data() + src, row) != 0 ||
-          std::memcmp(base + L.index(layer, 1, hd, off + t, 0) * esz, b.new_v.data() + src, row) != 0) {
+      const size_t src = (size_t{t} * L.kv_heads + hd) * row;
+      if (std::memcmp(base + L.index(layer, 0, hd, off + t, 0) * esz, new_k + src, row) != 0 ||
+          std::memcmp(base + L.index(layer, 1, hd, off + t, 0) * esz, new_v + src, row) != 0) {
         return absl::FailedPreconditionError(absl::StrCat("append at position ", idx * L.block_tokens + off + t,
                                                           " differs from the token this node already holds there"));
       }

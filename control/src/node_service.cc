@@ -24,8 +24,22 @@ KVRING_NODE_RPC(Stats, StatsRequest, StatsResponse, WireStats(*core_, *t, *req, 
 absl::Status AttendInto(NodeCore& core, const v1::Tenant& t, const v1::AttendRequest& req, const AttendBatch& batch,
                         v1::AttendResponse* resp, PartialOutput out) {
   AttendStats st;
-  absl::Status s = core.Attend(t, req.header().namespace_(), batch, out, &st);
+  absl::Status s;
+  if (req.has_device()) {
+    const v1::DeviceExchange& d = req.device();
+    s = core.AttendOnDevice(t, req.header().namespace_(), batch,
+                            DeviceExchangeIn{d.host_id(), d.ipc_handle(), d.queries_offset(), d.new_k_offset(),
+                                             d.new_v_offset(), d.out_offset(), d.lse_offset()},
+                            &st);
+  } else {
+    s = core.Attend(t, req.header().namespace_(), batch, out, &st);
+  }
   if (!s.ok()) return s;
+  if (!st.device_refusal.empty()) {
+    resp->set_device_refusal(st.device_refusal);
+    resp->set_backend(st.backend);
+    return absl::OkStatus();
+  }
   resp->set_num_rows(batch.num_rows);
   resp->set_q_heads(batch.q_heads);
   resp->set_head_dim(batch.head_dim);
@@ -49,11 +63,14 @@ grpc::Status NodeService::Attend(grpc::ServerContext* ctx, const v1::AttendReque
   if (!t.ok()) return ToGrpc(t.status());
   absl::StatusOr<AttendBatch> batch = ParseAttendRequest(*req, core_->limits());
   if (!batch.ok()) return ToGrpc(batch.status());
-  // The output is written straight into the response's bytes fields.
+  // The output is written straight into the response's bytes fields (or,
+  // with a device exchange, into the caller's GPU memory).
   std::string* out = resp->mutable_out();
   std::string* lse = resp->mutable_lse();
-  out->resize(size_t{batch->num_rows} * batch->q_heads * batch->head_dim * sizeof(float));
-  lse->resize(size_t{batch->num_rows} * batch->q_heads * sizeof(float));
+  if (!req->has_device()) {
+    out->resize(size_t{batch->num_rows} * batch->q_heads * batch->head_dim * sizeof(float));
+    lse->resize(size_t{batch->num_rows} * batch->q_heads * sizeof(float));
+  }
   absl::Status s =
       AttendInto(*core_, *t, *req, *batch, resp,
                  PartialOutput{reinterpret_cast<float*>(out->data()), reinterpret_cast<float*>(lse->data())});

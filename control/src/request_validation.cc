@@ -253,6 +253,26 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
   }
   // Bulk bytes: sizes as declared.
   const AttendPayloadSizes z = AttendPayloadSizesOf(r);
+  if (r.has_device()) {
+    // In the caller's GPU memory: the wire layer maps and range-checks the
+    // regions (AttendDeviceIo); nothing travels beside the message.
+    const v1::DeviceExchange& d = r.device();
+    if (!r.queries().empty() || !r.new_k().empty() || !r.new_v().empty() ||
+        (external.has_value() && !external->empty())) {
+      return absl::InvalidArgumentError("an Attend with a device exchange carries no query or K/V bytes");
+    }
+    if (d.ipc_handle().size() != kIpcHandleBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device exchange: the IPC handle has ", d.ipc_handle().size(), " bytes, not ", kIpcHandleBytes));
+    }
+    for (uint64_t off : {d.queries_offset(), d.new_k_offset(), d.new_v_offset(), d.out_offset(), d.lse_offset()}) {
+      if (off % kDeviceExchangeAlign != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("device exchange: offset ", off, " is not a multiple of ", kDeviceExchangeAlign));
+      }
+    }
+    return b;
+  }
   if (external.has_value()) {
     if (!r.queries().empty() || !r.new_k().empty() || !r.new_v().empty()) {
       return absl::InvalidArgumentError("bulk bytes both in the message and beside it");

@@ -85,10 +85,15 @@ void UcxDataPlane::ServeAttend(const v1::Tenant& tenant, const v1::AttendRequest
     reply.Send(batch.status(), "");
     return;
   }
+  v1::AttendResponse head;
+  if (r.has_device()) {  // the output lands in the caller's GPU memory: only the header goes back
+    absl::Status s = AttendInto(*core_, tenant, r, *batch, &head, PartialOutput{nullptr, nullptr});
+    reply.Send(s, s.ok() ? head.SerializeAsString() : "");
+    return;
+  }
   const size_t out_n = size_t{batch->num_rows} * batch->q_heads * batch->head_dim;
   const size_t lse_n = size_t{batch->num_rows} * batch->q_heads;
   auto buf = std::make_shared<std::vector<float>>(out_n + lse_n);
-  v1::AttendResponse head;
   absl::Status s = AttendInto(*core_, tenant, r, *batch, &head, PartialOutput{buf->data(), buf->data() + out_n});
   if (!s.ok()) {
     reply.Send(s, "");

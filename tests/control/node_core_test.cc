@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "kvring/attention/reference.h"
 #include "kvring/common/process.h"
+#include "kvring/common/status_macros.h"
 #include "kvring/control/cpu_attention_backend.h"
 #include "kvring/control/node_wire.h"
 #include "kvring/control/request_validation.h"
@@ -32,6 +33,123 @@ struct EngineKv {
   }
 };
 
+// A delivery that "maps" each handle to a host buffer: the node's side of
+// same-host GPU memory (Get's device places, Attend's device exchange),
+// checked without a GPU. (CUDA IPC itself runs against real processes on a
+// GPU: gpu_cluster_test.)
+class FakeDelivery : public DeviceDelivery {
+ public:
+  struct Alloc {
+    std::vector<uint8_t> bytes;
+  };
+  std::map<std::string, Alloc> allocs;  // by handle
+  absl::Status begin_status = absl::OkStatus();
+  int finished = 0;
+  int reads = 0;
+
+  absl::StatusOr<std::unique_ptr<Batch>> Begin(absl::Span<const std::string> handles) override {
+    if (!begin_status.ok()) return begin_status;
+    std::vector<Alloc*> maps;
+    for (const auto& h : handles) {
+      auto it = allocs.find(h);
+      if (it == allocs.end()) return absl::FailedPreconditionError("no such allocation");
+      maps.push_back(&it->second);
+    }
+    return std::unique_ptr<Batch>(new FakeBatch(this, std::move(maps)));
+  }
+
+ private:
+  class FakeBatch : public Batch {
+   public:
+    FakeBatch(FakeDelivery* o, std::vector<Alloc*> m) : o_(o), m_(std::move(m)) {}
+    absl::Status Add(uint32_t a, uint64_t offset, absl::Span<const uint8_t> src) override {
+      if (a >= m_.size() || offset + src.size() > m_[a]->bytes.size()) return absl::InvalidArgumentError("outside");
+      std::memcpy(m_[a]->bytes.data() + offset, src.data(), src.size());
+      return absl::OkStatus();
+    }
+    absl::Status Finish() override {
+      ++o_->finished;
+      return absl::OkStatus();
+    }
+    absl::StatusOr<uint8_t*> Region(uint32_t a, uint64_t offset, uint64_t bytes) override {
+      if (a >= m_.size() || offset > m_[a]->bytes.size() || bytes > m_[a]->bytes.size() - offset) {
+        return absl::InvalidArgumentError("outside");
+      }
+      return m_[a]->bytes.data() + offset;
+    }
+    absl::Status Read(const uint8_t* src, absl::Span<uint8_t> dst) override {
+      ++o_->reads;
+      std::memcpy(dst.data(), src, dst.size());
+      return absl::OkStatus();
+    }
+
+   private:
+    FakeDelivery* o_;
+    std::vector<Alloc*> m_;
+  };
+};
+
+// The CPU backend taking "device" plans whose pointers are host memory (the
+// FakeDelivery's buffers): the core's device path (rows read and written at
+// each sequence's src_row, appends from the caller's memory) checked on the
+// CPU against the same kernels.
+class HostIoBackend : public AttentionBackend {
+ public:
+  explicit HostIoBackend(BlockStore* store) : cpu_(store, nullptr) {}
+  std::string refusal;  // DeviceIoRefusal's answer
+  int device_steps = 0;
+
+  std::string name() const override { return "host-io"; }
+  absl::Status AdmitBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key, const BlockMeta& meta,
+                          absl::Span<const uint8_t> payload) override {
+    return cpu_.AdmitBlock(seq, index, key, meta, payload);
+  }
+  absl::Status OpenBlock(const SequenceRef& seq, uint64_t index, const BlockLayout& layout) override {
+    return cpu_.OpenBlock(seq, index, layout);
+  }
+  void DiscardOpenBlock(const SequenceRef& seq, uint64_t index) override { cpu_.DiscardOpenBlock(seq, index); }
+  std::string DeviceIoRefusal(const BlockLayout&, const KvEncoding&, DType) const override { return refusal; }
+  absl::Status Step(const StepPlan& plan, PartialOutput out, StepTimes* times) override {
+    const AttendDeviceIo* dx = plan.device;
+    if (dx == nullptr) return cpu_.Step(plan, out, times);
+    ++device_steps;
+    StepPlan p = plan;
+    p.device = nullptr;
+    const size_t qrow = size_t{plan.q_heads} * plan.head_dim * DTypeSize(plan.q_dtype);
+    const size_t orow = size_t{plan.q_heads} * plan.head_dim;
+    const size_t kvrow = size_t{plan.layout.kv_heads} * plan.layout.head_dim * DTypeSize(plan.layout.dtype);
+    std::vector<uint8_t> q;
+    uint32_t app = 0;
+    for (const StepSequence& s : plan.sequences) {
+      q.insert(q.end(), dx->queries + s.src_row * qrow, dx->queries + (s.src_row + s.rows) * qrow);
+      for (const StepAppend& a : s.appends) app = std::max(app, a.src_row + a.count);
+    }
+    p.queries = q;
+    p.new_k = absl::MakeConstSpan(dx->new_k, app * kvrow);
+    p.new_v = absl::MakeConstSpan(dx->new_v, app * kvrow);
+    std::vector<float> o(plan.num_rows * orow), l(size_t{plan.num_rows} * plan.q_heads);
+    KVRING_RETURN_IF_ERROR(cpu_.Step(p, PartialOutput{o.data(), l.data()}, times));
+    for (const StepSequence& s : plan.sequences) {
+      std::copy_n(o.begin() + s.row_begin * orow, s.rows * orow, dx->out + s.src_row * orow);
+      std::copy_n(l.begin() + size_t{s.row_begin} * plan.q_heads, size_t{s.rows} * plan.q_heads,
+                  dx->lse + size_t{s.src_row} * plan.q_heads);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) override {
+    return cpu_.ReadOpenBlock(seq, index, dst);
+  }
+  void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key) override {
+    cpu_.SealBlock(seq, index, key);
+  }
+  void ForgetSequence(const SequenceRef& seq) override { cpu_.ForgetSequence(seq); }
+  void SetTenantQuota(TenantId tenant, uint64_t max_bytes) override { cpu_.SetTenantQuota(tenant, max_bytes); }
+  BackendStats stats() override { return cpu_.stats(); }
+
+ private:
+  CpuAttentionBackend cpu_;
+};
+
 class NodeCoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -41,11 +159,17 @@ class NodeCoreTest : public ::testing::Test {
     so.prefault = false;
     store_ = std::move(BlockStore::Create(so).value());
     seqs_ = std::move(SequenceTable::Create(nullptr).value());
-    backend_ = std::make_unique<CpuAttentionBackend>(store_.get(), nullptr);
+    if (Exchange()) {
+      backend_ = std::make_unique<HostIoBackend>(store_.get());
+    } else {
+      backend_ = std::make_unique<CpuAttentionBackend>(store_.get(), nullptr);
+    }
     NodeCoreOptions no;
     no.node_id = "test";
     no.limits.max_payload_bytes = so.page_bytes;
-    core_ = std::make_unique<NodeCore>(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_);
+    core_ = std::make_unique<NodeCore>(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_, &fake_);
+    fake_.allocs[kExchangeHandle].bytes.assign(1 << 20, 0);
+    host_ = HostBootId().value();
     tenant_.set_id(3);
     tenant_.set_name("t");
     tenant_.set_namespace_(TenantNamespace(tenant_.id()));
@@ -58,6 +182,43 @@ class NodeCoreTest : public ::testing::Test {
     uint32_t append = 0;             // new tokens (random K/V, recorded in kv_[id])
     std::vector<BlockRange> ranges;  // empty: every block
   };
+
+  // Whether Step goes through the device exchange (NodeCoreExchangeTest).
+  virtual bool Exchange() const { return false; }
+  static inline const std::string kExchangeHandle = std::string(kIpcHandleBytes, 'x');
+  // Regions of the exchange allocation (256-byte aligned, as the wire requires).
+  static constexpr uint64_t kQ = 0, kK = 256 << 10, kV = 384 << 10, kO = 512 << 10, kL = 896 << 10;
+
+  // `b` through the device exchange: its bulk bytes copied into the fake
+  // allocation, AttendOnDevice, the output read back from it (rows of
+  // sequences not served stay as `out` had them).
+  absl::Status AttendThroughExchange(AttendBatch b, PartialOutput out, AttendStats* st, const std::string& host = "") {
+    std::vector<uint8_t>& x = fake_.allocs[kExchangeHandle].bytes;
+    auto put = [&](uint64_t off, absl::Span<const uint8_t> src) {
+      if (!src.empty()) std::memcpy(x.data() + off, src.data(), src.size());
+    };
+    put(kQ, b.queries);
+    put(kK, b.new_k);
+    put(kV, b.new_v);
+    const size_t on = size_t{b.num_rows} * b.q_heads * b.head_dim * 4, ln = size_t{b.num_rows} * b.q_heads * 4;
+    if (out.out != nullptr) std::memcpy(x.data() + kO, out.out, on);
+    if (out.lse != nullptr) std::memcpy(x.data() + kL, out.lse, ln);
+    b.queries = b.new_k = b.new_v = {};
+    absl::Status s = core_->AttendOnDevice(
+        tenant_, "", b, DeviceExchangeIn{host.empty() ? host_ : host, kExchangeHandle, kQ, kK, kV, kO, kL}, st);
+    if (out.out != nullptr) std::memcpy(out.out, x.data() + kO, on);
+    if (out.lse != nullptr) std::memcpy(out.lse, x.data() + kL, ln);
+    return s;
+  }
+  absl::Status Attend(const AttendBatch& b, PartialOutput out, AttendStats* st) {
+    if (!Exchange()) return core_->Attend(tenant_, "", b, out, st);
+    AttendStats local;
+    absl::Status s = AttendThroughExchange(b, out, st != nullptr ? st : &local);
+    if (s.ok() && !(st != nullptr ? st : &local)->device_refusal.empty()) {
+      return absl::InternalError("refused: " + (st != nullptr ? st : &local)->device_refusal);
+    }
+    return s;
+  }
 
   // Runs one step on `layer` and checks every row against the reference.
   absl::Status Step(uint32_t layer, const std::vector<Part>& parts, double tol = 2e-5) {
@@ -101,7 +262,7 @@ class NodeCoreTest : public ::testing::Test {
     std::vector<float> out(size_t{b.num_rows} * kQHeads * L_.head_dim, std::nanf("")),
         lse(size_t{b.num_rows} * kQHeads);
     AttendStats st;
-    absl::Status s = core_->Attend(tenant_, "", b, PartialOutput{out.data(), lse.data()}, &st);
+    absl::Status s = Attend(b, PartialOutput{out.data(), lse.data()}, &st);
     if (!s.ok()) return s;
     // The append is now part of the engine's view of the sequence.
     size_t off = 0;
@@ -163,11 +324,13 @@ class NodeCoreTest : public ::testing::Test {
   std::mt19937_64 rng_{42};
   std::unique_ptr<BlockStore> store_;
   std::unique_ptr<SequenceTable> seqs_;
-  std::unique_ptr<CpuAttentionBackend> backend_;
+  std::unique_ptr<AttentionBackend> backend_;
   TenantDirectory tenants_;
   MetricsRegistry metrics_;
+  FakeDelivery fake_;
   std::unique_ptr<NodeCore> core_;
   v1::Tenant tenant_;
+  std::string host_;
   std::map<std::string, EngineKv> kv_;
   AttendStats last_;
 };
@@ -394,52 +557,191 @@ TEST_F(NodeCoreTest, PutSequenceBlocksAndAppendedBlocksFormOneSequence) {
   EXPECT_EQ(h.state().blocks[0], (BlockKey{100, 7}));
 }
 
+// ---- Attend through the caller's GPU memory (device exchange) ----
+// The same steps with the queries, appended K/V and output in the caller's
+// memory (FakeDelivery maps the exchange handle to a host buffer; the
+// backend reads and writes it at each sequence's src_row), checked against
+// the reference as above.
+class NodeCoreExchangeTest : public NodeCoreTest {
+ protected:
+  bool Exchange() const override { return true; }
+  HostIoBackend& backend() { return static_cast<HostIoBackend&>(*backend_); }
+  // A one-row attend of sequence `id` over its blocks [0, blocks) at position `pos`.
+  static AttendSequenceSpec Row(const std::string& id, uint64_t blocks, uint64_t tokens) {
+    return AttendSequenceSpec{id, {{0, blocks}}, tokens, 1, 0, 0};
+  }
+};
+
+TEST_F(NodeCoreExchangeTest, DecodeInPlaceAndBatchesRunInTheCallersMemory) {
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 6, 6}}).ok());
+  for (int step = 0; step < 7; ++step) {
+    for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 1}}).ok()) << step;
+  }
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"a", 3, 9}, {"b", 1, 2}, {"c", 5, 17}}).ok());
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"a", 1, 1}, {"b", 0, 1}, {"c", 2, 2}}).ok());
+  EXPECT_EQ(backend().device_steps, 20);
+  const NamespaceId ns = NamespaceIdOf(TenantNamespace(3));
+  SequenceTable::Handle h = seqs_->Lock(ns, "s");
+  EXPECT_EQ(h.state().blocks.size(), 3u);  // 13 tokens: blocks 0-2 sealed, as without the exchange
+}
+
+TEST_F(NodeCoreExchangeTest, ASequenceNotServedLeavesItsRowsAndTheOthersLandAtTheirOwn) {
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"a", 1, 9}, {"c", 1, 6}}).ok());
+  AttendBatch b;
+  b.options.layer = 1;
+  b.q_heads = kQHeads;
+  b.head_dim = L_.head_dim;
+  b.q_dtype = DType::kF32;
+  b.num_rows = 3;
+  b.positions = {8, 3, 5};
+  b.sequences = {Row("a", 3, 9), Row("nope", 1, 4), Row("c", 2, 6)};
+  const size_t qn = size_t{kQHeads} * L_.head_dim;
+  std::vector<float> q(3 * qn);
+  std::normal_distribution<float> nd;
+  for (float& x : q) x = nd(rng_);
+  b.queries = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(q.data()), q.size() * 4);
+  // The same batch the ordinary way (the backend's CPU path): the rows to expect.
+  std::vector<float> want(3 * qn), want_lse(3 * kQHeads);
+  ASSERT_TRUE(core_->Attend(tenant_, "", b, PartialOutput{want.data(), want_lse.data()}, nullptr).ok());
+  std::vector<float> got(3 * qn, 7.f), got_lse(3 * kQHeads, 7.f);
+  AttendStats st;
+  ASSERT_TRUE(AttendThroughExchange(b, PartialOutput{got.data(), got_lse.data()}, &st).ok());
+  EXPECT_TRUE(st.device_refusal.empty());
+  ASSERT_EQ(st.sequence_status.size(), 3u);
+  EXPECT_TRUE(st.sequence_status[0].ok());
+  EXPECT_TRUE(absl::IsNotFound(st.sequence_status[1])) << st.sequence_status[1];
+  EXPECT_TRUE(st.sequence_status[2].ok());
+  for (int r : {0, 2}) {
+    for (size_t i = 0; i < qn; ++i) ASSERT_EQ(got[r * qn + i], want[r * qn + i]) << "row " << r;
+    for (size_t i = 0; i < kQHeads; ++i) ASSERT_EQ(got_lse[r * kQHeads + i], want_lse[r * kQHeads + i]);
+  }
+  // Row 1 belongs to the sequence not served: left as it was.
+  EXPECT_TRUE(std::all_of(got.begin() + qn, got.begin() + 2 * qn, [](float x) { return x == 7.f; }));
+  EXPECT_TRUE(std::all_of(got_lse.begin() + kQHeads, got_lse.begin() + 2 * kQHeads, [](float x) { return x == 7.f; }));
+}
+
+TEST_F(NodeCoreExchangeTest, ARetriedAppendIsComparedWithTheBytesInTheCallersMemory) {
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 5}}).ok());
+  AttendBatch b;
+  b.options.layer = 0;
+  b.q_heads = kQHeads;
+  b.head_dim = L_.head_dim;
+  b.q_dtype = DType::kF32;
+  b.layout = L_;
+  b.sequences = {AttendSequenceSpec{"s", {}, 3, 0, 1, 2}};
+  const size_t n = size_t{L_.kv_heads} * L_.head_dim, e = 2 * n;
+  std::vector<float> rk(kv_["s"].k[0].begin() + e, kv_["s"].k[0].begin() + e + n);
+  std::vector<float> rv(kv_["s"].v[0].begin() + e, kv_["s"].v[0].begin() + e + n);
+  b.new_k = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(rk.data()), n * 4);
+  b.new_v = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(rv.data()), n * 4);
+  AttendStats st;
+  ASSERT_TRUE(AttendThroughExchange(b, PartialOutput{}, &st).ok());
+  EXPECT_EQ(st.appended_tokens, 0u);
+  EXPECT_GE(fake_.reads, 2);  // K and V read back from the caller's memory to compare
+  rk[3] += 1.f;
+  absl::Status s = AttendThroughExchange(b, PartialOutput{}, &st);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("differs from the token this node already holds"), std::string::npos) << s;
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 2, 3}}).ok());  // nothing changed
+}
+
+TEST_F(NodeCoreExchangeTest, ARefusedExchangeDoesNothingAndSaysWhy) {
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 5}}).ok());
+  std::vector<float> kv(L_.kv_heads * L_.head_dim, 1.f);
+  AttendBatch b;
+  b.options.layer = 0;
+  b.q_heads = kQHeads;
+  b.head_dim = L_.head_dim;
+  b.q_dtype = DType::kF32;
+  b.layout = L_;
+  b.sequences = {AttendSequenceSpec{"s", {}, 6, 0, 1, 5}, AttendSequenceSpec{"new", {}, 1, 0, 1, 0}};
+  std::vector<float> kv2(2 * kv.size(), 1.f);
+  b.new_k = b.new_v = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(kv2.data()), kv2.size() * 4);
+  NodeCoreOptions no;
+  no.limits.max_payload_bytes = 1 << 16;
+  NodeCore no_gpu(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_);
+  const size_t known = seqs_->num_sequences();
+  struct Case {
+    std::string why;
+    std::function<absl::Status(AttendStats*)> run;
+  };
+  const std::vector<Case> cases = {
+      {"another host", [&](AttendStats* st) { return AttendThroughExchange(b, {}, st, "another-host"); }},
+      {"cannot map",
+       [&](AttendStats* st) {
+         fake_.begin_status = absl::FailedPreconditionError("cannot map the caller's GPU memory");
+         absl::Status s = AttendThroughExchange(b, {}, st);
+         fake_.begin_status = absl::OkStatus();
+         return s;
+       }},
+      {"kernels do not take",
+       [&](AttendStats* st) {
+         backend().refusal = "its kernels do not take these blocks";
+         absl::Status s = AttendThroughExchange(b, {}, st);
+         backend().refusal.clear();
+         return s;
+       }},
+      {"no GPU",
+       [&](AttendStats* st) {
+         AttendBatch c = b;
+         c.new_k = c.new_v = {};
+         return no_gpu.AttendOnDevice(tenant_, "", c, DeviceExchangeIn{host_, kExchangeHandle, kQ, kK, kV, kO, kL}, st);
+       }},
+  };
+  for (const Case& c : cases) {
+    AttendStats st;
+    absl::Status s = c.run(&st);
+    EXPECT_TRUE(s.ok()) << c.why << ": " << s;
+    EXPECT_NE(st.device_refusal.find(c.why), std::string::npos) << st.device_refusal;
+    EXPECT_EQ(st.appended_tokens, 0u) << c.why;
+  }
+  EXPECT_EQ(seqs_->num_sequences(), known);  // "new" was not created
+  EXPECT_EQ(backend().device_steps, 2);      // only the setup's two steps
+  // A region beyond the caller's allocation is the request's error.
+  AttendStats st;
+  absl::Status s =
+      core_->AttendOnDevice(tenant_, "", b, DeviceExchangeIn{host_, kExchangeHandle, kQ, 1 << 20, kV, kO, kL}, &st);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;  // (the delivery's range check: FakeBatch::Region here)
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 2, 3}}).ok());  // nothing changed
+}
+
+TEST(AttendRequestValidation, MalformedDeviceExchangesAreInvalidArguments) {
+  v1::AttendRequest r;
+  r.mutable_header()->set_version(1);
+  r.set_q_heads(4);
+  r.set_head_dim(16);
+  r.set_num_rows(1);
+  r.add_positions(0);
+  v1::AttendSequence* s = r.add_sequences();
+  s->set_sequence_id("s");
+  s->set_tokens(1);
+  s->set_rows(1);
+  s->add_ranges()->set_end(1);
+  v1::DeviceExchange* d = r.mutable_device();
+  d->set_ipc_handle(std::string(kIpcHandleBytes, 'x'));
+  d->set_out_offset(4096);
+  ASSERT_TRUE(ParseAttendRequest(r, RequestLimits{}).ok());
+  std::vector<std::pair<std::string, std::function<void(v1::AttendRequest&)>>> cases = {
+      {"carries no query", [](v1::AttendRequest& r) { r.set_queries(std::string(256, 'q')); }},
+      {"IPC handle has", [](v1::AttendRequest& r) { r.mutable_device()->set_ipc_handle("short"); }},
+      {"not a multiple of 256", [](v1::AttendRequest& r) { r.mutable_device()->set_lse_offset(100); }},
+  };
+  for (auto& [why, mutate] : cases) {
+    v1::AttendRequest m = r;
+    mutate(m);
+    absl::Status st = ParseAttendRequest(m, RequestLimits{}).status();
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << why << ": " << st;
+    EXPECT_NE(st.message().find(why), std::string::npos) << st.message();
+  }
+  const uint8_t beside[4] = {1, 2, 3, 4};
+  EXPECT_TRUE(absl::IsInvalidArgument(ParseAttendRequest(r, RequestLimits{}, absl::MakeConstSpan(beside)).status()));
+}
+
 // ---- Get into a caller's GPU memory (device places) ----
-// The node's side of same-host delivery, with a fake delivery that "maps"
-// each handle to a host buffer: what gets copied where, what is checked
+// The node's side of same-host delivery, with FakeDelivery: what gets copied where, what is checked
 // first with delivery_checksum on (block 9 has a bit flipped in the host
 // tier after it was stored), and when the node answers with payloads instead. (The CUDA IPC
 // delivery itself runs against real processes on a GPU: gpu_node_test.)
-class FakeDelivery : public DeviceDelivery {
- public:
-  struct Alloc {
-    std::vector<uint8_t> bytes;
-  };
-  std::map<std::string, Alloc> allocs;  // by handle
-  absl::Status begin_status = absl::OkStatus();
-  int finished = 0;
-
-  absl::StatusOr<std::unique_ptr<Batch>> Begin(absl::Span<const std::string> handles) override {
-    if (!begin_status.ok()) return begin_status;
-    std::vector<Alloc*> maps;
-    for (const auto& h : handles) {
-      auto it = allocs.find(h);
-      if (it == allocs.end()) return absl::FailedPreconditionError("no such allocation");
-      maps.push_back(&it->second);
-    }
-    return std::unique_ptr<Batch>(new FakeBatch(this, std::move(maps)));
-  }
-
- private:
-  class FakeBatch : public Batch {
-   public:
-    FakeBatch(FakeDelivery* o, std::vector<Alloc*> m) : o_(o), m_(std::move(m)) {}
-    absl::Status Add(uint32_t a, uint64_t offset, absl::Span<const uint8_t> src) override {
-      if (a >= m_.size() || offset + src.size() > m_[a]->bytes.size()) return absl::InvalidArgumentError("outside");
-      std::memcpy(m_[a]->bytes.data() + offset, src.data(), src.size());
-      return absl::OkStatus();
-    }
-    absl::Status Finish() override {
-      ++o_->finished;
-      return absl::OkStatus();
-    }
-
-   private:
-    FakeDelivery* o_;
-    std::vector<Alloc*> m_;
-  };
-};
-
 class NodeCoreDeliveryTest : public ::testing::Test {
  protected:
   void SetUp() override {

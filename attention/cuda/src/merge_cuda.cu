@@ -50,8 +50,62 @@ __global__ void MergeIntoKernel(float* __restrict__ acc_out, float* __restrict__
   if (lane == 0) acc_lse[warp] = M + __logf(wa + wb);
 }
 
+// One warp per (row, head): the row's contributions folded into acc.
+__global__ void MergeRowsKernel(float* __restrict__ acc_out, float* __restrict__ acc_lse, int rows,
+                                const float* __restrict__ parts_out, const float* __restrict__ parts_lse,
+                                const int32_t* __restrict__ begin, const int32_t* __restrict__ contrib, int q_heads,
+                                int head_dim, bool init) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (warp >= rows * q_heads) return;
+  const int r = warp / q_heads, h = warp % q_heads;
+  const int c0 = begin[r], c1 = begin[r + 1];
+  float* o = acc_out + (size_t)warp * head_dim;
+  if (c0 == c1 && !init) return;
+  const float own = init ? -INFINITY : acc_lse[warp];
+  float M = own;
+  for (int c = c0; c < c1; ++c) M = fmaxf(M, parts_lse[(size_t)contrib[c] * q_heads + h]);
+  if (M == -INFINITY) {  // nothing seen: O = 0, LSE = -inf
+    for (int d = lane; d < head_dim; d += 32) o[d] = 0.f;
+    if (lane == 0) acc_lse[warp] = -INFINITY;
+    return;
+  }
+  const float w_own = own == -INFINITY ? 0.f : __expf(own - M);
+  float L = w_own;
+  for (int c = c0; c < c1; ++c) {
+    const float x = parts_lse[(size_t)contrib[c] * q_heads + h];
+    L += x == -INFINITY ? 0.f : __expf(x - M);
+  }
+  const float inv = 1.f / L;
+  for (int d = lane; d < head_dim; d += 32) {
+    float acc = w_own > 0.f ? w_own * o[d] : 0.f;
+    for (int c = c0; c < c1; ++c) {
+      const float x = parts_lse[(size_t)contrib[c] * q_heads + h];
+      if (x != -INFINITY) acc += __expf(x - M) * parts_out[((size_t)contrib[c] * q_heads + h) * head_dim + d];
+    }
+    o[d] = acc * inv;
+  }
+  __syncwarp();
+  if (lane == 0) acc_lse[warp] = M + __logf(L);
+}
+
 }  // namespace
 }  // namespace internal
+
+cudaError_t MergeRows(OutputView acc, int rows, const float* parts_out, const float* parts_lse,
+                      const int32_t* contrib_begin, const int32_t* contrib, int q_heads, int head_dim, bool init,
+                      cudaStream_t stream) {
+  if (acc.out == nullptr || acc.lse == nullptr || contrib_begin == nullptr || rows < 0 || q_heads <= 0 ||
+      head_dim <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0) return cudaSuccess;
+  const int threads = 256, warps_per_block = threads / 32;
+  const long long warps = (long long)rows * q_heads;
+  internal::MergeRowsKernel<<<(unsigned)((warps + warps_per_block - 1) / warps_per_block), threads, 0, stream>>>(
+      acc.out, acc.lse, rows, parts_out, parts_lse, contrib_begin, contrib, q_heads, head_dim, init);
+  return cudaGetLastError();
+}
 
 cudaError_t MergePartials(const float* out_parts, const float* lse_parts, int num_parts, int rows_heads, int head_dim,
                           OutputView out, cudaStream_t stream) {

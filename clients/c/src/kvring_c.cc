@@ -72,6 +72,8 @@ int kvring_connect(const kvring_options* o, kvring_client** out) {
   co.ucx_loop.spin_us = o->ucx_spin_us;
   co.ucx_loop.wakeup = o->ucx_busy_poll == 0;
   co.device_delivery = o->no_device_delivery == 0;
+  if (o->device_exchange_min_bytes >= 0)
+    co.device_exchange_min_bytes = static_cast<uint64_t>(o->device_exchange_min_bytes);
   auto c = Client::Connect(co);
   if (!c.ok()) return Code(c.status());
   *out = new kvring_client{std::move(*c)};
@@ -208,9 +210,9 @@ int kvring_step(kvring_client* c, const kvring_step_args* a, float* out, float* 
   absl::Status s = c->c->StepInto(st, PartialOutput{out, lse}, &rep);
   if (!s.ok()) return Code(s);
   if (report != nullptr) {
-    *report = kvring_attend_report{rep.shards,         rep.retries,         rep.blocks,       rep.bytes_sent,
-                                   rep.bytes_received, rep.appended_tokens, rep.seconds,      rep.node_seconds,
-                                   rep.kernel_seconds, rep.copy_seconds,    rep.merge_seconds};
+    *report = kvring_attend_report{rep.shards,         rep.retries,         rep.blocks,        rep.bytes_sent,
+                                   rep.bytes_received, rep.appended_tokens, rep.seconds,       rep.node_seconds,
+                                   rep.kernel_seconds, rep.copy_seconds,    rep.merge_seconds, rep.shards_in_place};
   }
   return Code(absl::OkStatus());
 }

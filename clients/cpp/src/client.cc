@@ -747,13 +747,45 @@ class ClientImpl {
     std::string why;
   };
 
+  // A step whose tensors are in this process's GPU memory, run through
+  // exchange buffers (kvring.proto DeviceExchange): each round's queries and
+  // K/V gathered into one on the device, the nodes on this host reading them
+  // and writing their partials there, the partials merged there into the
+  // caller's output. A node that refuses is served from the same buffer
+  // through pinned staging.
+  struct DeviceStep {
+    DeviceMemory* dev = nullptr;
+    bool initialized = false;  // the output holds a first merge (every row written)
+  };
+
   absl::Status StepInto(const AttendStep& in, PartialOutput out, AttendReport* report) {
     if (!in.device_buffers) return StepOnHost(in, out, report);
-    // Device buffers: inputs to pinned staging once, the merged output back once.
     KVRING_ASSIGN_OR_RETURN(DeviceMemory * dev, Dev());
-    const BlockLayout& L = in.layout;
     uint64_t app = 0;
     for (const auto& s : in.sequences) app += s.append_tokens;
+    const uint64_t step_bytes =
+        uint64_t{in.q.num_rows} * in.q.q_heads * (in.q.head_dim * (DTypeSize(in.q.dtype) + 4) + 4) +
+        2 * app * in.layout.kv_heads * in.layout.head_dim * DTypeSize(in.layout.dtype);
+    if (o_.device_delivery && !host_id_.empty() && in.q.dtype == in.layout.dtype &&
+        step_bytes >= o_.device_exchange_min_bytes) {
+      DeviceStep dx{dev};
+      KVRING_RETURN_IF_ERROR(StepOnHost(in, out, report, &dx));
+      if (!dx.initialized && in.q.num_rows > 0) {
+        // No round had rows to attend (sequences without tokens): O = 0, LSE = -inf.
+        const size_t n = (size_t{in.q.num_rows} + 1) * sizeof(int32_t);
+        KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging zeros, dev->Pinned(n));
+        std::memset(zeros.data(), 0, n);
+        KVRING_ASSIGN_OR_RETURN(DeviceMemory::Exchange xb, dev->ExchangeBuffer(n));
+        KVRING_RETURN_IF_ERROR(dev->CopyAsync(xb.data(), zeros.data(), n));
+        const int32_t* begin = reinterpret_cast<const int32_t*>(xb.data());
+        KVRING_RETURN_IF_ERROR(dev->MergeRows(out.out, out.lse, in.q.num_rows, nullptr, nullptr, begin, begin,
+                                              in.q.q_heads, in.q.head_dim, /*init=*/true));
+        return dev->Wait();
+      }
+      return absl::OkStatus();
+    }
+    // Device buffers, staged: inputs to pinned staging once, the merged output back once.
+    const BlockLayout& L = in.layout;
     const size_t qb = size_t{in.q.num_rows} * in.q.q_heads * in.q.head_dim * DTypeSize(in.q.dtype);
     const size_t kvb = app * L.kv_heads * L.head_dim * DTypeSize(L.dtype);
     const size_t ob = size_t{in.q.num_rows} * in.q.q_heads * in.q.head_dim * 4,
@@ -778,7 +810,7 @@ class ClientImpl {
     return dev->ToDevice(out.lse, hl, lb);
   }
 
-  absl::Status StepOnHost(const AttendStep& st, PartialOutput out, AttendReport* report) {
+  absl::Status StepOnHost(const AttendStep& st, PartialOutput out, AttendReport* report, DeviceStep* dx = nullptr) {
     const auto t0 = Clock::now();
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
@@ -820,8 +852,10 @@ class ClientImpl {
       return absl::InvalidArgumentError("appending needs new_k and new_v");
     }
     const size_t hq = size_t{q.q_heads} * q.head_dim;
-    std::fill(out.out, out.out + rows * hq, 0.f);
-    std::fill(out.lse, out.lse + rows * q.q_heads, -std::numeric_limits<float>::infinity());
+    if (dx == nullptr) {  // (on the device: the first merge writes every row)
+      std::fill(out.out, out.out + rows * hq, 0.f);
+      std::fill(out.lse, out.lse + rows * q.q_heads, -std::numeric_limits<float>::infinity());
+    }
 
     auto ring = Ring();
     if (ring->num_nodes() == 0) return absl::UnavailableError("the shard map has no nodes");
@@ -896,7 +930,7 @@ class ClientImpl {
           jobs.push_back(NodeJob{cs[k], {SeqPart{units[u].seq, {}, units[u].begin, units[u].end}}});
         }
       }
-      KVRING_RETURN_IF_ERROR(RunJobs(st, *ring, jobs, row_begin, app_begin, total, units, out, &rep, &last_error));
+      KVRING_RETURN_IF_ERROR(RunJobs(st, *ring, jobs, row_begin, app_begin, total, units, out, dx, &rep, &last_error));
       plan.clear();
     }
     for (int round = 0; !pending.empty() || !plan.empty(); ++round) {
@@ -920,7 +954,7 @@ class ClientImpl {
       plan.clear();
       std::vector<FailedChunk> failed;
       KVRING_RETURN_IF_ERROR(
-          RunJobs(st, *ring, jobs, row_begin, app_begin, total, units, out, &rep, &last_error, &failed));
+          RunJobs(st, *ring, jobs, row_begin, app_begin, total, units, out, dx, &rep, &last_error, &failed));
       pending.clear();
       for (FailedChunk& f : failed) {
         pending.emplace_back(f.seq, f.chunk);
@@ -949,7 +983,8 @@ class ClientImpl {
   absl::Status RunJobs(const AttendStep& st, const ShardRing& ring, const std::vector<NodeJob>& jobs,
                        const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
                        const std::vector<uint64_t>& total, std::vector<AppendUnit>& units, PartialOutput out,
-                       AttendReport* rep, absl::Status* last_error, std::vector<FailedChunk>* failed = nullptr) {
+                       DeviceStep* dx, AttendReport* rep, absl::Status* last_error,
+                       std::vector<FailedChunk>* failed = nullptr) {
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
     const uint64_t chunk = ring.chunk_blocks(), bt = L.block_tokens;
@@ -960,7 +995,126 @@ class ClientImpl {
       absl::StatusOr<v1::AttendResponse> resp = absl::UnknownError("");
       std::vector<uint8_t> reply;
       uint32_t rows = 0;
-      uint64_t sent = 0;
+      uint64_t sent = 0, received = 0;  // bulk bytes
+      bool in_place = false;            // served through the exchange buffer
+    };
+    // With device tensors: the round's exchange buffer. Partial rows of
+    // every job (each job's from a multiple of 64 rows, so every region is
+    // 256-byte aligned), their LSE, then each job's queries and K/V, then
+    // the merge's row lists.
+    struct JobPlace {
+      uint64_t q = 0, k = 0, v = 0;
+      uint32_t rows = 0, app = 0, part_row = 0;
+    };
+    std::vector<JobPlace> place(jobs.size());
+    DeviceMemory::Exchange xb;
+    uint64_t l_base = 0, csr_off = 0;
+    if (dx != nullptr) {
+      auto align = [](uint64_t n) {
+        return (n + kDeviceExchangeAlign - 1) / kDeviceExchangeAlign * kDeviceExchangeAlign;
+      };
+      uint32_t part_rows = 0;
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        for (const SeqPart& p : jobs[j].parts) {
+          if (!p.chunks.empty()) place[j].rows += st.sequences[p.seq].rows;
+          place[j].app += static_cast<uint32_t>(p.append_end - p.append_begin);
+        }
+        place[j].part_row = part_rows;
+        part_rows += (place[j].rows + 63) / 64 * 64;
+      }
+      l_base = uint64_t{part_rows} * hq * sizeof(float);
+      uint64_t off = align(l_base + uint64_t{part_rows} * q.q_heads * sizeof(float));
+      for (JobPlace& jp : place) {
+        jp.q = off;
+        off = align(off + uint64_t{jp.rows} * qrow);
+        jp.k = off;
+        off = align(off + uint64_t{jp.app} * kvrow);
+        jp.v = off;
+        off = align(off + uint64_t{jp.app} * kvrow);
+      }
+      csr_off = off;
+      off += (uint64_t{q.num_rows} + 1 + part_rows) * sizeof(int32_t);
+      KVRING_ASSIGN_OR_RETURN(xb, dx->dev->ExchangeBuffer(off));
+      // Each job's rows, in the order its request lists them.
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        uint64_t qo = place[j].q, ko = place[j].k, vo = place[j].v;
+        for (const SeqPart& p : jobs[j].parts) {
+          const auto& s = st.sequences[p.seq];
+          if (!p.chunks.empty()) {
+            KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(
+                xb.data() + qo, static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, s.rows * qrow));
+            qo += s.rows * qrow;
+          }
+          if (p.append_end > p.append_begin) {
+            const uint64_t n = p.append_end - p.append_begin;
+            const uint64_t src = app_begin[p.seq] + (p.append_begin - s.context_tokens);
+            KVRING_RETURN_IF_ERROR(
+                dx->dev->CopyAsync(xb.data() + ko, static_cast<const uint8_t*>(st.new_k) + src * kvrow, n * kvrow));
+            KVRING_RETURN_IF_ERROR(
+                dx->dev->CopyAsync(xb.data() + vo, static_cast<const uint8_t*>(st.new_v) + src * kvrow, n * kvrow));
+            ko += n * kvrow;
+            vo += n * kvrow;
+          }
+        }
+      }
+      KVRING_RETURN_IF_ERROR(dx->dev->Wait());  // in place before any node reads them
+    }
+    // A job's request through the exchange buffer: the node reads and writes
+    // it in place, or (a node that cannot) is sent the job's rows from it
+    // and its partial goes back into it.
+    auto through_exchange = [&](Node& node, v1::AttendRequest req, const JobPlace& jp) {
+      Result out;
+      out.rows = jp.rows;
+      const uint64_t o_off = uint64_t{jp.part_row} * hq * sizeof(float);
+      const uint64_t l_off = l_base + uint64_t{jp.part_row} * q.q_heads * sizeof(float);
+      if (!node.attend_device_refused.load()) {
+        v1::DeviceExchange* d = req.mutable_device();
+        d->set_host_id(host_id_);
+        d->set_ipc_handle(xb.ipc_handle());
+        d->set_queries_offset(jp.q);
+        d->set_new_k_offset(jp.k);
+        d->set_new_v_offset(jp.v);
+        d->set_out_offset(o_off);
+        d->set_lse_offset(l_off);
+        out.sent = req.ByteSizeLong();
+        out.resp = AttendOn(node, req, {}, {}, {}, {});
+        if (!out.resp.ok() || out.resp->device_refusal().empty()) {
+          out.in_place = out.resp.ok();
+          return out;
+        }
+        if (!node.attend_device_refused.exchange(true)) {
+          KVRING_LOG(INFO) << "node " << node.id() << " does not attend in this process's GPU memory ("
+                           << out.resp->device_refusal() << "); its steps go through pinned staging";
+        }
+        req.clear_device();
+      }
+      const size_t qb = size_t{jp.rows} * qrow, kb = size_t{jp.app} * kvrow;
+      const size_t ob = size_t{jp.rows} * hq * sizeof(float), lb = size_t{jp.rows} * q.q_heads * sizeof(float);
+      absl::StatusOr<DeviceMemory::Staging> stage = dx->dev->Pinned(qb + 2 * kb + ob + lb);
+      absl::Status s = stage.status();
+      uint8_t* h = s.ok() ? stage->data() : nullptr;
+      if (s.ok() && qb > 0) s = dx->dev->ToHost(h, xb.data() + jp.q, qb);
+      if (s.ok() && kb > 0) s = dx->dev->ToHost(h + qb, xb.data() + jp.k, kb);
+      if (s.ok() && kb > 0) s = dx->dev->ToHost(h + qb + kb, xb.data() + jp.v, kb);
+      if (!s.ok()) {
+        out.resp = s;
+        return out;
+      }
+      std::vector<absl::Span<const uint8_t>> qp, kp, vp;
+      if (qb > 0) qp.push_back(absl::MakeConstSpan(h, qb));
+      if (kb > 0) {
+        kp.push_back(absl::MakeConstSpan(h + qb, kb));
+        vp.push_back(absl::MakeConstSpan(h + qb + kb, kb));
+      }
+      out.sent = qb + 2 * kb + req.ByteSizeLong();
+      out.received = ob + lb;
+      out.resp = AttendOn(node, std::move(req), qp, kp, vp, absl::MakeSpan(h + qb + 2 * kb, ob + lb));
+      if (out.resp.ok() && ob > 0) {
+        s = dx->dev->ToDevice(xb.data() + o_off, h + qb + 2 * kb, ob);
+        if (s.ok()) s = dx->dev->ToDevice(xb.data() + l_off, h + qb + 2 * kb + ob, lb);
+        if (!s.ok()) out.resp = s;
+      }
+      return out;
     };
     std::vector<Result> res = FanOut<Result>(
         ring, NodesOf(jobs),
@@ -1017,14 +1171,22 @@ class ClientImpl {
           }
           req.set_num_rows(rows);
           out.rows = rows;
+          if (dx != nullptr) return through_exchange(node, std::move(req), place[j]);
           out.sent = bytes + req.ByteSizeLong();
           out.reply.resize(size_t{rows} * (hq + q.q_heads) * sizeof(float));
+          out.received = out.reply.size();
           out.resp = AttendOn(node, std::move(req), qp, kp, vp, absl::MakeSpan(out.reply));
           return out;
         },
         [](size_t) { return Result{absl::UnavailableError("unknown node")}; },
         [](const Result& r) { return !r.resp.ok() && IsNodeFailure(r.resp.status()); });
     const auto tm = Clock::now();
+    // A node that did not answer may still write into the exchange buffer
+    // later: it is not reused.
+    for (const Result& r : res) {
+      if (dx != nullptr && !r.resp.ok() && IsNodeFailure(r.resp.status())) xb.Drop();
+    }
+    std::vector<std::vector<int32_t>> contrib(dx != nullptr ? q.num_rows : 0);  // per output row: partial rows
     for (size_t j = 0; j < jobs.size(); ++j) {
       const absl::Status& s = res[j].resp.status();
       auto unit_of = [&](size_t seq, uint64_t begin, uint64_t end, auto f) {
@@ -1092,17 +1254,41 @@ class ClientImpl {
           off += n;
           continue;
         }
-        MergeInto(PartialOutput{out.out + size_t{r0} * hq, out.lse + size_t{r0} * q.q_heads},
-                  ConstPartial{po + size_t{off} * hq, pl + size_t{off} * q.q_heads}, n, q.q_heads, q.head_dim);
+        if (dx != nullptr) {  // merged on the device below
+          for (uint32_t r = 0; r < n; ++r) contrib[r0 + r].push_back(static_cast<int32_t>(place[j].part_row + off + r));
+        } else {
+          MergeInto(PartialOutput{out.out + size_t{r0} * hq, out.lse + size_t{r0} * q.q_heads},
+                    ConstPartial{po + size_t{off} * hq, pl + size_t{off} * q.q_heads}, n, q.q_heads, q.head_dim);
+        }
         off += n;
       }
       ++rep->shards;
+      if (res[j].in_place) ++rep->shards_in_place;
       rep->blocks += r.blocks_used();
       rep->bytes_sent += res[j].sent;
-      rep->bytes_received += r.ByteSizeLong() + res[j].reply.size();
+      rep->bytes_received += r.ByteSizeLong() + res[j].received;
       rep->node_seconds = std::max(rep->node_seconds, r.compute_seconds());
       rep->kernel_seconds = std::max(rep->kernel_seconds, r.kernel_seconds());
       rep->copy_seconds = std::max(rep->copy_seconds, r.copy_seconds());
+    }
+    uint32_t round_rows = 0;
+    for (const JobPlace& jp : place) round_rows += jp.rows;
+    if (dx != nullptr && round_rows > 0) {
+      // One launch merges every partial of the round into the output (the
+      // first also writes the rows nothing reached: O = 0, LSE = -inf).
+      std::vector<int32_t> csr(size_t{q.num_rows} + 1);
+      for (uint32_t r = 0; r < q.num_rows; ++r) csr[r + 1] = csr[r] + static_cast<int32_t>(contrib[r].size());
+      for (const auto& c : contrib) csr.insert(csr.end(), c.begin(), c.end());
+      const size_t n = csr.size() * sizeof(int32_t);
+      KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging stage, dx->dev->Pinned(n));
+      std::memcpy(stage.data(), csr.data(), n);
+      KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(xb.data() + csr_off, stage.data(), n));
+      const int32_t* begin = reinterpret_cast<const int32_t*>(xb.data() + csr_off);
+      KVRING_RETURN_IF_ERROR(dx->dev->MergeRows(out.out, out.lse, q.num_rows, reinterpret_cast<const float*>(xb.data()),
+                                                reinterpret_cast<const float*>(xb.data() + l_base), begin,
+                                                begin + q.num_rows + 1, q.q_heads, q.head_dim, !dx->initialized));
+      KVRING_RETURN_IF_ERROR(dx->dev->Wait());
+      dx->initialized = true;
     }
     rep->merge_seconds += Since(tm);
     return absl::OkStatus();

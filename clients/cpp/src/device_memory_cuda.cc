@@ -3,9 +3,11 @@
 #include <map>
 
 #include "absl/synchronization/mutex.h"
+#include "kvring/attention/cuda/merge_cuda.h"
 #include "kvring/client/device_memory.h"
 #include "kvring/common/cuda_ipc.h"
 #include "kvring/common/cuda_status.h"
+#include "kvring/common/status_macros.h"
 
 namespace kvring {
 namespace {
@@ -15,6 +17,45 @@ class CudaDeviceMemory final : public DeviceMemory {
   ~CudaDeviceMemory() override {
     absl::MutexLock l(&mu_);
     for (auto& [n, p] : free_) (void)cudaFreeHost(p);  // nothing to report to at teardown
+    for (auto& [n, e] : free_exchange_) (void)cudaFree(e.first);
+  }
+  absl::StatusOr<Exchange> ExchangeBuffer(size_t bytes) override {
+    {
+      absl::MutexLock l(&mu_);
+      auto it = free_exchange_.lower_bound(bytes);
+      if (it != free_exchange_.end()) {
+        Exchange e = MakeExchange(it->second.first, it->first, std::move(it->second.second));
+        free_exchange_.erase(it);
+        return e;
+      }
+    }
+    // Powers of two from 16 MiB: few distinct buffers, each mapped once by
+    // each node.
+    size_t n = size_t{16} << 20;
+    while (n < bytes) n *= 2;
+    void* p = nullptr;
+    KVRING_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&p, n), "an exchange buffer in GPU memory"));
+    cudaIpcMemHandle_t h;
+    if (cudaError_t e = cudaIpcGetMemHandle(&h, p); e != cudaSuccess) {
+      (void)cudaFree(p);
+      return CudaStatus(e, "exporting an exchange buffer");
+    }
+    return MakeExchange(static_cast<uint8_t*>(p), n, IpcHandleBytes(h));
+  }
+  absl::Status CopyAsync(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return absl::OkStatus();
+    return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cudaStreamPerThread), "an async copy");
+  }
+  absl::Status MergeRows(float* acc_out, float* acc_lse, uint32_t rows, const float* parts_out, const float* parts_lse,
+                         const int32_t* contrib_begin, const int32_t* contrib, uint32_t q_heads, uint32_t head_dim,
+                         bool init) override {
+    return CudaStatus(
+        cuda::MergeRows(cuda::OutputView{acc_out, acc_lse}, static_cast<int>(rows), parts_out, parts_lse, contrib_begin,
+                        contrib, static_cast<int>(q_heads), static_cast<int>(head_dim), init, cudaStreamPerThread),
+        "merging the shards' partials on the device");
+  }
+  absl::Status Wait() override {
+    return CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), "waiting for the device copies and merges");
   }
   absl::StatusOr<Staging> Pinned(size_t bytes) override {
     const size_t n = std::max<size_t>(size_t{1} << 20, (bytes + (1 << 20) - 1) >> 20 << 20);
@@ -50,6 +91,18 @@ class CudaDeviceMemory final : public DeviceMemory {
   }
 
  protected:
+  void ReturnExchange(uint8_t* p, size_t n, std::string handle, bool drop) override {
+    if (drop) {
+      (void)cudaFree(p);  // a node's mapping keeps the memory alive until the node lets go
+      return;
+    }
+    absl::MutexLock l(&mu_);
+    free_exchange_.emplace(n, std::make_pair(p, std::move(handle)));
+    while (free_exchange_.size() > 4) {  // keep the largest few
+      (void)cudaFree(free_exchange_.begin()->second.first);
+      free_exchange_.erase(free_exchange_.begin());
+    }
+  }
   void Return(uint8_t* p, size_t n) override {
     absl::MutexLock l(&mu_);
     free_.emplace(n, p);
@@ -62,12 +115,18 @@ class CudaDeviceMemory final : public DeviceMemory {
  private:
   absl::Mutex mu_;
   std::multimap<size_t, uint8_t*> free_ ABSL_GUARDED_BY(mu_);
+  std::multimap<size_t, std::pair<uint8_t*, std::string>> free_exchange_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
 
 void DeviceMemory::Staging::Release() {
   if (owner_ != nullptr) owner_->Return(p_, n_);
+  owner_ = nullptr;
+}
+
+void DeviceMemory::Exchange::Release() {
+  if (owner_ != nullptr) owner_->ReturnExchange(p_, n_, std::move(handle_), drop_);
   owner_ = nullptr;
 }
 

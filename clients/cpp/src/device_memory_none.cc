@@ -4,6 +4,7 @@
 namespace kvring {
 
 void DeviceMemory::Staging::Release() { owner_ = nullptr; }
+void DeviceMemory::Exchange::Release() { owner_ = nullptr; }
 
 absl::StatusOr<std::unique_ptr<DeviceMemory>> DeviceMemory::Create() {
   return absl::UnimplementedError("device pointers need a kvring client built with CUDA");

@@ -94,6 +94,9 @@ class NodeConnection {
   // The node answered device places with payloads: it cannot deliver into
   // this process's GPU memory (no GPU, another host); not asked again.
   std::atomic<bool> device_refused{false};
+  // The node answered an Attend's device exchange with a refusal (no GPU,
+  // another host, blocks its kernels do not take); not asked again.
+  std::atomic<bool> attend_device_refused{false};
 
  private:
   const std::string id_, grpc_address_, ucx_address_;

@@ -181,11 +181,12 @@ class Client:
     """A connection to a kvring cluster (thread-safe; calls release the GIL)."""
 
     def __init__(self, coordinator, token, namespace="", use_ucx=True, quantize="", rpc_timeout=10.0, tls_ca="",
-                 tls_cert="", tls_key="", threads=0, ucx_spin_us=-1, ucx_busy_poll=False, device_delivery=True):
+                 tls_cert="", tls_key="", threads=0, ucx_spin_us=-1, ucx_busy_poll=False, device_delivery=True,
+                 device_exchange_min_bytes=-1):
         o = _native.Options(coordinator.encode(), token.encode(), namespace.encode(), 1 if use_ucx else 0,
                             quantize.encode(), float(rpc_timeout), tls_ca.encode(), tls_cert.encode(),
                             tls_key.encode(), int(threads), int(ucx_spin_us), 1 if ucx_busy_poll else 0,
-                            0 if device_delivery else 1)
+                            0 if device_delivery else 1, int(device_exchange_min_bytes))
         h = ctypes.c_void_p()
         self._h = None
         _check(_lib.kvring_connect(ctypes.byref(o), ctypes.byref(h)))

@@ -22,7 +22,7 @@ class Options(ctypes.Structure):
     _fields_ = [("coordinator", c_char_p), ("token", c_char_p), ("ns", c_char_p), ("use_ucx", c_int),
                 ("quantize", c_char_p), ("rpc_timeout_s", c_double), ("tls_ca", c_char_p), ("tls_cert", c_char_p),
                 ("tls_key", c_char_p), ("threads", c_u32), ("ucx_spin_us", ctypes.c_int32), ("ucx_busy_poll", ctypes.c_int32),
-                ("no_device_delivery", ctypes.c_int32)]
+                ("no_device_delivery", ctypes.c_int32), ("device_exchange_min_bytes", ctypes.c_int64)]
 
 
 class PutReport(ctypes.Structure):
@@ -44,7 +44,7 @@ class AttendReport(ctypes.Structure):
     _fields_ = [("shards", ctypes.c_int32), ("retries", ctypes.c_int32), ("blocks", c_u64), ("bytes_sent", c_u64),
                 ("bytes_received", c_u64), ("appended_tokens", c_u32), ("seconds", c_double),
                 ("node_seconds", c_double), ("kernel_seconds", c_double), ("copy_seconds", c_double),
-                ("merge_seconds", c_double)]
+                ("merge_seconds", c_double), ("shards_in_place", ctypes.c_int32)]
 
     def as_dict(self):
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -95,8 +95,8 @@ def _load():
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
-    if lib.kvring_api_version() != 2:
-        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 2" % lib.kvring_api_version())
+    if lib.kvring_api_version() != 3:
+        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 3" % lib.kvring_api_version())
     return lib
 
 

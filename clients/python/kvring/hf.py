@@ -154,6 +154,7 @@ class PassQSession:
         self.tokens = [[0] * len(self.ids) for _ in range(self.layout.layers)]  # per layer, per sequence
         self.steps = 0
         self.bytes_sent = self.bytes_received = 0
+        self.shard_steps = self.shard_steps_in_place = 0  # shard requests, and those served in this GPU's memory
         self.seconds = 0.0
         self.previous_attention = getattr(model.config, "_attn_implementation", None) or "sdpa"
         if self.previous_attention == ATTENTION_NAME:
@@ -210,6 +211,8 @@ class PassQSession:
             self.steps += 1
             self.bytes_sent += rep["bytes_sent"]
             self.bytes_received += rep["bytes_received"]
+            self.shard_steps += rep["shards"]
+            self.shard_steps_in_place += rep["shards_in_place"]
         self.seconds += time.perf_counter() - t0
         return out.to(query.dtype)
 

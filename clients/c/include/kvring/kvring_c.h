@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KVRING_C_API_VERSION 2
+#define KVRING_C_API_VERSION 3
 
 typedef struct kvring_client kvring_client;
 
@@ -43,10 +43,11 @@ typedef struct {
   const char* tls_ca;
   const char* tls_cert;
   const char* tls_key;
-  uint32_t threads;           /* fan-out threads; 0: 16 */
-  int32_t ucx_spin_us;        /* UCX progress threads: busy-poll this long after a message (-1: by core count) */
-  int32_t ucx_busy_poll;      /* UCX progress threads never sleep */
-  int32_t no_device_delivery; /* ClientOptions::device_delivery = false (version 2) */
+  uint32_t threads;                  /* fan-out threads; 0: 16 */
+  int32_t ucx_spin_us;               /* UCX progress threads: busy-poll this long after a message (-1: by core count) */
+  int32_t ucx_busy_poll;             /* UCX progress threads never sleep */
+  int32_t no_device_delivery;        /* ClientOptions::device_delivery = false (version 2) */
+  int64_t device_exchange_min_bytes; /* ClientOptions::device_exchange_min_bytes; < 0: its default (version 3) */
 } kvring_options;
 
 typedef struct {
@@ -82,6 +83,7 @@ typedef struct {
   uint64_t blocks, bytes_sent, bytes_received;
   uint32_t appended_tokens;
   double seconds, node_seconds, kernel_seconds, copy_seconds, merge_seconds;
+  int32_t shards_in_place; /* shards that attended in this process's GPU memory (CUDA IPC; version 3) */
 } kvring_attend_report;
 
 typedef struct {

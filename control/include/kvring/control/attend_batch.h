@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,6 +37,20 @@ struct AttendSequenceSpec {
   uint64_t append_position = 0;
 };
 
+// A batch whose queries, appended K/V and output are in a same-host
+// caller's GPU memory, mapped into this process (kvring.proto
+// DeviceExchange; the wire layer maps and range-checks them). Device
+// pointers, valid for the call; `read` copies device bytes to the host (a
+// retried append compares its tokens with those held).
+struct AttendDeviceIo {
+  const uint8_t* queries = nullptr;  // [num_rows, q_heads, head_dim] in q_dtype
+  const uint8_t* new_k = nullptr;    // [append rows, kv_heads, head_dim] in layout->dtype
+  const uint8_t* new_v = nullptr;
+  float* out = nullptr;  // [num_rows, q_heads, head_dim]
+  float* lse = nullptr;  // [num_rows, q_heads]
+  std::function<absl::Status(const uint8_t* device_src, absl::Span<uint8_t> dst)> read;
+};
+
 struct AttendBatch {
   AttentionOptions options;  // layer, scale, causal, window
   uint32_t num_rows = 0, q_heads = 0, head_dim = 0;
@@ -45,6 +60,9 @@ struct AttendBatch {
   std::vector<AttendSequenceSpec> sequences;
   std::optional<BlockLayout> layout;       // required when appending
   absl::Span<const uint8_t> new_k, new_v;  // [append rows, kv_heads, head_dim] in layout->dtype
+  // Set: queries/new_k/new_v are empty and the bytes are on the device
+  // (the output too: the node core writes nothing into its host output).
+  const AttendDeviceIo* device = nullptr;
 
   uint32_t append_rows() const {
     uint32_t n = 0;
@@ -64,6 +82,8 @@ struct AttendStats {
   std::string backend;
   // Per sequence of the batch, in order: OK, or why this node did not serve it.
   std::vector<absl::Status> sequence_status;
+  // A device batch this node will not run (it did nothing): why.
+  std::string device_refusal;
 };
 
 }  // namespace kvring

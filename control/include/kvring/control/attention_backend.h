@@ -66,6 +66,10 @@ struct StepSequence {
   const std::map<uint64_t, BlockKey>* full = nullptr;
   std::vector<StepAppend> appends;   // applied before the attention
   uint32_t row_begin = 0, rows = 0;  // its query rows (rows > 0 iff ranges is non-empty)
+  // Its first row in the request's batch: where a device plan's rows are
+  // read and written (StepPlan::device; row_begin counts only the
+  // sequences in the plan).
+  uint32_t src_row = 0;
 
   uint64_t num_blocks() const {
     uint64_t n = 0;
@@ -89,6 +93,11 @@ struct StepPlan {
   absl::Span<const int64_t> positions;     // [num_rows]
   absl::Span<const uint8_t> new_k, new_v;  // [append rows, kv_heads, head_dim] in layout.dtype
   std::vector<StepSequence> sequences;
+  // Set (a backend whose DeviceIoRefusal was ""): queries, positions' rows,
+  // new_k/new_v and the output are in the caller's GPU memory, rows at each
+  // sequence's src_row; `queries`, `new_k`, `new_v` and Step's `out` are
+  // empty. Positions stay on the host, compacted like row_begin.
+  const AttendDeviceIo* device = nullptr;
 };
 
 struct StepTimes {
@@ -120,6 +129,12 @@ class AttentionBackend {
   virtual absl::Status OpenBlock(const SequenceRef& seq, uint64_t index, const BlockLayout& layout) = 0;
   // Gives an open block's memory back (the core rolls a failed step back).
   virtual void DiscardOpenBlock(const SequenceRef& seq, uint64_t index) = 0;
+  // Why this backend cannot run a step whose inputs and output are in a
+  // same-host caller's GPU memory (StepPlan::device) for these blocks and
+  // queries; "" when it can.
+  virtual std::string DeviceIoRefusal(const BlockLayout& layout, const KvEncoding& encoding, DType q_dtype) const {
+    return "this node attends on the CPU";
+  }
   // Runs the plan's appends, then its attention; writes every row's O
   // [num_rows, q_heads, head_dim] and LSE [num_rows, q_heads] into `out`.
   // Every open block the plan names was opened; every full block is in the

@@ -1,5 +1,7 @@
-// DeviceDelivery: a GPU node's copies of Get payloads straight into the GPU
-// memory of a caller on the same host (CUDA IPC; kvring.proto DevicePlace).
+// DeviceDelivery: a GPU node's access to the GPU memory of a caller on the
+// same host (CUDA IPC): Get payloads copied straight into it (kvring.proto
+// DevicePlace), and an Attend's queries, appended K/V and output read and
+// written there by the node's kernels (kvring.proto DeviceExchange).
 //
 // The caller exports each destination allocation as an IPC handle. The node
 // maps it (kept: a mapping costs about a millisecond, and an engine's KV pool
@@ -8,8 +10,9 @@
 // mapped (the driver's, not the caller's word), and copies host -> device on
 // the calling thread's own stream. A Batch's copies are queued as they are
 // added and run while the caller goes on; Finish waits for all of them, so a
-// reply sent after it means "the bytes are there". The node only ever writes
-// the caller's memory, never reads it.
+// reply sent after it means "the bytes are there". A Get only writes the
+// caller's memory; an Attend reads the regions the caller named as its
+// inputs (Region), never anything outside the allocation it mapped.
 //
 // Errors: a handle that does not open is FAILED_PRECONDITION (the caller
 // falls back to payloads); a copy outside its allocation is INVALID_ARGUMENT
@@ -60,6 +63,12 @@ class DeviceDelivery {
     virtual absl::Status Add(uint32_t allocation, uint64_t offset, absl::Span<const uint8_t> src) = 0;
     // Waits until every added copy has landed.
     virtual absl::Status Finish() = 0;
+    // The mapped address of `bytes` bytes at `offset` into allocation
+    // `allocation`, for the node's own kernels and copies; valid while the
+    // batch lives. INVALID_ARGUMENT outside the mapped range.
+    virtual absl::StatusOr<uint8_t*> Region(uint32_t allocation, uint64_t offset, uint64_t bytes) = 0;
+    // Copies device bytes (this process's or mapped) into host memory, now.
+    virtual absl::Status Read(const uint8_t* device_src, absl::Span<uint8_t> dst) = 0;
   };
   // Maps (or finds mapped) every handle (cudaIpcMemHandle_t bytes).
   virtual absl::StatusOr<std::unique_ptr<Batch>> Begin(absl::Span<const std::string> handles) = 0;

@@ -92,6 +92,13 @@ struct DeviceTarget {
   };
   std::vector<Place> places;
 };
+// Where a same-host caller's Attend reads its inputs and writes its output
+// (kvring.proto DeviceExchange): byte offsets into one allocation.
+struct DeviceExchangeIn {
+  std::string host_id;
+  std::string ipc_handle;  // cudaIpcMemHandle_t bytes
+  uint64_t queries = 0, new_k = 0, new_v = 0, out = 0, lse = 0;
+};
 struct GetBlockOut {
   absl::Status status;
   PinnedBlock block;  // OK: the block, held (its payload stays valid while held)
@@ -163,6 +170,15 @@ class NodeCore {
   // nothing was appended), or the sequence's own for a batch of one.
   absl::Status Attend(const v1::Tenant& t, const std::string& requested_ns, const AttendBatch& batch, PartialOutput out,
                       AttendStats* stats);
+  // The same with the batch's queries, appended K/V and output in a
+  // same-host caller's GPU memory (kvring.proto DeviceExchange; `batch`
+  // parsed without bulk bytes): maps the caller's allocation, checks every
+  // region against it, and runs the step on the device there. A node that
+  // cannot (no GPU, another host, memory it cannot map, blocks or queries
+  // its kernels do not take) does nothing, returns OK and says why in
+  // stats->device_refusal. Rows of sequences not served are left unwritten.
+  absl::Status AttendOnDevice(const v1::Tenant& t, const std::string& requested_ns, AttendBatch batch,
+                              const DeviceExchangeIn& exchange, AttendStats* stats);
   const RequestLimits& limits() const { return options_.limits; }
   // The node's counters and tiers, and the tenant's usage.
   NodeReport Stats(const v1::Tenant& t);
@@ -189,7 +205,7 @@ class NodeCore {
   OpMetrics Op(const std::string& name);
   absl::StatusOr<NamespaceId> Namespace(const v1::Tenant& t, const std::string& requested) const;
   // Why this node will not deliver into the caller's device memory ("": it will).
-  std::string DeviceRefusal(const DeviceTarget& device) const;
+  std::string DeviceRefusal(const std::string& caller_host) const;
   // Get's device path: blocks checked, then copied into the caller's memory.
   // FAILED_PRECONDITION when the caller's memory cannot be mapped.
   absl::Status GetIntoDevice(NamespaceId ns, absl::Span<const BlockKey> keys, const DeviceTarget& device, GetOut* out);
@@ -224,6 +240,7 @@ class NodeCore {
   CounterMetric* quantized_;
   CounterMetric* get_bytes_;
   CounterMetric* device_bytes_;
+  CounterMetric* device_exchanges_;
   CounterMetric* appended_tokens_;
   CounterMetric* sealed_blocks_;
   HistogramMetric* attend_kernel_;

@@ -76,14 +76,25 @@ struct ClientOptions {
   // ("int8/kivi", "none", "" for the tenant's): ParseQuantizeOption.
   // Default: nullopt.
   std::optional<KvEncoding> quantize;
-  // GetInto on_device from a GPU node on this host: the node copies the
-  // blocks straight into the destinations (CUDA IPC: one DMA from its host
-  // tier, no network, no staging here). Needs destinations in cudaMalloc
-  // memory (the default of torch's allocator; not cudaMallocAsync pools or
-  // expandable segments, which fall back). The node checks the checksum of
-  // its copy before the DMA. Elsewhere, and with false, payloads come over
-  // the network into pinned staging. Default: true.
+  // Same-host GPU memory (CUDA IPC), with GPU nodes on this host:
+  //  - GetInto on_device: the node copies the blocks straight into the
+  //    destinations (one DMA from its host tier, no network, no staging
+  //    here). Needs destinations in cudaMalloc memory (the default of
+  //    torch's allocator; not cudaMallocAsync pools or expandable segments,
+  //    which fall back).
+  //  - Step with device_buffers: the node reads the queries and appended K/V
+  //    and writes its partial in an exchange buffer this client allocates
+  //    (cudaMalloc, outside the engine's allocator), and the partials are
+  //    merged on the device.
+  // Elsewhere, and with false, bytes cross the network through pinned
+  // staging. Default: true.
   bool device_delivery = true;
+  // A step with device tensors goes through the exchange when its queries,
+  // appended K/V and partials come to at least this many bytes; smaller
+  // steps (decode) are staged: for a few KB the exchange's fixed costs (a
+  // gather and a merge on this process's GPU, each waited for, beside the
+  // node's own work) exceed the copies they save. Default: 1 MiB.
+  uint64_t device_exchange_min_bytes = uint64_t{1} << 20;
   // TLS towards the coordinator and the nodes (common/tls_config.h): set
   // tls.ca_file (and cert_file/key_file for mutual TLS). With TLS on,
   // payloads go over gRPC: use_ucx is ignored (UCX is not encrypted).
@@ -124,6 +135,9 @@ struct PutReport {
 
 struct AttendReport {
   int shards = 0;
+  // Of those, the shards that read the queries and wrote their partials in
+  // this process's GPU memory (device tensors, a GPU node on this host).
+  int shards_in_place = 0;
   uint64_t blocks = 0;
   // Serialized request and reply bytes (queries, appended K/V, block ranges,
   // partials).
@@ -161,7 +175,10 @@ struct AttendStep {
   const void* new_v = nullptr;
   AttentionOptions options;  // layer, softmax scale, causal, window
   // q.data, new_k, new_v and the output are GPU memory (positions stay on
-  // the host): the inputs cross to the host once, the merged output back
+  // the host). GPU nodes on this host read the inputs and write their
+  // partials in this process's GPU memory, and the partials are merged
+  // there (ClientOptions::device_delivery; queries in the layout's dtype);
+  // otherwise the inputs cross to the host once and the merged output back
   // once.
   bool device_buffers = false;
 };

@@ -3,6 +3,9 @@
 // Put or Step from device tensors). Bytes cross the bus once, through pinned
 // staging buffers the object keeps and reuses (payloads land in them from
 // the network, are checksummed there, and go to the device in one copy).
+// For a Step whose nodes share this host, exchange buffers: device memory
+// the object owns and exports (CUDA IPC) so the nodes read the queries and
+// write their partials there, and the partials are merged on the device.
 //
 // Thread-safe. In a build without CUDA, Create() returns UNIMPLEMENTED and
 // IsDevicePointer() is false.
@@ -50,6 +53,54 @@ class DeviceMemory {
     size_t n_ = 0;
   };
   virtual absl::StatusOr<Staging> Pinned(size_t bytes) = 0;
+  // Device memory owned by this object and exported for nodes on this host
+  // (kvring.proto DeviceExchange), at least `bytes`, 256-byte aligned; kept
+  // and reused (a node maps a buffer once), owned by the handle until it goes.
+  class Exchange {
+   public:
+    Exchange() = default;
+    Exchange(Exchange&& o) noexcept { *this = std::move(o); }
+    Exchange& operator=(Exchange&& o) noexcept {
+      if (this != &o) {
+        Release();
+        owner_ = o.owner_;
+        p_ = o.p_;
+        n_ = o.n_;
+        handle_ = std::move(o.handle_);
+        drop_ = o.drop_;
+        o.owner_ = nullptr;
+      }
+      return *this;
+    }
+    ~Exchange() { Release(); }
+    uint8_t* data() const { return p_; }
+    size_t size() const { return n_; }
+    // The allocation's cudaIpcMemHandle_t bytes.
+    const std::string& ipc_handle() const { return handle_; }
+    // Freed, not reused, when the handle goes: a node that did not answer
+    // may still write into it.
+    void Drop() { drop_ = true; }
+
+   private:
+    friend class DeviceMemory;
+    void Release();
+    DeviceMemory* owner_ = nullptr;
+    uint8_t* p_ = nullptr;
+    size_t n_ = 0;
+    std::string handle_;
+    bool drop_ = false;
+  };
+  virtual absl::StatusOr<Exchange> ExchangeBuffer(size_t bytes) = 0;
+  // Asynchronous copies (any direction; host memory pinned) and merges, in
+  // order on the calling thread's stream; Wait() waits for all of them.
+  virtual absl::Status CopyAsync(void* dst, const void* src, size_t bytes) = 0;
+  // kvring::cuda::MergeRows (attention/cuda merge_cuda.h) over device
+  // arrays: acc rows <- their own partial (unless `init`) merged with the
+  // partial rows each one lists.
+  virtual absl::Status MergeRows(float* acc_out, float* acc_lse, uint32_t rows, const float* parts_out,
+                                 const float* parts_lse, const int32_t* contrib_begin, const int32_t* contrib,
+                                 uint32_t q_heads, uint32_t head_dim, bool init) = 0;
+  virtual absl::Status Wait() = 0;
   // Synchronous copies (complete on return).
   virtual absl::Status ToDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status ToHost(void* dst, const void* src, size_t bytes) = 0;
@@ -69,6 +120,16 @@ class DeviceMemory {
 
  protected:
   virtual void Return(uint8_t* p, size_t n) = 0;
+  // (drop: free it rather than keep it)
+  virtual void ReturnExchange(uint8_t* p, size_t n, std::string handle, bool drop) = 0;
+  Exchange MakeExchange(uint8_t* p, size_t n, std::string handle) {
+    Exchange e;
+    e.owner_ = this;
+    e.p_ = p;
+    e.n_ = n;
+    e.handle_ = std::move(handle);
+    return e;
+  }
   Staging Make(uint8_t* p, size_t n) {
     Staging s;
     s.owner_ = this;

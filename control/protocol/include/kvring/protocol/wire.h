@@ -23,6 +23,9 @@ inline constexpr uint32_t kMaxNamespaceBytes = 256;
 // (sizeof(cudaIpcMemHandle_t)).
 inline constexpr int kMaxGetDeviceAllocations = 16;
 inline constexpr size_t kIpcHandleBytes = 64;
+// An Attend's device exchange (kvring.proto DeviceExchange): every region's
+// offset is a multiple of this.
+inline constexpr uint64_t kDeviceExchangeAlign = 256;
 
 // INVALID_ARGUMENT naming what is wrong with the layout (dtype code, ranges).
 absl::StatusOr<BlockLayout> LayoutFromProto(const v1::Layout& l);

@@ -1,0 +1,254 @@
+// Attend steps with the engine's tensors in GPU memory, against real
+// processes: a coordinator and kvringd daemons with --gpu started from this
+// build, and the client in this process. The GPU nodes read the queries and
+// appended K/V and write their partials in the client's exchange buffer
+// (CUDA IPC; kvring.proto DeviceExchange), and the client merges them on
+// the device. Every step is checked against the float64 reference over the
+// same (bf16) K/V, and against the same step through pinned staging
+// (device_delivery off). A CPU node in the cluster refuses the exchange and
+// is served through staging from the same buffer. Skips without a GPU.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <random>
+
+#include "../control/cluster_fixture.h"
+#include "kvring/attention/reference.h"
+#include "kvring/layout/float_convert.h"
+#include "require_gpu.h"
+
+namespace kvring {
+namespace {
+
+using testing::Cluster;
+using testing::ClusterOptions;
+
+// Llama-3-8B heads on 2 layers, 16-token blocks.
+constexpr uint32_t kQHeads = 32;
+const BlockLayout kLayout{16, 2, 8, 128, DType::kBF16};
+
+template <typename T>
+struct DeviceArray {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit DeviceArray(size_t count) : n(count) {
+    if (cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(T)) != cudaSuccess) p = nullptr;
+  }
+  DeviceArray(const std::vector<T>& h) : DeviceArray(h.size()) {
+    if (p) cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  ~DeviceArray() {
+    if (p) cudaFree(p);
+  }
+  std::vector<T> Host() const {
+    std::vector<T> h(n);
+    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+};
+
+// The engine's side of a batch of sequences: their K/V (per layer, as
+// doubles of the bf16 values it sent) and the steps it takes.
+class Engine {
+ public:
+  explicit Engine(uint64_t seed) : rng_(seed) {}
+  struct Part {
+    std::string id;
+    uint32_t rows = 0, append = 0;
+  };
+  struct Result {
+    absl::Status status;
+    AttendReport report;
+    std::vector<float> out, lse;
+    std::vector<double> ref_out, ref_lse;
+  };
+  // One step on `layer` through `client`, with device tensors; the same
+  // inputs again through `staged` (if given) must give the same rows.
+  Result Step(Client& client, uint32_t layer, const std::vector<Part>& parts) {
+    AttendStep st;
+    st.layout = kLayout;
+    st.options.layer = layer;
+    st.device_buffers = true;
+    const size_t kvrow = size_t{kLayout.kv_heads} * kLayout.head_dim, qrow = size_t{kQHeads} * kLayout.head_dim;
+    std::vector<uint16_t> q, nk, nv;
+    std::vector<int64_t> pos;
+    std::normal_distribution<double> nd;
+    for (const Part& p : parts) {
+      auto& e = kv_[{p.id, layer}];
+      const uint64_t before = e.positions.size();
+      st.sequences.push_back(AttendSequence{p.id, before, p.rows, p.append});
+      for (uint32_t t = 0; t < p.append; ++t) {
+        e.positions.push_back(static_cast<int64_t>(before + t));
+        for (size_t i = 0; i < kvrow; ++i) {
+          nk.push_back(FloatToBf16(static_cast<float>(nd(rng_))));
+          nv.push_back(FloatToBf16(static_cast<float>(nd(rng_))));
+          e.k.push_back(Bf16ToFloat(nk.back()));
+          e.v.push_back(Bf16ToFloat(nv.back()));
+        }
+      }
+      for (uint32_t r = 0; r < p.rows; ++r) {
+        pos.push_back(static_cast<int64_t>(before + p.append - p.rows + r));
+        for (size_t i = 0; i < qrow; ++i) q.push_back(FloatToBf16(static_cast<float>(nd(rng_))));
+      }
+    }
+    const uint32_t rows = static_cast<uint32_t>(pos.size());
+    DeviceArray<uint16_t> dq(q), dk(nk), dv(nv);
+    DeviceArray<float> dout(rows * qrow), dlse(size_t{rows} * kQHeads);
+    cudaMemset(dout.p, 0xff, dout.n * 4);  // NaN: every row must be written
+    st.q = QueryTensor{dq.p, DType::kBF16, rows, kQHeads, kLayout.head_dim, pos.data(), nullptr};
+    st.new_k = dk.p;
+    st.new_v = dv.p;
+    Result r;
+    r.status = client.StepInto(st, PartialOutput{dout.p, dlse.p}, &r.report);
+    if (!r.status.ok()) return r;
+    r.out = dout.Host();
+    r.lse = dlse.Host();
+    // The reference, row by row, over each sequence's tokens on the layer.
+    for (uint32_t i = 0, row = 0; i < parts.size(); ++i) {
+      const auto& e = kv_[{parts[i].id, layer}];
+      if (parts[i].rows == 0) continue;
+      reference::DenseKv d;
+      d.kv_heads = kLayout.kv_heads;
+      d.head_dim = kLayout.head_dim;
+      d.positions = e.positions;
+      d.k = e.k;
+      d.v = e.v;
+      std::vector<double> qd;
+      for (size_t k = row * qrow; k < (row + parts[i].rows) * qrow; ++k) qd.push_back(Bf16ToFloat(q[k]));
+      std::vector<int64_t> qp(pos.begin() + row, pos.begin() + row + parts[i].rows);
+      AttentionOptions o;
+      o.layer = layer;
+      auto ref = reference::Attention(qd, qp, kQHeads, d, o);
+      r.ref_out.insert(r.ref_out.end(), ref.out.begin(), ref.out.end());
+      r.ref_lse.insert(r.ref_lse.end(), ref.lse.begin(), ref.lse.end());
+      row += parts[i].rows;
+    }
+    return r;
+  }
+
+ private:
+  struct Kv {
+    std::vector<int64_t> positions;
+    std::vector<double> k, v;
+  };
+  std::mt19937_64 rng_;
+  std::map<std::pair<std::string, uint32_t>, Kv> kv_;
+};
+
+// bf16 inputs, fp32 accumulation: relative L2 of O within 1e-2 of the
+// float64 reference, LSE within 1e-2.
+void ExpectMatchesReference(const Engine::Result& r, const std::string& what) {
+  ASSERT_TRUE(r.status.ok()) << what << ": " << r.status;
+  ASSERT_EQ(r.out.size(), r.ref_out.size()) << what;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < r.out.size(); ++i) {
+    ASSERT_FALSE(std::isnan(r.out[i])) << what << ": element " << i << " not written";
+    num += (r.out[i] - r.ref_out[i]) * (r.out[i] - r.ref_out[i]);
+    den += r.ref_out[i] * r.ref_out[i];
+  }
+  EXPECT_LT(std::sqrt(num / den), 1e-2) << what;
+  for (size_t i = 0; i < r.lse.size(); ++i) ASSERT_NEAR(r.lse[i], r.ref_lse[i], 1e-2) << what << " lse " << i;
+}
+
+// `exchange_min_bytes`: ClientOptions::device_exchange_min_bytes (-1: its default).
+ClientOptions Options(const Cluster& cl, const std::string& token, bool device_delivery,
+                      int64_t exchange_min_bytes = -1) {
+  ClientOptions co;
+  co.coordinator = cl.coordinator_address();
+  co.token = token;
+  co.device_delivery = device_delivery;
+  if (exchange_min_bytes >= 0) co.device_exchange_min_bytes = static_cast<uint64_t>(exchange_min_bytes);
+  return co;
+}
+
+std::vector<std::string> GpuFlags() { return {"--gpu=0", "--hbm_bytes=256M"}; }
+
+TEST(GpuExchangeTest, StepsWithDeviceTensorsRunInTheClientsMemoryAndMatchTheReference) {
+  KVRING_REQUIRE_GPU();
+  // Two GPU nodes, R=1, 2-block chunks: a sequence's blocks alternate
+  // between them, and every step's rows are merged from both.
+  ClusterOptions o{.nodes = 2, .replication = 1, .page_bytes = "1M"};
+  o.extra_daemon_flags = GpuFlags();
+  o.extra_coordinator_flags = {"--sequence_chunk_blocks=2"};
+  Cluster cl(o);
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("engine");
+  ASSERT_TRUE(token.ok()) << token.status();
+  auto dev = Client::Connect(Options(cl, *token, true, /*exchange_min_bytes=*/0));  // every step
+  auto staged = Client::Connect(Options(cl, *token, false));
+  ASSERT_TRUE(dev.ok() && staged.ok());
+  Engine e(7), e2(7);  // the same inputs for both clients, on sequences of their own
+  // A prefill chunk (rows see their causal prefix), then decode steps that
+  // cross block boundaries, a batch of three with one that only appends.
+  const std::vector<std::vector<Engine::Part>> steps = {
+      {{"a", 40, 40}, {"b", 9, 9}, {"c", 70, 70}},
+      {{"a", 1, 1}, {"b", 1, 1}, {"c", 1, 1}},
+      {{"a", 1, 1}, {"b", 0, 1}, {"c", 2, 2}},
+      {{"a", 3, 3}, {"b", 1, 1}, {"c", 1, 1}},
+  };
+  int in_place = 0, shards = 0;
+  for (size_t s = 0; s < steps.size(); ++s) {
+    for (uint32_t l = 0; l < kLayout.layers; ++l) {
+      const std::string what = absl::StrCat("step ", s, " layer ", l);
+      Engine::Result r = e.Step(**dev, l, steps[s]);
+      ExpectMatchesReference(r, what);
+      in_place += r.report.shards_in_place;
+      shards += r.report.shards;
+      std::vector<Engine::Part> renamed = steps[s];
+      for (auto& p : renamed) p.id = "staged-" + p.id;
+      Engine::Result r2 = e2.Step(**staged, l, renamed);
+      ExpectMatchesReference(r2, what + " (staged)");
+      EXPECT_EQ(r2.report.shards_in_place, 0);
+      // The two sequences' chunks lie on different nodes (placement hashes the
+      // id), so their partials split the keys differently and the kernels
+      // round P to bf16 against different running maxima: equal to bf16
+      // precision, not bit for bit.
+      ASSERT_EQ(r.out.size(), r2.out.size());
+      double num = 0, den = 0;
+      for (size_t i = 0; i < r.out.size(); ++i) {
+        num += (r.out[i] - r2.out[i]) * (r.out[i] - r2.out[i]);
+        den += r2.out[i] * r2.out[i];
+      }
+      EXPECT_LT(std::sqrt(num / den), 5e-3) << what;
+      // In place, only the requests cross: far fewer bytes than the staged step.
+      EXPECT_LT(r.report.bytes_sent + r.report.bytes_received, r2.report.bytes_sent + r2.report.bytes_received) << what;
+    }
+  }
+  EXPECT_GT(shards, 0);
+  EXPECT_EQ(in_place, shards);
+}
+
+TEST(GpuExchangeTest, ACpuNodeRefusesTheExchangeAndIsServedThroughStaging) {
+  KVRING_REQUIRE_GPU();
+  ClusterOptions o{.nodes = 2, .replication = 1, .page_bytes = "1M"};
+  o.extra_coordinator_flags = {"--sequence_chunk_blocks=2"};
+  Cluster cl(o);
+  ASSERT_TRUE(cl.StartCoordinator());
+  ASSERT_TRUE(cl.StartDaemon(0, GpuFlags()));
+  ASSERT_TRUE(cl.StartDaemon(1));
+  ASSERT_TRUE(cl.WaitForNodesUp(2));
+  auto token = cl.CreateTenant("engine");
+  ASSERT_TRUE(token.ok());
+  // The default threshold: the first (prefill) step goes through the
+  // exchange, the one-row decode steps are staged.
+  auto c = Client::Connect(Options(cl, *token, true));
+  ASSERT_TRUE(c.ok());
+  Engine e(11);
+  int in_place = 0, shards = 0;
+  for (int s = 0; s < 4; ++s) {
+    for (uint32_t l = 0; l < kLayout.layers; ++l) {
+      Engine::Result r = e.Step(**c, l,
+                                s == 0 ? std::vector<Engine::Part>{{"a", 64, 64}, {"b", 20, 20}}
+                                       : std::vector<Engine::Part>{{"a", 1, 1}, {"b", 1, 1}});
+      ExpectMatchesReference(r, absl::StrCat("step ", s, " layer ", l));
+      if (s > 0) EXPECT_EQ(r.report.shards_in_place, 0) << "a decode step under the threshold";
+      in_place += r.report.shards_in_place;
+      shards += r.report.shards;
+    }
+  }
+  EXPECT_GT(in_place, 0);       // the GPU node's, in the prefill step
+  EXPECT_LT(in_place, shards);  // the CPU node's through staging
+}
+
+}  // namespace
+}  // namespace kvring
