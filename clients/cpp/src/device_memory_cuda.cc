@@ -1,6 +1,7 @@
 #include <cuda_runtime.h>
 
 #include <map>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "kvring/attention/cuda/merge_cuda.h"
@@ -17,7 +18,10 @@ class CudaDeviceMemory final : public DeviceMemory {
   ~CudaDeviceMemory() override {
     absl::MutexLock l(&mu_);
     for (auto& [n, p] : free_) (void)cudaFreeHost(p);  // nothing to report to at teardown
+    // Nodes may still hold these mapped; none writes into them once this
+    // client's calls are over.
     for (auto& [n, e] : free_exchange_) (void)cudaFree(e.first);
+    for (uint8_t* p : retired_) (void)cudaFree(p);
   }
   absl::StatusOr<Exchange> ExchangeBuffer(size_t bytes) override {
     {
@@ -91,16 +95,21 @@ class CudaDeviceMemory final : public DeviceMemory {
   }
 
  protected:
+  // Exchange buffers are not freed while the client lives: a node keeps each
+  // mapped (freeing exported memory a process still maps is undefined), and
+  // sizes are powers of two, so few exist. A dropped one (a node did not
+  // answer and may still write) is set aside, never reused; past 8 such, the
+  // oldest is freed.
   void ReturnExchange(uint8_t* p, size_t n, std::string handle, bool drop) override {
-    if (drop) {
-      (void)cudaFree(p);  // a node's mapping keeps the memory alive until the node lets go
+    absl::MutexLock l(&mu_);
+    if (!drop) {
+      free_exchange_.emplace(n, std::make_pair(p, std::move(handle)));
       return;
     }
-    absl::MutexLock l(&mu_);
-    free_exchange_.emplace(n, std::make_pair(p, std::move(handle)));
-    while (free_exchange_.size() > 4) {  // keep the largest few
-      (void)cudaFree(free_exchange_.begin()->second.first);
-      free_exchange_.erase(free_exchange_.begin());
+    retired_.push_back(p);
+    if (retired_.size() > 8) {
+      (void)cudaFree(retired_.front());
+      retired_.erase(retired_.begin());
     }
   }
   void Return(uint8_t* p, size_t n) override {
@@ -116,6 +125,7 @@ class CudaDeviceMemory final : public DeviceMemory {
   absl::Mutex mu_;
   std::multimap<size_t, uint8_t*> free_ ABSL_GUARDED_BY(mu_);
   std::multimap<size_t, std::pair<uint8_t*, std::string>> free_exchange_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint8_t*> retired_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -55,7 +55,8 @@ class DeviceMemory {
   virtual absl::StatusOr<Staging> Pinned(size_t bytes) = 0;
   // Device memory owned by this object and exported for nodes on this host
   // (kvring.proto DeviceExchange), at least `bytes`, 256-byte aligned; kept
-  // and reused (a node maps a buffer once), owned by the handle until it goes.
+  // and reused (a node maps a buffer once; sizes are powers of two from 16
+  // MiB), owned by the handle until it goes. Freed with this object.
   class Exchange {
    public:
     Exchange() = default;
@@ -77,8 +78,8 @@ class DeviceMemory {
     size_t size() const { return n_; }
     // The allocation's cudaIpcMemHandle_t bytes.
     const std::string& ipc_handle() const { return handle_; }
-    // Freed, not reused, when the handle goes: a node that did not answer
-    // may still write into it.
+    // Not reused once the handle goes: a node that did not answer may still
+    // write into it.
     void Drop() { drop_ = true; }
 
    private:
