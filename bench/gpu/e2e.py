@@ -442,6 +442,24 @@ def getinto_one(args, kvring, kt, dev, cl, layout, n, nodes):
     log(f"  GetInto {n} x 2 MiB from {nodes} daemon(s) into device memory: {r['getinto_gbps']:.1f} GB/s delivered in "
         f"place by the daemons (staged through this process: {r['getinto_staged_gbps']:.1f}); into pinned host memory "
         f"{r['getinto_pinned_host_gbps']:.1f}; pinned H2D {r['h2d_gbps']:.1f} GB/s; device/H2D {r['ratio']:.2f}")
+
+    # Put of new blocks (fresh keys each time) from the same bytes in device memory and in pinned host memory:
+    # what the client's staging of device payloads costs against the rest of the path.
+    def put_gbps(tensor, base):
+        ts = []
+        for rep in range(3):
+            k = np.stack([np.arange(1, n + 1, dtype=np.uint64) + base + rep * n, np.full(n, 78, np.uint64)], 1)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            kt.put(c, k, tensor, layout)
+            ts.append(time.perf_counter() - t0)
+        return gb / min(ts)
+
+    host_src = src.cpu().pin_memory()
+    r["put_device_gbps"] = put_gbps(src, 1 << 32)
+    r["put_pinned_host_gbps"] = put_gbps(host_src, 2 << 32)
+    log(f"  Put {n} x 2 MiB new blocks to {nodes} daemon(s): from device memory {r['put_device_gbps']:.1f} GB/s, "
+        f"from pinned host memory {r['put_pinned_host_gbps']:.1f} GB/s")
     c.close()
     return r
 
