@@ -58,6 +58,46 @@ TEST(ClusterTest, MultiNodePutGetLookupOverUcxAndGrpc) {
   EXPECT_EQ(total, 160u);  // 80 distinct blocks x R
 }
 
+TEST(ClusterTest, GetIntoOneBufferLandsEveryBlockInItsPlaceWithBlocksMissing) {
+  // Destinations that follow one another in memory (an array of blocks): the
+  // reply lands in them directly. Keys not held in between (every 5th) shift
+  // the blocks after them, which are then moved to their places; scattered
+  // destinations go through the landing buffer. Over UCX and gRPC. (One
+  // node: a node's share of hash-placed keys is otherwise scattered.)
+  Cluster cl(ClusterOptions{.nodes = 1, .replication = 1});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("alpha");
+  ASSERT_TRUE(token.ok()) << token.status();
+  for (bool ucx : {true, false}) {
+    auto c = cl.Connect(*token, "", ucx);
+    ASSERT_TRUE(c.ok()) << c.status();
+    const size_t n = 30, bytes = SmallLayout().bytes();
+    Blocks b = MakeChain(**c, SmallLayout(), "m", ucx ? 3 : 4, n);
+    std::vector<BlockData> held;
+    for (size_t i = 0; i < n; ++i) {
+      if (i % 5 != 2) held.push_back(b.data[i]);
+    }
+    ASSERT_TRUE((*c)->Put(held).ok());
+    for (bool contiguous : {true, false}) {
+      std::vector<uint8_t> buf(n * bytes * 2, 0xee);
+      std::vector<absl::Span<uint8_t>> dsts;
+      for (size_t i = 0; i < n; ++i)
+        dsts.push_back(absl::MakeSpan(buf.data() + i * bytes * (contiguous ? 1 : 2), bytes));
+      auto r = (*c)->GetInto(b.keys, dsts);
+      ASSERT_EQ(r.size(), n);
+      for (size_t i = 0; i < n; ++i) {
+        if (i % 5 == 2) {
+          EXPECT_TRUE(absl::IsNotFound(r[i].status)) << i << ": " << r[i].status;
+          continue;
+        }
+        ASSERT_TRUE(r[i].status.ok()) << i << ": " << r[i].status;
+        EXPECT_EQ(std::vector<uint8_t>(dsts[i].begin(), dsts[i].end()), b.payloads[i])
+            << "block " << i << (contiguous ? " (one buffer)" : " (scattered)") << (ucx ? " over UCX" : " over gRPC");
+      }
+    }
+  }
+}
+
 TEST(ClusterTest, PassQAttendAcrossFourDaemonsEqualsTheCpuReference) {
   Cluster cl(ClusterOptions{.nodes = 4, .replication = 1});
   ASSERT_TRUE(cl.Start());

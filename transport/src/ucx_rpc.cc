@@ -42,13 +42,67 @@ struct HelloHeader {
 };
 static_assert(sizeof(ReqHeader) == 32 && sizeof(RepHeader) == 24);
 
+// Message buffers, recycled (the server's receive buffers, the client's
+// staged payloads): a fresh multi-megabyte allocation per message costs page
+// faults and zeroing every time. Buffers are uninitialized and bucketed by
+// power-of-two size; at most `max_per_bucket` are kept per bucket.
+class BufferPool : public std::enable_shared_from_this<BufferPool> {
+ public:
+  explicit BufferPool(size_t max_per_bucket = 16) : max_per_bucket_(max_per_bucket) {}
+  struct Buffer {
+    std::unique_ptr<uint8_t[]> data;
+    size_t size = 0;
+    size_t capacity = 0;
+  };
+  std::shared_ptr<Buffer> Get(size_t n) {
+    const int b = Bucket(n);
+    std::unique_ptr<Buffer> buf;
+    {
+      absl::MutexLock g(&mu_);
+      auto& free = free_[b];
+      if (!free.empty()) {
+        buf = std::move(free.back());
+        free.pop_back();
+      }
+    }
+    if (!buf) {
+      buf = std::make_unique<Buffer>();
+      buf->capacity = size_t{1} << b;
+      buf->data.reset(new uint8_t[buf->capacity]);
+    }
+    buf->size = n;
+    std::weak_ptr<BufferPool> weak = shared_from_this();
+    return std::shared_ptr<Buffer>(buf.release(), [weak, b](Buffer* p) {
+      if (auto pool = weak.lock()) {
+        absl::MutexLock g(&pool->mu_);
+        if (pool->free_[b].size() < pool->max_per_bucket_) {
+          pool->free_[b].emplace_back(p);
+          return;
+        }
+      }
+      delete p;
+    });
+  }
+
+ private:
+  const size_t max_per_bucket_;
+  static int Bucket(size_t n) {
+    int b = 12;
+    while ((size_t{1} << b) < n) ++b;
+    return b;
+  }
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<Buffer>> free_[64] ABSL_GUARDED_BY(mu_);
+};
+
 // Everything an in-flight send keeps alive.
 struct SendCtx {
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   ucp_ep_h ep = nullptr;
   std::vector<uint8_t> header;
-  std::vector<uint8_t> staged;    // payload parts joined, or pieces + payload
-  std::vector<ucp_dt_iov_t> iov;  // several payload parts sent in place (UCP_DATATYPE_IOV)
+  std::vector<uint8_t> staged;                 // payload parts joined, or pieces + payload
+  std::shared_ptr<BufferPool::Buffer> pooled;  // or there, when a pool was given
+  std::vector<ucp_dt_iov_t> iov;               // several payload parts sent in place (UCP_DATATYPE_IOV)
   const void* data = nullptr;
   size_t length = 0;  // bytes, or iov entries when `iov` is used
   std::shared_ptr<void> keepalive;
@@ -62,8 +116,10 @@ struct SendCtx {
 template <typename Fixed>
 // `stage`: copy a single payload too (the message then owns every byte it
 // sends, so the caller's buffer may go away before the send completes).
+// `pool`: where a staged payload of 1 MiB or more is copied (else a fresh vector).
 SendCtx* BuildMessage(Fixed fixed, std::initializer_list<std::string_view> pieces,
-                      const std::vector<absl::Span<const uint8_t>>& payload, size_t max_header, bool stage = false) {
+                      const std::vector<absl::Span<const uint8_t>>& payload, size_t max_header, bool stage = false,
+                      BufferPool* pool = nullptr) {
   auto* c = new SendCtx();
   size_t piece_bytes = 0, payload_bytes = 0;
   for (auto p : pieces) piece_bytes += p.size();
@@ -91,6 +147,32 @@ SendCtx* BuildMessage(Fixed fixed, std::initializer_list<std::string_view> piece
     }
   } else {
     for (auto p : pieces) c->staged.insert(c->staged.end(), p.begin(), p.end());
+    if (!stage && payload_bytes > 0) {
+      // The pieces (too long for the header: a request or reply naming many
+      // blocks) lead the data, the payload parts follow in place: copying
+      // the payload behind them cost a fresh multi-megabyte buffer (page
+      // faults) and a copy per message.
+      c->iov.push_back(ucp_dt_iov_t{c->staged.data(), c->staged.size()});
+      for (auto p : payload) {
+        if (p.size() > 0) c->iov.push_back(ucp_dt_iov_t{const_cast<uint8_t*>(p.data()), p.size()});
+      }
+      c->data = c->iov.data();
+      c->length = c->iov.size();
+      return c;
+    }
+  }
+  if (pool != nullptr && payload_bytes >= (size_t{1} << 20)) {
+    c->pooled = pool->Get(c->staged.size() + payload_bytes);
+    uint8_t* d = c->pooled->data.get();
+    if (!c->staged.empty()) std::memcpy(d, c->staged.data(), c->staged.size());
+    d += c->staged.size();
+    for (auto p : payload) {
+      if (p.size() > 0) std::memcpy(d, p.data(), p.size());
+      d += p.size();
+    }
+    c->data = c->pooled->data.get();
+    c->length = c->pooled->size;
+    return c;
   }
   c->staged.reserve(c->staged.size() + payload_bytes);
   for (auto p : payload) c->staged.insert(c->staged.end(), p.begin(), p.end());
@@ -152,57 +234,6 @@ void ReceiveData(ucp_worker_h worker, void* data, size_t length, const ucp_am_re
 }  // namespace
 
 // ------------------------------------------------------------------ server
-
-// Receive buffers, recycled: a fresh multi-megabyte allocation per request
-// costs page faults and zeroing on every Put. Buffers are uninitialized and
-// bucketed by power-of-two size; at most kMaxPerBucket are kept per bucket.
-class BufferPool : public std::enable_shared_from_this<BufferPool> {
- public:
-  struct Buffer {
-    std::unique_ptr<uint8_t[]> data;
-    size_t size = 0;
-    size_t capacity = 0;
-  };
-  std::shared_ptr<Buffer> Get(size_t n) {
-    const int b = Bucket(n);
-    std::unique_ptr<Buffer> buf;
-    {
-      absl::MutexLock g(&mu_);
-      auto& free = free_[b];
-      if (!free.empty()) {
-        buf = std::move(free.back());
-        free.pop_back();
-      }
-    }
-    if (!buf) {
-      buf = std::make_unique<Buffer>();
-      buf->capacity = size_t{1} << b;
-      buf->data.reset(new uint8_t[buf->capacity]);
-    }
-    buf->size = n;
-    std::weak_ptr<BufferPool> weak = shared_from_this();
-    return std::shared_ptr<Buffer>(buf.release(), [weak, b](Buffer* p) {
-      if (auto pool = weak.lock()) {
-        absl::MutexLock g(&pool->mu_);
-        if (pool->free_[b].size() < kMaxPerBucket) {
-          pool->free_[b].emplace_back(p);
-          return;
-        }
-      }
-      delete p;
-    });
-  }
-
- private:
-  static constexpr size_t kMaxPerBucket = 16;
-  static int Bucket(size_t n) {
-    int b = 12;
-    while ((size_t{1} << b) < n) ++b;
-    return b;
-  }
-  absl::Mutex mu_;
-  std::vector<std::unique_ptr<Buffer>> free_[64] ABSL_GUARDED_BY(mu_);
-};
 
 struct ServerState : std::enable_shared_from_this<ServerState> {
   std::shared_ptr<BufferPool> buffers = std::make_shared<BufferPool>();
@@ -409,6 +440,8 @@ struct ClientState {
   ucp_ep_h ep = nullptr;        // loop thread
   ucp_ep_h sentinel = nullptr;  // loop thread: same-host failure detector
   uint64_t client_id = 0;       // set before any send
+  // Staged request payloads (same host), kept warm: a few per size.
+  std::shared_ptr<BufferPool> staging = std::make_shared<BufferPool>(4);
   absl::Mutex mu;
   bool connected ABSL_GUARDED_BY(mu) = true;
   uint64_t next_id ABSL_GUARDED_BY(mu) = 1;
@@ -737,7 +770,7 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
   // peer-failure mode, closing it cancels the send, and the payload goes
   // zero-copy.
   SendCtx* c = BuildMessage(h, {token, meta}, std::vector<absl::Span<const uint8_t>>(payload.begin(), payload.end()),
-                            loop_->max_am_header(), /*stage=*/same_host_);
+                            loop_->max_am_header(), /*stage=*/same_host_, st->staging.get());
   auto send_done = std::make_shared<std::promise<ucs_status_t>>();
   std::shared_future<ucs_status_t> sent = send_done->get_future().share();
   // A failed send also completes the call (the reply will never come), so

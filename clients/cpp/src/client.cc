@@ -269,10 +269,19 @@ class ClientImpl {
     bool via_ucx = false;
     std::vector<GetResult> out(keys.size());
     bool landed = false;  // a single block landed straight in its destination
-    // Several blocks into host destinations: the reply lands in this
-    // thread's landing buffer (kept, so its pages are not faulted in again
-    // for every call), then each block is copied to its destination.
-    thread_local std::vector<uint8_t> landing;
+    // Several blocks into host destinations that follow one another in
+    // memory (a tensor or array of blocks): the reply lands in them directly,
+    // and a block that landed early (a block before it missing or shorter)
+    // is moved to its place afterwards. Scattered destinations: the reply
+    // lands in this thread's landing buffer (kept, so its pages are not
+    // faulted in again for every call; not zeroed), then each block is
+    // copied to its destination.
+    struct Landing {
+      std::unique_ptr<uint8_t[]> p;
+      size_t n = 0;
+    };
+    thread_local Landing landing;
+    bool in_dsts = false;
     std::shared_ptr<NodeChannel> ch = n.Channel();
     absl::Span<uint8_t> into;
     if (!ch->payloads_beside() || device_places) {
@@ -282,9 +291,20 @@ class ClientImpl {
       into = absl::MakeSpan(staging.data(), staging.size());
     } else if (keys.size() > 1 && !dsts.empty()) {
       size_t total = 0;
-      for (const auto& d : dsts) total += d.size();
-      if (landing.size() < total) landing.resize(total);
-      into = absl::MakeSpan(landing.data(), total);
+      in_dsts = true;
+      for (size_t i = 0; i < dsts.size(); ++i) {
+        in_dsts &= i == 0 || dsts[i].data() == dsts[i - 1].data() + dsts[i - 1].size();
+        total += dsts[i].size();
+      }
+      if (in_dsts) {
+        into = absl::MakeSpan(dsts[0].data(), total);
+      } else {
+        if (landing.n < total) {
+          landing.p.reset(new uint8_t[total]);
+          landing.n = total;
+        }
+        into = absl::MakeSpan(landing.p.get(), total);
+      }
     } else if (keys.size() == 1) {
       if (!dsts.empty()) {
         into = dsts[0];
@@ -327,6 +347,12 @@ class ClientImpl {
       }
       return out;
     }
+    struct Move {
+      size_t i;
+      const uint8_t* src;
+      size_t size;
+    };
+    std::vector<Move> moves;
     size_t off = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
       const v1::GetBlock& b = resp.blocks(static_cast<int>(i));
@@ -382,11 +408,26 @@ class ClientImpl {
         if (!landed) r.payload.resize(size);
         dst = r.payload.data();
       }
+      if (in_dsts && src != nullptr) {
+        moves.push_back({i, src, size});  // in place, or moved up to its place below
+        continue;
+      }
       if (src != nullptr) std::memcpy(dst, src, size);
       if (PayloadChecksum(dst, size) != r.meta.checksum) {
         r.status =
             absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id(), " fails its checksum"));
         r.payload.clear();
+      }
+    }
+    // Blocks that landed in the destinations: each lies at or before its
+    // place (the reply packs the found blocks back to back), so moving the
+    // last first never overwrites one not yet moved.
+    for (auto it = moves.rbegin(); it != moves.rend(); ++it) {
+      uint8_t* dst = dsts[it->i].data();
+      if (it->src != dst) std::memmove(dst, it->src, it->size);
+      if (PayloadChecksum(dst, it->size) != out[it->i].meta.checksum) {
+        out[it->i].status =
+            absl::DataLossError(absl::StrCat("block ", keys[it->i].ToHex(), " from ", n.id(), " fails its checksum"));
       }
     }
     return out;
