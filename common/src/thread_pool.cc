@@ -1,5 +1,7 @@
 #include "kvring/common/thread_pool.h"
 
+#include <pthread.h>
+
 #include <atomic>
 #include <memory>
 
@@ -10,7 +12,12 @@ ThreadPool::ThreadPool(size_t threads) {
     const unsigned hw = std::thread::hardware_concurrency();
     threads = hw > 1 ? hw - 1 : 0;
   }
-  for (size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { Work(); });
+  for (size_t i = 0; i < threads; ++i) {
+    workers_.emplace_back([this] {
+      pthread_setname_np(pthread_self(), "kvring-pool");  // as top -H and /proc show it
+      Work();
+    });
+  }
 }
 
 ThreadPool::~ThreadPool() {

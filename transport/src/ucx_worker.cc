@@ -4,6 +4,7 @@
 #include <ifaddrs.h>
 #include <netdb.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -174,6 +175,7 @@ void UcxWorkerLoop::Stop(std::function<void()> last) {
 }
 
 void UcxWorkerLoop::Loop() {
+  pthread_setname_np(pthread_self(), "kvring-ucx");  // as top -H and /proc show it
   while (!stop_.load()) {
     std::deque<std::function<void()>> todo;
     {
