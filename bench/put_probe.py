@@ -59,8 +59,11 @@ def main():
                                                   text=True).stdout.split()]
         procs = {"client": os.getpid(), **{f"daemon{i}": pid for i, pid in enumerate(daemons)}}
 
+        rng = np.random.default_rng(2)
+
         def put(rep):
-            k = np.stack([np.arange(1, n + 1, dtype=np.uint64) + rep * n, np.full(n, 9, np.uint64)], 1)
+            # Random keys, as chain hashes are: placement reads the key's high half.
+            k = rng.integers(0, np.iinfo(np.uint64).max, (n, 2), dtype=np.uint64, endpoint=True)
             t0 = time.perf_counter()
             c.put(k, src, layout)
             return time.perf_counter() - t0

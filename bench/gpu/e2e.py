@@ -398,7 +398,10 @@ def getinto(args, kvring, kt, dev, results):
 def getinto_one(args, kvring, kt, dev, cl, layout, n, nodes):
     c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60)
     src = torch.randint(0, 1 << 14, (n, layout.bytes // 2), dtype=torch.int16, device=dev)
-    keys = np.stack([np.arange(1, n + 1, dtype=np.uint64), np.full(n, 77, np.uint64)], 1)
+    # Random keys, as chain hashes are (placement reads the key's high half: keys 1..n would all land on
+    # one daemon).
+    rng = np.random.default_rng(77)
+    keys = rng.integers(0, np.iinfo(np.uint64).max, (n, 2), dtype=np.uint64, endpoint=True)
     kt.put(c, keys, src, layout)
 
     def best(f, reps=4):
@@ -448,7 +451,7 @@ def getinto_one(args, kvring, kt, dev, cl, layout, n, nodes):
     def put_gbps(tensor, base):
         ts = []
         for rep in range(3):
-            k = np.stack([np.arange(1, n + 1, dtype=np.uint64) + base + rep * n, np.full(n, 78, np.uint64)], 1)
+            k = rng.integers(0, np.iinfo(np.uint64).max, (n, 2), dtype=np.uint64, endpoint=True)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             kt.put(c, k, tensor, layout)
