@@ -220,14 +220,21 @@ class NodeCoreTest : public ::testing::Test {
     return s;
   }
 
-  // Runs one step on `layer` and checks every row against the reference.
-  absl::Status Step(uint32_t layer, const std::vector<Part>& parts, double tol = 2e-5) {
+  // A batch of this fixture's shapes on `layer` (f32 queries, the fixture's
+  // layout), with no sequences yet.
+  AttendBatch Batch(uint32_t layer) const {
     AttendBatch b;
     b.options.layer = layer;
     b.q_heads = kQHeads;
     b.head_dim = L_.head_dim;
     b.q_dtype = DType::kF32;
     b.layout = L_;
+    return b;
+  }
+
+  // Runs one step on `layer` and checks every row against the reference.
+  absl::Status Step(uint32_t layer, const std::vector<Part>& parts, double tol = 2e-5) {
+    AttendBatch b = Batch(layer);
     std::vector<float> q, nk, nv;
     std::normal_distribution<float> nd;
     std::vector<std::pair<std::string, uint32_t>> checks;  // id, first row
@@ -420,12 +427,7 @@ TEST_F(NodeCoreTest, ReclaimingADeletedTenantFreesItsSequencesAndBlocks) {
 TEST_F(NodeCoreTest, RefusedAppendsAndAttendsChangeNothing) {
   for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 5}}).ok());
   // A gap: position 7 on a node whose tail is at 5.
-  AttendBatch b;
-  b.options.layer = 0;
-  b.q_heads = kQHeads;
-  b.head_dim = L_.head_dim;
-  b.q_dtype = DType::kF32;
-  b.layout = L_;
+  AttendBatch b = Batch(0);
   std::vector<float> kv(L_.kv_heads * L_.head_dim, 1.f);
   b.new_k = b.new_v = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(kv.data()), kv.size() * 4);
   AttendSequenceSpec s;
@@ -587,11 +589,8 @@ TEST_F(NodeCoreExchangeTest, DecodeInPlaceAndBatchesRunInTheCallersMemory) {
 
 TEST_F(NodeCoreExchangeTest, ASequenceNotServedLeavesItsRowsAndTheOthersLandAtTheirOwn) {
   for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"a", 1, 9}, {"c", 1, 6}}).ok());
-  AttendBatch b;
-  b.options.layer = 1;
-  b.q_heads = kQHeads;
-  b.head_dim = L_.head_dim;
-  b.q_dtype = DType::kF32;
+  AttendBatch b = Batch(1);
+  b.layout.reset();  // attend only: the sequences' own
   b.num_rows = 3;
   b.positions = {8, 3, 5};
   b.sequences = {Row("a", 3, 9), Row("nope", 1, 4), Row("c", 2, 6)};
@@ -622,12 +621,7 @@ TEST_F(NodeCoreExchangeTest, ASequenceNotServedLeavesItsRowsAndTheOthersLandAtTh
 
 TEST_F(NodeCoreExchangeTest, ARetriedAppendIsComparedWithTheBytesInTheCallersMemory) {
   for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 5}}).ok());
-  AttendBatch b;
-  b.options.layer = 0;
-  b.q_heads = kQHeads;
-  b.head_dim = L_.head_dim;
-  b.q_dtype = DType::kF32;
-  b.layout = L_;
+  AttendBatch b = Batch(0);
   b.sequences = {AttendSequenceSpec{"s", {}, 3, 0, 1, 2}};
   const size_t n = size_t{L_.kv_heads} * L_.head_dim, e = 2 * n;
   std::vector<float> rk(kv_["s"].k[0].begin() + e, kv_["s"].k[0].begin() + e + n);
@@ -648,12 +642,7 @@ TEST_F(NodeCoreExchangeTest, ARetriedAppendIsComparedWithTheBytesInTheCallersMem
 TEST_F(NodeCoreExchangeTest, ARefusedExchangeDoesNothingAndSaysWhy) {
   for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 5}}).ok());
   std::vector<float> kv(L_.kv_heads * L_.head_dim, 1.f);
-  AttendBatch b;
-  b.options.layer = 0;
-  b.q_heads = kQHeads;
-  b.head_dim = L_.head_dim;
-  b.q_dtype = DType::kF32;
-  b.layout = L_;
+  AttendBatch b = Batch(0);
   b.sequences = {AttendSequenceSpec{"s", {}, 6, 0, 1, 5}, AttendSequenceSpec{"new", {}, 1, 0, 1, 0}};
   std::vector<float> kv2(2 * kv.size(), 1.f);
   b.new_k = b.new_v = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(kv2.data()), kv2.size() * 4);

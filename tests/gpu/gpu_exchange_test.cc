@@ -13,39 +13,20 @@
 #include <random>
 
 #include "../control/cluster_fixture.h"
+#include "gpu_test_util.h"
 #include "kvring/attention/reference.h"
 #include "kvring/layout/float_convert.h"
-#include "require_gpu.h"
 
 namespace kvring {
 namespace {
 
+using gpu_testing::Dev;
 using testing::Cluster;
 using testing::ClusterOptions;
 
 // Llama-3-8B heads on 2 layers, 16-token blocks.
 constexpr uint32_t kQHeads = 32;
 const BlockLayout kLayout{16, 2, 8, 128, DType::kBF16};
-
-template <typename T>
-struct DeviceArray {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit DeviceArray(size_t count) : n(count) {
-    if (cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(T)) != cudaSuccess) p = nullptr;
-  }
-  DeviceArray(const std::vector<T>& h) : DeviceArray(h.size()) {
-    if (p) cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  ~DeviceArray() {
-    if (p) cudaFree(p);
-  }
-  std::vector<T> Host() const {
-    std::vector<T> h(n);
-    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
 
 // The engine's side of a batch of sequences: their K/V (per layer, as
 // doubles of the bf16 values it sent) and the steps it takes.
@@ -92,9 +73,9 @@ class Engine {
       }
     }
     const uint32_t rows = static_cast<uint32_t>(pos.size());
-    DeviceArray<uint16_t> dq(q), dk(nk), dv(nv);
-    DeviceArray<float> dout(rows * qrow), dlse(size_t{rows} * kQHeads);
-    cudaMemset(dout.p, 0xff, dout.n * 4);  // NaN: every row must be written
+    Dev<uint16_t> dq(q), dk(nk), dv(nv);
+    Dev<float> dout(rows * qrow), dlse(size_t{rows} * kQHeads);
+    dout.Poison();  // NaN: every row must be written
     st.q = QueryTensor{dq.p, DType::kBF16, rows, kQHeads, kLayout.head_dim, pos.data(), nullptr};
     st.new_k = dk.p;
     st.new_v = dv.p;
