@@ -92,24 +92,15 @@ class CudaBatch final : public DeviceDelivery::Batch {
     if (pending_) (void)Finish();  // the sources may go once this returns
   }
   absl::Status Add(uint32_t allocation, uint64_t offset, absl::Span<const uint8_t> src) override {
-    if (allocation >= maps_.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("device place names allocation ", allocation, " of ", maps_.size()));
-    }
-    const Mapping& m = *maps_[allocation];
-    if (offset > m.bytes || src.size() > m.bytes - offset) {
-      return absl::InvalidArgumentError(absl::StrCat("a block of ", src.size(), " bytes at offset ", offset,
-                                                     " does not fit the caller's allocation of ", m.bytes, " bytes"));
-    }
+    KVRING_ASSIGN_OR_RETURN(uint8_t * dst, Region(allocation, offset, src.size()));
     pending_ = true;
-    return owner_->Check(
-        cudaMemcpyAsync(m.base + offset, src.data(), src.size(), cudaMemcpyHostToDevice, cudaStreamPerThread),
-        "cudaMemcpyAsync into the caller's GPU memory");
+    return owner_->Check(cudaMemcpyAsync(dst, src.data(), src.size(), cudaMemcpyHostToDevice, cudaStreamPerThread),
+                         "cudaMemcpyAsync into the caller's GPU memory");
   }
   absl::StatusOr<uint8_t*> Region(uint32_t allocation, uint64_t offset, uint64_t bytes) override {
     if (allocation >= maps_.size()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("device region names allocation ", allocation, " of ", maps_.size()));
+          absl::StrCat("device place names allocation ", allocation, " of ", maps_.size()));
     }
     const Mapping& m = *maps_[allocation];
     if (offset > m.bytes || bytes > m.bytes - offset) {

@@ -273,19 +273,22 @@ std::string NodeCore::DeviceRefusal(const std::string& caller_host) const {
   return "";
 }
 
+absl::Status NodeCore::RefuseDeviceIo(std::string why, AttendStats* stats) const {
+  if (stats != nullptr) {
+    stats->device_refusal = std::move(why);
+    stats->backend = backend_->name();
+  }
+  return absl::OkStatus();
+}
+
 absl::Status NodeCore::AttendOnDevice(const v1::Tenant& t, const std::string& requested_ns, AttendBatch batch,
                                       const DeviceExchangeIn& x, AttendStats* stats) {
-  auto refuse = [&](std::string why) {
-    if (stats != nullptr) {
-      stats->device_refusal = std::move(why);
-      stats->backend = backend_->name();
-    }
-    return absl::OkStatus();
-  };
-  if (std::string why = DeviceRefusal(x.host_id); !why.empty()) return refuse(std::move(why));
+  if (std::string why = DeviceRefusal(x.host_id); !why.empty()) return RefuseDeviceIo(std::move(why), stats);
   const std::string handles[] = {x.ipc_handle};
   absl::StatusOr<std::unique_ptr<DeviceDelivery::Batch>> mapped = delivery_->Begin(handles);
-  if (absl::IsFailedPrecondition(mapped.status())) return refuse(std::string(mapped.status().message()));
+  if (absl::IsFailedPrecondition(mapped.status())) {
+    return RefuseDeviceIo(std::string(mapped.status().message()), stats);
+  }
   if (!mapped.ok()) return mapped.status();
   DeviceDelivery::Batch& m = **mapped;
   const uint64_t rows = batch.num_rows, hq = uint64_t{batch.q_heads} * batch.head_dim;
@@ -453,11 +456,7 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
   if (b.device != nullptr) {
     // Nothing is planned or applied before this: a refused request changes nothing.
     if (std::string why = backend_->DeviceIoRefusal(L, *encoding, b.q_dtype); !why.empty()) {
-      if (stats != nullptr) {
-        stats->device_refusal = std::move(why);
-        stats->backend = backend_->name();
-      }
-      return op.Done(absl::OkStatus());
+      return op.Done(RefuseDeviceIo(std::move(why), stats));
     }
   }
 

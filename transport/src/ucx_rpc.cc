@@ -161,23 +161,26 @@ SendCtx* BuildMessage(Fixed fixed, std::initializer_list<std::string_view> piece
       return c;
     }
   }
+  // The message owns its bytes: the pieces not in the header, then the
+  // payload, joined in a pooled buffer (1 MiB and more) or in `staged`.
+  const size_t total = c->staged.size() + payload_bytes;
+  uint8_t* d;
   if (pool != nullptr && payload_bytes >= (size_t{1} << 20)) {
-    c->pooled = pool->Get(c->staged.size() + payload_bytes);
-    uint8_t* d = c->pooled->data.get();
-    if (!c->staged.empty()) std::memcpy(d, c->staged.data(), c->staged.size());
-    d += c->staged.size();
-    for (auto p : payload) {
-      if (p.size() > 0) std::memcpy(d, p.data(), p.size());
-      d += p.size();
-    }
+    c->pooled = pool->Get(total);
+    if (!c->staged.empty()) std::memcpy(c->pooled->data.get(), c->staged.data(), c->staged.size());
     c->data = c->pooled->data.get();
-    c->length = c->pooled->size;
-    return c;
+    d = c->pooled->data.get() + c->staged.size();
+  } else {
+    const size_t at = c->staged.size();
+    c->staged.resize(total);
+    c->data = c->staged.data();
+    d = c->staged.data() + at;
   }
-  c->staged.reserve(c->staged.size() + payload_bytes);
-  for (auto p : payload) c->staged.insert(c->staged.end(), p.begin(), p.end());
-  c->data = c->staged.data();
-  c->length = c->staged.size();
+  for (auto p : payload) {
+    if (p.size() > 0) std::memcpy(d, p.data(), p.size());
+    d += p.size();
+  }
+  c->length = total;
   return c;
 }
 

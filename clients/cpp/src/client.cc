@@ -194,6 +194,27 @@ class ClientImpl {
     return nodes;
   }
   static int NodeIndex(const std::pair<int, std::vector<size_t>>& job) { return job.first; }
+  // A plan's items per node cut into jobs of at most max_batch_bytes each
+  // (`bytes_of(item)`; an item larger than that is a job of its own): the
+  // node's message limit holds, and a node's jobs run in parallel.
+  std::vector<std::pair<int, std::vector<size_t>>> CutIntoMessages(const std::map<int, std::vector<size_t>>& plan,
+                                                                   absl::FunctionRef<uint64_t(size_t)> bytes_of) const {
+    std::vector<std::pair<int, std::vector<size_t>>> jobs;
+    for (const auto& [node_idx, idx] : plan) {
+      uint64_t bytes = 0;
+      jobs.emplace_back(node_idx, std::vector<size_t>{});
+      for (size_t i : idx) {
+        const uint64_t b = bytes_of(i);
+        if (!jobs.back().second.empty() && bytes + b > o_.max_batch_bytes) {
+          jobs.emplace_back(node_idx, std::vector<size_t>{});
+          bytes = 0;
+        }
+        jobs.back().second.push_back(i);
+        bytes += b;
+      }
+    }
+    return jobs;
+  }
 
   // ---- per-node calls ----
   absl::StatusOr<v1::PutResponse> PutOn(Node& n, v1::PutRequest req,
@@ -530,24 +551,12 @@ class ClientImpl {
         }
       }
       if (plan.empty()) break;
-      // One job per message (at most max_batch_bytes): a node's messages
-      // run in parallel, so its receive, store and reply of one overlap the
-      // client's staging of the next (one message at a time left every
-      // stage waiting on the others: 1.2 GB/s to a daemon on the H200 host
-      // with no thread busy).
-      std::vector<std::pair<int, std::vector<size_t>>> jobs;
-      for (auto& [node_idx, idx] : plan) {
-        uint64_t bytes = 0;
-        jobs.emplace_back(node_idx, std::vector<size_t>{});
-        for (size_t i : idx) {
-          if (!jobs.back().second.empty() && bytes + blocks[i].payload.size() > o_.max_batch_bytes) {
-            jobs.emplace_back(node_idx, std::vector<size_t>{});
-            bytes = 0;
-          }
-          jobs.back().second.push_back(i);
-          bytes += blocks[i].payload.size();
-        }
-      }
+      // One job per message: a node's messages run in parallel, so its
+      // receive, store and reply of one overlap the client's staging of the
+      // next (one message at a time left every stage waiting on the others:
+      // 1.2 GB/s to a daemon on the H200 host with no thread busy).
+      const std::vector<std::pair<int, std::vector<size_t>>> jobs =
+          CutIntoMessages(plan, [&](size_t i) { return uint64_t{blocks[i].payload.size()}; });
       struct Outcome {
         absl::Status status;
         bool inserted = false;
@@ -559,53 +568,40 @@ class ClientImpl {
       std::vector<Outcomes> results = FanOut<Outcomes>(
           *ring, NodesOf(jobs),
           [&](size_t j, Node& node) {
+            // One message: the job is cut to max_batch_bytes.
             const auto& idx = jobs[j].second;
             Outcomes res(idx.size());
-            // Split into messages of at most max_batch_bytes.
-            size_t start = 0;
-            while (start < idx.size()) {
-              v1::PutRequest req;
-              *req.mutable_header() = Header();
-              req.set_quantize(quantize_wire_);
-              std::vector<absl::Span<const uint8_t>> payloads;
-              uint64_t bytes = 0;
-              size_t end = start;
-              while (end < idx.size() &&
-                     (end == start || bytes + blocks[idx[end]].payload.size() <= o_.max_batch_bytes)) {
-                const BlockData& b = blocks[idx[end]];
-                v1::PutBlock* pb = req.add_blocks();
-                KeyToProto(b.key, pb->mutable_block()->mutable_key());
-                if (!b.parent.is_zero()) KeyToProto(b.parent, pb->mutable_block()->mutable_parent());
-                LayoutToProto(b.layout, pb->mutable_block()->mutable_layout());
-                pb->mutable_block()->set_encoding(b.encoding.Pack());
-                pb->mutable_block()->set_payload_bytes(static_cast<uint32_t>(b.payload.size()));
-                pb->mutable_block()->set_checksum(PayloadChecksum(b.payload.data(), b.payload.size()));
-                pb->set_pin(b.pin);
-                if (seq) {
-                  pb->mutable_sequence()->set_sequence_id(*seq);
-                  pb->mutable_sequence()->set_block_index(first_block + idx[end]);
-                }
-                payloads.push_back(b.payload);
-                bytes += b.payload.size();
-                ++end;
+            v1::PutRequest req;
+            *req.mutable_header() = Header();
+            req.set_quantize(quantize_wire_);
+            std::vector<absl::Span<const uint8_t>> payloads;
+            for (size_t i : idx) {
+              const BlockData& b = blocks[i];
+              v1::PutBlock* pb = req.add_blocks();
+              KeyToProto(b.key, pb->mutable_block()->mutable_key());
+              if (!b.parent.is_zero()) KeyToProto(b.parent, pb->mutable_block()->mutable_parent());
+              LayoutToProto(b.layout, pb->mutable_block()->mutable_layout());
+              pb->mutable_block()->set_encoding(b.encoding.Pack());
+              pb->mutable_block()->set_payload_bytes(static_cast<uint32_t>(b.payload.size()));
+              pb->mutable_block()->set_checksum(PayloadChecksum(b.payload.data(), b.payload.size()));
+              pb->set_pin(b.pin);
+              if (seq) {
+                pb->mutable_sequence()->set_sequence_id(*seq);
+                pb->mutable_sequence()->set_block_index(first_block + i);
               }
-              absl::StatusOr<v1::PutResponse> resp = PutOn(node, std::move(req), payloads);
-              for (size_t k = start; k < end; ++k) {
-                if (!resp.ok()) {
-                  res[k].status = resp.status();
-                } else if (resp->results_size() != static_cast<int>(end - start)) {
-                  res[k].status = absl::DataLossError("Put reply has the wrong number of results");
-                } else {
-                  const auto& r = resp->results(static_cast<int>(k - start));
-                  res[k].status = StatusOf(r.status());
-                  res[k].inserted = r.inserted();
-                }
+              payloads.push_back(b.payload);
+            }
+            absl::StatusOr<v1::PutResponse> resp = PutOn(node, std::move(req), payloads);
+            for (size_t k = 0; k < idx.size(); ++k) {
+              if (!resp.ok()) {
+                res[k].status = resp.status();
+              } else if (resp->results_size() != static_cast<int>(idx.size())) {
+                res[k].status = absl::DataLossError("Put reply has the wrong number of results");
+              } else {
+                const auto& r = resp->results(static_cast<int>(k));
+                res[k].status = StatusOf(r.status());
+                res[k].inserted = r.inserted();
               }
-              if (!resp.ok() && IsNodeFailure(resp.status())) {
-                for (size_t k = end; k < idx.size(); ++k) res[k].status = resp.status();
-                break;
-              }
-              start = end;
             }
             return res;
           },
@@ -695,24 +691,11 @@ class ClientImpl {
         if (!done[i] && next[i] < cands[i].size()) plan[cands[i][next[i]++]].push_back(i);
       }
       if (plan.empty()) break;
-      // One request per node, cut where it would exceed max_batch_bytes (the
-      // destinations' sizes, else the last block size seen): the node's
-      // message limit holds, and a node's requests run in parallel.
-      std::vector<std::pair<int, std::vector<size_t>>> jobs;
+      // Requests of at most max_batch_bytes (the destinations' sizes, else
+      // the last block size seen).
       const uint64_t est = std::max<uint64_t>(1, last_block_bytes_.load(std::memory_order_relaxed));
-      for (auto& [node_idx, idx] : plan) {
-        uint64_t bytes = 0;
-        jobs.emplace_back(node_idx, std::vector<size_t>{});
-        for (size_t i : idx) {
-          const uint64_t b = dsts.empty() ? est : dsts[i].size();
-          if (!jobs.back().second.empty() && bytes + b > o_.max_batch_bytes) {
-            jobs.emplace_back(node_idx, std::vector<size_t>{});
-            bytes = 0;
-          }
-          jobs.back().second.push_back(i);
-          bytes += b;
-        }
-      }
+      const std::vector<std::pair<int, std::vector<size_t>>> jobs =
+          CutIntoMessages(plan, [&](size_t i) { return dsts.empty() ? est : uint64_t{dsts[i].size()}; });
       std::vector<absl::StatusOr<std::vector<GetResult>>> res =
           FanOut<std::vector<GetResult>>(*ring, NodesOf(jobs), [&](size_t j, Node& node) {
             std::vector<BlockKey> ks;

@@ -206,6 +206,9 @@ class NodeCore {
   absl::StatusOr<NamespaceId> Namespace(const v1::Tenant& t, const std::string& requested) const;
   // Why this node will not deliver into the caller's device memory ("": it will).
   std::string DeviceRefusal(const std::string& caller_host) const;
+  // A device exchange this node will not run: `why` into stats (OK: the
+  // request did nothing, the caller sends it again without).
+  absl::Status RefuseDeviceIo(std::string why, AttendStats* stats) const;
   // Get's device path: blocks checked, then copied into the caller's memory.
   // FAILED_PRECONDITION when the caller's memory cannot be mapped.
   absl::Status GetIntoDevice(NamespaceId ns, absl::Span<const BlockKey> keys, const DeviceTarget& device, GetOut* out);

@@ -121,7 +121,7 @@ class DeviceMemory {
 
  protected:
   virtual void Return(uint8_t* p, size_t n) = 0;
-  // (drop: free it rather than keep it)
+  // (drop: never hand it out again)
   virtual void ReturnExchange(uint8_t* p, size_t n, std::string handle, bool drop) = 0;
   Exchange MakeExchange(uint8_t* p, size_t n, std::string handle) {
     Exchange e;
