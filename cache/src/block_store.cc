@@ -49,6 +49,30 @@ void PinnedBlock::Release() {
   owned_ = {};
 }
 
+// ---------------------------------------------------------------- ScratchPage
+
+ScratchPage& ScratchPage::operator=(ScratchPage&& o) noexcept {
+  if (this != &o) {
+    Release();
+    store_ = o.store_;
+    page_ = o.page_;
+    data_ = o.data_;
+    size_ = o.size_;
+    tenant_ = o.tenant_;
+    o.store_ = nullptr;
+    o.data_ = nullptr;
+    o.size_ = 0;
+  }
+  return *this;
+}
+
+void ScratchPage::Release() {
+  if (store_ != nullptr) store_->ReleaseScratch(page_, tenant_, size_);
+  store_ = nullptr;
+  data_ = nullptr;
+  size_ = 0;
+}
+
 // ----------------------------------------------------------------- BlockStore
 
 BlockStore::BlockStore(const BlockStoreOptions& options, std::unique_ptr<HostPagePool> pool,
@@ -60,7 +84,8 @@ BlockStore::BlockStore(const BlockStoreOptions& options, std::unique_ptr<HostPag
       policy_(std::move(policy)),
       holds_(pool_->num_pages(), 0),
       page_owner_(pool_->num_pages()),
-      orphaned_(pool_->num_pages(), false) {}
+      orphaned_(pool_->num_pages(), false),
+      scratch_(pool_->num_pages(), false) {}
 
 BlockStore::~BlockStore() = default;
 
@@ -120,6 +145,66 @@ void BlockStore::FreePageLocked(PageId page) {
   page_owner_[page] = ScopedKey{};
   absl::Status s = pool_->Free(page);
   (void)s;  // a page the store owns; failure would be a store bug caught by CheckInvariants
+}
+
+absl::Status BlockStore::CheckBudgetLocked(TenantId tenant, uint64_t bytes, const char* what) {
+  const TenantState& t = tenants_[tenant];
+  const uint64_t held = t.usage.pinned_bytes + t.usage.open_bytes;
+  if (bytes > t.quota.max_pinned_bytes || held > t.quota.max_pinned_bytes - bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant ", tenant, ": ", what, " ", bytes, " more bytes would exceed its quota (", t.usage.pinned_bytes,
+        " bytes pinned + ", t.usage.open_bytes, " in open sequence blocks, of ", t.quota.max_pinned_bytes, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ScratchPage> BlockStore::AcquireScratch(TenantId tenant, size_t bytes) {
+  if (bytes == 0 || bytes > pool_->page_bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("an open block of ", bytes, " bytes does not fit a host page of ", pool_->page_bytes()));
+  }
+  PageId page;
+  {
+    absl::MutexLock lock(&mu_);
+    KVRING_RETURN_IF_ERROR(CheckBudgetLocked(tenant, bytes, "opening a sequence block of"));
+    absl::StatusOr<PageId> p = AcquirePageLocked();
+    if (!p.ok()) {
+      return absl::Status(p.status().code(),
+                          absl::StrCat("no host memory for an open sequence block: ", p.status().message()));
+    }
+    page = *p;
+    holds_[page] = 1;
+    scratch_[page] = true;
+    tenants_[tenant].usage.open_bytes += bytes;
+  }
+  ScratchPage s;
+  s.store_ = this;
+  s.page_ = page;
+  s.data_ = pool_->page(page);
+  s.size_ = bytes;
+  s.tenant_ = tenant;
+  std::memset(s.data_, 0, bytes);
+  return s;
+}
+
+void BlockStore::ReleaseScratch(PageId page, TenantId tenant, size_t bytes) {
+  absl::MutexLock lock(&mu_);
+  scratch_[page] = false;
+  FreePageLocked(page);
+  tenants_[tenant].usage.open_bytes -= bytes;
+}
+
+absl::Status BlockStore::ChargeOpenBytes(TenantId tenant, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  KVRING_RETURN_IF_ERROR(CheckBudgetLocked(tenant, bytes, "opening a sequence block of"));
+  tenants_[tenant].usage.open_bytes += bytes;
+  return absl::OkStatus();
+}
+
+void BlockStore::RefundOpenBytes(TenantId tenant, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  uint64_t& open = tenants_[tenant].usage.open_bytes;
+  open -= std::min(open, bytes);
 }
 
 void BlockStore::HoldLocked(PageId page) {
@@ -183,10 +268,22 @@ absl::StatusOr<PageId> BlockStore::AcquirePageLocked() {
     e = index_.Find(vk);
     const bool still_ours = e != nullptr && e->page == victim;
     if (!s.ok()) {
+      // The cold tier cannot take it (disk full, I/O error): the block is
+      // dropped as it would be without a cold tier, so the host tier keeps
+      // taking new blocks; the cold tier resumes by itself when it can.
       ++counters_.demotion_errors;
-      ReleaseHoldLocked(victim);
-      return absl::Status(s.code(), absl::StrCat("cannot make room: demoting block ", vk.key.ToHex(),
-                                                 " to the cold tier failed: ", s.message()));
+      if (!still_ours || holds_[victim] != 1) {
+        ReleaseHoldLocked(victim);  // erased meanwhile, or a reader or pinner arrived
+        continue;
+      }
+      policy_->Remove(victim, /*evicted=*/true);
+      TenantUsage& u = tenants_[e->meta.owner].usage;
+      --u.owned_blocks;
+      u.owned_bytes -= e->meta.payload_bytes;
+      KVRING_RETURN_IF_ERROR(index_.Erase(vk));
+      FreePageLocked(victim);
+      ++counters_.drops;
+      continue;
     }
     if (!still_ours) {
       // Erased while we wrote it: remove the copy we just made.
@@ -211,11 +308,7 @@ absl::StatusOr<PageId> BlockStore::AcquirePageLocked() {
 absl::Status BlockStore::PinLocked(TenantId tenant, const ScopedKey& key, BlockIndex::Entry* e) {
   TenantState& t = tenants_[tenant];
   const uint64_t bytes = e->meta.payload_bytes;
-  if (t.usage.pinned_bytes + bytes > t.quota.max_pinned_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("tenant ", tenant, ": pinning ", bytes, " more bytes would exceed its pinned quota (",
-                     t.usage.pinned_bytes, " of ", t.quota.max_pinned_bytes, " bytes pinned)"));
-  }
+  KVRING_RETURN_IF_ERROR(CheckBudgetLocked(tenant, bytes, "pinning"));
   KVRING_ASSIGN_OR_RETURN(bool first, index_.Pin(key, tenant));
   t.usage.pinned_bytes += bytes;
   if (first && e->page != kNoPage) HoldLocked(e->page);
@@ -260,13 +353,7 @@ absl::StatusOr<PutResult> BlockStore::Put(const PutArgs& a, absl::Span<const uin
   if (BlockIndex::Entry* e = index_.Find(sk)) return dedup(e);
   auto quota_ok = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     if (!a.pin) return absl::OkStatus();
-    const TenantState& t = tenants_[a.tenant];
-    if (t.usage.pinned_bytes + meta.payload_bytes > t.quota.max_pinned_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "tenant ", a.tenant, ": pinning ", meta.payload_bytes, " more bytes would exceed its pinned quota (",
-          t.usage.pinned_bytes, " of ", t.quota.max_pinned_bytes, " bytes pinned)"));
-    }
-    return absl::OkStatus();
+    return CheckBudgetLocked(a.tenant, meta.payload_bytes, "pinning");
   };
   KVRING_RETURN_IF_ERROR(quota_ok());
   KVRING_ASSIGN_OR_RETURN(const PageId page, AcquirePageLocked());
@@ -513,6 +600,7 @@ BlockStoreStats BlockStore::stats() {
     if (e.pins > 0) ++s.pinned_blocks;
   });
   s.free_pages = pool_->free_pages();
+  for (bool x : scratch_) s.scratch_pages += x;
   s.num_pages = pool_->num_pages();
   s.page_bytes = pool_->page_bytes();
   return s;
@@ -533,11 +621,13 @@ absl::Status BlockStore::CheckInvariants() {
     if (e.pins > 0 && holds_[e.page] == 0 && bad.ok()) bad = absl::InternalError("pinned block's page has no hold");
   });
   KVRING_RETURN_IF_ERROR(bad);
-  size_t orphans = 0;
+  size_t orphans = 0, scratch = 0;
   for (bool o : orphaned_) orphans += o;
+  for (bool x : scratch_) scratch += x;
   const size_t used = pool_->num_pages() - pool_->free_pages();
-  if (used != host + orphans) {
-    return absl::InternalError(absl::StrCat("pages in use ", used, " != host blocks ", host, " + orphans ", orphans));
+  if (used != host + orphans + scratch) {
+    return absl::InternalError(
+        absl::StrCat("pages in use ", used, " != host blocks ", host, " + orphans ", orphans, " + scratch ", scratch));
   }
   return absl::OkStatus();
 }

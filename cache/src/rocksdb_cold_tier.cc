@@ -183,11 +183,14 @@ absl::Status RocksDbColdTier::Write(const ColdBlockInfo& info, absl::Span<const 
   batch.Put(meta_, key, rocksdb::Slice(reinterpret_cast<const char*>(&m), sizeof(m)));
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync_writes;
+  if (write_failed_.load(std::memory_order_relaxed)) MaybeResume();
   rocksdb::Status s = db_->Write(wo, &batch);
   if (!s.ok()) {
     ++write_errors_;
+    write_failed_.store(true, std::memory_order_relaxed);
     return FromRocks(s, "cold tier write");
   }
+  write_failed_.store(false, std::memory_order_relaxed);
   ++writes_;
   if (!existed) {
     ++blocks_count_;
@@ -195,6 +198,17 @@ absl::Status RocksDbColdTier::Write(const ColdBlockInfo& info, absl::Span<const 
     stored_bytes_ += blob.size();
   }
   return absl::OkStatus();
+}
+
+void RocksDbColdTier::MaybeResume() {
+  const int64_t now = absl::GetCurrentTimeNanos();
+  int64_t last = last_resume_ns_.load(std::memory_order_relaxed);
+  if (now - last < absl::ToInt64Nanoseconds(options_.resume_interval)) return;
+  if (!last_resume_ns_.compare_exchange_strong(last, now)) return;  // another thread is at it
+  // OK when there was no background error or it cleared; else the write
+  // below fails again and the next attempt waits resume_interval.
+  rocksdb::Status s = db_->Resume();
+  (void)s;
 }
 
 absl::Status RocksDbColdTier::Read(const ScopedKey& key, ColdBlockInfo* info, std::vector<uint8_t>* payload) {
@@ -244,8 +258,12 @@ absl::Status RocksDbColdTier::Erase(const ScopedKey& key) {
   batch.Delete(blocks_, k);
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync_writes;
+  if (write_failed_.load(std::memory_order_relaxed)) MaybeResume();
   rocksdb::Status s = db_->Write(wo, &batch);
-  if (!s.ok()) return FromRocks(s, "cold tier erase");
+  if (!s.ok()) {
+    write_failed_.store(true, std::memory_order_relaxed);
+    return FromRocks(s, "cold tier erase");
+  }
   if (existed) {
     MetaWire m;
     std::memcpy(&m, meta.data(), sizeof(m));

@@ -9,36 +9,38 @@
 namespace kvring {
 
 absl::Status CpuAttentionBackend::OpenBlock(const SequenceRef& seq, uint64_t index, const BlockLayout& layout) {
-  absl::MutexLock l(&mu_);
-  OpenId id{seq.ns, seq.id, index};
-  if (open_.contains(id)) return absl::AlreadyExistsError(absl::StrCat("block ", index, " is already open"));
-  auto q = tenant_quota_.find(seq.tenant);
-  uint64_t& used = tenant_bytes_[seq.tenant];
-  if (q != tenant_quota_.end() && used + layout.bytes() > q->second) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("tenant's open sequence blocks would exceed its quota of ", q->second, " pinned bytes"));
+  const OpenId id{seq.ns, seq.id, index};
+  {
+    absl::MutexLock l(&mu_);
+    if (open_.contains(id)) return absl::AlreadyExistsError(absl::StrCat("block ", index, " is already open"));
   }
+  // A host page of the store: counted against the host tier and the
+  // tenant's one budget (the core holds the sequence's lock, so no other
+  // call opens this block meanwhile).
+  absl::StatusOr<ScratchPage> page = store_->AcquireScratch(seq.tenant, layout.bytes());
+  if (!page.ok()) return page.status();
   auto b = std::make_unique<OpenBuffer>();
-  b->tenant = seq.tenant;
-  b->bytes.assign(layout.bytes(), 0);
-  used += layout.bytes();
+  b->page = std::move(*page);
+  absl::MutexLock l(&mu_);
   open_[id] = std::move(b);
   return absl::OkStatus();
 }
 
 void CpuAttentionBackend::DiscardOpenBlock(const SequenceRef& seq, uint64_t index) {
+  std::unique_ptr<OpenBuffer> gone;  // its page goes back to the store outside mu_
   absl::MutexLock l(&mu_);
   auto it = open_.find(OpenId{seq.ns, seq.id, index});
   if (it == open_.end()) return;
-  tenant_bytes_[it->second->tenant] -= it->second->bytes.size();
+  gone = std::move(it->second);
   open_.erase(it);
 }
 
 void CpuAttentionBackend::ForgetSequence(const SequenceRef& seq) {
+  std::vector<std::unique_ptr<OpenBuffer>> gone;
   absl::MutexLock l(&mu_);
   for (auto it = open_.begin(); it != open_.end();) {
     if (it->first.ns == seq.ns && it->first.id == seq.id) {
-      tenant_bytes_[it->second->tenant] -= it->second->bytes.size();
+      gone.push_back(std::move(it->second));
       open_.erase(it++);
     } else {
       ++it;
@@ -56,8 +58,9 @@ absl::StatusOr<CpuAttentionBackend::OpenBuffer*> CpuAttentionBackend::Find(const
 absl::Status CpuAttentionBackend::ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) {
   absl::StatusOr<OpenBuffer*> b = Find(seq, index);
   if (!b.ok()) return b.status();
-  if (dst.size() < (*b)->bytes.size()) return absl::InvalidArgumentError("destination smaller than the block");
-  std::memcpy(dst.data(), (*b)->bytes.data(), (*b)->bytes.size());
+  const absl::Span<uint8_t> bytes = (*b)->page.bytes();
+  if (dst.size() < bytes.size()) return absl::InvalidArgumentError("destination smaller than the block");
+  std::memcpy(dst.data(), bytes.data(), bytes.size());
   return absl::OkStatus();
 }
 
@@ -73,7 +76,7 @@ absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, 
     for (const StepAppend& a : s.appends) {
       absl::StatusOr<OpenBuffer*> b = Find(s.seq, a.index);
       if (!b.ok()) return b.status();
-      uint8_t* base = (*b)->bytes.data();
+      uint8_t* base = (*b)->page.bytes().data();
       for (uint32_t t = 0; t < a.count; ++t) {
         const size_t src = (size_t{a.src_row} + t) * L.kv_heads * row_bytes;
         for (uint32_t h = 0; h < L.kv_heads; ++h) {
@@ -102,7 +105,7 @@ absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, 
         if (full == s.full->end()) {
           absl::StatusOr<OpenBuffer*> ob = Find(s.seq, idx);
           if (!ob.ok()) return ob.status();
-          data = (*ob)->bytes.data();
+          data = (*ob)->page.bytes().data();
         } else {
           absl::StatusOr<PinnedBlock> pb = store_->Acquire(s.seq.ns, full->second);
           if (!pb.ok()) {
@@ -131,11 +134,6 @@ absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, 
   if (times != nullptr)
     times->kernel_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return s;
-}
-
-void CpuAttentionBackend::SetTenantQuota(TenantId tenant, uint64_t max_bytes) {
-  absl::MutexLock l(&mu_);
-  tenant_quota_[tenant] = max_bytes;
 }
 
 BackendStats CpuAttentionBackend::stats() {

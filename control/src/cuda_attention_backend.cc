@@ -98,6 +98,7 @@ struct SeqId {
 struct DevSeq {
   TenantId tenant = 0;
   uint32_t block_tokens = 0;
+  uint64_t open_bytes_each = 0;  // charged to the tenant's budget in the store per open block
   std::vector<uint64_t> idx;
   std::vector<int32_t> page;
   std::vector<uint8_t> open;        // 1: an open block (only in HBM; never dropped)
@@ -250,13 +251,24 @@ class CudaAttentionBackend final : public AttentionBackend {
           "a block of ", layout.bytes(), " bytes is larger than this node's ", o_.page_bytes, "-byte HBM pages"));
     }
     const SeqId id{seq.ns, seq.id};
+    // An open block is the tenant's alone until sealed: it counts against the
+    // tenant's one budget (kept by the store, with its pinned bytes).
+    KVRING_RETURN_IF_ERROR(store_->ChargeOpenBytes(seq.tenant, layout.bytes()));
     absl::MutexLock l(&mu_);
     DevSeq& d = SeqLocked(id);
     d.tenant = seq.tenant;
     d.block_tokens = layout.block_tokens;
-    if (d.Has(index)) return absl::AlreadyExistsError(absl::StrCat("block ", index, " is already in HBM"));
-    KVRING_ASSIGN_OR_RETURN(int32_t page, AllocatePageLocked(seq.tenant, &id));
-    d.Insert(index, page, /*is_open=*/true);
+    d.open_bytes_each = layout.bytes();
+    if (d.Has(index)) {
+      store_->RefundOpenBytes(seq.tenant, layout.bytes());
+      return absl::AlreadyExistsError(absl::StrCat("block ", index, " is already in HBM"));
+    }
+    absl::StatusOr<int32_t> page = AllocatePageLocked(seq.tenant, &id);
+    if (!page.ok()) {
+      store_->RefundOpenBytes(seq.tenant, layout.bytes());
+      return page.status();
+    }
+    d.Insert(index, *page, /*is_open=*/true);
     ++open_blocks_;
     return absl::OkStatus();
   }
@@ -271,6 +283,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     if (k >= d.idx.size() || d.idx[k] != index || !d.open[k]) return;
     DropBlockLocked(d, index);
     --open_blocks_;
+    store_->RefundOpenBytes(d.tenant, d.open_bytes_each);
   }
 
   void ForgetSequence(const SequenceRef& seq) override {
@@ -288,7 +301,10 @@ class CudaAttentionBackend final : public AttentionBackend {
       DevSeq& d = *it->second;
       for (size_t k = 0; k < d.idx.size(); ++k) {
         FreePageLocked(d.tenant, d.page[k]);
-        if (d.open[k]) --open_blocks_;
+        if (d.open[k]) {
+          --open_blocks_;
+          store_->RefundOpenBytes(d.tenant, d.open_bytes_each);
+        }
       }
       // No step of this sequence is in flight (the core holds its lock), so
       // nothing reads its tables; cudaFree waits for the device anyway.
@@ -326,6 +342,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     if (k < d->idx.size() && d->idx[k] == index && d->open[k]) {
       d->open[k] = 0;  // now a full block whose home is the store: droppable
       --open_blocks_;
+      store_->RefundOpenBytes(d->tenant, d->open_bytes_each);
     }
   }
 

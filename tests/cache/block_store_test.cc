@@ -274,23 +274,31 @@ TEST(BlockStoreTest, InMemoryOrAbsentSeesColdBlocks) {
   EXPECT_FALSE(s->InMemoryOrAbsent(1, {KeyOf(1)}));
 }
 
-TEST(BlockStoreTest, ColdWriteFailureReachesTheCallerAndLosesNothing) {
+// A cold tier that cannot take a demotion (disk full) must not stop the
+// host tier: the victim is dropped as it would be without a cold tier, puts
+// go on, and demotions resume by themselves when the cold tier takes writes
+// again.
+TEST(BlockStoreTest, ColdWriteFailureDropsTheVictimAndPutsGoOn) {
   auto cold = std::make_unique<MapColdTier>();
   MapColdTier* c = cold.get();
   auto s = MakeStore(2, std::move(cold));
   ASSERT_TRUE(PutBlock(*s, 0).ok());
   ASSERT_TRUE(PutBlock(*s, 1).ok());
   c->fail_writes = true;
-  absl::Status st = PutBlock(*s, 2);
-  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(st.message().find("disk full"), std::string::npos) << st;
+  for (uint64_t i = 2; i < 6; ++i) ASSERT_TRUE(PutBlock(*s, i).ok()) << i;
+  EXPECT_EQ(s->stats().demotion_errors, 4u);
+  EXPECT_EQ(s->stats().drops, 4u);
+  EXPECT_TRUE(c->data.empty());
   std::vector<uint8_t> out(kBlock);
-  for (uint64_t i : {0, 1}) {
+  for (uint64_t i : {4, 5}) {  // the newest stay, intact
     ASSERT_TRUE(s->Read(1, KeyOf(i), absl::MakeSpan(out), nullptr).ok());
     EXPECT_EQ(out, PayloadFor(KeyOf(i), kBlock));
   }
+  EXPECT_EQ(s->Acquire(1, KeyOf(0)).status().code(), absl::StatusCode::kNotFound);  // dropped, never wrong
   c->fail_writes = false;
-  EXPECT_TRUE(PutBlock(*s, 2).ok());
+  ASSERT_TRUE(PutBlock(*s, 6).ok());
+  EXPECT_EQ(s->stats().demotions, 1u);  // space is back: demoted again
+  EXPECT_EQ(c->data.size(), 1u);
   EXPECT_TRUE(s->CheckInvariants().ok());
 }
 

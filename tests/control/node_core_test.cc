@@ -12,6 +12,7 @@
 #include <map>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kvring/attention/reference.h"
 #include "kvring/common/process.h"
@@ -564,6 +565,59 @@ TEST_F(NodeCoreTest, PutSequenceBlocksAndAppendedBlocksFormOneSequence) {
 // memory (FakeDelivery maps the exchange handle to a host buffer; the
 // backend reads and writes it at each sequence's src_row), checked against
 // the reference as above.
+// Open blocks take their memory from the host tier (the probe's finding:
+// 512 one-token appends grew a 64 MB node to 1.1 GB): once every host page
+// is lent to an open block, the next append is RESOURCE_EXHAUSTED and the
+// sequences already open keep working.
+TEST_F(NodeCoreTest, OpenBlocksLiveInTheHostTierAndStopAtItsSize) {
+  const uint64_t pages = store_->stats().num_pages;
+  uint64_t opened = 0;
+  absl::Status refused;
+  for (uint64_t i = 0; i < pages + 8; ++i) {
+    absl::Status s = Step(0, {{absl::StrCat("s", i), 0, 1}});
+    if (!s.ok()) {
+      refused = s;
+      break;
+    }
+    ++opened;
+  }
+  EXPECT_EQ(opened, pages);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("host"), std::string::npos) << refused;
+  EXPECT_EQ(store_->stats().scratch_pages, pages);
+  EXPECT_EQ(store_->GetTenantUsage(3).open_bytes, pages * L_.bytes());
+  // An open sequence goes on (its block has room), and is exact.
+  EXPECT_TRUE(Step(0, {{"s0", 1, 1}}).ok());
+  EXPECT_TRUE(store_->CheckInvariants().ok());
+}
+
+// One tenant, one budget: pinned blocks and open sequence blocks count
+// together (the probe had 3 open + 3 pinned blocks accepted on a 3-block
+// quota).
+TEST_F(NodeCoreTest, PinsAndOpenBlocksShareTheTenantsOneBudget) {
+  store_->SetTenantQuota(3, TenantQuota{3 * L_.bytes()});
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(Step(0, {{absl::StrCat("s", i), 0, 1}}).ok());
+  const NamespaceId ns = NamespaceIdOf(TenantNamespace(3));
+  std::vector<uint8_t> payload(L_.bytes(), 1);
+  PutArgs a;
+  a.tenant = 3;
+  a.ns = ns;
+  a.key = BlockKey{7, 8};
+  a.meta.layout = L_;
+  a.meta.payload_bytes = static_cast<uint32_t>(L_.bytes());
+  a.pin = true;
+  absl::StatusOr<PutResult> pinned = store_->Put(a, payload);
+  EXPECT_EQ(pinned.status().code(), absl::StatusCode::kResourceExhausted) << pinned.status();
+  // A fourth open block is refused too, and changes nothing.
+  absl::Status s = Step(0, {{"s3", 0, 1}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(store_->GetTenantUsage(3).open_bytes, 3 * L_.bytes());
+  // Unpinned blocks are not charged: the same block stored without a pin is fine.
+  a.pin = false;
+  EXPECT_TRUE(store_->Put(a, payload).ok());
+  EXPECT_EQ(store_->Pin(3, ns, a.key).code(), absl::StatusCode::kResourceExhausted);
+}
+
 class NodeCoreExchangeTest : public NodeCoreTest {
  protected:
   bool Exchange() const override { return true; }

@@ -59,13 +59,18 @@ struct BlockStoreOptions {
   std::function<void(void*)> unregister_memory;
 };
 
+// One budget per tenant: the bytes it pins in the store and the bytes of its
+// open sequence blocks (held outside the store's index by an attention
+// backend: ScratchPage, ChargeOpenBytes) count together against it.
 struct TenantQuota {
-  // Most bytes the tenant may hold pinned at once. Default: unlimited.
+  // Most bytes the tenant may hold at once: pinned blocks plus open
+  // sequence blocks. Default: unlimited.
   uint64_t max_pinned_bytes = UINT64_MAX;
 };
 
 struct TenantUsage {
   uint64_t pinned_bytes = 0;
+  uint64_t open_bytes = 0;    // open sequence blocks (charged by attention backends)
   uint64_t owned_blocks = 0;  // blocks this tenant put, in any tier
   uint64_t owned_bytes = 0;
 };
@@ -82,6 +87,7 @@ struct BlockStoreStats {
   uint64_t evictions = 0, demotions = 0, drops = 0, promotions = 0, demotion_errors = 0;
   uint64_t lookups = 0;
   uint64_t unpromoted_reads = 0;  // cold reads served from a copy: every host page was held
+  uint64_t scratch_pages = 0;     // host pages lent out as ScratchPages (open sequence blocks)
 };
 
 struct PutArgs {
@@ -129,6 +135,33 @@ class PinnedBlock {
   BlockKey parent_;
 };
 
+// A host page lent out of the store's host tier for bytes that live outside
+// its index (an open sequence block being filled by appends), charged to a
+// tenant's budget. The page counts against the host tier like a block (it
+// was made room for by eviction) until the ScratchPage is destroyed, which
+// gives the page and the charge back. Movable, not copyable; must not
+// outlive its store. Its bytes are the holder's alone (not thread-safe).
+class ScratchPage {
+ public:
+  ScratchPage() = default;
+  ScratchPage(ScratchPage&& other) noexcept { *this = std::move(other); }
+  ScratchPage& operator=(ScratchPage&& other) noexcept;
+  ScratchPage(const ScratchPage&) = delete;
+  ScratchPage& operator=(const ScratchPage&) = delete;
+  ~ScratchPage() { Release(); }
+  bool valid() const { return store_ != nullptr; }
+  absl::Span<uint8_t> bytes() const { return {data_, size_}; }
+  void Release();
+
+ private:
+  friend class BlockStore;
+  BlockStore* store_ = nullptr;
+  PageId page_ = kNoPage;
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+  TenantId tenant_ = 0;
+};
+
 class BlockStore {
  public:
   // `cold` (optional) becomes owned by the store. When given, Create() scans
@@ -162,6 +195,16 @@ class BlockStore {
   // taking the store's lock for each, so requests are served in between.
   absl::StatusOr<uint64_t> PurgeNamespaces(const absl::flat_hash_set<NamespaceId>& namespaces) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A zero-filled host page of `bytes` (<= page_bytes) for `tenant`'s open
+  // sequence block: room is made by eviction as for a Put, and `bytes` are
+  // charged to the tenant's budget. RESOURCE_EXHAUSTED when the tenant's
+  // budget or the host tier (every page pinned, read or lent) is spent.
+  absl::StatusOr<ScratchPage> AcquireScratch(TenantId tenant, size_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Charges (or gives back) open-block bytes held elsewhere (a GPU backend's
+  // HBM pages) to the tenant's budget; RESOURCE_EXHAUSTED over it.
+  absl::Status ChargeOpenBytes(TenantId tenant, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  void RefundOpenBytes(TenantId tenant, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+
   void SetTenantQuota(TenantId tenant, const TenantQuota& quota) ABSL_LOCKS_EXCLUDED(mu_);
   TenantUsage GetTenantUsage(TenantId tenant) ABSL_LOCKS_EXCLUDED(mu_);
   BlockStoreStats stats() ABSL_LOCKS_EXCLUDED(mu_);
@@ -174,6 +217,7 @@ class BlockStore {
 
  private:
   friend class PinnedBlock;
+  friend class ScratchPage;
   struct TenantState {
     TenantQuota quota;
     TenantUsage usage;
@@ -188,6 +232,9 @@ class BlockStore {
   void HoldLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseHoldLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseRead(PageId page) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseScratch(PageId page, TenantId tenant, size_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // RESOURCE_EXHAUSTED when `bytes` more would put the tenant over budget.
+  absl::Status CheckBudgetLocked(TenantId tenant, uint64_t bytes, const char* what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One pin of `tenant` off the entry (its pinned bytes, and the page's hold
   // when it was the last pin).
   absl::Status UnpinLocked(TenantId tenant, const ScopedKey& key, BlockIndex::Entry* e)
@@ -214,6 +261,8 @@ class BlockStore {
   // Pages whose block was erased while readers held them: freed at the last
   // release.
   std::vector<bool> orphaned_ ABSL_GUARDED_BY(mu_);
+  // Pages lent out as ScratchPages.
+  std::vector<bool> scratch_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<TenantId, TenantState> tenants_ ABSL_GUARDED_BY(mu_);
   BlockStoreStats counters_ ABSL_GUARDED_BY(mu_);
 };

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "kvring/cache/cold_tier.h"
 
 namespace rocksdb {
@@ -36,6 +37,11 @@ struct RocksDbColdTierOptions {
   // fsync the WAL on every write: a Write that returned OK survives power
   // loss. Default: false (survives a process crash, not a power cut).
   bool sync_writes = false;
+  // After a failed write (disk full, I/O error) RocksDB stops taking writes
+  // until resumed; the next write at least this long after the last attempt
+  // calls DB::Resume() first, so writes start again by themselves once
+  // space returns (no restart). Default: 1 s.
+  absl::Duration resume_interval = absl::Seconds(1);
 };
 
 // Parses "zstd", "lz4", "none".
@@ -70,6 +76,10 @@ class RocksDbColdTier final : public ColdTier {
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;
   std::atomic<uint64_t> blocks_count_{0}, raw_bytes_{0}, stored_bytes_{0};
   std::atomic<uint64_t> writes_{0}, reads_{0}, write_errors_{0}, read_errors_{0};
+  // Resumes the database after a failed write (resume_interval apart).
+  void MaybeResume();
+  std::atomic<bool> write_failed_{false};
+  std::atomic<int64_t> last_resume_ns_{0};
 };
 
 }  // namespace kvring

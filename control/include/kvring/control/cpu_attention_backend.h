@@ -1,6 +1,8 @@
 // CpuAttentionBackend: attention_backend.h's contract on the host. Full
 // blocks are read in place from the node's BlockStore (host pages, promoted
-// from the cold tier when needed), open blocks live in host buffers, and
+// from the cold tier when needed), open blocks live in host pages lent by
+// the store (ScratchPage: within the host tier's size and the tenant's one
+// budget, so open blocks can never grow a node past --host_bytes), and
 // attention runs on the CPU kernels (attention/partial_attention.h) over the
 // pool's threads. Thread-safe as the interface requires.
 #pragma once
@@ -32,7 +34,8 @@ class CpuAttentionBackend final : public AttentionBackend {
   absl::Status ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) override;
   void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key) override { DiscardOpenBlock(seq, index); }
   void ForgetSequence(const SequenceRef& seq) override;
-  void SetTenantQuota(TenantId tenant, uint64_t max_bytes) override;
+  // The store applies the tenant's budget to open blocks (AcquireScratch).
+  void SetTenantQuota(TenantId, uint64_t) override {}
   BackendStats stats() override;
 
  private:
@@ -49,8 +52,7 @@ class CpuAttentionBackend final : public AttentionBackend {
     }
   };
   struct OpenBuffer {
-    TenantId tenant = 0;
-    std::vector<uint8_t> bytes;
+    ScratchPage page;  // layout.bytes() of it, zero-filled at open
   };
   // The buffer of an open block (stable while the sequence's lock is held).
   absl::StatusOr<OpenBuffer*> Find(const SequenceRef& seq, uint64_t index) ABSL_LOCKS_EXCLUDED(mu_);
@@ -59,8 +61,6 @@ class CpuAttentionBackend final : public AttentionBackend {
   ThreadPool* pool_;
   absl::Mutex mu_;
   absl::flat_hash_map<OpenId, std::unique_ptr<OpenBuffer>> open_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<TenantId, uint64_t> tenant_bytes_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<TenantId, uint64_t> tenant_quota_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvring
