@@ -91,6 +91,10 @@ absl::Status InRange(const char* flag, int64_t v, int64_t lo, int64_t hi) {
 // Every flag the command uses, checked before anything is built or sent:
 // the same layout checks and limits the daemons apply.
 absl::Status ValidateOpts(const Opts& o, const std::string& cmd) {
+  if (o.rpc_timeout <= absl::ZeroDuration() || o.rpc_timeout == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rpc_timeout=", absl::FormatDuration(o.rpc_timeout), ": must be a positive duration"));
+  }
   if (cmd == "put" || cmd == "get" || cmd == "lookup") {
     if (o.dtype != "f32" && o.dtype != "f16" && o.dtype != "bf16") {
       return absl::InvalidArgumentError(absl::StrCat("--dtype=", o.dtype, ": expected f32, f16 or bf16"));

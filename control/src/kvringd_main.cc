@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "grpcpp/server.h"
@@ -128,6 +129,19 @@ int main(int argc, char** argv) {
   if (flags.help_requested()) {
     std::printf("%s", flags.Usage().c_str());
     return 0;
+  }
+  if (!ucx_listen.empty()) {
+    // The UCX data plane listens on --ucx_listen's port (its TCP transport),
+    // not on one the system picks. UCX 1.13 takes this setting only from its
+    // environment (ucp_config_modify does not reach the TCP transport), so it
+    // is set here, from the flag, before any thread or UCX context exists.
+    const size_t colon = ucx_listen.rfind(':');
+    int port = -1;
+    if (colon == std::string::npos || !absl::SimpleAtoi(ucx_listen.substr(colon + 1), &port) || port < 0 ||
+        port > 65535) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("'", ucx_listen, "' is not host:port")), "--ucx_listen");
+    }
+    if (port != 0) ::setenv("UCX_TCP_PORT_RANGE", absl::StrCat(port, "-", port).c_str(), /*overwrite=*/1);
   }
   LogLevel lvl;
   if (!ParseLogLevel(log_level, &lvl)) return Fail(absl::InvalidArgumentError(log_level), "--log_level");

@@ -1,5 +1,8 @@
 #include "kvring/transport/ucx_rpc.h"
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -18,7 +21,7 @@ namespace {
 constexpr unsigned kRequestAm = 1;
 constexpr unsigned kReplyAm = 2;
 constexpr unsigned kHelloAm = 3;
-constexpr unsigned kPingAm = 4;  // wires up a sentinel endpoint; ignored on arrival
+constexpr unsigned kByeAm = 5;  // a client leaving: the server closes its endpoint now
 
 // flags: the small pieces (token/meta, msg/meta) travel in the AM header, and
 // the AM data is exactly the payload, contiguous, so UCX's zero-copy
@@ -37,10 +40,33 @@ struct RepHeader {
 };
 struct HelloHeader {
   uint64_t client_id;
-  uint32_t same_host;  // the client is on this host: no peer-failure mode (see below)
-  uint32_t pad;
+  uint32_t same_host;   // the client is on this host
+  uint32_t pid;         // same host: the client's pid and its start time (/proc/<pid>/stat),
+  uint64_t start_time;  // watched by the server to find a client that died without a bye
 };
-static_assert(sizeof(ReqHeader) == 32 && sizeof(RepHeader) == 24);
+struct ByeHeader {
+  uint64_t client_id;
+};
+static_assert(sizeof(ReqHeader) == 32 && sizeof(RepHeader) == 24 && sizeof(HelloHeader) == 24);
+
+// The start time of process `pid` in clock ticks since boot (field 22 of
+// /proc/<pid>/stat), 0 when there is no such process: with the pid it names
+// one process, whatever pids are reused later.
+uint64_t ProcessStartTime(uint32_t pid) {
+  FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return 0;
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* p = std::strrchr(buf, ')');  // the command name may hold spaces
+  if (p == nullptr) return 0;
+  int field = 2;  // fields after the name: 3 (state) ... 22 (starttime)
+  for (++p; *p != 0; ++p) {
+    if (*p == ' ' && ++field == 22) return std::strtoull(p + 1, nullptr, 10);
+  }
+  return 0;
+}
 
 // Message buffers, recycled (the server's receive buffers, the client's
 // staged payloads): a fresh multi-megabyte allocation per message costs page
@@ -193,9 +219,11 @@ void OnSendDone(void* request, ucs_status_t status, void* user) {
 }
 
 // Sends an AM; `ctx` is consumed (deleted when the send completes).
-void SendAm(ucp_ep_h ep, unsigned id, SendCtx* ctx) {
+void SendAm(ucp_ep_h ep, unsigned id, SendCtx* ctx, uint32_t flags = 0) {
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = flags;
   p.cb.send = OnSendDone;
   p.user_data = ctx;
   p.datatype = ctx->iov.empty() ? ucp_dt_make_contig(1) : ucp_dt_make_iov();
@@ -247,39 +275,44 @@ struct ServerState : std::enable_shared_from_this<ServerState> {
   uint64_t max_bytes = 0;
   absl::Mutex mu;
   bool alive ABSL_GUARDED_BY(mu) = true;
-  std::unordered_map<ucp_ep_h, uint64_t> eps;      // loop thread only: ep -> generation
-  std::unordered_map<uint64_t, ucp_ep_h> clients;  // loop thread only: client id -> ep back to it
-  uint64_t next_generation = 1;                    // loop thread only
-  // Replies in flight (loop thread only). On one host the endpoints run
-  // without UCX's peer-failure mode (which would rule out shared memory and
-  // CMA), so a client that dies mid-transfer is found here instead: a reply
-  // older than reply_timeout closes its endpoint, which completes (cancels)
-  // everything pending on it and releases the blocks it held.
+  // Loop thread only. Every endpoint, on one host too, runs in UCX's
+  // peer-failure mode (the shared-memory transports with error handling,
+  // see UcxWorkerLoop): only such an endpoint can be closed at once (UCX 1.13
+  // keeps any other, with the client's shared-memory segments it attached,
+  // until the worker is destroyed), and its failure is reported.
+  struct Client {
+    ucp_ep_h ep = nullptr;
+    uint32_t pid = 0;  // same host: watched by Sweep (0: across hosts, or not told)
+    uint64_t start_time = 0;
+  };
+  std::unordered_map<ucp_ep_h, uint64_t> eps;    // ep -> generation
+  std::unordered_map<uint64_t, Client> clients;  // client id -> the endpoint back to it
+  uint64_t next_generation = 1;
+  // Replies in flight (loop thread only): a reply older than reply_timeout
+  // (a client that stopped taking messages) closes its endpoint, which
+  // cancels everything pending on it and releases the blocks it held.
   std::unordered_map<SendCtx*, ucp_ep_h> inflight;
   std::chrono::milliseconds reply_timeout{30000};
-  // Same-host clients also get a sentinel endpoint in peer-failure mode (TCP
-  // lanes, no data): its error callback reports the client's death at once.
-  std::unordered_map<ucp_ep_h, ucp_ep_h> sentinel_of;  // data ep -> sentinel
-  std::unordered_map<ucp_ep_h, ucp_ep_h> data_of;      // sentinel -> data ep
 
+  // Closes a client's endpoint and forgets it: its transport resources
+  // (shared-memory segments, sockets) go with it. Loop thread, never inside
+  // a UCX callback of that endpoint.
   void DropEndpoint(ucp_ep_h ep) {
     if (!eps.erase(ep)) return;
     for (auto it = clients.begin(); it != clients.end();) {
-      it = it->second == ep ? clients.erase(it) : std::next(it);
+      it = it->second.ep == ep ? clients.erase(it) : std::next(it);
     }
     CloseEndpoint(loop->worker(), ep);
-    auto s = sentinel_of.find(ep);
-    if (s != sentinel_of.end()) {
-      data_of.erase(s->second);
-      CloseEndpoint(loop->worker(), s->second);
-      sentinel_of.erase(s);
-    }
   }
   void Sweep() {
     const auto now = std::chrono::steady_clock::now();
     std::vector<ucp_ep_h> dead;
     for (auto& [c, ep] : inflight) {
       if (now - c->started > reply_timeout) dead.push_back(ep);
+    }
+    // Same-host clients that died without a bye (kill -9, a crash).
+    for (auto& [id, c] : clients) {
+      if (c.pid != 0 && ProcessStartTime(c.pid) != c.start_time) dead.push_back(c.ep);
     }
     for (ucp_ep_h ep : dead) DropEndpoint(ep);
   }
@@ -334,7 +367,7 @@ ucs_status_t OnRequest(void* arg, const void* header, size_t header_length, void
   std::memcpy(&h, header, sizeof(h));
   auto cit = st->clients.find(h.client_id);
   if (cit == st->clients.end()) return UCS_OK;  // no hello from this client: nowhere to reply
-  ucp_ep_h ep = cit->second;
+  ucp_ep_h ep = cit->second.ep;
   const uint64_t gen = st->eps[ep];
   const uint64_t pieces = uint64_t{h.token_len} + h.meta_len;
   const bool inline_pieces = h.flags & kInlinePieces;
@@ -370,34 +403,18 @@ ucs_status_t OnRequest(void* arg, const void* header, size_t header_length, void
   return UCS_OK;
 }
 
-void OnServerEpError(void* arg, ucp_ep_h ep, ucs_status_t) { static_cast<ServerState*>(arg)->DropEndpoint(ep); }
-void OnServerSentinelError(void* arg, ucp_ep_h sentinel, ucs_status_t) {
+// A client's endpoint failed (the client died, or its connection broke):
+// closed after this callback returns.
+void OnServerEpError(void* arg, ucp_ep_h ep, ucs_status_t) {
   auto* st = static_cast<ServerState*>(arg);
-  auto it = st->data_of.find(sentinel);
-  if (it != st->data_of.end()) st->DropEndpoint(it->second);
-}
-ucs_status_t OnPing(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) { return UCS_OK; }
-
-// Opens a peer-failure-mode endpoint to `address` that carries one ping (to
-// complete its wireup) and nothing else.
-ucp_ep_h OpenSentinel(ucp_worker_h worker, const void* address, ucp_err_handler_cb_t cb, void* arg) {
-  ucp_ep_params_t p{};
-  p.field_mask =
-      UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  p.address = static_cast<const ucp_address_t*>(address);
-  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  p.err_handler.cb = cb;
-  p.err_handler.arg = arg;
-  ucp_ep_h ep = nullptr;
-  if (ucp_ep_create(worker, &p, &ep) != UCS_OK) return nullptr;
-  auto* ctx = new SendCtx();
-  ctx->header.assign(8, 0);
-  SendAm(ep, kPingAm, ctx);
-  return ep;
+  st->loop->Post([self = st->shared_from_this(), ep] { self->DropEndpoint(ep); });
 }
 
 // A client introduces itself with its worker address; the server opens an
-// endpoint back to it (with peer-failure handling) for the replies.
+// endpoint back to it for the replies. The client's own endpoint and this one
+// are one connection to UCX (it matches them); neither side ever closes its
+// endpoint while the other may still be wiring it up, except the server on
+// a bye or a failure: see SayBye.
 ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* data, size_t length,
                      const ucp_am_recv_param_t* param) {
   auto* st = static_cast<ServerState*>(arg);
@@ -412,21 +429,37 @@ ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* 
   p.field_mask =
       UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   p.address = static_cast<const ucp_address_t*>(data);
-  p.err_mode = h.same_host ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   p.err_handler.cb = OnServerEpError;
   p.err_handler.arg = st;
   ucp_ep_h ep = nullptr;
   if (ucp_ep_create(st->loop->worker(), &p, &ep) != UCS_OK) return UCS_OK;
   const uint64_t gen = st->next_generation++;
   st->eps[ep] = gen;
-  st->clients[h.client_id] = ep;
-  if (h.same_host) {
-    if (ucp_ep_h sen = OpenSentinel(st->loop->worker(), data, OnServerSentinelError, st)) {
-      st->sentinel_of[ep] = sen;
-      st->data_of[sen] = ep;
-    }
+  ServerState::Client c;
+  c.ep = ep;
+  if (h.same_host && h.pid != 0 && ProcessStartTime(h.pid) == h.start_time) {
+    c.pid = h.pid;
+    c.start_time = h.start_time;
   }
-  st->SendReply(ep, gen, /*the hello's request id*/ 0, absl::OkStatus(), "", {}, nullptr);
+  st->clients[h.client_id] = c;
+  // The reply names this process, so that a same-host client notices its
+  // death at once instead of at a timeout.
+  const uint32_t pid = static_cast<uint32_t>(::getpid());
+  st->SendReply(ep, gen, /*the hello's request id*/ 0, absl::OkStatus(), absl::StrCat(pid, ":", ProcessStartTime(pid)),
+                {}, nullptr);
+  return UCS_OK;
+}
+
+// A client leaving in order: its endpoint goes now, not at a timeout.
+ucs_status_t OnBye(void* arg, const void* header, size_t header_length, void*, size_t, const ucp_am_recv_param_t*) {
+  auto* st = static_cast<ServerState*>(arg);
+  if (header_length != sizeof(ByeHeader)) return UCS_OK;
+  ByeHeader h;
+  std::memcpy(&h, header, sizeof(h));
+  auto it = st->clients.find(h.client_id);
+  if (it == st->clients.end()) return UCS_OK;
+  st->loop->Post([self = st->shared_from_this(), ep = it->second.ep] { self->DropEndpoint(ep); });
   return UCS_OK;
 }
 
@@ -440,9 +473,9 @@ struct ClientState {
     absl::Span<uint8_t> buffer;
   };
   UcxWorkerLoop* loop = nullptr;
-  ucp_ep_h ep = nullptr;        // loop thread
-  ucp_ep_h sentinel = nullptr;  // loop thread: same-host failure detector
-  uint64_t client_id = 0;       // set before any send
+  ucp_ep_h ep = nullptr;   // loop thread
+  bool bye_sent = false;   // loop thread
+  uint64_t client_id = 0;  // set before any send
   // Staged request payloads (same host), kept warm: a few per size.
   std::shared_ptr<BufferPool> staging = std::make_shared<BufferPool>(4);
   absl::Mutex mu;
@@ -582,7 +615,7 @@ absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::str
   st->max_bytes = max_message_bytes;
   absl::StatusOr<std::string> addr = srv->loop_->Run([&]() -> absl::StatusOr<std::string> {
     for (auto [id, cb] :
-         {std::pair<unsigned, ucp_am_recv_callback_t>{kRequestAm, OnRequest}, {kHelloAm, OnHello}, {kPingAm, OnPing}}) {
+         {std::pair<unsigned, ucp_am_recv_callback_t>{kRequestAm, OnRequest}, {kHelloAm, OnHello}, {kByeAm, OnBye}}) {
       ucp_am_handler_param_t hp{};
       hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
       hp.id = id;
@@ -617,11 +650,8 @@ UcxRpcServer::~UcxRpcServer() {
   ServerState* st = state_.get();
   loop_->Stop([st] {
     for (auto& [ep, gen] : st->eps) CloseEndpoint(st->loop->worker(), ep);
-    for (auto& [sen, ep] : st->data_of) CloseEndpoint(st->loop->worker(), sen);
     st->eps.clear();
     st->clients.clear();
-    st->data_of.clear();
-    st->sentinel_of.clear();
   });
 }
 
@@ -634,7 +664,9 @@ bool UcxRpcClient::WaitFor(F& f, absl::Duration timeout) {
     const auto slice = std::min<std::chrono::steady_clock::duration>(deadline - now, std::chrono::milliseconds(50));
     if (f.wait_for(slice) == std::future_status::ready) return true;
     if (peer_alive_ && !peer_alive_()) return false;
-    if (!connected()) return false;  // broken meanwhile (the sentinel saw the peer die)
+    if (!connected()) return false;  // broken meanwhile
+    // A same-host daemon that died (its pid gone or reused): no reply comes.
+    if (server_pid_ != 0 && ProcessStartTime(server_pid_) != server_start_time_) return false;
   }
 }
 
@@ -680,11 +712,11 @@ absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::s
   }
   absl::Status s = c->loop_->Run([&]() -> absl::Status {
     ucs_status_t u = UCS_OK;
-    for (auto [id, cb] : {std::pair<unsigned, ucp_am_recv_callback_t>{kReplyAm, OnReply}, {kPingAm, OnPing}}) {
+    {
       ucp_am_handler_param_t hp{};
       hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-      hp.id = id;
-      hp.cb = cb;
+      hp.id = kReplyAm;
+      hp.cb = OnReply;
       hp.arg = st;
       u = ucp_worker_set_am_recv_handler(st->loop->worker(), &hp);
       if (u != UCS_OK) return UcsError(u, "ucp_worker_set_am_recv_handler");
@@ -693,18 +725,18 @@ absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::s
     p.field_mask =
         UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
     p.address = reinterpret_cast<const ucp_address_t*>(server_addr.data());
-    p.err_mode = same_host ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     p.err_handler.cb = OnClientEpError;
     p.err_handler.arg = st;
     u = ucp_ep_create(st->loop->worker(), &p, &st->ep);
     if (u != UCS_OK) return UcsError(u, "UCX connect");
-    if (same_host) st->sentinel = OpenSentinel(st->loop->worker(), server_addr.data(), OnClientEpError, st);
     ucp_address_t* wa = nullptr;
     size_t wlen = 0;
     u = ucp_worker_get_address(st->loop->worker(), &wa, &wlen);
     if (u != UCS_OK) return UcsError(u, "ucp_worker_get_address");
     auto* ctx = new SendCtx();
-    HelloHeader h{st->client_id, same_host ? 1u : 0u, 0};
+    const uint32_t pid = static_cast<uint32_t>(::getpid());
+    HelloHeader h{st->client_id, same_host ? 1u : 0u, same_host ? pid : 0u, same_host ? ProcessStartTime(pid) : 0};
     ctx->header.resize(sizeof(h));
     std::memcpy(ctx->header.data(), &h, sizeof(h));
     ctx->staged.assign(reinterpret_cast<const uint8_t*>(wa), reinterpret_cast<const uint8_t*>(wa) + wlen);
@@ -721,29 +753,57 @@ absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::s
   }
   UcxReply r = hello_done.get();
   if (!r.status.ok()) return absl::UnavailableError(absl::StrCat("UCX hello failed: ", r.status.message()));
+  uint32_t spid = 0;
+  unsigned long long sstart = 0;
+  if (same_host && std::sscanf(r.meta.c_str(), "%u:%llu", &spid, &sstart) == 2 && ProcessStartTime(spid) == sstart) {
+    c->server_pid_ = spid;
+    c->server_start_time_ = sstart;
+  }
   return c;
 }
 
+namespace {
+// Tells the server this client is leaving, so that it closes its endpoint
+// (and the shared-memory segments it attached) now. Loop thread. The
+// client's own endpoint is closed only when its worker is about to go, with
+// no progress in between: UCX 1.13 answers the server's wireup messages for
+// an endpoint closed mid-connection with a new endpoint, and the server
+// aborts on the changed peer id (a client that timed out at once, and closed
+// its endpoints on a worker that lived on, killed daemons that way).
+void SayBye(ClientState* st) {
+  if (st->ep == nullptr || st->bye_sent) return;
+  st->bye_sent = true;
+  auto sent = std::make_shared<bool>(false);
+  auto* ctx = new SendCtx();
+  ByeHeader h{st->client_id};
+  ctx->header.resize(sizeof(h));
+  std::memcpy(ctx->header.data(), &h, sizeof(h));
+  ctx->done = [sent](ucs_status_t) { *sent = true; };
+  SendAm(st->ep, kByeAm, ctx, UCP_AM_SEND_FLAG_EAGER);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+  while (!*sent && std::chrono::steady_clock::now() < until) ucp_worker_progress(st->loop->worker());
+}
+}  // namespace
+
 UcxRpcClient::~UcxRpcClient() {
   ClientState* st = state_.get();
+  // The bye, then the endpoint closed (cancelling any send still in flight:
+  // the worker may not be destroyed with requests pending) with no progress
+  // after it; the worker goes with loop_.
   loop_->Stop([st] {
+    SayBye(st);
     if (st->ep != nullptr) CloseEndpoint(st->loop->worker(), st->ep);
-    if (st->sentinel != nullptr) CloseEndpoint(st->loop->worker(), st->sentinel);
     st->ep = nullptr;
-    st->sentinel = nullptr;
   });
   state_->FailAll(absl::CancelledError("client closed"));
 }
 
 void UcxRpcClient::Break(const absl::Status& why) {
-  ClientState* st = state_.get();
+  // Every pending call fails now and the connection is not used again (the
+  // caller connects afresh); the server closes its side on the bye.
   state_->FailAll(why);
-  loop_->Post([st] {
-    if (st->ep != nullptr) CloseEndpoint(st->loop->worker(), st->ep);
-    if (st->sentinel != nullptr) CloseEndpoint(st->loop->worker(), st->sentinel);
-    st->ep = nullptr;
-    st->sentinel = nullptr;
-  });
+  ClientState* st = state_.get();
+  loop_->Post([st] { SayBye(st); });
 }
 
 bool UcxRpcClient::connected() const {
@@ -766,14 +826,12 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
     st->pending[id] = pending;
   }
   ReqHeader h{id, st->client_id, method, static_cast<uint32_t>(token.size()), static_cast<uint32_t>(meta.size()), 0};
-  // Same-host endpoints run without peer-failure mode (shared-memory
-  // transports do not support it), so a send to a peer that died cannot be
-  // cancelled: stage the payload, so a stalled send never holds the
-  // caller's memory and Call can return. Across hosts the endpoint is in
-  // peer-failure mode, closing it cancels the send, and the payload goes
-  // zero-copy.
+  // The message owns its payload (staged, in pooled buffers when large), so
+  // a send that stalls or outlives the call never reads the caller's memory
+  // and Call always returns by its deadline: a connection is abandoned,
+  // never closed under a send (SayBye says why).
   SendCtx* c = BuildMessage(h, {token, meta}, std::vector<absl::Span<const uint8_t>>(payload.begin(), payload.end()),
-                            loop_->max_am_header(), /*stage=*/same_host_, st->staging.get());
+                            loop_->max_am_header(), /*stage=*/true, st->staging.get());
   auto send_done = std::make_shared<std::promise<ucs_status_t>>();
   std::shared_future<ucs_status_t> sent = send_done->get_future().share();
   // A failed send also completes the call (the reply will never come), so
@@ -796,21 +854,16 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
   // request was taken, so the send's completion is in or about to be.
   if (!WaitFor(fut, timeout)) {
     if (sent.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-      // The send itself stalled. The payload must stay untouched until the
-      // send completes: if the peer stops taking it, close the endpoint
-      // (which cancels the send) before returning.
+      // The send itself stalled (a peer that stopped taking messages).
       const absl::Status why = absl::UnavailableError(
           absl::StrCat("UCX send to ", address_, " stalled for ", absl::FormatDuration(timeout)));
       Break(why);
       st->Take(id);
-      if (same_host_)
-        return why;  // staged: nothing of the caller's is referenced (the context is freed if the send ever ends)
-      sent.wait();   // peer-failure mode: closing the endpoint cancels the send
-      return why;
+      return why;  // staged: nothing of the caller's is referenced (the context is freed if the send ever ends)
     }
     if (sent.get() == UCS_OK && st->Take(id) != nullptr) {
-      // Without peer-failure detection a dead peer looks like silence: treat
-      // it as a broken connection (the next call reconnects).
+      // Sent, but no reply in time: the connection is treated as broken (the
+      // next call reconnects; a late reply finds no call and is dropped).
       const absl::Status why = absl::UnavailableError(
           absl::StrCat("no UCX reply from ", address_, " within ", absl::FormatDuration(timeout)));
       Break(why);
@@ -819,18 +872,11 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
     // The reply (or the send's failure) is landing right now: wait for it.
     fut.wait();
   }
-  // The call has its answer (a reply, or the connection's or the send's
-  // failure). A zero-copy payload (across hosts) must not be returned to the
-  // caller while the send may still read it; a staged one (same host) may:
-  // there a send to a dead peer may never end.
-  if (sent.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-    if (!same_host_ && !WaitFor(sent, timeout)) {
-      Break(absl::UnavailableError(absl::StrCat("UCX send to ", address_, " did not end")));
-      sent.wait();  // peer-failure mode: closing the endpoint cancels the send
+  if (sent.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+    if (const ucs_status_t ss = sent.get(); ss != UCS_OK) {
+      st->Take(id);
+      return UcsError(ss, absl::StrCat("UCX send to ", address_));
     }
-  } else if (const ucs_status_t ss = sent.get(); ss != UCS_OK) {
-    st->Take(id);
-    return UcsError(ss, absl::StrCat("UCX send to ", address_));
   }
   return fut.get();
 }

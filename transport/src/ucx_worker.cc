@@ -88,6 +88,19 @@ absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t fe
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return UcsError(s, "ucp_config_read");
+  // Shared-memory transports with peer-failure support, so that every
+  // endpoint, on one host too, runs in UCX's peer-failure mode: that is what
+  // lets an endpoint be closed at once (UCX 1.13 keeps an endpoint without
+  // it, and the peer's shared-memory segments it attached, until the worker
+  // is destroyed) and what reports a peer's death (the shared-memory
+  // transports check that the peer process is alive).
+  for (const char* key : {"MM_ERROR_HANDLING"}) {
+    s = ucp_config_modify(config, key, "y");
+    if (s != UCS_OK) {
+      ucp_config_release(config);
+      return UcsError(s, absl::StrCat("setting UCX ", key));
+    }
+  }
   if (!options.net_devices.empty()) {
     s = ucp_config_modify(config, "NET_DEVICES", options.net_devices.c_str());
     if (s != UCS_OK) {
@@ -220,9 +233,9 @@ void UcxWorkerLoop::Loop() {
       (void)r;
     }
   }
-  // Drain what is left so no request is abandoned mid-flight.
-  for (int i = 0; i < 1000 && ucp_worker_progress(worker_) != 0; ++i) {
-  }
+  // No progress after `last`: it closed every endpoint (cancelling what was
+  // in flight), and progress now could answer a peer's messages for a closed
+  // endpoint with a new one (UCX 1.13's endpoint matching; the peer aborts).
 }
 
 void CloseEndpoint(ucp_worker_h worker, ucp_ep_h ep) {

@@ -84,7 +84,9 @@ class UcxWorkerLoop {
   std::thread thread_;
 };
 
-// Closes an endpoint (force), progressing the worker until done. Loop thread.
+// Closes an endpoint at once (force: what is in flight is cancelled),
+// progressing the worker until done. The endpoint must be in peer-failure
+// mode (UCX refuses to force-close any other). Loop thread.
 void CloseEndpoint(ucp_worker_h worker, ucp_ep_h ep);
 
 }  // namespace kvring::ucx_internal

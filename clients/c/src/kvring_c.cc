@@ -1,5 +1,6 @@
 #include "kvring/kvring_c.h"
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -66,6 +67,10 @@ int kvring_connect(const kvring_options* o, kvring_client** out) {
   absl::StatusOr<std::optional<KvEncoding>> quantize = ParseQuantizeOption(Str(o->quantize));
   if (!quantize.ok()) return Code(quantize.status());
   co.quantize = *quantize;
+  // 0: the default; anything else must be a positive, finite number of seconds.
+  if (!(o->rpc_timeout_s >= 0) || !std::isfinite(o->rpc_timeout_s)) {
+    return Code(absl::InvalidArgumentError("rpc_timeout_s must be a positive, finite number of seconds (0: 10 s)"));
+  }
   if (o->rpc_timeout_s > 0) co.rpc_timeout = absl::Seconds(o->rpc_timeout_s);
   co.tls = TlsConfig{Str(o->tls_cert), Str(o->tls_key), Str(o->tls_ca), false};
   co.threads = o->threads;

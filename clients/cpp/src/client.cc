@@ -1449,6 +1449,17 @@ Client::~Client() = default;
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.token.empty()) return absl::InvalidArgumentError("a tenant token is required");
+  if (options.rpc_timeout <= absl::ZeroDuration() || options.rpc_timeout == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("rpc_timeout must be a positive, finite duration, not ",
+                                                   absl::FormatDuration(options.rpc_timeout)));
+  }
+  if (options.threads > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("threads must be at most 4096, not ", options.threads));
+  }
+  if (options.ucx_loop.spin_us < -1 || options.ucx_loop.spin_us > 1000000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ucx_spin_us must be -1 (by core count) or 0..1000000, not ", options.ucx_loop.spin_us));
+  }
   auto impl = std::make_unique<ClientImpl>(options);
   KVRING_RETURN_IF_ERROR(impl->Init());
   return std::unique_ptr<Client>(new Client(std::move(impl)));

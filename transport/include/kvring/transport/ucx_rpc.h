@@ -11,15 +11,25 @@
 //
 // Addressing: peers connect by UCX worker address ("ucxw:<hex>", from
 // UcxRpcServer::address(), published in the shard map), so UCX selects
-// every transport the two workers share: shared memory and CMA on one host,
-// TCP or RDMA across hosts. A client first sends a hello with its own worker
-// address; the server opens an endpoint back to it for replies.
-// Failure detection: between hosts, UCX's peer-failure mode. On one host that
-// mode would exclude shared memory and CMA (UCX 1.13), so there the
-// endpoints run without it and timeouts detect a dead peer: a client breaks
-// the connection when a send or reply outlasts its timeout (UNAVAILABLE; the
-// next Connect starts afresh), and the server closes an endpoint whose reply
-// has been in flight longer than 30 s, releasing what the reply held.
+// every transport the two workers share: shared memory on one host, TCP or
+// RDMA across hosts. A client first sends a hello with its own worker
+// address; the server opens an endpoint back to it for replies. The TCP
+// transport listens on the daemon's --ucx_listen port.
+// Failure and departure: every endpoint runs in UCX's peer-failure mode
+// (the shared-memory transports with error handling on), so a dead peer is
+// reported and an endpoint can be closed at once. A client says bye when it
+// goes and the server closes its endpoint then, releasing the client's
+// shared-memory segments; a same-host client that dies without a bye is
+// found by its pid (checked every 500 ms), and a reply in flight longer than
+// 30 s closes its endpoint. A client abandons a connection whose call timed
+// out (UNAVAILABLE; the next Connect starts afresh) but never closes an
+// endpoint while its worker lives on: UCX 1.13 answers a peer's wireup for
+// a closed endpoint with a new one and the peer aborts on the changed id.
+// Request payloads are staged (copied into pooled buffers), so a call always
+// returns by its deadline without the caller's memory still being read.
+// Trade-off measured: in peer-failure mode UCX 1.13 does not use CMA
+// zero-copy between processes, so same-host bulk moves through shared-memory
+// copies (bench/RESULTS.md).
 //
 // UcxRpcServer: serves requests; each request runs the handler on the
 // given ThreadPool; the handler replies exactly once through its UcxReplier
@@ -162,6 +172,9 @@ class UcxRpcClient {
   template <typename F>
   bool WaitFor(F& f, absl::Duration timeout);
   bool same_host_ = false;
+  // A same-host daemon's process (0: unknown): its death fails calls at once.
+  uint32_t server_pid_ = 0;
+  uint64_t server_start_time_ = 0;
   std::function<bool()> peer_alive_;
   std::unique_ptr<ucx_internal::UcxWorkerLoop> loop_;
   std::shared_ptr<ucx_internal::ClientState> state_;
