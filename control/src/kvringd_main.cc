@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
   uint64_t host_bytes = 1ull << 30, page_bytes = 2ull << 20, max_message = 256ull << 20;
   int64_t threads = 0;
   bool write_through = false, cold_sync = false, lock_memory = false, check_config = false;
-  bool delivery_checksum = false, device_delivery = true;
+  bool delivery_checksum = false, device_delivery = true, check_append_values = true;
   FlagSet flags("kvringd", "the kvring node daemon: a shard of the KV-block store with attention where the KV lives");
   flags.AddString("listen", &listen, "gRPC listen address host:port (port 0: any free port)");
   flags.AddString("advertise", &advertise,
@@ -97,6 +97,9 @@ int main(int argc, char** argv) {
                 "with --gpu: copy Get's blocks straight into the GPU memory of callers on this host that ask for it "
                 "(CUDA IPC). Any process on the host that learns a caller's memory handle could name it: turn this "
                 "off on hosts whose engines do not trust each other");
+  flags.AddBool("check_append_values", &check_append_values,
+                "refuse appended K/V holding NaN or Inf (one pass over a step's appended bytes; off: such a token "
+                "poisons every later step of its sequence)");
   flags.AddBool("delivery_checksum", &delivery_checksum,
                 "with --gpu: check each block's checksum again before copying it into a same-host caller's GPU "
                 "memory (blocks are checked when they enter the host tier; the re-check costs host memory bandwidth)");
@@ -211,6 +214,7 @@ int main(int argc, char** argv) {
   co.node_id = *id;
   co.limits.max_payload_bytes = page_bytes;
   co.limits.max_request_bytes = max_message;
+  co.limits.finite_appends = check_append_values;
   co.delivery_checksum = delivery_checksum;
   CpuAttentionBackend cpu_backend(store->get(), &pool);
   AttentionBackend* backend = &cpu_backend;

@@ -1,5 +1,7 @@
 #include "kvring/control/request_validation.h"
 
+#include <cstring>
+
 #include <cmath>
 
 #include "absl/container/flat_hash_set.h"
@@ -302,7 +304,53 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
     b.new_k = span(r.new_k());
     b.new_v = span(r.new_v());
   }
+  if (limits.finite_appends && b.layout.has_value() && !b.new_k.empty()) {
+    const size_t per_token = size_t{b.layout->kv_heads} * b.layout->head_dim;
+    for (auto [name, bytes] : {std::pair<const char*, absl::Span<const uint8_t>>{"K", b.new_k}, {"V", b.new_v}}) {
+      const int64_t bad = FirstNonFinite(bytes, b.layout->dtype);
+      if (bad < 0) continue;
+      // Which sequence and token: appended rows are grouped by sequence.
+      uint64_t row = static_cast<uint64_t>(bad) / per_token;
+      std::string who;
+      for (const AttendSequenceSpec& sp : b.sequences) {
+        if (row < sp.append_tokens) {
+          who = absl::StrCat("sequence '", sp.sequence_id.substr(0, 64), "' token ", sp.append_position + row);
+          break;
+        }
+        row -= sp.append_tokens;
+      }
+      return absl::InvalidArgumentError(
+          absl::StrCat("appended ", name, " of ", who, " holds NaN or Inf: refused, nothing was appended"));
+    }
+  }
   return b;
+}
+
+int64_t FirstNonFinite(absl::Span<const uint8_t> bytes, DType dtype) {
+  switch (dtype) {
+    case DType::kF32: {
+      const size_t n = bytes.size() / 4;
+      for (size_t i = 0; i < n; ++i) {
+        uint32_t v;
+        std::memcpy(&v, bytes.data() + 4 * i, 4);
+        if ((v & 0x7f800000u) == 0x7f800000u) return static_cast<int64_t>(i);
+      }
+      return -1;
+    }
+    case DType::kF16:
+    case DType::kBF16: {
+      // All exponent bits set: infinity or NaN.
+      const uint16_t mask = dtype == DType::kF16 ? 0x7c00 : 0x7f80;
+      const size_t n = bytes.size() / 2;
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t v;
+        std::memcpy(&v, bytes.data() + 2 * i, 2);
+        if ((v & mask) == mask) return static_cast<int64_t>(i);
+      }
+      return -1;
+    }
+  }
+  return -1;
 }
 
 }  // namespace kvring

@@ -1,5 +1,9 @@
 #include "kvring/control/request_validation.h"
 
+#include <cmath>
+
+#include <limits>
+
 #include "gtest/gtest.h"
 
 namespace kvring {
@@ -141,6 +145,53 @@ TEST(RequestValidationTest, AppendsNeedTheLayoutAndMatchingKv) {
       ParseAttendRequest(a, RequestLimits{},
                          absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(payload.data()), payload.size() - 1))
           .ok());
+}
+
+// A NaN or an infinity in appended K/V would poison every later step of
+// the sequence (NaN K: O = 0; Inf V: O = inf): refused, naming the sequence
+// and token, unless the daemon turned the check off.
+TEST(RequestValidationTest, NonFiniteAppendedKvIsRefused) {
+  v1::AttendRequest a = GoodAttend();
+  v1::AttendSequence* s = a.mutable_sequences(0);
+  s->set_append_position(38);
+  s->set_append_tokens(2);
+  s->set_tokens(40);
+  v1::Layout* l = a.mutable_layout();
+  l->set_block_tokens(16);
+  l->set_layers(2);
+  l->set_kv_heads(2);
+  l->set_head_dim(128);
+  l->set_dtype(2);  // bf16
+  std::string k(2 * 2 * 128 * 2, '\0'), v(2 * 2 * 128 * 2, '\0');
+  a.set_new_k(k);
+  a.set_new_v(v);
+  ASSERT_TRUE(ParseAttendRequest(a, RequestLimits{}).ok());
+  // bf16 infinity (0x7f80) in V of the second appended token (element 300).
+  v[2 * 300] = static_cast<char>(0x80);
+  v[2 * 300 + 1] = static_cast<char>(0x7f);
+  a.set_new_v(v);
+  absl::Status st = ParseAttendRequest(a, RequestLimits{}).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("appended V of sequence 'seq-1' token 39 holds NaN or Inf"), std::string::npos) << st;
+  // bf16 NaN (0xffc0) in K of the first.
+  a.set_new_v(std::string(v.size(), '\0'));
+  k[2 * 5] = static_cast<char>(0xc0);
+  k[2 * 5 + 1] = static_cast<char>(0xff);
+  a.set_new_k(k);
+  st = ParseAttendRequest(a, RequestLimits{}).status();
+  EXPECT_NE(st.message().find("appended K of sequence 'seq-1' token 38"), std::string::npos) << st;
+  RequestLimits off;
+  off.finite_appends = false;
+  EXPECT_TRUE(ParseAttendRequest(a, off).ok());
+  // f32 and f16 spellings of NaN and Inf; the largest finite values pass.
+  const float f32[] = {1.f, 3.4e38f, std::numeric_limits<float>::infinity()};
+  EXPECT_EQ(FirstNonFinite(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(f32), sizeof(f32)), DType::kF32), 2);
+  const float nan32 = std::nanf("");
+  EXPECT_EQ(FirstNonFinite(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(&nan32), 4), DType::kF32), 0);
+  const uint16_t f16[] = {0x7bff /* 65504 */, 0x7e00 /* NaN */};
+  EXPECT_EQ(FirstNonFinite(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(f16), 4), DType::kF16), 1);
+  const uint16_t bf16[] = {0x7f7f /* largest finite */, 0x3f80};
+  EXPECT_EQ(FirstNonFinite(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(bf16), 4), DType::kBF16), -1);
 }
 
 TEST(RequestValidationTest, KeyListsAreBoundedAndNonZero) {

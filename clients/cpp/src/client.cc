@@ -880,6 +880,10 @@ class ClientImpl {
         return absl::InvalidArgumentError(
             absl::StrCat("sequence '", s.sequence_id, "' has neither rows nor appended tokens"));
       }
+      if (s.rows > 0 && s.context_tokens + s.append_tokens == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequence '", s.sequence_id, "' attends over 0 tokens (its query rows would have nothing to attend to)"));
+      }
       rows += s.rows;
       appended += s.append_tokens;
     }

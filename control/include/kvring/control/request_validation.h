@@ -25,7 +25,18 @@ struct RequestLimits {
   uint32_t max_attend_sequences = 1024;   // sequences in one Attend
   uint32_t max_sequence_id_bytes = kMaxSequenceIdBytes;
   uint32_t max_namespace_bytes = kMaxNamespaceBytes;
+  // Refuse an Attend whose appended K/V (host bytes: inline or over UCX)
+  // holds a NaN or an infinity: one such token would poison every later
+  // step of its sequence (NaN K gives O = 0, Inf V gives O = inf). Costs one
+  // pass over the appended bytes (a decode step's few KB; measured in
+  // bench/RESULTS.md). Appends read from a caller's GPU memory (device
+  // exchange) are not checked. Default: true.
+  bool finite_appends = true;
 };
+
+// The first non-finite value of `bytes` read as `dtype` (f32, f16, bf16):
+// its element index, or -1 when every value is finite.
+int64_t FirstNonFinite(absl::Span<const uint8_t> bytes, DType dtype);
 
 absl::Status ValidateHeader(const v1::RequestHeader& h, const RequestLimits& limits);
 absl::Status ValidateKeys(const google::protobuf::RepeatedPtrField<v1::Key>& keys, const RequestLimits& limits);
