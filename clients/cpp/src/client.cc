@@ -787,6 +787,7 @@ class ClientImpl {
     uint64_t chunk = 0;
     bool same_node_again = false;
     std::string why;
+    absl::StatusCode code = absl::StatusCode::kUnavailable;  // the node's answer
   };
 
   // A step whose tensors are in this process's GPU memory, run through
@@ -967,6 +968,7 @@ class ClientImpl {
     AttendReport rep;
     absl::Status last_error = absl::OkStatus();
     std::map<std::pair<size_t, uint64_t>, std::vector<std::string>> tried;  // why each replica did not serve a chunk
+    std::map<std::pair<size_t, uint64_t>, std::vector<absl::StatusCode>> tried_codes;
     if (two_phase) {
       // Appends first (one request per node and contiguous part), attends after.
       std::vector<NodeJob> jobs;
@@ -982,9 +984,21 @@ class ClientImpl {
     for (int round = 0; !pending.empty() || !plan.empty(); ++round) {
       for (const auto& [b, c] : pending) {
         if (next[b][c] >= cands[b][c].size()) {
-          return absl::UnavailableError(absl::StrCat("no live replica holds chunk ", c, " of sequence '",
-                                                     st.sequences[b].sequence_id, "' (",
-                                                     absl::StrJoin(tried[{b, c}], "; "), ")"));
+          // When every replica that answered refused for the same reason
+          // (NOT_FOUND, FAILED_PRECONDITION, DATA_LOSS...), that is the
+          // step's error class; replicas that could not be reached make it
+          // UNAVAILABLE.
+          absl::StatusCode code = absl::StatusCode::kUnavailable;
+          const std::vector<absl::StatusCode>& codes = tried_codes[{b, c}];
+          if (!codes.empty() && std::all_of(codes.begin(), codes.end(), [&](absl::StatusCode x) {
+                return x == codes.front() && x != absl::StatusCode::kUnavailable &&
+                       x != absl::StatusCode::kDeadlineExceeded && x != absl::StatusCode::kOk;
+              })) {
+            code = codes.front();
+          }
+          return absl::Status(code, absl::StrCat("no live replica holds chunk ", c, " of sequence '",
+                                                 st.sequences[b].sequence_id, "' (",
+                                                 absl::StrJoin(tried[{b, c}], "; "), ")"));
         }
         SeqPart& p = plan[cands[b][c][next[b][c]++]][b];
         p.seq = b;
@@ -1006,6 +1020,7 @@ class ClientImpl {
         pending.emplace_back(f.seq, f.chunk);
         if (f.same_node_again) --next[f.seq][f.chunk];  // the same replica once more, attend only
         tried[{f.seq, f.chunk}].push_back(std::move(f.why));
+        tried_codes[{f.seq, f.chunk}].push_back(f.code);
       }
     }
     for (const AppendUnit& u : units) {
@@ -1251,7 +1266,7 @@ class ClientImpl {
           for (uint64_t c : p.chunks) {
             if (failed)
               failed->push_back(
-                  FailedChunk{p.seq, c, false, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", s.ToString())});
+                  FailedChunk{p.seq, c, false, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", s.ToString()), s.code()});
           }
         }
         continue;
@@ -1282,7 +1297,8 @@ class ClientImpl {
         for (uint64_t c : p.chunks) {
           if (failed == nullptr) return ps;
           failed->push_back(
-              FailedChunk{p.seq, c, again_here, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", ps.ToString())});
+              FailedChunk{p.seq, c, again_here, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", ps.ToString()),
+                          ps.code()});
         }
       }
       if (res[j].rows == 0) continue;

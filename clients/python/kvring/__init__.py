@@ -17,6 +17,8 @@ kvring.engine (a tiny numpy transformer for tests and demos). Errors raise
 kvring.Error subclasses named after the status code.
 """
 import ctypes
+import functools
+import math
 
 import numpy as np
 
@@ -74,6 +76,86 @@ def _invalid(message):
     _raise(3, message)
 
 
+# Every argument is checked here before it crosses into C: ctypes would wrap
+# an out-of-range integer silently (2**32 + 1 -> 1, -1 -> 2**64 - 1) and cut a
+# string at its first NUL.
+_U32, _U64, _I64 = (1 << 32) - 1, (1 << 64) - 1, (1 << 63) - 1
+
+
+def _int(name, v, lo=0, hi=_I64):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        _invalid("%s must be an integer, got %s" % (name, type(v).__name__))
+    v = int(v)
+    if v < lo or v > hi:
+        _invalid("%s must be in [%d, %d], got %d" % (name, lo, hi, v))
+    return v
+
+
+def _real(name, v, lo, hi, lo_open=False):
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        _invalid("%s must be a number, got %s" % (name, type(v).__name__))
+    v = float(v)
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        _invalid("%s must be a finite number in %s%g, %g], got %r" % (name, "(" if lo_open else "[", lo, hi, v))
+    return v
+
+
+def _flag(name, v):
+    if not isinstance(v, (bool, int, np.integer, np.bool_)):
+        _invalid("%s must be a bool, got %s" % (name, type(v).__name__))
+    return bool(v)
+
+
+def _text(name, v, max_bytes=4096, empty=True):
+    """str -> bytes for C; NUL characters are refused (C would cut the string there)."""
+    if not isinstance(v, str):
+        _invalid("%s must be a str, got %s" % (name, type(v).__name__))
+    if "\0" in v:
+        _invalid("%s must not contain NUL characters" % name)
+    b = v.encode()
+    if not empty and not b:
+        _invalid("%s must not be empty" % name)
+    if len(b) > max_bytes:
+        _invalid("%s is %d bytes; at most %d" % (name, len(b), max_bytes))
+    return b
+
+
+def _layout(v):
+    if not isinstance(v, Layout):
+        _invalid("layout must be a kvring.Layout, got %s" % type(v).__name__)
+    return v
+
+
+def _ints_array(name, v, dtype, lo, hi):
+    """A 1-D integer array, values in [lo, hi], as `dtype` (no silent wrap)."""
+    try:
+        a = np.asarray(v)
+    except (TypeError, ValueError) as e:
+        _invalid("%s must be a 1-D integer array: %s" % (name, e))
+    if a.dtype == object or a.dtype.kind not in "iu" or a.ndim != 1:
+        if not (a.size == 0 and a.ndim == 1):
+            _invalid("%s must be a 1-D integer array, got %s of shape %s" % (name, a.dtype, a.shape))
+    if a.size and (int(a.min()) < lo or int(a.max()) > hi):
+        _invalid("%s must hold integers in [%d, %d]" % (name, lo, hi))
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _api(f):
+    """Any stray Python error from a bad argument becomes kvring.InvalidArgumentError."""
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except Error:
+            raise
+        except (TypeError, ValueError, AttributeError, OverflowError, IndexError, KeyError,
+                ctypes.ArgumentError) as e:
+            err = InvalidArgumentError("%s: bad argument: %s" % (f.__name__, e))
+            err.code = "INVALID_ARGUMENT"
+            raise err from e
+    return wrapper
+
+
 _DTYPES = {"f32": 0, "float32": 0, "fp32": 0, "f16": 1, "float16": 1, "fp16": 1, "bf16": 2, "bfloat16": 2}
 _DTYPE_NAMES = {0: "f32", 1: "f16", 2: "bf16"}
 _DTYPE_SIZE = {0: 4, 1: 2, 2: 2}
@@ -83,7 +165,7 @@ class Layout:
     """Shape of one KV block: block_tokens x layers x (K, V) x kv_heads x head_dim, in dtype."""
 
     def __init__(self, block_tokens=16, layers=1, kv_heads=8, head_dim=128, dtype="bf16"):
-        if dtype not in _DTYPES:
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             _invalid("dtype '%s': expected bf16, f16 or f32" % (dtype,))
         for name, v, hi in (("block_tokens", block_tokens, 256), ("layers", layers, 256), ("kv_heads", kv_heads, 256),
                             ("head_dim", head_dim, 512)):
@@ -131,14 +213,35 @@ class Layout:
 
 def _keys(keys, what="keys"):
     try:
-        k = np.ascontiguousarray(keys, dtype=np.uint64)
+        a = np.asarray(keys)
     except (TypeError, ValueError) as e:
         _invalid("%s must be a uint64 array of shape (n, 2) holding (lo, hi): %s" % (what, e))
+    if a.size and (a.dtype == object or a.dtype.kind not in "iu"):
+        _invalid("%s must be an unsigned integer array of shape (n, 2), got %s" % (what, a.dtype))
+    if a.size and a.dtype.kind == "i" and int(a.min()) < 0:
+        _invalid("%s must not hold negative numbers" % what)
+    k = np.ascontiguousarray(a, dtype=np.uint64)
     if k.ndim == 1 and k.shape == (2,) and what == "parent":
         k = k.reshape(1, 2)
     if k.ndim != 2 or k.shape[1] != 2:
         _invalid("%s must be a uint64 array of shape (n, 2) holding (lo, hi), got shape %s" % (what, k.shape))
     return k
+
+
+def _sequences(sequences):
+    """[(sequence_id, context_tokens, rows, append_tokens)] checked: (bytes id, ints in range)."""
+    if not isinstance(sequences, (list, tuple)) or not sequences:
+        _invalid("sequences must be a non-empty list of (sequence_id, context_tokens, rows, append_tokens)")
+    out = []
+    for i, s in enumerate(sequences):
+        if not isinstance(s, (list, tuple)) or len(s) != 4:
+            _invalid("sequence %d must be (sequence_id, context_tokens, rows, append_tokens), got %r" % (i, s))
+        sid = s[0]
+        if isinstance(sid, bytes):
+            sid = sid.decode(errors="strict")
+        out.append((_text("sequence_id", sid, 256, empty=False), _int("context_tokens", s[1], 0, 1 << 40),
+                    _int("rows", s[2], 0, 1 << 20), _int("append_tokens", s[3], 0, 1 << 20)))
+    return out
 
 
 def _parent(parent):
@@ -183,19 +286,34 @@ class Client:
     def __init__(self, coordinator, token, namespace="", use_ucx=True, quantize="", rpc_timeout=10.0, tls_ca="",
                  tls_cert="", tls_key="", threads=0, ucx_spin_us=-1, ucx_busy_poll=False, device_delivery=True,
                  device_exchange_min_bytes=-1):
-        o = _native.Options(coordinator.encode(), token.encode(), namespace.encode(), 1 if use_ucx else 0,
-                            quantize.encode(), float(rpc_timeout), tls_ca.encode(), tls_cert.encode(),
-                            tls_key.encode(), int(threads), int(ucx_spin_us), 1 if ucx_busy_poll else 0,
-                            0 if device_delivery else 1, int(device_exchange_min_bytes))
+        self._hp = None
+        o = _native.Options(_text("coordinator", coordinator, 1024, empty=False), _text("token", token, 4096),
+                            _text("namespace", namespace, 256), 1 if _flag("use_ucx", use_ucx) else 0,
+                            _text("quantize", quantize, 64), _real("rpc_timeout", rpc_timeout, 0, 86400, lo_open=True),
+                            _text("tls_ca", tls_ca), _text("tls_cert", tls_cert), _text("tls_key", tls_key),
+                            _int("threads", threads, 0, 4096), _int("ucx_spin_us", ucx_spin_us, -1, 1000000),
+                            1 if _flag("ucx_busy_poll", ucx_busy_poll) else 0,
+                            0 if _flag("device_delivery", device_delivery) else 1,
+                            _int("device_exchange_min_bytes", device_exchange_min_bytes, -1, 1 << 62))
         h = ctypes.c_void_p()
-        self._h = None
         _check(_lib.kvring_connect(ctypes.byref(o), ctypes.byref(h)))
-        self._h = h
+        self._hp = h
+
+    @property
+    def _h(self):
+        """The C handle; kvring.FailedPreconditionError once the client is closed."""
+        if not getattr(self, "_hp", None):
+            _raise(9, "the client is closed")
+        return self._hp
+
+    @property
+    def closed(self):
+        return not getattr(self, "_hp", None)
 
     def close(self):
-        if self._h:
-            _lib.kvring_close(self._h)
-            self._h = None
+        if getattr(self, "_hp", None):
+            _lib.kvring_close(self._hp)
+            self._hp = None
 
     def __del__(self):
         try:
@@ -228,13 +346,14 @@ class Client:
 
     def chain(self, model, layout, tokens, parent=None):
         """Keys (n, 2) of the full blocks of `tokens`, continuing from `parent` (default: a sequence start)."""
-        t = np.ascontiguousarray(tokens, dtype=np.uint32)
-        if t.ndim != 1:
-            _invalid("tokens must be a 1-D array of token ids")
+        h = self._h
+        m = _text("model", model, 1024)
+        layout = _layout(layout)
+        t = _ints_array("tokens", tokens, np.uint32, 0, _U32)
         out = np.zeros((len(t) // layout.block_tokens, 2), np.uint64)
         p = _parent(parent)
         c = layout._c()
-        _check(_lib.kvring_chain(self._h, model.encode(), ctypes.byref(c), _ptr(t), len(t), _ptr(p), _ptr(out)))
+        _check(_lib.kvring_chain(h, m, ctypes.byref(c), _ptr(t), len(t), _ptr(p), _ptr(out)))
         return out
 
     def lookup(self, keys):
@@ -245,13 +364,18 @@ class Client:
         return held.value
 
     def _put(self, keys, blocks, layout, parent, pin, sequence_id, first_block):
+        h = self._h
+        layout = _layout(layout)
+        pin = _flag("pin", pin)
+        sid = _text("sequence_id", sequence_id, 256, empty=False) if sequence_id is not None else None
+        first_block = _int("first_block", first_block, 0, 1 << 40)
         k = _keys(keys)
         b = _blocks(blocks, k.shape[0], layout)
         p = _parent(parent)
         rep = _native.PutReport()
         c = layout._c()
-        _check(_lib.kvring_put(self._h, _ptr(k), k.shape[0], _ptr(b), 0, ctypes.byref(c), _ptr(p), 1 if pin else 0,
-                               sequence_id.encode() if sequence_id is not None else None, first_block, ctypes.byref(rep)))
+        _check(_lib.kvring_put(h, _ptr(k), k.shape[0], _ptr(b), 0, ctypes.byref(c), _ptr(p), 1 if pin else 0, sid,
+                               first_block, ctypes.byref(rep)))
         return {"blocks": rep.blocks, "inserted": rep.inserted, "replicas_written": rep.replicas_written, "bytes": rep.bytes}
 
     def put(self, keys, blocks, layout, parent=None, pin=False):
@@ -263,6 +387,8 @@ class Client:
     def get_into(self, keys, layout, out):
         """Reads blocks into `out` (C-contiguous, writable, n * layout.bytes bytes); returns found[i] (bool array).
         Errors other than NOT_FOUND raise. Quantized blocks come back dequantized to the layout's dtype."""
+        self._h
+        layout = _layout(layout)
         k = _keys(keys)
         b = _blocks(out, k.shape[0], layout, writable=True)
         found = np.zeros(k.shape[0], np.uint8)
@@ -272,6 +398,8 @@ class Client:
 
     def get(self, keys, layout):
         """All blocks, as an array (n, layers, 2, kv_heads, block_tokens, head_dim); a missing block raises NotFoundError."""
+        self._h
+        layout = _layout(layout)
         k = _keys(keys)
         out = np.empty((k.shape[0],) + layout.block_shape, layout.numpy_dtype)
         found = self.get_into(k, layout, out)
@@ -294,49 +422,86 @@ class Client:
         append_tokens); q (rows, q_heads, head_dim) float32/float16 (or uint16 bf16 bits: pass q_dtype via
         step_raw), rows grouped by sequence; new_k / new_v (append rows, kv_heads, head_dim) in the layout's dtype.
         Returns (out, lse[, report])."""
+        self._h
+        layout = _layout(layout)
+        seqs = _sequences(sequences)
+        rows = sum(x[2] for x in seqs)
+        appended = sum(x[3] for x in seqs)
+        if not isinstance(q, np.ndarray):
+            _invalid("q must be a numpy array of shape (rows, q_heads, head_dim)")
         qa = np.ascontiguousarray(q)
-        if qa.ndim != 3:
-            _invalid("q must have shape (rows, q_heads, head_dim)")
+        if qa.ndim != 3 or qa.shape[0] != rows or qa.shape[2] != layout.head_dim or qa.shape[1] < 1 or \
+                qa.shape[1] % layout.kv_heads:
+            _invalid("q must have shape (%d rows, a multiple of %d q_heads, %d), got %s" % (
+                rows, layout.kv_heads, layout.head_dim, qa.shape))
         qd = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}.get(qa.dtype)
         if qd is None:
+            if qa.dtype.kind != "f":
+                _invalid("q must hold floats (float32/float16, or uint16 bf16 bits), got %s" % qa.dtype)
             qa = qa.astype(np.float32)
             qd = 0
-        kv = [np.ascontiguousarray(x) if x is not None else None for x in (new_k, new_v)]
-        return self.step_raw(layout, sequences, _ptr(qa), qd, qa.shape, positions, _ptr(kv[0]), _ptr(kv[1]), layer,
+        kv = []
+        for name, x in (("new_k", new_k), ("new_v", new_v)):
+            if appended == 0:
+                if x is not None and np.asarray(x).size:
+                    _invalid("%s given but the sequences append no tokens" % name)
+                kv.append(None)
+                continue
+            want = (appended, layout.kv_heads, layout.head_dim)
+            if not isinstance(x, np.ndarray):
+                _invalid("%s must be a numpy array of shape %s in the layout's dtype (%s)" % (name, want, layout.dtype))
+            if x.shape != want:
+                _invalid("%s has shape %s; %d appended tokens of this layout need %s" % (name, x.shape, appended, want))
+            if x.dtype != layout.numpy_dtype:
+                _invalid("%s is %s; the layout's dtype %s needs %s" % (name, x.dtype, layout.dtype, layout.numpy_dtype))
+            kv.append(np.ascontiguousarray(x))
+        return self.step_raw(layout, seqs, _ptr(qa), qd, qa.shape, positions, _ptr(kv[0]), _ptr(kv[1]), layer,
                              causal, softmax_scale, window, report)
 
     def step_raw(self, layout, sequences, q_ptr, q_dtype, q_shape, positions, k_ptr, v_ptr, layer=0, causal=True,
                  softmax_scale=0.0, window=0, report=False, out=None, lse=None, device=False):
-        """step() on raw pointers (device pointers with device=True: then out/lse must be given, as device pointers)."""
-        rows, heads, dim = (int(x) for x in q_shape)
+        """step() on raw pointers (device pointers with device=True: then out/lse must be given, as device pointers).
+        The caller vouches that the pointers hold q_shape queries and the appended K/V in the layout's dtype."""
+        h = self._h
+        layout = _layout(layout)
+        if not isinstance(q_shape, (tuple, list)) or len(q_shape) != 3:
+            _invalid("q_shape must be (rows, q_heads, head_dim)")
+        rows, heads, dim = (_int("q_shape", x, 0, _U32) for x in q_shape)
+        q_dtype = _int("q_dtype", q_dtype, 0, 2)
+        sequences = _sequences(sequences)
         seqs = (_native.Seq * len(sequences))()
         keep = []
         for i, (sid, ctx, r, app) in enumerate(sequences):
-            b = sid.encode()
-            keep.append(b)
-            seqs[i] = _native.Seq(b, int(ctx), int(r), int(app))
-        pos = np.ascontiguousarray(positions, dtype=np.int64)
+            keep.append(sid)
+            seqs[i] = _native.Seq(sid, ctx, r, app)
+        if sum(x[2] for x in sequences) != rows:
+            _invalid("the sequences have %d query rows; q_shape says %d" % (sum(x[2] for x in sequences), rows))
+        if sum(x[3] for x in sequences) and (not k_ptr or not v_ptr):
+            _invalid("appending tokens needs new_k and new_v")
+        pos = _ints_array("positions", positions, np.int64, 0, (1 << 40))
         if pos.ndim != 1 or pos.shape[0] != rows:
             _invalid("positions must be a 1-D int64 array with one entry per query row")
         a = _native.StepArgs(layout._c(), seqs, len(sequences), q_ptr, q_dtype, rows, heads, dim,
-                             pos.ctypes.data_as(_native.P(ctypes.c_int64)), k_ptr, v_ptr, int(layer),
-                             1 if causal else 0, int(window), float(softmax_scale), 1 if device else 0)
+                             pos.ctypes.data_as(_native.P(ctypes.c_int64)), k_ptr, v_ptr,
+                             _int("layer", layer, 0, layout.layers - 1), 1 if _flag("causal", causal) else 0,
+                             _int("window", window, 0, 1 << 40), _real("softmax_scale", softmax_scale, 0, 1e6),
+                             1 if device else 0)
         rep = _native.AttendReport()
         if device:
-            _check(_lib.kvring_step(self._h, ctypes.byref(a), out, lse, ctypes.byref(rep)))
+            _check(_lib.kvring_step(h, ctypes.byref(a), out, lse, ctypes.byref(rep)))
             return rep.as_dict() if report else None
         o = np.empty((rows, heads, dim), np.float32)
         lo = np.empty((rows, heads), np.float32)
-        _check(_lib.kvring_step(self._h, ctypes.byref(a), _ptr(o), _ptr(lo), ctypes.byref(rep)))
+        _check(_lib.kvring_step(h, ctypes.byref(a), _ptr(o), _ptr(lo), ctypes.byref(rep)))
         return (o, lo, rep.as_dict()) if report else (o, lo)
 
     def attend(self, sequence_id, layout, num_tokens, q, positions, layer=0, causal=True, softmax_scale=0.0, window=0,
                report=False):
         """(out [rows, q_heads, head_dim] f32, lse [rows, q_heads] f32) of q over the first num_tokens tokens of the
         sequence; with report=True also a dict of what it took."""
-        qa = np.asarray(q)
-        if qa.ndim != 3:
-            _invalid("q must have shape (rows, q_heads, head_dim)")
+        if not isinstance(q, np.ndarray) or q.ndim != 3:
+            _invalid("q must be a numpy array of shape (rows, q_heads, head_dim)")
+        qa = q
         return self.step(layout, [(sequence_id, num_tokens, qa.shape[0], 0)], qa, positions, layer=layer,
                          causal=causal, softmax_scale=softmax_scale, window=window, report=report)
 
@@ -370,9 +535,25 @@ def merge(outs, lses):
 
 def create_tenant(coordinator, admin_token, name, shared_namespaces=(), max_pinned_bytes=0, kv_encoding="", tls_ca=""):
     """Administration: creates a tenant; returns its token (shown once)."""
-    names = [s.encode() for s in shared_namespaces]
+    if isinstance(shared_namespaces, str) or not isinstance(shared_namespaces, (list, tuple)):
+        _invalid("shared_namespaces must be a list of names")
+    names = [_text("shared namespace", x, 256, empty=False) for x in shared_namespaces]
     arr = (ctypes.c_char_p * max(1, len(names)))(*names)
     buf = ctypes.create_string_buffer(256)
-    _check(_lib.kvring_create_tenant(coordinator.encode(), admin_token.encode(), name.encode(), arr, len(names),
-                                     int(max_pinned_bytes), kv_encoding.encode(), tls_ca.encode(), buf, 256))
+    _check(_lib.kvring_create_tenant(_text("coordinator", coordinator, 1024, empty=False),
+                                     _text("admin_token", admin_token), _text("name", name, 256, empty=False), arr,
+                                     len(names), _int("max_pinned_bytes", max_pinned_bytes, 0, _I64),
+                                     _text("kv_encoding", kv_encoding, 64), _text("tls_ca", tls_ca), buf, 256))
     return buf.value.decode()
+
+
+# Every public call converts a stray Python error from a bad argument into
+# kvring.InvalidArgumentError.
+for _name in ("__init__", "chain", "lookup", "put", "put_sequence", "get_into", "get", "pin", "unpin", "step",
+              "step_raw", "attend", "stats"):
+    setattr(Client, _name, _api(getattr(Client, _name)))
+for _name in ("tenant", "namespace", "map_version"):
+    setattr(Client, _name, property(_api(getattr(Client, _name).fget)))
+Layout.__init__ = _api(Layout.__init__)
+merge = _api(merge)
+create_tenant = _api(create_tenant)
