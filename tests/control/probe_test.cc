@@ -387,7 +387,8 @@ TEST(ProbeTest, ClientsThatComeAndGoLeaveNoSharedMemoryOrFdsBehind) {
   }
   const pid_t pid = cl.daemon(0).pid();
   ASSERT_TRUE(Eventually([&] { return ShmAndFds(pid).first <= 4; }));
-  const auto [shm0, fds0] = ShmAndFds(pid);
+  const std::pair<int, int> base = ShmAndFds(pid);
+  const int shm0 = base.first, fds0 = base.second;
   for (int i = 0; i < 500; ++i) {
     auto c = cl.Connect(*tok);
     ASSERT_TRUE(c.ok()) << i << ": " << c.status();
@@ -396,8 +397,8 @@ TEST(ProbeTest, ClientsThatComeAndGoLeaveNoSharedMemoryOrFdsBehind) {
     ASSERT_EQ(got[0].payload, keep[i % 2]);
   }
   EXPECT_TRUE(Eventually([&] {
-    const auto [shm, fds] = ShmAndFds(pid);
-    return shm <= shm0 && fds <= fds0 + 4;
+    const std::pair<int, int> now = ShmAndFds(pid);
+    return now.first <= shm0 && now.second <= fds0 + 4;
   })) << "baseline "
       << shm0 << " segments, " << fds0 << " fds; now " << ShmAndFds(pid).first << ", " << ShmAndFds(pid).second;
   EXPECT_TRUE(cl.daemon(0).alive());
