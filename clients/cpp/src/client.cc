@@ -996,9 +996,9 @@ class ClientImpl {
               })) {
             code = codes.front();
           }
-          return absl::Status(code, absl::StrCat("no live replica holds chunk ", c, " of sequence '",
-                                                 st.sequences[b].sequence_id, "' (",
-                                                 absl::StrJoin(tried[{b, c}], "; "), ")"));
+          return absl::Status(
+              code, absl::StrCat("no live replica holds chunk ", c, " of sequence '", st.sequences[b].sequence_id,
+                                 "' (", absl::StrJoin(tried[{b, c}], "; "), ")"));
         }
         SeqPart& p = plan[cands[b][c][next[b][c]++]][b];
         p.seq = b;
@@ -1265,8 +1265,8 @@ class ClientImpl {
         for (const SeqPart& p : jobs[j].parts) {
           for (uint64_t c : p.chunks) {
             if (failed)
-              failed->push_back(
-                  FailedChunk{p.seq, c, false, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", s.ToString()), s.code()});
+              failed->push_back(FailedChunk{
+                  p.seq, c, false, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", s.ToString()), s.code()});
           }
         }
         continue;
@@ -1296,9 +1296,8 @@ class ClientImpl {
         const bool again_here = absl::IsFailedPrecondition(ps) && p.append_end > p.append_begin;
         for (uint64_t c : p.chunks) {
           if (failed == nullptr) return ps;
-          failed->push_back(
-              FailedChunk{p.seq, c, again_here, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", ps.ToString()),
-                          ps.code()});
+          failed->push_back(FailedChunk{
+              p.seq, c, again_here, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", ps.ToString()), ps.code()});
         }
       }
       if (res[j].rows == 0) continue;
