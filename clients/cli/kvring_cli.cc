@@ -5,6 +5,7 @@
 //   kvring [flags] map              the shard map
 //   kvring [flags] bench            put/get throughput and latency
 //   kvring [flags] tenant-create|tenant-list|tenant-delete   (admin token)
+//   kvring --sequence=ID seq-delete | --sequence=ID --keep_tokens=N seq-truncate
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -35,7 +36,8 @@ struct Opts {
   int64_t sequences = 8, tokens = 1024, seed = 1, block_tokens = 16, layers = 4, kv_heads = 8, head_dim = 128;
   int64_t threads = 4, blocks = 512, seconds = 5;
   uint64_t block_bytes = 1 << 20, quota = 0;
-  std::string op = "both", name, shared, quantize, kv_encoding;
+  std::string op = "both", name, shared, quantize, kv_encoding, sequence;
+  int64_t keep_tokens = -1;
   absl::Duration rpc_timeout = absl::Seconds(10);
   TlsConfig tls;
 };
@@ -91,6 +93,12 @@ absl::Status InRange(const char* flag, int64_t v, int64_t lo, int64_t hi) {
 // Every flag the command uses, checked before anything is built or sent:
 // the same layout checks and limits the daemons apply.
 absl::Status ValidateOpts(const Opts& o, const std::string& cmd) {
+  if (cmd == "seq-delete" || cmd == "seq-truncate") {
+    if (o.sequence.empty()) return absl::InvalidArgumentError(cmd + " needs --sequence=ID");
+    if (cmd == "seq-truncate" && o.keep_tokens < 0) {
+      return absl::InvalidArgumentError("seq-truncate needs --keep_tokens=N (N >= 0)");
+    }
+  }
   if (o.rpc_timeout <= absl::ZeroDuration() || o.rpc_timeout == absl::InfiniteDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("--rpc_timeout=", absl::FormatDuration(o.rpc_timeout), ": must be a positive duration"));
@@ -362,7 +370,7 @@ int main(int argc, char** argv) {
   FlagSet f(
       "kvring",
       "client for a kvring cluster\n\nusage: kvring [flags] COMMAND\ncommands: put, get, lookup (synthetic sequences), "
-      "stats, map, bench, tenant-create, tenant-list, tenant-delete");
+      "stats, map, bench, tenant-create, tenant-list, tenant-delete, seq-delete, seq-truncate");
   f.AddString("coordinator", &o.coordinator, "coordinator host:port");
   f.AddString("token", &o.token, "tenant token (admin token for tenant-*)");
   f.AddString("token_file", &o.token_file, "file holding the token");
@@ -381,6 +389,8 @@ int main(int argc, char** argv) {
   f.AddInt("blocks", &o.blocks, "bench: blocks to put then get");
   f.AddBytes("block_bytes", &o.block_bytes, "bench: block size (multiple of 64K)");
   f.AddString("op", &o.op, "bench: put, get or both");
+  f.AddString("sequence", &o.sequence, "seq-delete / seq-truncate: the attention sequence's id");
+  f.AddInt("keep_tokens", &o.keep_tokens, "seq-truncate: the tokens to keep (the sequence's new length)");
   f.AddString("name", &o.name, "tenant-*: tenant name");
   f.AddString("shared", &o.shared, "tenant-create: comma-separated shared namespaces (shared/<name>)");
   f.AddString("kv_encoding", &o.kv_encoding,
@@ -428,6 +438,20 @@ int main(int argc, char** argv) {
   }
   if (cmd == "put" || cmd == "get" || cmd == "lookup") return CmdPutGetLookup(**c, o, cmd);
   if (cmd == "stats") return CmdStats(**c);
+  if (cmd == "seq-delete" || cmd == "seq-truncate") {
+    absl::StatusOr<SequenceChangeReport> r =
+        cmd == "seq-delete" ? (*c)->DeleteSequence(o.sequence)
+                            : (*c)->TruncateSequence(o.sequence, static_cast<uint64_t>(o.keep_tokens));
+    if (!r.ok()) {
+      std::fprintf(stderr, "kvring: %s\n", r.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("%s '%s': held on %d nodes, %llu full blocks erased, %llu open blocks dropped\n",
+                cmd == "seq-delete" ? "deleted" : "truncated", o.sequence.c_str(), r->nodes_holding,
+                static_cast<unsigned long long>(r->blocks_erased),
+                static_cast<unsigned long long>(r->open_blocks_dropped));
+    return 0;
+  }
   if (cmd == "bench") return CmdBench(**c, o);
   if (cmd == "map") {
     std::printf("shard map version %llu\n", static_cast<unsigned long long>((*c)->map_version()));

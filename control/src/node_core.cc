@@ -56,6 +56,7 @@ NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* se
   pin_ = Op("pin");
   attend_ = Op("attend");
   stats_ = Op("stats");
+  sequence_ops_ = Op("sequence_lifecycle");
   put_bytes_ = metrics_->Counter("kvring_put_bytes_total", "Payload bytes accepted by Put");
   quantized_ = metrics_->Counter("kvring_quantized_blocks_total", "Plain blocks quantized by this node at Put");
   get_bytes_ = metrics_->Counter("kvring_get_bytes_total", "Payload bytes served by Get");
@@ -784,6 +785,156 @@ uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h)
   }
   sealed_blocks_->Add(sealed);
   return sealed;
+}
+
+absl::Status NodeCore::DropFullBlock(SequenceTable::Handle& h, uint64_t index, SequenceChange* c) {
+  SequenceState& st = h.state();
+  auto it = st.blocks.find(index);
+  if (it == st.blocks.end()) return absl::OkStatus();
+  // Only the sequence's own blocks go; a block PutSequence named by another
+  // key (a prefix-cache chain) is shared and stays, evictable.
+  if (st.layout.has_value() && it->second == SequenceBlockKey(h.ns(), h.id(), index, *st.layout)) {
+    absl::Status e = store_->Erase(h.ns(), it->second);
+    if (e.ok()) {
+      ++c->blocks_erased;
+    } else if (!absl::IsNotFound(e)) {
+      KVRING_LOG(WARNING) << "sequence '" << h.id() << "' block " << index << " stays in the store: " << e;
+    }
+  }
+  return h.Unrecord(index);
+}
+
+absl::StatusOr<SequenceChange> NodeCore::DeleteSequence(const v1::Tenant& t, const std::string& requested,
+                                                        const std::string& id) {
+  OpScope op(sequence_ops_);
+  auto ns = Namespace(t, requested);
+  if (!ns.ok()) return op.Done(ns.status());
+  if (absl::Status s = ValidateSequenceId(id, options_.limits.max_sequence_id_bytes); !s.ok()) return op.Done(s);
+  SequenceTable::Handle h = sequences_->Lock(*ns, id);
+  SequenceState& st = h.state();
+  SequenceChange c;
+  c.held = st.layout.has_value() || !st.blocks.empty() || !st.open.empty();
+  std::vector<uint64_t> full;
+  for (const auto& [index, key] : st.blocks) full.push_back(index);
+  for (uint64_t index : full) {
+    if (absl::Status s = DropFullBlock(h, index, &c); !s.ok()) return op.Done(s);
+  }
+  c.open_blocks_dropped = st.open.size();
+  backend_->ForgetSequence(SequenceRef{*ns, id, static_cast<TenantId>(t.id())});
+  if (absl::Status s = h.Forget(); !s.ok()) return op.Done(s);
+  op.Record(absl::OkStatus());
+  return c;
+}
+
+absl::Status NodeCore::Reopen(const SequenceRef& ref, uint64_t index, const std::vector<uint32_t>& filled,
+                              absl::Span<const uint8_t> bytes, const BlockLayout& L) {
+  KVRING_RETURN_IF_ERROR(backend_->OpenBlock(ref, index, L));
+  const size_t esz = DTypeSize(L.dtype), row = size_t{L.head_dim} * esz;
+  const std::map<uint64_t, BlockKey> none;
+  for (uint32_t l = 0; l < L.layers && l < filled.size(); ++l) {
+    const uint32_t n = filled[l];
+    if (n == 0) continue;
+    std::vector<uint8_t> k(size_t{n} * L.kv_heads * row), v(k.size());
+    for (uint32_t tok = 0; tok < n; ++tok) {
+      for (uint32_t hd = 0; hd < L.kv_heads; ++hd) {
+        const size_t dst = (size_t{tok} * L.kv_heads + hd) * row;
+        std::memcpy(k.data() + dst, bytes.data() + L.index(l, 0, hd, tok, 0) * esz, row);
+        std::memcpy(v.data() + dst, bytes.data() + L.index(l, 1, hd, tok, 0) * esz, row);
+      }
+    }
+    StepPlan plan;
+    plan.layout = L;
+    plan.options.layer = l;
+    plan.q_heads = L.kv_heads;
+    plan.head_dim = L.head_dim;
+    plan.q_dtype = L.dtype;
+    plan.new_k = k;
+    plan.new_v = v;
+    StepSequence ss;
+    ss.seq = ref;
+    ss.tokens = index * L.block_tokens + n;
+    ss.full = &none;
+    ss.appends.push_back(StepAppend{index, 0, n, 0});
+    plan.sequences.push_back(std::move(ss));
+    KVRING_RETURN_IF_ERROR(backend_->Step(plan, PartialOutput{nullptr, nullptr}, nullptr));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceChange> NodeCore::TruncateSequence(const v1::Tenant& t, const std::string& requested,
+                                                          const std::string& id, uint64_t tokens) {
+  OpScope op(sequence_ops_);
+  auto ns = Namespace(t, requested);
+  if (!ns.ok()) return op.Done(ns.status());
+  if (absl::Status s = ValidateSequenceId(id, options_.limits.max_sequence_id_bytes); !s.ok()) return op.Done(s);
+  if (tokens > kMaxSequenceTokens) {
+    return op.Done(absl::InvalidArgumentError(absl::StrCat("truncate to ", tokens, " tokens: over the limit")));
+  }
+  SequenceTable::Handle h = sequences_->Lock(*ns, id);
+  SequenceState& st = h.state();
+  SequenceChange c;
+  c.held = st.layout.has_value() || !st.blocks.empty() || !st.open.empty();
+  if (!st.layout.has_value()) {
+    op.Record(absl::OkStatus());
+    return c;
+  }
+  const BlockLayout L = *st.layout;
+  const uint64_t keep = tokens / L.block_tokens;
+  const uint32_t rem = static_cast<uint32_t>(tokens % L.block_tokens);
+  const SequenceRef ref{*ns, id, static_cast<TenantId>(t.id())};
+  // The open blocks that stay (with their bytes: the backend is reset below,
+  // so that no copy of a cut block, in HBM say, survives), and the sealed
+  // block the cut falls in, reopened from the store.
+  struct Survivor {
+    uint64_t index;
+    std::vector<uint32_t> filled;
+    std::vector<uint8_t> bytes;
+  };
+  std::vector<Survivor> survivors;
+  for (const auto& [index, o] : st.open) {
+    if (index > keep || (index == keep && rem == 0)) continue;
+    Survivor sv{index, o.filled, std::vector<uint8_t>(L.bytes())};
+    if (index == keep) {
+      for (uint32_t& f : sv.filled) f = std::min(f, rem);
+    }
+    if (absl::Status s = backend_->ReadOpenBlock(ref, index, absl::MakeSpan(sv.bytes)); !s.ok()) return op.Done(s);
+    survivors.push_back(std::move(sv));
+  }
+  if (rem > 0 && st.blocks.contains(keep) && !st.open.contains(keep)) {
+    absl::StatusOr<PinnedBlock> pb = store_->Acquire(*ns, st.blocks[keep]);
+    if (!pb.ok()) return op.Done(pb.status());
+    if (pb->meta().encoding.quantized() || !(pb->meta().layout == L)) {
+      return op.Done(absl::FailedPreconditionError(
+          absl::StrCat("sequence '", id, "': truncating to ", tokens, " tokens cuts into block ", keep,
+                       ", which is stored quantized or in another layout; truncate to a block boundary (",
+                       keep * L.block_tokens, ")")));
+    }
+    survivors.push_back(Survivor{keep, std::vector<uint32_t>(L.layers, rem),
+                                 std::vector<uint8_t>(pb->payload().begin(), pb->payload().end())});
+  }
+  // Full blocks from the cut on go (the reopened one too: it is open now).
+  std::vector<uint64_t> cut;
+  for (const auto& [index, key] : st.blocks) {
+    if (index > keep || (index == keep && rem == 0) || (index == keep && rem > 0)) cut.push_back(index);
+  }
+  for (uint64_t index : cut) {
+    if (absl::Status s = DropFullBlock(h, index, &c); !s.ok()) return op.Done(s);
+  }
+  for (const auto& [index, o] : st.open) {
+    if (index > keep || (index == keep && rem == 0)) ++c.open_blocks_dropped;
+  }
+  backend_->ForgetSequence(ref);
+  st.open.clear();
+  for (const Survivor& sv : survivors) {
+    if (absl::Status s = Reopen(ref, sv.index, sv.filled, sv.bytes, L); !s.ok()) {
+      backend_->DiscardOpenBlock(ref, sv.index);
+      return op.Done(absl::Status(
+          s.code(), absl::StrCat("sequence '", id, "': reopening block ", sv.index, " after the cut: ", s.message())));
+    }
+    st.open[sv.index] = OpenBlockState{sv.filled};
+  }
+  op.Record(absl::OkStatus());
+  return c;
 }
 
 NodeReport NodeCore::Stats(const v1::Tenant& t) {

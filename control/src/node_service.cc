@@ -18,6 +18,8 @@ KVRING_NODE_RPC(Put, PutRequest, PutResponse, WirePut(*core_, *t, *req, {}, resp
 KVRING_NODE_RPC(Get, GetRequest, GetResponse, WireGet(*core_, *t, *req, resp))
 KVRING_NODE_RPC(Pin, PinRequest, PinResponse, WirePin(*core_, *t, *req, resp))
 KVRING_NODE_RPC(Stats, StatsRequest, StatsResponse, WireStats(*core_, *t, *req, resp))
+KVRING_NODE_RPC(DeleteSequence, SequenceRequest, SequenceResponse, WireSequence(*core_, *t, *req, false, resp))
+KVRING_NODE_RPC(TruncateSequence, SequenceRequest, SequenceResponse, WireSequence(*core_, *t, *req, true, resp))
 
 #undef KVRING_NODE_RPC
 

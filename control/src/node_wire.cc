@@ -103,6 +103,19 @@ bool WireGetStaysInMemory(NodeCore& core, const v1::Tenant& t, const v1::GetRequ
   return core.GetStaysInMemory(t, req.header().namespace_(), KeysOf(req.keys()));
 }
 
+absl::Status WireSequence(NodeCore& core, const v1::Tenant& t, const v1::SequenceRequest& req, bool truncate,
+                          v1::SequenceResponse* resp) {
+  KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));
+  absl::StatusOr<SequenceChange> c =
+      truncate ? core.TruncateSequence(t, req.header().namespace_(), req.sequence_id(), req.tokens())
+               : core.DeleteSequence(t, req.header().namespace_(), req.sequence_id());
+  if (!c.ok()) return c.status();
+  resp->set_held(c->held);
+  resp->set_blocks_erased(c->blocks_erased);
+  resp->set_open_blocks_dropped(c->open_blocks_dropped);
+  return absl::OkStatus();
+}
+
 absl::Status WirePin(NodeCore& core, const v1::Tenant& t, const v1::PinRequest& req, v1::PinResponse* resp) {
   KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));
   KVRING_RETURN_IF_ERROR(ValidateKeys(req.keys(), core.limits()));

@@ -98,6 +98,18 @@ absl::Status SequenceTable::Handle::Record(uint64_t index, const BlockKey& key) 
   return absl::OkStatus();
 }
 
+absl::Status SequenceTable::Handle::Unrecord(uint64_t index) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  SequenceState& st = entry_->state;
+  if (!st.blocks.contains(index)) return absl::OkStatus();
+  if (table_->store_ != nullptr) {
+    KVRING_RETURN_IF_ERROR(table_->store_->Delete(RecordKey(entry_->ns, entry_->id, index)));
+  }
+  st.blocks.erase(index);
+  st.runs = BlockRuns();
+  for (const auto& [i, key] : st.blocks) st.runs.Insert(i);
+  return absl::OkStatus();
+}
+
 absl::Status SequenceTable::Handle::Forget() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   SequenceState& st = entry_->state;
   if (table_->store_ != nullptr) {

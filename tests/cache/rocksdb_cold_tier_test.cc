@@ -154,3 +154,83 @@ TEST(RocksDbColdTierTest, SecondOpenOfALockedDirectoryFailsClearly) {
 
 }  // namespace
 }  // namespace kvring
+
+namespace kvring {
+namespace {
+
+// A real full disk (a small tmpfs; needs root to mount, skipped without):
+// writes fail cleanly, reads go on, and once space returns writes resume by
+// themselves, with no restart (the probe found writes failing until one).
+TEST(RocksDbColdTierTest, WritesResumeByThemselvesAfterTheDiskFillsAndFreesUp) {
+  const std::string dir = FreshDir("cold_full");
+  std::filesystem::create_directories(dir);
+  if (std::system(("mount -t tmpfs -o size=6m tmpfs " + dir + " 2>/dev/null").c_str()) != 0) {
+    std::filesystem::remove_all(dir);
+    GTEST_SKIP() << "needs root to mount a small tmpfs";
+  }
+  struct Unmount {
+    std::string d;
+    ~Unmount() {
+      (void)std::system(("umount " + d).c_str());
+      std::filesystem::remove_all(d);
+    }
+  } unmount{dir};
+  // A filler to free later.
+  {
+    FILE* f = std::fopen((dir + "/filler").c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::vector<char> mb(1 << 20, 'x');
+    for (int i = 0; i < 3; ++i) ASSERT_EQ(std::fwrite(mb.data(), 1, mb.size(), f), mb.size());
+    std::fclose(f);
+  }
+  RocksDbColdTierOptions o;
+  o.path = dir + "/db";
+  o.codec = ColdCodec::kNone;
+  o.resume_interval = absl::Milliseconds(1);
+  auto t = RocksDbColdTier::Open(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const size_t kBlock = 64 << 10;
+  auto info = [&](uint64_t i, const std::vector<uint8_t>& p) {
+    ColdBlockInfo in = InfoFor(i, p);
+    in.meta.layout = BlockLayout{16, 16, 8, 16, DType::kF16};  // 64 KiB
+    return in;
+  };
+  uint64_t written = 0;
+  absl::Status full;
+  for (uint64_t i = 0; i < 200; ++i) {
+    const std::vector<uint8_t> p = PayloadFor(KeyOf(i), kBlock);
+    full = (*t)->Write(info(i, p), p);
+    if (!full.ok()) break;
+    ++written;
+  }
+  ASSERT_FALSE(full.ok()) << "the 6 MiB tmpfs never filled";
+  ASSERT_GT(written, 0u);
+  EXPECT_TRUE(full.code() == absl::StatusCode::kResourceExhausted || full.code() == absl::StatusCode::kUnavailable)
+      << full;
+  // Reads go on.
+  ColdBlockInfo got;
+  std::vector<uint8_t> payload;
+  ASSERT_TRUE((*t)->Read(ScopedKey{3, KeyOf(0)}, &got, &payload).ok());
+  EXPECT_EQ(payload, PayloadFor(KeyOf(0), kBlock));
+  // Still full: still refused.
+  {
+    const std::vector<uint8_t> p = PayloadFor(KeyOf(500), kBlock);
+    EXPECT_FALSE((*t)->Write(info(500, p), p).ok());
+  }
+  // Space returns: writes resume without a restart.
+  std::filesystem::remove(dir + "/filler");
+  absl::SleepFor(absl::Milliseconds(5));
+  absl::Status again;
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    const std::vector<uint8_t> p = PayloadFor(KeyOf(600), kBlock);
+    again = (*t)->Write(info(600, p), p);
+    if (again.ok()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(again.ok()) << again;
+  ASSERT_TRUE((*t)->Read(ScopedKey{3, KeyOf(600)}, &got, &payload).ok());
+  EXPECT_EQ(payload, PayloadFor(KeyOf(600), kBlock));
+}
+
+}  // namespace
+}  // namespace kvring

@@ -144,7 +144,7 @@ TEST(ClusterTest, PassQAttendAcrossFourDaemonsEqualsTheCpuReference) {
     EXPECT_NEAR(out->lse[i], ref.lse[i], 1e-4 * std::max(1.0, std::abs(ref.lse[i])));
   // An unknown sequence is a clear error.
   auto missing = (*c)->Attend("no-such-session", L, 160, qt, o);
-  EXPECT_EQ(missing.status().code(), absl::StatusCode::kUnavailable) << missing.status();
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();  // what every replica said
 }
 
 // Decode in place across shards: a batch of three sequences is prefilled

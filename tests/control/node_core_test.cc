@@ -618,6 +618,78 @@ TEST_F(NodeCoreTest, PinsAndOpenBlocksShareTheTenantsOneBudget) {
   EXPECT_EQ(store_->Pin(3, ns, a.key).code(), absl::StatusCode::kResourceExhausted);
 }
 
+// DeleteSequence ends a sequence here: its sealed blocks leave the store,
+// its open blocks give their host pages and budget back, its records go; a
+// second delete finds nothing; another sequence is untouched.
+TEST_F(NodeCoreTest, DeleteSequenceFreesEverythingItHeldAndIsIdempotent) {
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 10}, {"u", 1, 5}}).ok());
+  const NamespaceId ns = NamespaceIdOf(TenantNamespace(3));
+  ASSERT_EQ(store_->stats().blocks, 3u);  // s: 0, 1; u: 0
+  ASSERT_EQ(seqs_->num_sequences(), 2u);
+  const uint64_t open_before = store_->GetTenantUsage(3).open_bytes;
+  absl::StatusOr<SequenceChange> c = core_->DeleteSequence(tenant_, "", "s");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->held);
+  EXPECT_EQ(c->blocks_erased, 2u);
+  EXPECT_EQ(c->open_blocks_dropped, 1u);
+  EXPECT_EQ(store_->stats().blocks, 1u);
+  EXPECT_EQ(store_->GetTenantUsage(3).open_bytes, open_before - L_.bytes());
+  EXPECT_EQ(seqs_->num_sequences(), 1u);
+  EXPECT_FALSE(store_->Acquire(ns, SequenceBlockKey(ns, "s", 0, L_)).ok());
+  absl::StatusOr<SequenceChange> again = core_->DeleteSequence(tenant_, "", "s");
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->held);
+  // "u" goes on exactly; "s" starts again from nothing.
+  EXPECT_TRUE(Step(0, {{"u", 1, 1}}).ok());
+  kv_.erase("s");
+  EXPECT_TRUE(Step(0, {{"s", 2, 2}}).ok());
+  EXPECT_EQ(core_->DeleteSequence(tenant_, "", std::string(300, 'x')).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(store_->CheckInvariants().ok());
+}
+
+// What speculative decoding does: drafts appended, some rejected, the
+// sequence cut back and appended again with other K/V. After a cut inside
+// a sealed block, inside an open block and at a block boundary, the
+// sequence attends exactly like one built from scratch with the kept and
+// the new tokens (the fixture's reference is the engine's own view).
+TEST_F(NodeCoreTest, ATruncatedAndReappendedSequenceAttendsLikeOneBuiltFromScratch) {
+  auto cut = [&](const std::string& id, uint64_t tokens) {
+    absl::StatusOr<SequenceChange> c = core_->TruncateSequence(tenant_, "", id, tokens);
+    ASSERT_TRUE(c.ok()) << c.status();
+    for (auto* side : {&kv_[id].k, &kv_[id].v}) {
+      for (auto& [layer, vals] : *side) vals.resize(std::min<size_t>(vals.size(), tokens * L_.kv_heads * L_.head_dim));
+    }
+  };
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 4, 13}}).ok());
+  // 13 tokens: blocks 0-2 sealed, block 3 open with one token. Cut to 6:
+  // inside sealed block 1 (reopened with tokens 4-5).
+  cut("s", 6);
+  {
+    const NamespaceId ns = NamespaceIdOf(TenantNamespace(3));
+    SequenceTable::Handle h = seqs_->Lock(ns, "s");
+    EXPECT_EQ(h.state().blocks.size(), 1u);
+    ASSERT_EQ(h.state().open.size(), 1u);
+    EXPECT_EQ(h.state().open.begin()->first, 1u);
+    EXPECT_EQ(h.state().open.begin()->second.filled, (std::vector<uint32_t>{2, 2}));
+  }
+  for (uint32_t l = 0; l < 2; ++l)
+    ASSERT_TRUE(Step(l, {{"s", 3, 5}}).ok()) << "re-append after a cut in a sealed block";
+  // 11 tokens: cut inside the open block 2 (token 9).
+  cut("s", 9);
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 2, 2}}).ok()) << "re-append after a cut in an open block";
+  // At a block boundary.
+  cut("s", 8);
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 4, 6}}).ok()) << "re-append after a cut at a boundary";
+  // Past the end: nothing changes.
+  cut("s", 100);
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 1}}).ok());
+  // To nothing: a new sequence under the same id.
+  cut("s", 0);
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 3, 3}}).ok());
+  EXPECT_TRUE(store_->CheckInvariants().ok());
+}
+
 class NodeCoreExchangeTest : public NodeCoreTest {
  protected:
   bool Exchange() const override { return true; }

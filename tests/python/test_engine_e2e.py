@@ -88,7 +88,7 @@ class EngineEndToEnd(unittest.TestCase):
             self.client.put(np.zeros((2, 2), np.uint64) + 1, np.zeros(10, np.uint8), self.layout)
         with self.assertRaises(kvring.NotFoundError):
             self.client.get(np.array([[5, 6]], np.uint64), self.layout)
-        with self.assertRaises(kvring.UnavailableError):
+        with self.assertRaises(kvring.NotFoundError):  # every replica says NOT_FOUND
             self.client.attend("no-such-seq", self.layout, 48, np.zeros((1, 8, 32), np.float32), np.array([100]))
         with self.assertRaises(kvring.InvalidArgumentError):
             self.client.attend("e2e-passq", self.layout, 16, np.zeros((1, 8, 31), np.float32), np.array([100]))

@@ -188,6 +188,26 @@ int kvring_pin(kvring_client* c, const uint64_t* keys, uint64_t n, int unpin) {
   return Code(c->c->Pin(Keys(keys, n), unpin != 0));
 }
 
+namespace {
+int SequenceCall(kvring_client* c, const char* id, size_t id_len, bool truncate, uint64_t tokens,
+                 kvring_sequence_report* report) {
+  if (c == nullptr || id == nullptr) return Code(absl::InvalidArgumentError("client and sequence_id are required"));
+  const std::string sid(id, id_len);  // with its length: an embedded NUL is the server's to refuse, not a cut
+  auto r = truncate ? c->c->TruncateSequence(sid, tokens) : c->c->DeleteSequence(sid);
+  if (!r.ok()) return Code(r.status());
+  if (report != nullptr) *report = kvring_sequence_report{r->nodes_holding, r->blocks_erased, r->open_blocks_dropped};
+  return Code(absl::OkStatus());
+}
+}  // namespace
+
+int kvring_delete_sequence(kvring_client* c, const char* sequence_id, size_t id_len, kvring_sequence_report* report) {
+  return SequenceCall(c, sequence_id, id_len, false, 0, report);
+}
+int kvring_truncate_sequence(kvring_client* c, const char* sequence_id, size_t id_len, uint64_t tokens,
+                             kvring_sequence_report* report) {
+  return SequenceCall(c, sequence_id, id_len, true, tokens, report);
+}
+
 int kvring_step(kvring_client* c, const kvring_step_args* a, float* out, float* lse, kvring_attend_report* report) {
   if (a == nullptr || (a->num_rows > 0 && (out == nullptr || lse == nullptr))) {
     return Code(absl::InvalidArgumentError("args, out and lse are required"));

@@ -1355,6 +1355,38 @@ class ClientImpl {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<SequenceChangeReport> ChangeSequence(const std::string& id, bool truncate, uint64_t tokens) {
+    KVRING_RETURN_IF_ERROR(ValidateSequenceId(id));
+    if (tokens > kMaxSequenceTokens) {
+      return absl::InvalidArgumentError(absl::StrCat("truncate to ", tokens, " tokens: over the limit"));
+    }
+    auto ring = Ring();
+    std::vector<int> nodes;
+    for (int i = 0; i < ring->num_nodes(); ++i) {
+      if (ring->node(i).state() == v1::NodeInfo::UP) nodes.push_back(i);
+    }
+    if (nodes.empty()) return absl::UnavailableError("the shard map has no node up");
+    v1::SequenceRequest req;
+    *req.mutable_header() = Header();
+    req.set_sequence_id(id);
+    req.set_tokens(tokens);
+    std::vector<absl::StatusOr<v1::SequenceResponse>> res =
+        FanOut<v1::SequenceResponse>(*ring, nodes, [&](size_t, Node& n) { return n.Grpc().Sequence(req, truncate); });
+    SequenceChangeReport rep;
+    for (size_t j = 0; j < res.size(); ++j) {
+      if (!res[j].ok()) {
+        return absl::Status(res[j].status().code(),
+                            absl::StrCat(truncate ? "TruncateSequence" : "DeleteSequence", " '", id, "' on ",
+                                         ring->node(nodes[j]).node_id(), ": ", res[j].status().message(),
+                                         " (idempotent: call it again)"));
+      }
+      rep.nodes_holding += res[j]->held();
+      rep.blocks_erased += res[j]->blocks_erased();
+      rep.open_blocks_dropped += res[j]->open_blocks_dropped();
+    }
+    return rep;
+  }
+
   std::vector<NodeStats> Stats() {
     auto ring = Ring();
     std::vector<NodeStats> out(ring->num_nodes());
@@ -1537,6 +1569,12 @@ absl::StatusOr<PartialResult> Client::Attend(const std::string& sequence_id, con
   return Step(st, report);
 }
 std::vector<NodeStats> Client::Stats() { return impl_->Stats(); }
+absl::StatusOr<SequenceChangeReport> Client::DeleteSequence(const std::string& sequence_id) {
+  return impl_->ChangeSequence(sequence_id, false, 0);
+}
+absl::StatusOr<SequenceChangeReport> Client::TruncateSequence(const std::string& sequence_id, uint64_t tokens) {
+  return impl_->ChangeSequence(sequence_id, true, tokens);
+}
 uint64_t Client::map_version() const {
   absl::MutexLock l(&impl_->mu_);
   return impl_->ring_ ? impl_->ring_->version() : 0;

@@ -85,6 +85,15 @@ class GrpcNodeChannel final : public NodeChannel {
     return resp;
   }
 
+  absl::StatusOr<v1::SequenceResponse> Sequence(const v1::SequenceRequest& req, bool truncate) override {
+    v1::SequenceResponse resp;
+    auto ctx = Context(o_.timeout);
+    grpc::Status s =
+        truncate ? stub_->TruncateSequence(ctx.get(), req, &resp) : stub_->DeleteSequence(ctx.get(), req, &resp);
+    if (!s.ok()) return FromGrpc(s);
+    return resp;
+  }
+
  private:
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
@@ -141,6 +150,9 @@ class UcxNodeChannel final : public NodeChannel {
   absl::StatusOr<v1::PinResponse> Pin(const v1::PinRequest& req) override { return control_->Pin(req); }
   absl::StatusOr<v1::StatsResponse> Stats(const v1::StatsRequest& req, absl::Duration timeout) override {
     return control_->Stats(req, timeout);
+  }
+  absl::StatusOr<v1::SequenceResponse> Sequence(const v1::SequenceRequest& req, bool truncate) override {
+    return control_->Sequence(req, truncate);
   }
 
  private:

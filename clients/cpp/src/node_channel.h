@@ -61,6 +61,9 @@ class NodeChannel {
   virtual absl::StatusOr<v1::LookupResponse> Lookup(const v1::LookupRequest& req) = 0;
   virtual absl::StatusOr<v1::PinResponse> Pin(const v1::PinRequest& req) = 0;
   virtual absl::StatusOr<v1::StatsResponse> Stats(const v1::StatsRequest& req, absl::Duration timeout) = 0;
+  // DeleteSequence (truncate = false) or TruncateSequence: control calls,
+  // over gRPC on every channel.
+  virtual absl::StatusOr<v1::SequenceResponse> Sequence(const v1::SequenceRequest& req, bool truncate) = 0;
 };
 
 // What every call carries: the tenant's token and the deadline of a call.

@@ -505,6 +505,24 @@ class Client:
         return self.step(layout, [(sequence_id, num_tokens, qa.shape[0], 0)], qa, positions, layer=layer,
                          causal=causal, softmax_scale=softmax_scale, window=window, report=report)
 
+    def delete_sequence(self, sequence_id):
+        """Ends an attention sequence on every node: its blocks (every tier), open blocks, records and their
+        charge to the tenant's budget. Idempotent. Returns {nodes_holding, blocks_erased, open_blocks_dropped}."""
+        h = self._h
+        sid = _text("sequence_id", sequence_id, 256, empty=False)
+        rep = _native.SequenceReport()
+        _check(_lib.kvring_delete_sequence(h, sid, len(sid), ctypes.byref(rep)))
+        return rep.as_dict()
+
+    def truncate_sequence(self, sequence_id, tokens):
+        """Cuts an attention sequence back to its first `tokens` tokens on every layer (speculative decoding's
+        rejected drafts, an edited turn): the next append at `tokens` is a new token. Idempotent."""
+        h = self._h
+        sid = _text("sequence_id", sequence_id, 256, empty=False)
+        rep = _native.SequenceReport()
+        _check(_lib.kvring_truncate_sequence(h, sid, len(sid), _int("tokens", tokens, 0, 1 << 40), ctypes.byref(rep)))
+        return rep.as_dict()
+
     def stats(self):
         n = ctypes.c_uint32()
         cap = 256
@@ -550,7 +568,7 @@ def create_tenant(coordinator, admin_token, name, shared_namespaces=(), max_pinn
 # Every public call converts a stray Python error from a bad argument into
 # kvring.InvalidArgumentError.
 for _name in ("__init__", "chain", "lookup", "put", "put_sequence", "get_into", "get", "pin", "unpin", "step",
-              "step_raw", "attend", "stats"):
+              "step_raw", "attend", "stats", "delete_sequence", "truncate_sequence"):
     setattr(Client, _name, _api(getattr(Client, _name)))
 for _name in ("tenant", "namespace", "map_version"):
     setattr(Client, _name, property(_api(getattr(Client, _name).fget)))

@@ -50,6 +50,13 @@ class AttendReport(ctypes.Structure):
         return {name: getattr(self, name) for name, _ in self._fields_}
 
 
+class SequenceReport(ctypes.Structure):
+    _fields_ = [("nodes_holding", ctypes.c_int32), ("blocks_erased", c_u64), ("open_blocks_dropped", c_u64)]
+
+    def as_dict(self):
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
 class NodeStats(ctypes.Structure):
     _fields_ = ([("node_id", ctypes.c_char * 64), ("address", ctypes.c_char * 64), ("state", ctypes.c_char * 16),
                  ("backend", ctypes.c_char * 24), ("ok", ctypes.c_int32), ("error", ctypes.c_char * 128)] +
@@ -87,6 +94,8 @@ def _load():
         "kvring_pin": (c_int, [c_void_p, c_void_p, c_u64, c_int]),
         "kvring_step": (c_int, [c_void_p, P(StepArgs), c_void_p, c_void_p, P(AttendReport)]),
         "kvring_stats": (c_int, [c_void_p, P(NodeStats), c_u32, P(c_u32)]),
+        "kvring_delete_sequence": (c_int, [c_void_p, c_char_p, c_size_t, P(SequenceReport)]),
+        "kvring_truncate_sequence": (c_int, [c_void_p, c_char_p, c_size_t, c_u64, P(SequenceReport)]),
         "kvring_merge": (c_int, [P(c_void_p), P(c_void_p), c_u32, c_u32, c_u32, c_u32, c_void_p, c_void_p]),
         "kvring_create_tenant": (c_int, [c_char_p, c_char_p, c_char_p, P(c_char_p), c_u32, c_u64, c_char_p, c_char_p,
                                          c_char_p, c_size_t]),
@@ -95,8 +104,8 @@ def _load():
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
-    if lib.kvring_api_version() != 3:
-        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 3" % lib.kvring_api_version())
+    if lib.kvring_api_version() != 4:
+        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 4" % lib.kvring_api_version())
     return lib
 
 

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KVRING_C_API_VERSION 3
+#define KVRING_C_API_VERSION 4
 
 typedef struct kvring_client kvring_client;
 
@@ -127,6 +127,15 @@ int kvring_pin(kvring_client* c, const uint64_t* keys, uint64_t n, int unpin);
 /* An attention step (Client::StepInto): out [num_rows, q_heads, head_dim]
  * and lse [num_rows, q_heads], float32. report may be NULL. */
 int kvring_step(kvring_client* c, const kvring_step_args* args, float* out, float* lse, kvring_attend_report* report);
+/* Sequence lifecycle (version 4; Client::DeleteSequence / TruncateSequence):
+ * every UP node; idempotent. report may be NULL. */
+typedef struct {
+  int32_t nodes_holding;
+  uint64_t blocks_erased, open_blocks_dropped;
+} kvring_sequence_report;
+int kvring_delete_sequence(kvring_client* c, const char* sequence_id, size_t id_len, kvring_sequence_report* report);
+int kvring_truncate_sequence(kvring_client* c, const char* sequence_id, size_t id_len, uint64_t tokens,
+                             kvring_sequence_report* report);
 /* Up to `cap` nodes' stats; *n is the number of nodes in the map. */
 int kvring_stats(kvring_client* c, kvring_node_stats* out, uint32_t cap, uint32_t* n);
 

@@ -121,6 +121,13 @@ struct NodeReport {
   uint64_t device_delivered_bytes = 0;
 };
 
+// What DeleteSequence / TruncateSequence changed on this node.
+struct SequenceChange {
+  bool held = false;                 // this node held any of the sequence
+  uint64_t blocks_erased = 0;        // full blocks of the sequence erased from the store
+  uint64_t open_blocks_dropped = 0;  // open blocks given back (or, truncating, cut to nothing)
+};
+
 class OpScope;
 
 class NodeCore {
@@ -179,6 +186,22 @@ class NodeCore {
   // stats->device_refusal. Rows of sequences not served are left unwritten.
   absl::Status AttendOnDevice(const v1::Tenant& t, const std::string& requested_ns, AttendBatch batch,
                               const DeviceExchangeIn& exchange, AttendStats* stats);
+  // Ends a sequence on this node: its full blocks leave every tier (those
+  // stored under the sequence's own keys; blocks PutSequence named by other
+  // keys, e.g. a prefix-cache chain, stay as ordinary cached blocks), its
+  // open blocks and backend memory (HBM) are given back (and their charge to
+  // the tenant's budget), its records are deleted. Idempotent: an id this
+  // node does not hold is OK with held = false.
+  absl::StatusOr<SequenceChange> DeleteSequence(const v1::Tenant& t, const std::string& ns, const std::string& id);
+  // Cuts a sequence back to its first `tokens` tokens on every layer (a
+  // layer with fewer keeps what it has): blocks past the cut go as in
+  // DeleteSequence; the block holding token `tokens` keeps its first
+  // tokens % block_tokens tokens as an open block (a sealed one is reopened
+  // from the store's copy), so that the next append at `tokens` is a new
+  // token, not a conflict. Idempotent. FAILED_PRECONDITION when the cut
+  // falls inside a quantized block (its plain bytes are gone).
+  absl::StatusOr<SequenceChange> TruncateSequence(const v1::Tenant& t, const std::string& ns, const std::string& id,
+                                                  uint64_t tokens);
   const RequestLimits& limits() const { return options_.limits; }
   // The node's counters and tiers, and the tenant's usage.
   NodeReport Stats(const v1::Tenant& t);
@@ -227,6 +250,13 @@ class NodeCore {
   // they differ.
   absl::Status SameTokens(NamespaceId ns, SequenceTable::Handle& h, uint64_t idx, uint32_t layer, uint32_t off,
                           uint32_t count, const AttendBatch& b, uint32_t src_row, const BlockLayout& L);
+  // Erases full block `index` of the sequence from the store (if stored under
+  // the sequence's own key) and its record.
+  absl::Status DropFullBlock(SequenceTable::Handle& h, uint64_t index, SequenceChange* c);
+  // Opens block `index` in the backend and appends, per layer, its first
+  // filled[l] tokens from `bytes` (the block layout's bytes).
+  absl::Status Reopen(const SequenceRef& ref, uint64_t index, const std::vector<uint32_t>& filled,
+                      absl::Span<const uint8_t> bytes, const BlockLayout& L);
   // Stores every complete open block of the sequence as an ordinary block.
   uint32_t SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h);
 
@@ -238,7 +268,7 @@ class NodeCore {
   MetricsRegistry* metrics_;
   DeviceDelivery* delivery_;
   std::string host_id_;  // this host's boot id ("" if unknown: no device delivery)
-  OpMetrics lookup_, put_, get_, pin_, attend_, stats_;
+  OpMetrics lookup_, put_, get_, pin_, attend_, stats_, sequence_ops_;
   CounterMetric* put_bytes_;
   CounterMetric* quantized_;
   CounterMetric* get_bytes_;

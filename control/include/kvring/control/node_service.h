@@ -17,6 +17,10 @@ class NodeService final : public v1::Node::Service {
   grpc::Status Pin(grpc::ServerContext* ctx, const v1::PinRequest* req, v1::PinResponse* resp) override;
   grpc::Status Attend(grpc::ServerContext* ctx, const v1::AttendRequest* req, v1::AttendResponse* resp) override;
   grpc::Status Stats(grpc::ServerContext* ctx, const v1::StatsRequest* req, v1::StatsResponse* resp) override;
+  grpc::Status DeleteSequence(grpc::ServerContext* ctx, const v1::SequenceRequest* req,
+                              v1::SequenceResponse* resp) override;
+  grpc::Status TruncateSequence(grpc::ServerContext* ctx, const v1::SequenceRequest* req,
+                                v1::SequenceResponse* resp) override;
 
  private:
   NodeCore* core_;

@@ -27,6 +27,9 @@ absl::Status WireGet(NodeCore& core, const v1::Tenant& t, const v1::GetRequest& 
 // Whether WireGet would stay in host memory (NodeCore::GetStaysInMemory).
 bool WireGetStaysInMemory(NodeCore& core, const v1::Tenant& t, const v1::GetRequest& req);
 absl::Status WirePin(NodeCore& core, const v1::Tenant& t, const v1::PinRequest& req, v1::PinResponse* resp);
+// DeleteSequence (truncate = false) or TruncateSequence.
+absl::Status WireSequence(NodeCore& core, const v1::Tenant& t, const v1::SequenceRequest& req, bool truncate,
+                          v1::SequenceResponse* resp);
 absl::Status WireStats(NodeCore& core, const v1::Tenant& t, const v1::StatsRequest& req, v1::StatsResponse* resp);
 
 }  // namespace kvring

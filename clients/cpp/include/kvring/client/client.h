@@ -118,6 +118,12 @@ struct BlockData {
   bool payload_on_device = false;
 };
 
+struct SequenceChangeReport {
+  int nodes_holding = 0;  // nodes that held any of the sequence
+  uint64_t blocks_erased = 0;
+  uint64_t open_blocks_dropped = 0;
+};
+
 struct GetResult {
   absl::Status status;
   BlockMeta meta;
@@ -261,6 +267,16 @@ class Client {
                                        const QueryTensor& q, const AttentionOptions& options,
                                        AttendReport* report = nullptr);
 
+  // Sequence lifecycle (attention sequences placed by sequence). Each goes
+  // to every UP node of the map (a sequence's chunks and replicas may be on
+  // any of them) and succeeds when every node answered; both are idempotent.
+  // DeleteSequence ends the sequence: full blocks, open blocks (HBM, host),
+  // records and their charge to the tenant's budget. TruncateSequence cuts it
+  // back to its first `tokens` tokens on every layer: the next append at
+  // `tokens` is a new token (speculative decoding's rejected drafts, an
+  // edited turn). The result says how much was freed in all.
+  absl::StatusOr<SequenceChangeReport> DeleteSequence(const std::string& sequence_id);
+  absl::StatusOr<SequenceChangeReport> TruncateSequence(const std::string& sequence_id, uint64_t tokens);
   std::vector<NodeStats> Stats();
   // The cached shard map version, and a forced refresh.
   uint64_t map_version() const;
