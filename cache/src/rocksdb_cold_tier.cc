@@ -3,7 +3,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvring/cache/rocksdb_logger.h"
 #include "kvring/common/quote.h"
+#include "kvring/common/status_macros.h"
 #include "lz4.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
@@ -134,6 +136,7 @@ absl::StatusOr<std::unique_ptr<RocksDbColdTier>> RocksDbColdTier::Open(const Roc
   dbo.create_if_missing = true;
   dbo.create_missing_column_families = true;
   dbo.max_background_jobs = 2;
+  dbo.info_log = MakeRocksDbLogger("cold tier");  // no LOG file on the data disk (rocksdb_logger.h says why)
   rocksdb::ColumnFamilyOptions meta_opts;
   rocksdb::ColumnFamilyOptions blob_opts;
   blob_opts.compression = rocksdb::kNoCompression;  // payloads arrive compressed
@@ -183,7 +186,12 @@ absl::Status RocksDbColdTier::Write(const ColdBlockInfo& info, absl::Span<const 
   batch.Put(meta_, key, rocksdb::Slice(reinterpret_cast<const char*>(&m), sizeof(m)));
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync_writes;
-  if (write_failed_.load(std::memory_order_relaxed)) MaybeResume();
+  if (write_failed_.load(std::memory_order_relaxed)) {
+    if (absl::Status r = ResumeAfterFailure(); !r.ok()) {
+      ++write_errors_;
+      return r;
+    }
+  }
   rocksdb::Status s = db_->Write(wo, &batch);
   if (!s.ok()) {
     ++write_errors_;
@@ -200,15 +208,27 @@ absl::Status RocksDbColdTier::Write(const ColdBlockInfo& info, absl::Span<const 
   return absl::OkStatus();
 }
 
-void RocksDbColdTier::MaybeResume() {
+absl::Status RocksDbColdTier::ResumeAfterFailure() {
   const int64_t now = absl::GetCurrentTimeNanos();
   int64_t last = last_resume_ns_.load(std::memory_order_relaxed);
-  if (now - last < absl::ToInt64Nanoseconds(options_.resume_interval)) return;
-  if (!last_resume_ns_.compare_exchange_strong(last, now)) return;  // another thread is at it
-  // OK when there was no background error or it cleared; else the write
-  // below fails again and the next attempt waits resume_interval.
+  if (now - last < absl::ToInt64Nanoseconds(options_.resume_interval) ||
+      !last_resume_ns_.compare_exchange_strong(last, now)) {
+    return absl::UnavailableError(
+        "the cold tier refuses writes since one failed (disk full or I/O error); "
+        "it retries by itself");
+  }
+  // RocksDB must not be written again until resumed (its WAL writer aborts
+  // on a write after a failed one): Resume() switches to a fresh WAL and
+  // clears the background error once the cause is gone.
   rocksdb::Status s = db_->Resume();
-  (void)s;
+  if (s.IsBusy()) {
+    // RocksDB is recovering by itself (it watches the disk's free space):
+    // asked again at the next attempt.
+    return absl::UnavailableError("the cold tier is recovering from a failed write (disk full?); it retries by itself");
+  }
+  if (!s.ok()) return FromRocks(s, "the cold tier is still failing writes (resume)");
+  write_failed_.store(false, std::memory_order_relaxed);
+  return absl::OkStatus();
 }
 
 absl::Status RocksDbColdTier::Read(const ScopedKey& key, ColdBlockInfo* info, std::vector<uint8_t>* payload) {
@@ -258,7 +278,7 @@ absl::Status RocksDbColdTier::Erase(const ScopedKey& key) {
   batch.Delete(blocks_, k);
   rocksdb::WriteOptions wo;
   wo.sync = options_.sync_writes;
-  if (write_failed_.load(std::memory_order_relaxed)) MaybeResume();
+  if (write_failed_.load(std::memory_order_relaxed)) KVRING_RETURN_IF_ERROR(ResumeAfterFailure());
   rocksdb::Status s = db_->Write(wo, &batch);
   if (!s.ok()) {
     write_failed_.store(true, std::memory_order_relaxed);

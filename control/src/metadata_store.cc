@@ -1,5 +1,7 @@
 #include "kvring/control/metadata_store.h"
 
+#include "kvring/cache/rocksdb_logger.h"
+
 #include "absl/strings/str_cat.h"
 #include "rocksdb/db.h"
 
@@ -8,6 +10,7 @@ namespace kvring {
 absl::StatusOr<std::unique_ptr<MetadataStore>> MetadataStore::Open(const std::string& path) {
   rocksdb::Options o;
   o.create_if_missing = true;
+  o.info_log = MakeRocksDbLogger("metadata store");  // no LOG file on the data disk (rocksdb_logger.h says why)
   o.max_background_jobs = 1;
   rocksdb::DB* db = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(o, path, &db);

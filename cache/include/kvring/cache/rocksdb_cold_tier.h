@@ -37,10 +37,11 @@ struct RocksDbColdTierOptions {
   // fsync the WAL on every write: a Write that returned OK survives power
   // loss. Default: false (survives a process crash, not a power cut).
   bool sync_writes = false;
-  // After a failed write (disk full, I/O error) RocksDB stops taking writes
-  // until resumed; the next write at least this long after the last attempt
-  // calls DB::Resume() first, so writes start again by themselves once
-  // space returns (no restart). Default: 1 s.
+  // After a failed write (disk full, I/O error) RocksDB must not be written
+  // until resumed: writes are refused (UNAVAILABLE) without touching it, and
+  // the first one at least this long after the last attempt calls
+  // DB::Resume(), so writes start again by themselves once space returns (no
+  // restart). Default: 1 s.
   absl::Duration resume_interval = absl::Seconds(1);
 };
 
@@ -76,8 +77,10 @@ class RocksDbColdTier final : public ColdTier {
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;
   std::atomic<uint64_t> blocks_count_{0}, raw_bytes_{0}, stored_bytes_{0};
   std::atomic<uint64_t> writes_{0}, reads_{0}, write_errors_{0}, read_errors_{0};
-  // Resumes the database after a failed write (resume_interval apart).
-  void MaybeResume();
+  // After a failed write: UNAVAILABLE without touching the database until
+  // resume_interval has passed since the last attempt, then DB::Resume();
+  // OK once writes may go on.
+  absl::Status ResumeAfterFailure();
   std::atomic<bool> write_failed_{false};
   std::atomic<int64_t> last_resume_ns_{0};
 };
