@@ -1,0 +1,121 @@
+"""Sequence lifecycle on a real 4-node cluster (R=2): a sequence built by
+appends is truncated (speculative decoding's rejected drafts) and appended
+again with other K/V, and attends exactly like the same tokens built from
+scratch; DeleteSequence gives every block back (the nodes' block and
+sequence counts return to where they were) and is idempotent; another
+tenant's delete of the same id touches nothing of ours; the CLI does both."""
+import math
+import os
+import subprocess
+import unittest
+
+import numpy as np
+
+import kvring
+from kvring.local_cluster import LocalCluster
+
+PORT = int(os.environ.get("KVRING_TEST_PORT", "22600"))
+
+
+def reference(q, k, v):
+    """Attention of q [rows, qh, d] over k/v [t, kvh, d] (float64, no mask), and its natural-log LSE."""
+    rows, qh, d = q.shape
+    kvh = k.shape[1]
+    out = np.zeros((rows, qh, d))
+    lse = np.zeros((rows, qh))
+    for r in range(rows):
+        for h in range(qh):
+            s = k[:, h // (qh // kvh), :].astype(np.float64) @ q[r, h].astype(np.float64) / math.sqrt(d)
+            m = s.max()
+            p = np.exp(s - m)
+            out[r, h] = p @ v[:, h // (qh // kvh), :].astype(np.float64) / p.sum()
+            lse[r, h] = m + math.log(p.sum())
+    return out, lse
+
+
+class SequenceLifecycle(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = LocalCluster(nodes=4, port=PORT, replication=2, chunk_blocks=2).start()
+        cls.c = kvring.Client(cls.cluster.coordinator, cls.cluster.tenant_token)
+        cls.L = kvring.Layout(block_tokens=16, layers=2, kv_heads=2, head_dim=32, dtype="f32")
+        cls.rng = np.random.default_rng(11)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.c.close()
+        cls.cluster.stop()
+
+    def append(self, sid, have, k, v):
+        """Appends k/v [n, kvh, d] on every layer (no query rows)."""
+        for layer in range(self.L.layers):
+            self.c.step(self.L, [(sid, have, 0, k.shape[0])], np.zeros((0, 4, 32), np.float32), [], k, v, layer=layer)
+
+    def check(self, sid, k, v):
+        q = self.rng.standard_normal((2, 4, 32)).astype(np.float32)
+        t = k.shape[0]
+        for layer in range(self.L.layers):
+            out, lse = self.c.step(self.L, [(sid, t, 2, 0)], q, [t - 1, t - 1], layer=layer, causal=False)
+            ro, rl = reference(q, k, v)
+            np.testing.assert_allclose(out, ro, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(lse, rl, rtol=1e-4, atol=1e-4)
+
+    def counts(self):
+        st = self.c.stats()
+        return sum(s["blocks"] for s in st), sum(s["sequences"] for s in st), sum(s["open_blocks"] for s in st)
+
+    def test_truncate_and_reappend_is_exact_and_delete_gives_everything_back(self):
+        base = self.counts()
+        rnd = lambda n: self.rng.standard_normal((n, 2, 32)).astype(np.float32)  # noqa: E731
+        k, v = rnd(150), rnd(150)  # 9 full blocks + 6 tokens, over several chunks and nodes
+        self.append("spec", 0, k, v)
+        self.check("spec", k, v)
+        # Drafts rejected: back to 133 (inside a sealed block), then other tokens.
+        self.c.truncate_sequence("spec", 133)
+        k2, v2 = rnd(20), rnd(20)
+        self.append("spec", 133, k2, v2)
+        K, V = np.concatenate([k[:133], k2]), np.concatenate([v[:133], v2])
+        self.check("spec", K, V)
+        # Back to a block boundary, and to a length past the end (no change).
+        self.c.truncate_sequence("spec", 96)
+        self.c.truncate_sequence("spec", 10_000)
+        k3, v3 = rnd(7), rnd(7)
+        self.append("spec", 96, k3, v3)
+        self.check("spec", np.concatenate([K[:96], k3]), np.concatenate([V[:96], v3]))
+        # Another tenant's delete of the same id is its own namespace's: ours stays.
+        tok = kvring.create_tenant(self.cluster.coordinator, self.cluster.admin_token, "other")
+        import time
+        time.sleep(1.0)
+        other = kvring.Client(self.cluster.coordinator, tok)
+        self.assertEqual(other.delete_sequence("spec")["nodes_holding"], 0)
+        other.close()
+        self.check("spec", np.concatenate([K[:96], k3]), np.concatenate([V[:96], v3]))
+        # Delete: every node's blocks, sequences and open blocks back where they were.
+        r = self.c.delete_sequence("spec")
+        self.assertGreaterEqual(r["nodes_holding"], 2)
+        self.assertGreater(r["blocks_erased"], 0)
+        self.assertEqual(self.counts(), base)
+        self.assertEqual(self.c.delete_sequence("spec")["nodes_holding"], 0)  # idempotent
+        with self.assertRaises(kvring.NotFoundError):
+            self.c.attend("spec", self.L, 16, np.zeros((1, 4, 32), np.float32), [15])
+
+    def test_the_cli_deletes_and_truncates(self):
+        k = self.rng.standard_normal((40, 2, 32)).astype(np.float32)
+        self.append("cli-seq", 0, k, k)
+        cli = [str(self.cluster.bin / "clients/kvring"), "--coordinator=" + self.cluster.coordinator,
+               "--token=" + self.cluster.tenant_token]
+        r = subprocess.run(cli + ["--sequence=cli-seq", "--keep_tokens=20", "seq-truncate"], capture_output=True,
+                           text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("truncated 'cli-seq'", r.stdout)
+        self.check("cli-seq", k[:20], k[:20])
+        r = subprocess.run(cli + ["--sequence=cli-seq", "seq-delete"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("deleted 'cli-seq'", r.stdout)
+        r = subprocess.run(cli + ["seq-truncate", "--sequence=x"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("keep_tokens", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
