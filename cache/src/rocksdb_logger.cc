@@ -11,7 +11,8 @@ namespace {
 
 class RocksDbLogger final : public rocksdb::Logger {
  public:
-  explicit RocksDbLogger(std::string name) : rocksdb::Logger(rocksdb::InfoLogLevel::WARN_LEVEL), name_(std::move(name)) {}
+  explicit RocksDbLogger(std::string name)
+      : rocksdb::Logger(rocksdb::InfoLogLevel::WARN_LEVEL), name_(std::move(name)) {}
   using rocksdb::Logger::Logv;
   void Logv(const char* format, va_list ap) override { Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap); }
   void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {

@@ -78,7 +78,7 @@ class HfGlueTest(unittest.TestCase):
             g = torch.Generator().manual_seed(0)
             keys = [[[] for _ in range(L)] for _ in range(2)]
             vals = [[[] for _ in range(L)] for _ in range(2)]
-            for T in (100, 1, 1, 37, 1):  # a chunked prefill (3 steps of <= 40 rows), decode, another chunk
+            def step(T):
                 for layer in range(L):
                     q = torch.randn(2, H, T, D, generator=g).to(torch.bfloat16)
                     k = torch.randn(2, HKV, T, D, generator=g).to(torch.bfloat16)
@@ -101,11 +101,27 @@ class HfGlueTest(unittest.TestCase):
                         ref = torch.einsum("hts,hsd->thd", torch.softmax(s, -1), V.repeat_interleave(H // HKV, 0))
                         err = ((out[b].double() - ref).norm() / ref.norm()).item()
                         self.assertLess(err, 2e-2, f"T={T} layer {layer} seq {b}")
+
+            for T in (100, 1, 1, 37, 1):  # a chunked prefill (3 steps of <= 40 rows), decode, another chunk
+                step(T)
             self.assertEqual(cache.get_seq_length(0), 140)
             self.assertEqual(sess.tokens, [[140, 140]] * L)
             self.assertEqual(sess.steps, (3 + 1 + 1 + 1 + 1) * L)
-            sess.detach()
+            # Rejected drafts: the cache's crop (what assisted generation calls) cuts the sequences on kvring
+            # back too, and the next tokens attend over the kept ones only.
+            cache.crop(120)
+            self.assertEqual(cache.get_seq_length(0), 120)
+            self.assertEqual(sess.tokens, [[120, 120]] * L)
+            for b in range(2):
+                for layer in range(L):
+                    keys[b][layer] = [torch.cat(keys[b][layer], 1)[:, :120]]
+                    vals[b][layer] = [torch.cat(vals[b][layer], 1)[:, :120]]
+            step(3)
+            self.assertEqual(sess.tokens, [[123, 123]] * L)
+            # end(): detached, and the sequences are gone from kvring.
+            sess.end()
             self.assertEqual(model.config._attn_implementation, "sdpa")
+            self.assertEqual(c.delete_sequence("a")["nodes_holding"], 0)
             c.close()
 
 

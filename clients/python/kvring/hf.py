@@ -24,11 +24,12 @@ only the rest, and saves the new full blocks afterwards. Blocks evicted
 between the lookup and the load are recomputed.
 """
 import time
+import warnings
 
 import numpy as np
 import torch
 
-from . import InvalidArgumentError, Layout, NotFoundError
+from . import Error, InvalidArgumentError, Layout, NotFoundError
 from . import torch as kt
 
 ATTENTION_NAME = "kvring"
@@ -134,10 +135,25 @@ def _cache_classes():
     PassQLayer.__abstractmethods__ = frozenset()
 
     class PassQCache(Cache):
-        """A transformers Cache for pass-Q sequences: it only counts tokens."""
+        """A transformers Cache for pass-Q sequences: it only counts tokens. crop() (what assisted generation calls
+        when it rejects draft tokens) cuts the session's sequences back on kvring too."""
 
-        def __init__(self, num_layers):
+        def __init__(self, num_layers, session=None, start=0):
             super().__init__(layers=[PassQLayer() for _ in range(num_layers)])
+            for layer in self.layers:
+                layer.length = start
+            self.session = session
+
+        def crop(self, max_length):
+            length = max(layer.length for layer in self.layers)
+            if max_length < 0:
+                max_length = length - abs(max_length)
+            if max_length >= length:
+                return
+            for layer in self.layers:
+                layer.length = min(layer.length, max_length)
+            if self.session is not None:
+                self.session.truncate(max_length)
 
     return PassQCache
 
@@ -145,13 +161,22 @@ def _cache_classes():
 class PassQSession:
     """Pass-Q attention for one batch of sequences (one per batch row) of `model` over `client`."""
 
-    def __init__(self, client, model, sequence_ids, block_tokens=16, max_rows_per_step=2048):
+    def __init__(self, client, model, sequence_ids, block_tokens=16, max_rows_per_step=2048, keep=False,
+                 start_tokens=0):
+        """keep=False: end() (and leaving a `with` block) deletes the session's sequences from kvring; keep=True
+        leaves them for a later session over the same ids, which passes start_tokens (an int, or one per sequence:
+        the tokens each already holds)."""
         register()
         self.client, self.model = client, model
         self.ids = list(sequence_ids)
         self.layout = layout_for(model.config, block_tokens)
         self.max_rows = max_rows_per_step
-        self.tokens = [[0] * len(self.ids) for _ in range(self.layout.layers)]  # per layer, per sequence
+        self.keep = keep
+        self.ended = False
+        start = list(start_tokens) if isinstance(start_tokens, (list, tuple)) else [int(start_tokens)] * len(self.ids)
+        if len(start) != len(self.ids) or any(t < 0 for t in start):
+            raise InvalidArgumentError("start_tokens: one non-negative count per sequence")
+        self.tokens = [list(start) for _ in range(self.layout.layers)]  # per layer, per sequence
         self.steps = 0
         self.bytes_sent = self.bytes_received = 0
         self.shard_steps = self.shard_steps_in_place = 0  # shard requests, and those served in this GPU's memory
@@ -164,8 +189,34 @@ class PassQSession:
         _set_attention(model, ATTENTION_NAME)
 
     def cache(self):
-        """A fresh PassQCache for generate(past_key_values=...)."""
-        return _cache_classes()(self.layout.layers)
+        """A PassQCache for generate(past_key_values=...), at the session's length (its crop() truncates here)."""
+        return _cache_classes()(self.layout.layers, session=self, start=min(min(t) for t in self.tokens))
+
+    def truncate(self, tokens):
+        """Rolls every sequence (or each its own: a list) back to `tokens` on every layer: rejected draft tokens,
+        an edited turn. The next step appends at that position."""
+        want = list(tokens) if isinstance(tokens, (list, tuple)) else [int(tokens)] * len(self.ids)
+        if len(want) != len(self.ids) or any(t < 0 for t in want):
+            raise InvalidArgumentError("truncate: one non-negative length per sequence")
+        for b, sid in enumerate(self.ids):
+            if all(self.tokens[layer][b] <= want[b] for layer in range(self.layout.layers)):
+                continue
+            self.client.truncate_sequence(sid, want[b])
+            for layer in range(self.layout.layers):
+                self.tokens[layer][b] = min(self.tokens[layer][b], want[b])
+
+    def end(self):
+        """Detaches, then (unless keep) deletes the session's sequences from kvring. Idempotent."""
+        if self.ended:
+            return
+        self.detach()
+        self.ended = True
+        if not self.keep:
+            for sid in self.ids:
+                try:
+                    self.client.delete_sequence(sid)
+                except Error as e:  # a node down: the sequence stays; deleting it again later is safe
+                    warnings.warn("kvring: sequence %r was not deleted: %s" % (sid, e))
 
     def detach(self):
         """Gives the model back its attention implementation (as it was when the session started)."""
@@ -178,7 +229,7 @@ class PassQSession:
         return self
 
     def __exit__(self, *exc):
-        self.detach()
+        self.end()
 
     def attend(self, layer, query, key, value, scaling):
         B, Hq, T, D = query.shape
