@@ -15,6 +15,11 @@ import kvring
 from kvring.local_cluster import LocalCluster
 
 PORT = int(os.environ.get("KVRING_TEST_PORT", "22600"))
+# On a GPU host: KVRING_TEST_GPU=<device> runs the daemons with --gpu (bf16 blocks, which the CUDA kernels take, so
+# truncation resets HBM copies); CI runs them on the CPU with f32 blocks.
+GPU = int(os.environ.get("KVRING_TEST_GPU", "-1"))
+DTYPE, D = ("bf16", 64) if GPU >= 0 else ("f32", 32)
+RTOL = 2e-2 if GPU >= 0 else 1e-4
 
 
 def reference(q, k, v):
@@ -36,9 +41,10 @@ def reference(q, k, v):
 class SequenceLifecycle(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.cluster = LocalCluster(nodes=4, port=PORT, replication=2, chunk_blocks=2).start()
+        cls.cluster = LocalCluster(nodes=4, port=PORT, replication=2, chunk_blocks=2, gpu=GPU,
+                                   hbm_bytes="1G" if GPU >= 0 else "0").start()
         cls.c = kvring.Client(cls.cluster.coordinator, cls.cluster.tenant_token)
-        cls.L = kvring.Layout(block_tokens=16, layers=2, kv_heads=2, head_dim=32, dtype="f32")
+        cls.L = kvring.Layout(block_tokens=16, layers=2, kv_heads=2, head_dim=D, dtype=DTYPE)
         cls.rng = np.random.default_rng(11)
 
     @classmethod
@@ -46,19 +52,31 @@ class SequenceLifecycle(unittest.TestCase):
         cls.c.close()
         cls.cluster.stop()
 
+    def wire(self, x):
+        """f32 values as the layout's dtype (bf16: the top 16 bits; the reference then uses the same rounding)."""
+        if DTYPE == "f32":
+            return x
+        return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+    def rounded(self, x):
+        if DTYPE == "f32":
+            return x
+        return (self.wire(x).astype(np.uint32) << 16).view(np.float32)
+
     def append(self, sid, have, k, v):
         """Appends k/v [n, kvh, d] on every layer (no query rows)."""
         for layer in range(self.L.layers):
-            self.c.step(self.L, [(sid, have, 0, k.shape[0])], np.zeros((0, 4, 32), np.float32), [], k, v, layer=layer)
+            self.c.step(self.L, [(sid, have, 0, k.shape[0])], np.zeros((0, 4, D), np.float32), [], self.wire(k),
+                        self.wire(v), layer=layer)
 
     def check(self, sid, k, v):
-        q = self.rng.standard_normal((2, 4, 32)).astype(np.float32)
+        q32 = self.rng.standard_normal((2, 4, D)).astype(np.float32)
         t = k.shape[0]
         for layer in range(self.L.layers):
-            out, lse = self.c.step(self.L, [(sid, t, 2, 0)], q, [t - 1, t - 1], layer=layer, causal=False)
-            ro, rl = reference(q, k, v)
-            np.testing.assert_allclose(out, ro, rtol=1e-4, atol=1e-5)
-            np.testing.assert_allclose(lse, rl, rtol=1e-4, atol=1e-4)
+            out, lse = self.c.step(self.L, [(sid, t, 2, 0)], self.wire(q32), [t - 1, t - 1], layer=layer, causal=False)
+            ro, rl = reference(self.rounded(q32), self.rounded(k), self.rounded(v))
+            np.testing.assert_allclose(out, ro, rtol=RTOL, atol=RTOL / 10)
+            np.testing.assert_allclose(lse, rl, rtol=RTOL, atol=RTOL)
 
     def counts(self):
         st = self.c.stats()
@@ -66,7 +84,7 @@ class SequenceLifecycle(unittest.TestCase):
 
     def test_truncate_and_reappend_is_exact_and_delete_gives_everything_back(self):
         base = self.counts()
-        rnd = lambda n: self.rng.standard_normal((n, 2, 32)).astype(np.float32)  # noqa: E731
+        rnd = lambda n: self.rng.standard_normal((n, 2, D)).astype(np.float32)  # noqa: E731
         k, v = rnd(150), rnd(150)  # 9 full blocks + 6 tokens, over several chunks and nodes
         self.append("spec", 0, k, v)
         self.check("spec", k, v)
@@ -97,10 +115,10 @@ class SequenceLifecycle(unittest.TestCase):
         self.assertEqual(self.counts(), base)
         self.assertEqual(self.c.delete_sequence("spec")["nodes_holding"], 0)  # idempotent
         with self.assertRaises(kvring.NotFoundError):
-            self.c.attend("spec", self.L, 16, np.zeros((1, 4, 32), np.float32), [15])
+            self.c.attend("spec", self.L, 16, np.zeros((1, 4, D), np.float32), [15])
 
     def test_the_cli_deletes_and_truncates(self):
-        k = self.rng.standard_normal((40, 2, 32)).astype(np.float32)
+        k = self.rng.standard_normal((40, 2, D)).astype(np.float32)
         self.append("cli-seq", 0, k, k)
         cli = [str(self.cluster.bin / "clients/kvring"), "--coordinator=" + self.cluster.coordinator,
                "--token=" + self.cluster.tenant_token]

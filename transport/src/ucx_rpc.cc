@@ -8,6 +8,7 @@
 #include <future>
 #include <random>
 #include <unordered_map>
+#include <unordered_set>
 #include "absl/synchronization/mutex.h"
 
 #include "absl/strings/str_cat.h"
@@ -473,8 +474,11 @@ struct ClientState {
     absl::Span<uint8_t> buffer;
   };
   UcxWorkerLoop* loop = nullptr;
-  ucp_ep_h ep = nullptr;   // loop thread
-  bool bye_sent = false;   // loop thread
+  ucp_ep_h ep = nullptr;  // loop thread
+  bool bye_sent = false;  // loop thread
+  // Sends not completed yet (loop thread): the worker's destruction drops
+  // them without their callbacks, so the destructor frees what is left.
+  std::unordered_set<SendCtx*> outstanding;
   uint64_t client_id = 0;  // set before any send
   // Staged request payloads (same host), kept warm: a few per size.
   std::shared_ptr<BufferPool> staging = std::make_shared<BufferPool>(4);
@@ -507,6 +511,13 @@ struct ClientState {
 };
 
 namespace {
+
+// A client's send, tracked until it completes (ClientState::outstanding).
+void ClientSend(ClientState* st, unsigned id, SendCtx* c, uint32_t flags = 0) {
+  st->outstanding.insert(c);
+  c->untrack = [st, c] { st->outstanding.erase(c); };
+  SendAm(st->ep, id, c, flags);
+}
 
 ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data, size_t length,
                      const ucp_am_recv_param_t* param) {
@@ -653,6 +664,9 @@ UcxRpcServer::~UcxRpcServer() {
     st->eps.clear();
     st->clients.clear();
   });
+  loop_.reset();  // the worker is gone: replies still in flight get no callback
+  for (auto& [c, ep] : state_->inflight) delete c;
+  state_->inflight.clear();
 }
 
 template <typename F>
@@ -743,7 +757,7 @@ absl::StatusOr<std::unique_ptr<UcxRpcClient>> UcxRpcClient::Connect(const std::s
     ctx->data = ctx->staged.data();
     ctx->length = ctx->staged.size();
     ucp_worker_release_address(st->loop->worker(), wa);
-    SendAm(st->ep, kHelloAm, ctx);
+    ClientSend(st, kHelloAm, ctx);
     return absl::OkStatus();
   });
   if (!s.ok()) return s;
@@ -779,7 +793,7 @@ void SayBye(ClientState* st) {
   ctx->header.resize(sizeof(h));
   std::memcpy(ctx->header.data(), &h, sizeof(h));
   ctx->done = [sent](ucs_status_t) { *sent = true; };
-  SendAm(st->ep, kByeAm, ctx, UCP_AM_SEND_FLAG_EAGER);
+  ClientSend(st, kByeAm, ctx, UCP_AM_SEND_FLAG_EAGER);
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
   while (!*sent && std::chrono::steady_clock::now() < until) ucp_worker_progress(st->loop->worker());
 }
@@ -796,6 +810,9 @@ UcxRpcClient::~UcxRpcClient() {
     st->ep = nullptr;
   });
   state_->FailAll(absl::CancelledError("client closed"));
+  loop_.reset();  // the worker is gone: no send callback can come any more
+  for (SendCtx* c : state_->outstanding) delete c;
+  state_->outstanding.clear();
 }
 
 void UcxRpcClient::Break(const absl::Status& why) {
@@ -848,7 +865,7 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
       OnSendDone(nullptr, UCS_ERR_NOT_CONNECTED, c);
       return;
     }
-    SendAm(st->ep, kRequestAm, c);
+    ClientSend(st, kRequestAm, c);
   });
   // One wait, for the reply (or the send's failure): a reply means the
   // request was taken, so the send's completion is in or about to be.
