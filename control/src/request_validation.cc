@@ -326,29 +326,42 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
   return b;
 }
 
+namespace {
+// Non-zero when some lane of `x` (16 or 32 bits each) has every exponent bit
+// (`mask` in each lane) set: an infinity or a NaN. SWAR: z = (x & mask) ^
+// mask is zero exactly in such lanes, and the has-zero-lane test finds one
+// (each lane's top bit, the sign, is outside the mask).
+inline uint64_t AllOnesLanes(uint64_t x, uint64_t mask, uint64_t ones, uint64_t highs) {
+  const uint64_t z = (x & mask) ^ mask;
+  return (z - ones) & ~z & highs;
+}
+}  // namespace
+
 int64_t FirstNonFinite(absl::Span<const uint8_t> bytes, DType dtype) {
-  switch (dtype) {
-    case DType::kF32: {
-      const size_t n = bytes.size() / 4;
-      for (size_t i = 0; i < n; ++i) {
-        uint32_t v;
-        std::memcpy(&v, bytes.data() + 4 * i, 4);
-        if ((v & 0x7f800000u) == 0x7f800000u) return static_cast<int64_t>(i);
-      }
-      return -1;
+  const bool f32 = dtype == DType::kF32;
+  const size_t esz = f32 ? 4 : 2;
+  const uint64_t lane = dtype == DType::kF32 ? 0x7f800000ull : dtype == DType::kF16 ? 0x7c00ull : 0x7f80ull;
+  const uint64_t mask = f32 ? lane * 0x0000000100000001ull : lane * 0x0001000100010001ull;
+  const uint64_t ones = f32 ? 0x0000000100000001ull : 0x0001000100010001ull;
+  const uint64_t highs = f32 ? 0x8000000080000000ull : 0x8000800080008000ull;
+  const size_t n = bytes.size() / esz;
+  auto at = [&](size_t i) {
+    uint64_t v = 0;
+    std::memcpy(&v, bytes.data() + i * esz, esz);
+    return (v & lane) == lane;
+  };
+  // Eight bytes at a time; the element is looked for in the word that trips.
+  const size_t words = bytes.size() / 8, per_word = 8 / esz;
+  for (size_t w = 0; w < words; ++w) {
+    uint64_t x;
+    std::memcpy(&x, bytes.data() + 8 * w, 8);
+    if (AllOnesLanes(x, mask, ones, highs) == 0) continue;
+    for (size_t i = w * per_word; i < (w + 1) * per_word; ++i) {
+      if (at(i)) return static_cast<int64_t>(i);
     }
-    case DType::kF16:
-    case DType::kBF16: {
-      // All exponent bits set: infinity or NaN.
-      const uint16_t mask = dtype == DType::kF16 ? 0x7c00 : 0x7f80;
-      const size_t n = bytes.size() / 2;
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t v;
-        std::memcpy(&v, bytes.data() + 2 * i, 2);
-        if ((v & mask) == mask) return static_cast<int64_t>(i);
-      }
-      return -1;
-    }
+  }
+  for (size_t i = words * per_word; i < n; ++i) {
+    if (at(i)) return static_cast<int64_t>(i);
   }
   return -1;
 }

@@ -1,6 +1,7 @@
 #include "kvring/control/request_validation.h"
 
 #include <cmath>
+#include <cstring>
 
 #include <limits>
 
@@ -192,6 +193,33 @@ TEST(RequestValidationTest, NonFiniteAppendedKvIsRefused) {
   EXPECT_EQ(FirstNonFinite(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(f16), 4), DType::kF16), 1);
   const uint16_t bf16[] = {0x7f7f /* largest finite */, 0x3f80};
   EXPECT_EQ(FirstNonFinite(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(bf16), 4), DType::kBF16), -1);
+}
+
+// The word-at-a-time scan finds the first Inf or NaN at every position and
+// length (whole words and the tail), and passes the largest finite values.
+TEST(RequestValidationTest, FirstNonFiniteFindsEveryPosition) {
+  struct Kind {
+    DType dtype;
+    size_t esz;
+    uint32_t big_finite, neg_big_finite, inf, nan;
+  };
+  for (const Kind& k :
+       {Kind{DType::kBF16, 2, 0x7f7f, 0xff7f, 0x7f80, 0xffc1}, Kind{DType::kF16, 2, 0x7bff, 0xfbff, 0x7c00, 0x7e01},
+        Kind{DType::kF32, 4, 0x7f7fffff, 0xff7fffff, 0x7f800000, 0xffc00001}}) {
+    for (size_t n = 1; n <= 23; ++n) {
+      std::vector<uint8_t> v(n * k.esz);
+      for (size_t i = 0; i < n; ++i) {
+        const uint32_t x = i % 2 ? k.big_finite : k.neg_big_finite;
+        std::memcpy(v.data() + i * k.esz, &x, k.esz);
+      }
+      EXPECT_EQ(FirstNonFinite(v, k.dtype), -1) << "n=" << n;
+      for (size_t at = 0; at < n; ++at) {
+        std::vector<uint8_t> w = v;
+        std::memcpy(w.data() + at * k.esz, at % 2 ? &k.inf : &k.nan, k.esz);
+        EXPECT_EQ(FirstNonFinite(w, k.dtype), static_cast<int64_t>(at)) << "n=" << n << " at=" << at;
+      }
+    }
+  }
 }
 
 TEST(RequestValidationTest, KeyListsAreBoundedAndNonZero) {
