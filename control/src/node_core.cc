@@ -640,11 +640,13 @@ absl::Status NodeCore::PlanSequence(NamespaceId ns, TenantId tenant, const Atten
       have = o->second.filled[layer];
     }
     if (have < off) {
-      return absl::FailedPreconditionError(o != st.open.end()
-                                               ? absl::StrCat("append at position ", p, " but block ", idx, " holds ",
-                                                              have, " tokens of layer ", layer, " on this node")
-                                               : absl::StrCat("append at position ", p, " starts inside block ", idx,
-                                                              ", which this node is not filling"));
+      // The tokens before the append are not here (lost with a node, or
+      // never appended): what the engine can act on is where they start.
+      const uint64_t first_missing = idx * bt + have;
+      return absl::DataLossError(absl::StrCat(
+          "sequence '", spec.sequence_id, "' layer ", layer, ": append at position ", p,
+          " but this node holds the sequence only up to position ", first_missing, " (first missing position ",
+          first_missing, "): truncate the sequence to ", first_missing, " and append again from there"));
     }
     const uint32_t dup = std::min(cnt, have - off);
     if (dup > 0) KVRING_RETURN_IF_ERROR(SameTokens(ns, h, idx, layer, off, dup, b, static_cast<uint32_t>(src), L));
@@ -743,8 +745,12 @@ absl::Status NodeCore::SameTokens(NamespaceId ns, SequenceTable::Handle& h, uint
       const size_t src = (size_t{t} * L.kv_heads + hd) * row;
       if (std::memcmp(base + L.index(layer, 0, hd, off + t, 0) * esz, new_k + src, row) != 0 ||
           std::memcmp(base + L.index(layer, 1, hd, off + t, 0) * esz, new_v + src, row) != 0) {
-        return absl::FailedPreconditionError(absl::StrCat("append at position ", idx * L.block_tokens + off + t,
-                                                          " differs from the token this node already holds there"));
+        const uint64_t pos = idx * L.block_tokens + off + t;
+        return absl::FailedPreconditionError(absl::StrCat(
+            "sequence '", h.id(), "' layer ", layer, ": append at position ", pos,
+            " differs from the token this node already holds there (a retry with other K/V): truncate the sequence "
+            "to ",
+            pos, " first to replace it"));
       }
     }
   }

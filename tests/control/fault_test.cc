@@ -188,6 +188,70 @@ TEST(FaultTest, KillNineUnderAppendAndAttendLoadLosesNoAcknowledgedAppend) {
               ok.load(), retried.load(), wrong.load(), static_cast<unsigned long long>(sim.tokens("x", 1)));
 }
 
+// Write quorum 1: the tail's last tokens live on one replica. When that
+// replica dies after the other lost its copy of the open block (a restart),
+// the next append fails with DATA_LOSS naming the first lost position, never
+// a sequence no call can serve: the engine truncates there, appends again
+// (regenerating the K/V), and the sequence attends exactly.
+TEST(FaultTest, LostTailTokensAreDataLossWithAPositionAndTruncateRecovers) {
+  Cluster cl(ClusterOptions{.nodes = 2,
+                            .replication = 2,
+                            .write_through = true,  // full blocks survive a restart; open blocks do not
+                            .extra_coordinator_flags = {"--write_quorum=1", "--sequence_chunk_blocks=2"}});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("decode");
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  testing::StepSim sim(SmallLayout(), 4, 21);
+  // Retries while the map catches up with a death; returns the last status.
+  auto step = [&](const std::vector<testing::StepSim::Part>& parts, absl::StatusCode stop_at) {
+    absl::Status last;
+    for (uint32_t l = 0; l < 2; ++l) {
+      auto b = sim.Build(l, parts);
+      for (int attempt = 0; attempt < 100; ++attempt) {
+        auto out = (*c)->Step(b.step);
+        if (out.ok()) {
+          sim.Commit(b);
+          auto [err, lse_err] = sim.Check(b, *out);
+          EXPECT_GE(err, 0);
+          EXPECT_LT(err, 2e-5);
+          EXPECT_LT(lse_err, 1e-4);
+          last = absl::OkStatus();
+          break;
+        }
+        last = out.status();
+        if (last.code() == stop_at) return last;
+        absl::SleepFor(absl::Milliseconds(100));
+      }
+      if (!last.ok()) return last;
+    }
+    return last;
+  };
+  ASSERT_TRUE(step({{"x", 4, 18}}, absl::StatusCode::kOk).ok());  // blocks 0-3 full, block 4 open (2 tokens)
+  cl.KillDaemon(1);
+  ASSERT_TRUE(step({{"x", 1, 1}}, absl::StatusCode::kOk).ok());  // W=1: on node0 alone
+  ASSERT_TRUE(cl.StartDaemon(1));
+  ASSERT_TRUE(cl.WaitForNodesUp(2));
+  ASSERT_TRUE(step({{"x", 1, 1}}, absl::StatusCode::kOk).ok());  // node0 acks; node1 refuses (its tail is gone)
+  // 20 tokens, 4 of block 4 only on node0: it dies.
+  cl.KillDaemon(0);
+  absl::Status lost = step({{"x", 1, 1}}, absl::StatusCode::kDataLoss);
+  ASSERT_EQ(lost.code(), absl::StatusCode::kDataLoss) << lost;
+  const std::string msg(lost.message());
+  const size_t at = msg.find("first missing position ");
+  ASSERT_NE(at, std::string::npos) << msg;
+  const uint64_t first_lost = std::stoull(msg.substr(at + 23));
+  EXPECT_EQ(first_lost, 16u) << msg;  // block 4 starts at token 16: its tokens were on node0 alone
+  // The engine's recovery: truncate there, append again, attend exactly.
+  auto cut = (*c)->TruncateSequence("x", first_lost);
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  sim.Truncate("x", first_lost);
+  ASSERT_TRUE(step({{"x", 2, 4}}, absl::StatusCode::kOk).ok());
+  ASSERT_TRUE(step({{"x", 3, 1}}, absl::StatusCode::kOk).ok());
+  EXPECT_EQ(sim.tokens("x", 0), 21u);
+}
+
 // The daemon's disk "fills up" (RLIMIT_FSIZE on its process) under a
 // write-through RocksDB tier: the write error reaches the client as an
 // error status, blocks stored before stay readable and intact, the failed

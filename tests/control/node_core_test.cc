@@ -438,14 +438,15 @@ TEST_F(NodeCoreTest, RefusedAppendsAndAttendsChangeNothing) {
   s.tokens = 8;
   b.sequences = {s};
   absl::Status st = core_->Attend(tenant_, "", b, PartialOutput{}, nullptr);
-  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
-  EXPECT_NE(st.message().find("holds 1 tokens of layer 0"), std::string::npos) << st;
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_NE(st.message().find("first missing position 5"), std::string::npos) << st;
   // A repeat of a sealed block's position with other bytes.
   b.sequences[0].append_position = 2;
   b.sequences[0].tokens = 3;
   st = core_->Attend(tenant_, "", b, PartialOutput{}, nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
   EXPECT_NE(st.message().find("differs from the token this node already holds"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("truncate the sequence to 2"), std::string::npos) << st;
   // The same repeat with the bytes the node holds (a retried step) is a
   // no-op, in a sealed block and in the open one.
   for (uint64_t pos : {2, 4}) {

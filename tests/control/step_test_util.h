@@ -115,6 +115,13 @@ class StepSim {
     return {den > 0 ? std::sqrt(num / den) : (num > 0 ? 1.0 : 0.0), lse_err};
   }
 
+  // The engine's view cut back to `n` tokens on every layer (TruncateSequence).
+  void Truncate(const std::string& id, uint64_t n) {
+    const size_t kvn = size_t{L_.kv_heads} * L_.head_dim;
+    for (auto* side : {&k_[id], &v_[id]}) {
+      for (auto& [layer, vals] : *side) vals.resize(std::min<size_t>(vals.size(), n * kvn));
+    }
+  }
   uint64_t tokens(const std::string& id, uint32_t layer) {
     return k_[id][layer].size() / (size_t{L_.kv_heads} * L_.head_dim);
   }

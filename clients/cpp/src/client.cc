@@ -985,16 +985,21 @@ class ClientImpl {
       for (const auto& [b, c] : pending) {
         if (next[b][c] >= cands[b][c].size()) {
           // When every replica that answered refused for the same reason
-          // (NOT_FOUND, FAILED_PRECONDITION, DATA_LOSS...), that is the
-          // step's error class; replicas that could not be reached make it
-          // UNAVAILABLE.
+          // (NOT_FOUND, FAILED_PRECONDITION, DATA_LOSS with the first lost
+          // position...), that is the step's error class, one the engine can
+          // act on (a dead replica beside them cannot serve the chunk either);
+          // with no answer at all, UNAVAILABLE.
           absl::StatusCode code = absl::StatusCode::kUnavailable;
-          const std::vector<absl::StatusCode>& codes = tried_codes[{b, c}];
-          if (!codes.empty() && std::all_of(codes.begin(), codes.end(), [&](absl::StatusCode x) {
-                return x == codes.front() && x != absl::StatusCode::kUnavailable &&
-                       x != absl::StatusCode::kDeadlineExceeded && x != absl::StatusCode::kOk;
-              })) {
-            code = codes.front();
+          std::vector<absl::StatusCode> answered;
+          for (absl::StatusCode x : tried_codes[{b, c}]) {
+            if (x != absl::StatusCode::kUnavailable && x != absl::StatusCode::kDeadlineExceeded &&
+                x != absl::StatusCode::kOk) {
+              answered.push_back(x);
+            }
+          }
+          if (!answered.empty() && std::all_of(answered.begin(), answered.end(),
+                                               [&](absl::StatusCode x) { return x == answered.front(); })) {
+            code = answered.front();
           }
           return absl::Status(
               code, absl::StrCat("no live replica holds chunk ", c, " of sequence '", st.sequences[b].sequence_id,
@@ -1260,8 +1265,12 @@ class ClientImpl {
         for (const SeqPart& p : jobs[j].parts) {
           unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { u.last = s; });
         }
-        if (!IsNodeFailure(s) && !absl::IsNotFound(s) && !absl::IsFailedPrecondition(s)) return s;
-        if (absl::IsFailedPrecondition(s) && failed == nullptr) return s;
+        // A replica's refusal (it lacks blocks or tokens: NOT_FOUND, DATA_LOSS
+        // with the first missing position; an append it cannot take:
+        // FAILED_PRECONDITION) sends the chunks to the next replica.
+        const bool refusal = absl::IsNotFound(s) || absl::IsFailedPrecondition(s) || absl::IsDataLoss(s);
+        if (!IsNodeFailure(s) && !refusal) return s;
+        if ((absl::IsFailedPrecondition(s) || absl::IsDataLoss(s)) && failed == nullptr) return s;
         for (const SeqPart& p : jobs[j].parts) {
           for (uint64_t c : p.chunks) {
             if (failed)
@@ -1289,11 +1298,14 @@ class ClientImpl {
         served[k] = false;
         *last_error = ps;
         unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { u.last = ps; });
-        if (!absl::IsNotFound(ps) && !absl::IsFailedPrecondition(ps)) return ps;
-        // A refused append (a replica behind on another chunk's tail) also
-        // refuses the attends beside it: those are retried on this node
-        // without the append first.
-        const bool again_here = absl::IsFailedPrecondition(ps) && p.append_end > p.append_begin;
+        if (!absl::IsNotFound(ps) && !absl::IsFailedPrecondition(ps) && !absl::IsDataLoss(ps)) return ps;
+        // A refused append (a replica behind on another chunk's tail, or
+        // missing tokens before it: DATA_LOSS) also refuses the attends
+        // beside it: those are retried on this node without the append first.
+        // The append counts its acks; short of the write quorum, the step
+        // fails with this refusal (for DATA_LOSS: the first missing position).
+        const bool again_here =
+            (absl::IsFailedPrecondition(ps) || absl::IsDataLoss(ps)) && p.append_end > p.append_begin;
         for (uint64_t c : p.chunks) {
           if (failed == nullptr) return ps;
           failed->push_back(FailedChunk{
