@@ -39,6 +39,7 @@ struct Opts {
   std::string op = "both", name, shared, quantize, kv_encoding, sequence;
   int64_t keep_tokens = -1;
   absl::Duration rpc_timeout = absl::Seconds(10);
+  absl::Duration sequence_ttl = absl::ZeroDuration();
   TlsConfig tls;
 };
 
@@ -93,6 +94,7 @@ absl::Status InRange(const char* flag, int64_t v, int64_t lo, int64_t hi) {
 // Every flag the command uses, checked before anything is built or sent:
 // the same layout checks and limits the daemons apply.
 absl::Status ValidateOpts(const Opts& o, const std::string& cmd) {
+  if (o.sequence_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("--sequence_ttl must not be negative");
   if (cmd == "seq-delete" || cmd == "seq-truncate") {
     if (o.sequence.empty()) return absl::InvalidArgumentError(cmd + " needs --sequence=ID");
     if (cmd == "seq-truncate" && o.keep_tokens < 0) {
@@ -320,6 +322,7 @@ int CmdTenant(const Opts& o, const std::string& cmd) {
     spec.name = o.name;
     spec.max_pinned_bytes = o.quota;
     spec.kv_encoding = o.kv_encoding;
+    spec.sequence_ttl_s = static_cast<uint64_t>(absl::ToInt64Seconds(o.sequence_ttl));
     if (!o.shared.empty()) {
       for (auto s : absl::StrSplit(o.shared, ',')) spec.shared_namespaces.push_back(std::string(s));
     }
@@ -400,6 +403,8 @@ int main(int argc, char** argv) {
   f.AddString("quantize", &o.quantize,
               "put/bench: have the nodes quantize the blocks (int8|fp8[/...], none; empty: tenant default)");
   f.AddBytes("quota", &o.quota, "tenant-create: pinned-bytes quota (0: unlimited)");
+  f.AddDuration("sequence_ttl", &o.sequence_ttl,
+                "tenant-create: delete the tenant's attention sequences idle this long (0s: never)");
   std::vector<std::string> pos;
   if (absl::Status s = f.Parse(argc, argv, &pos); !s.ok()) {
     std::fprintf(stderr, "kvring: %s\n", std::string(s.message()).c_str());

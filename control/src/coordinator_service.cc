@@ -303,6 +303,7 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
   for (const auto& s : req->shared_namespaces()) e.mutable_tenant()->add_shared_namespaces(s);
   e.mutable_tenant()->set_max_pinned_bytes(req->max_pinned_bytes());
   e.mutable_tenant()->set_kv_encoding(req->kv_encoding() == "none" ? "" : req->kv_encoding());
+  e.mutable_tenant()->set_sequence_ttl_s(req->sequence_ttl_s());
   e.set_token_sha256(digest);
   if (absl::Status s = store_->Put("tenant/" + req->name(), e.SerializeAsString()); !s.ok()) return ToGrpc(s);
   ++next_tenant_id_;

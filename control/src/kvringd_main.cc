@@ -362,6 +362,16 @@ int main(int argc, char** argv) {
                        << " deleted tenant(s)";
     }
   });
+  // Idle attention sequences of tenants with a sequence TTL, swept at every
+  // heartbeat.
+  BackgroundTask expirer([&core] {
+    absl::StatusOr<uint64_t> n = core.ExpireIdleSequences();
+    if (!n.ok()) {
+      KVRING_LOG(WARNING) << "expiring idle sequences failed (retried at the next heartbeat): " << n.status().message();
+    } else if (*n > 0) {
+      KVRING_LOG(INFO) << "expired " << *n << " idle sequence(s)";
+    }
+  });
   CoordinatorLinkOptions lo;
   lo.coordinator = coordinator;
   lo.credentials = *link_creds;
@@ -375,6 +385,7 @@ int main(int argc, char** argv) {
     reclaimer.Kick();
   };
   lo.fill_load = [&](v1::HeartbeatRequest* r) {
+    expirer.Kick();
     const BlockStoreStats s = (*store)->stats();
     r->set_blocks(s.blocks);
     r->set_free_pages(s.free_pages);

@@ -72,6 +72,8 @@ NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* se
       metrics_->Histogram("kvring_attend_kernel_seconds", "Time of the attention computation of an Attend");
   reclaimed_blocks_ =
       metrics_->Counter("kvring_reclaimed_blocks_total", "Blocks of deleted tenants reclaimed from every tier");
+  expired_sequences_ = metrics_->Counter("kvring_expired_sequences_total",
+                                         "Attention sequences deleted here after their tenant's idle TTL");
 }
 
 NodeCore::OpMetrics NodeCore::Op(const std::string& name) {
@@ -190,6 +192,7 @@ absl::StatusOr<std::vector<PutOutcome>> NodeCore::Put(const v1::Tenant& t, const
       SequenceTable::Handle h = sequences_->Lock(*ns, *b.sequence_id);
       const uint64_t index = b.block_index;
       SequenceState& st = h.state();
+      st.last_use = Now();
       if (st.open.count(index)) {
         pr = absl::FailedPreconditionError(
             absl::StrCat("block ", index, " of sequence '", h.id(), "' is being filled by appends on this node"));
@@ -619,6 +622,7 @@ absl::Status NodeCore::PlanSequence(NamespaceId ns, TenantId tenant, const Atten
                                     uint32_t arow, const BlockLayout& L, SequenceTable::Handle& h, StepSequence* ss,
                                     std::vector<uint64_t>* opens) {
   SequenceState& st = h.state();
+  st.last_use = Now();
   const AttendSequenceSpec& spec = b.sequences[i];
   const uint32_t bt = L.block_tokens, layer = b.options.layer;
   ss->seq = SequenceRef{ns, spec.sequence_id, tenant};
@@ -817,19 +821,52 @@ absl::StatusOr<SequenceChange> NodeCore::DeleteSequence(const v1::Tenant& t, con
   if (!ns.ok()) return op.Done(ns.status());
   if (absl::Status s = ValidateSequenceId(id, options_.limits.max_sequence_id_bytes); !s.ok()) return op.Done(s);
   SequenceTable::Handle h = sequences_->Lock(*ns, id);
+  absl::StatusOr<SequenceChange> c = ForgetLocked(h, static_cast<TenantId>(t.id()));
+  op.Record(c.status());
+  return c;
+}
+
+absl::StatusOr<SequenceChange> NodeCore::ForgetLocked(SequenceTable::Handle& h, TenantId tenant) {
   SequenceState& st = h.state();
   SequenceChange c;
   c.held = st.layout.has_value() || !st.blocks.empty() || !st.open.empty();
   std::vector<uint64_t> full;
   for (const auto& [index, key] : st.blocks) full.push_back(index);
-  for (uint64_t index : full) {
-    if (absl::Status s = DropFullBlock(h, index, &c); !s.ok()) return op.Done(s);
-  }
+  for (uint64_t index : full) KVRING_RETURN_IF_ERROR(DropFullBlock(h, index, &c));
   c.open_blocks_dropped = st.open.size();
-  backend_->ForgetSequence(SequenceRef{*ns, id, static_cast<TenantId>(t.id())});
-  if (absl::Status s = h.Forget(); !s.ok()) return op.Done(s);
-  op.Record(absl::OkStatus());
+  backend_->ForgetSequence(SequenceRef{h.ns(), h.id(), tenant});
+  KVRING_RETURN_IF_ERROR(h.Forget());
   return c;
+}
+
+absl::StatusOr<uint64_t> NodeCore::ExpireIdleSequences() {
+  absl::flat_hash_map<NamespaceId, std::pair<TenantId, absl::Duration>> ttl;
+  absl::flat_hash_set<NamespaceId> namespaces;
+  for (const v1::Tenant& t : tenants_->tenants()) {
+    if (t.sequence_ttl_s() == 0) continue;
+    const NamespaceId ns = NamespaceIdOf(t.namespace_());
+    ttl[ns] = {static_cast<TenantId>(t.id()),
+               absl::Seconds(static_cast<int64_t>(std::min<uint64_t>(t.sequence_ttl_s(), uint64_t{1} << 40)))};
+    namespaces.insert(ns);
+  }
+  if (namespaces.empty()) return uint64_t{0};
+  const absl::Time now = Now();
+  uint64_t expired = 0;
+  for (const auto& [ns, id] : sequences_->SequencesIn(namespaces)) {
+    const auto& [tenant, limit] = ttl[ns];
+    SequenceTable::Handle h = sequences_->Lock(ns, id);
+    absl::Time& last = h.state().last_use;
+    if (last == absl::InfinitePast()) {
+      last = now;  // recovered at start, or never named since: its clock starts now
+      continue;
+    }
+    if (now - last < limit) continue;
+    absl::StatusOr<SequenceChange> c = ForgetLocked(h, tenant);
+    if (!c.ok()) return c.status();
+    if (c->held) ++expired;
+  }
+  expired_sequences_->Add(expired);
+  return expired;
 }
 
 absl::Status NodeCore::Reopen(const SequenceRef& ref, uint64_t index, const std::vector<uint32_t>& filled,
@@ -878,6 +915,7 @@ absl::StatusOr<SequenceChange> NodeCore::TruncateSequence(const v1::Tenant& t, c
   }
   SequenceTable::Handle h = sequences_->Lock(*ns, id);
   SequenceState& st = h.state();
+  st.last_use = Now();
   SequenceChange c;
   c.held = st.layout.has_value() || !st.blocks.empty() || !st.open.empty();
   if (!st.layout.has_value()) {

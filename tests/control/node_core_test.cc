@@ -168,6 +168,7 @@ class NodeCoreTest : public ::testing::Test {
     NodeCoreOptions no;
     no.node_id = "test";
     no.limits.max_payload_bytes = so.page_bytes;
+    no.clock = &clock_;
     core_ = std::make_unique<NodeCore>(no, store_.get(), seqs_.get(), backend_.get(), &tenants_, &metrics_, &fake_);
     fake_.allocs[kExchangeHandle].bytes.assign(1 << 20, 0);
     host_ = HostBootId().value();
@@ -341,6 +342,7 @@ class NodeCoreTest : public ::testing::Test {
   std::string host_;
   std::map<std::string, EngineKv> kv_;
   AttendStats last_;
+  FakeClock clock_;
 };
 
 TEST_F(NodeCoreTest, DecodeInPlaceCrossesBlockBoundariesAndSealsFullBlocks) {
@@ -688,6 +690,40 @@ TEST_F(NodeCoreTest, ATruncatedAndReappendedSequenceAttendsLikeOneBuiltFromScrat
   // To nothing: a new sequence under the same id.
   cut("s", 0);
   for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 3, 3}}).ok());
+  EXPECT_TRUE(store_->CheckInvariants().ok());
+}
+
+// A tenant's sequence TTL: a sequence no call has named for longer is
+// deleted at the next sweep (like DeleteSequence: blocks, open blocks and
+// their budget charge); one used meanwhile stays; a tenant without a TTL
+// keeps its sequences however long they idle.
+TEST_F(NodeCoreTest, IdleSequencesExpireAfterTheTenantsTtl) {
+  v1::TenantTable table;
+  table.set_tenants_version(2);
+  v1::Tenant with_ttl = tenant_;
+  with_ttl.set_sequence_ttl_s(60);
+  *table.add_entries()->mutable_tenant() = with_ttl;
+  tenants_.Update(table);
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"idle", 1, 6}, {"busy", 1, 6}}).ok());
+  ASSERT_EQ(store_->stats().blocks, 2u);
+  clock_.Advance(absl::Seconds(30));
+  ASSERT_TRUE(Step(0, {{"busy", 1, 1}}).ok());
+  EXPECT_EQ(core_->ExpireIdleSequences().value(), 0u);  // nothing idle for 60 s yet
+  clock_.Advance(absl::Seconds(40));                    // idle: 70 s; busy: 40 s
+  EXPECT_EQ(core_->ExpireIdleSequences().value(), 1u);
+  EXPECT_EQ(seqs_->num_sequences(), 1u);
+  EXPECT_EQ(store_->stats().blocks, 1u);
+  EXPECT_EQ(store_->GetTenantUsage(3).open_bytes, L_.bytes());  // busy's open block only
+  ASSERT_TRUE(Step(1, {{"busy", 1, 1}}).ok());
+  kv_.erase("idle");
+  ASSERT_TRUE(Step(0, {{"idle", 1, 1}}).ok());  // the id starts afresh
+  // Without a TTL nothing expires.
+  table.set_tenants_version(3);
+  table.mutable_entries(0)->mutable_tenant()->set_sequence_ttl_s(0);
+  tenants_.Update(table);
+  clock_.Advance(absl::Hours(1000));
+  EXPECT_EQ(core_->ExpireIdleSequences().value(), 0u);
+  EXPECT_EQ(seqs_->num_sequences(), 2u);
   EXPECT_TRUE(store_->CheckInvariants().ok());
 }
 

@@ -117,6 +117,26 @@ class SequenceLifecycle(unittest.TestCase):
         with self.assertRaises(kvring.NotFoundError):
             self.c.attend("spec", self.L, 16, np.zeros((1, 4, D), np.float32), [15])
 
+    def test_idle_sequences_expire_after_the_tenants_ttl(self):
+        import time
+        tok = kvring.create_tenant(self.cluster.coordinator, self.cluster.admin_token, "short-lived", sequence_ttl_s=1)
+        time.sleep(1.0)  # the daemons learn the tenant at their next heartbeat
+        c = kvring.Client(self.cluster.coordinator, tok)
+        held = lambda: sum(s["sequences"] for s in c.stats())  # noqa: E731 (Stats names no sequence: no renewal)
+        base = held()
+        k = self.rng.standard_normal((40, 2, D)).astype(np.float32)
+        for layer in range(self.L.layers):
+            c.step(self.L, [("idle", 0, 0, 40)], np.zeros((0, 4, D), np.float32), [], self.wire(k), self.wire(k),
+                   layer=layer)
+        self.assertGreater(held(), base)
+        t0 = time.time()
+        while time.time() - t0 < 20 and held() > base:
+            time.sleep(0.25)
+        self.assertEqual(held(), base, "the idle sequence was not expired within 20 s")
+        with self.assertRaises(kvring.NotFoundError):
+            c.attend("idle", self.L, 40, self.wire(self.rng.standard_normal((1, 4, D)).astype(np.float32)), [39])
+        c.close()
+
     def test_the_cli_deletes_and_truncates(self):
         k = self.rng.standard_normal((40, 2, D)).astype(np.float32)
         self.append("cli-seq", 0, k, k)

@@ -294,8 +294,10 @@ int kvring_merge(const float* const* outs, const float* const* lses, uint32_t pa
 
 int kvring_create_tenant(const char* coordinator, const char* admin_token, const char* name,
                          const char* const* shared_namespaces, uint32_t n_shared, uint64_t max_pinned_bytes,
-                         const char* kv_encoding, const char* tls_ca, char* token_out, size_t cap) {
+                         const char* kv_encoding, const char* tls_ca, uint64_t sequence_ttl_s, char* token_out,
+                         size_t cap) {
   TenantSpec spec;
+  spec.sequence_ttl_s = sequence_ttl_s;
   spec.name = Str(name);
   for (uint32_t i = 0; i < n_shared; ++i) spec.shared_namespaces.push_back(Str(shared_namespaces[i]));
   spec.max_pinned_bytes = max_pinned_bytes;

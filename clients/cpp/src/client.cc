@@ -1605,6 +1605,7 @@ absl::StatusOr<CreatedTenant> CreateTenant(const std::string& coordinator, const
   req.set_name(spec.name);
   req.set_max_pinned_bytes(spec.max_pinned_bytes);
   req.set_kv_encoding(spec.kv_encoding);
+  req.set_sequence_ttl_s(spec.sequence_ttl_s);
   for (const auto& n : spec.shared_namespaces) req.add_shared_namespaces(n);
   v1::CreateTenantResponse resp;
   grpc::Status s = stub->CreateTenant(&ctx, req, &resp);

@@ -551,8 +551,10 @@ def merge(outs, lses):
     return out, lse
 
 
-def create_tenant(coordinator, admin_token, name, shared_namespaces=(), max_pinned_bytes=0, kv_encoding="", tls_ca=""):
-    """Administration: creates a tenant; returns its token (shown once)."""
+def create_tenant(coordinator, admin_token, name, shared_namespaces=(), max_pinned_bytes=0, kv_encoding="", tls_ca="",
+                  sequence_ttl_s=0):
+    """Administration: creates a tenant; returns its token (shown once). sequence_ttl_s: its attention sequences idle
+    this long are deleted (0: never)."""
     if isinstance(shared_namespaces, str) or not isinstance(shared_namespaces, (list, tuple)):
         _invalid("shared_namespaces must be a list of names")
     names = [_text("shared namespace", x, 256, empty=False) for x in shared_namespaces]
@@ -561,7 +563,8 @@ def create_tenant(coordinator, admin_token, name, shared_namespaces=(), max_pinn
     _check(_lib.kvring_create_tenant(_text("coordinator", coordinator, 1024, empty=False),
                                      _text("admin_token", admin_token), _text("name", name, 256, empty=False), arr,
                                      len(names), _int("max_pinned_bytes", max_pinned_bytes, 0, _I64),
-                                     _text("kv_encoding", kv_encoding, 64), _text("tls_ca", tls_ca), buf, 256))
+                                     _text("kv_encoding", kv_encoding, 64), _text("tls_ca", tls_ca),
+                                     _int("sequence_ttl_s", sequence_ttl_s, 0, 1 << 40), buf, 256))
     return buf.value.decode()
 
 

@@ -98,7 +98,7 @@ def _load():
         "kvring_truncate_sequence": (c_int, [c_void_p, c_char_p, c_size_t, c_u64, P(SequenceReport)]),
         "kvring_merge": (c_int, [P(c_void_p), P(c_void_p), c_u32, c_u32, c_u32, c_u32, c_void_p, c_void_p]),
         "kvring_create_tenant": (c_int, [c_char_p, c_char_p, c_char_p, P(c_char_p), c_u32, c_u64, c_char_p, c_char_p,
-                                         c_char_p, c_size_t]),
+                                         c_u64, c_char_p, c_size_t]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)

@@ -145,7 +145,8 @@ int kvring_merge(const float* const* outs, const float* const* lses, uint32_t pa
 /* Administration: creates a tenant; its token (shown once) into token_out. */
 int kvring_create_tenant(const char* coordinator, const char* admin_token, const char* name,
                          const char* const* shared_namespaces, uint32_t n_shared, uint64_t max_pinned_bytes,
-                         const char* kv_encoding, const char* tls_ca, char* token_out, size_t cap);
+                         const char* kv_encoding, const char* tls_ca, uint64_t sequence_ttl_s /* version 4 */,
+                         char* token_out, size_t cap);
 
 #ifdef __cplusplus
 }

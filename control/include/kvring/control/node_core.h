@@ -32,6 +32,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kvring.pb.h"
 #include "kvring/cache/block_store.h"
+#include "kvring/common/clock.h"
 #include "kvring/common/metrics.h"
 #include "kvring/control/attend_batch.h"
 #include "kvring/control/attention_backend.h"
@@ -60,6 +61,8 @@ struct NodeCoreOptions {
   // memory bandwidth the copies compete for: on the H200 host 19 GB/s with
   // it against 49 GB/s without (docs/DEVICE-DELIVERY.md). Default: false.
   bool delivery_checksum = false;
+  // The time source of idle expiry (not owned; null: the system clock).
+  const Clock* clock = nullptr;
 };
 
 struct LookupResult {
@@ -202,6 +205,13 @@ class NodeCore {
   // falls inside a quantized block (its plain bytes are gone).
   absl::StatusOr<SequenceChange> TruncateSequence(const v1::Tenant& t, const std::string& ns, const std::string& id,
                                                   uint64_t tokens);
+  // Deletes, as DeleteSequence does, every sequence of a tenant with a
+  // sequence TTL (Tenant.sequence_ttl_s) that no call has named on this
+  // node for longer than that (sequences in the tenant's own namespace; a
+  // sequence recovered at start counts from the first sweep). Returns how
+  // many. Call periodically, off the request path (kvringd: every
+  // heartbeat).
+  absl::StatusOr<uint64_t> ExpireIdleSequences();
   const RequestLimits& limits() const { return options_.limits; }
   // The node's counters and tiers, and the tenant's usage.
   NodeReport Stats(const v1::Tenant& t);
@@ -253,6 +263,9 @@ class NodeCore {
   // Erases full block `index` of the sequence from the store (if stored under
   // the sequence's own key) and its record.
   absl::Status DropFullBlock(SequenceTable::Handle& h, uint64_t index, SequenceChange* c);
+  // DeleteSequence's work on a locked sequence.
+  absl::StatusOr<SequenceChange> ForgetLocked(SequenceTable::Handle& h, TenantId tenant);
+  absl::Time Now() const { return options_.clock != nullptr ? options_.clock->Now() : absl::Now(); }
   // Opens block `index` in the backend and appends, per layer, its first
   // filled[l] tokens from `bytes` (the block layout's bytes).
   absl::Status Reopen(const SequenceRef& ref, uint64_t index, const std::vector<uint32_t>& filled,
@@ -278,6 +291,7 @@ class NodeCore {
   CounterMetric* sealed_blocks_;
   HistogramMetric* attend_kernel_;
   CounterMetric* reclaimed_blocks_;
+  CounterMetric* expired_sequences_;
   absl::Mutex reclaim_mu_;
   absl::flat_hash_set<uint32_t> reclaimed_ ABSL_GUARDED_BY(reclaim_mu_);
   friend class OpScope;

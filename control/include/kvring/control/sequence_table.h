@@ -31,6 +31,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kvring/cache/block_meta.h"
 #include "kvring/control/metadata_store.h"
@@ -105,6 +106,9 @@ struct SequenceState {
   std::map<uint64_t, BlockKey> blocks;  // full blocks held here
   BlockRuns runs;                       // the same indices, as runs
   std::map<uint64_t, OpenBlockState> open;
+  // When a call last named the sequence here (NodeCore; idle expiry).
+  // InfinitePast: not since this process started.
+  absl::Time last_use = absl::InfinitePast();
 };
 
 class SequenceTable {

@@ -211,6 +211,7 @@ struct TenantSpec {
   std::vector<std::string> shared_namespaces;
   uint64_t max_pinned_bytes = 0;  // 0: unlimited
   std::string kv_encoding;        // the tenant's default quantization ("" = plain)
+  uint64_t sequence_ttl_s = 0;    // idle attention sequences are deleted after this long (0: never)
 };
 struct CreatedTenant {
   std::string token;
