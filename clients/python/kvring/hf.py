@@ -173,6 +173,7 @@ class PassQSession:
         self.max_rows = max_rows_per_step
         self.keep = keep
         self.ended = False
+        self.truncations = 0  # sequences rolled back on kvring (rejected drafts)
         start = list(start_tokens) if isinstance(start_tokens, (list, tuple)) else [int(start_tokens)] * len(self.ids)
         if len(start) != len(self.ids) or any(t < 0 for t in start):
             raise InvalidArgumentError("start_tokens: one non-negative count per sequence")
@@ -202,6 +203,7 @@ class PassQSession:
             if all(self.tokens[layer][b] <= want[b] for layer in range(self.layout.layers)):
                 continue
             self.client.truncate_sequence(sid, want[b])
+            self.truncations += 1
             for layer in range(self.layout.layers):
                 self.tokens[layer][b] = min(self.tokens[layer][b], want[b])
 
