@@ -98,9 +98,22 @@ def _cache_classes():
         is_compileable = False
         is_sliding = False
 
-        def __init__(self):
+        def __init__(self, session=None, index=0):
             super().__init__()
-            self.length = 0
+            self._length = 0
+            self.session, self.index = session, index
+
+        @property
+        def length(self):
+            # With a session, what kvring holds is the truth (it moves with every step and rollback); the
+            # shortest sequence of the batch.
+            if self.session is not None:
+                return min(self.session.tokens[self.index])
+            return self._length
+
+        @length.setter
+        def length(self, value):
+            self._length = int(value)
 
         def lazy_initialization(self, key_states):
             self.dtype, self.device = key_states.dtype, key_states.device
@@ -111,7 +124,8 @@ def _cache_classes():
         def update(self, key_states, value_states, cache_kwargs=None):
             if not self.is_initialized:
                 self.lazy_initialization(key_states)
-            self.length += key_states.shape[-2]
+            if self.session is None:
+                self._length += key_states.shape[-2]
             return key_states, value_states
 
         def get_mask_sizes(self, cache_position):
@@ -139,21 +153,28 @@ def _cache_classes():
         when it rejects draft tokens) cuts the session's sequences back on kvring too."""
 
         def __init__(self, num_layers, session=None, start=0):
-            super().__init__(layers=[PassQLayer() for _ in range(num_layers)])
-            for layer in self.layers:
-                layer.length = start
+            super().__init__(layers=[PassQLayer(session, i) for i in range(num_layers)])
+            if session is None:
+                for layer in self.layers:
+                    layer.length = start
             self.session = session
 
         def crop(self, max_length):
+            # transformers passes a length to keep (an int), or, from assisted generation in 5.x, minus the
+            # number of rejected tokens as a 0-d tensor: there crop(tensor(0)) means nothing was rejected, not
+            # "keep nothing".
+            n = int(max_length)
             length = max(layer.length for layer in self.layers)
-            if max_length < 0:
-                max_length = length - abs(max_length)
-            if max_length >= length:
+            if n < 0 or (isinstance(max_length, torch.Tensor) and n == 0):
+                n = length + n
+            n = max(0, n)
+            if n >= length:
                 return
-            for layer in self.layers:
-                layer.length = min(layer.length, max_length)
             if self.session is not None:
-                self.session.truncate(max_length)
+                self.session.truncate(n)
+            else:
+                for layer in self.layers:
+                    layer.length = min(layer.length, n)
 
     return PassQCache
 
