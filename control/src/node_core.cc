@@ -990,6 +990,16 @@ NodeReport NodeCore::Stats(const v1::Tenant& t) {
   r.sequences = sequences_->num_sequences();
   r.open_blocks = sequences_->open_blocks();
   r.tenant = store_->GetTenantUsage(t.id());
+  const NamespaceId own = NamespaceIdOf(t.namespace_());
+  for (const auto& [ns, id] : sequences_->SequencesIn({own})) {
+    SequenceTable::Handle h = sequences_->Lock(ns, id);
+    const SequenceState& st = h.state();
+    if (!st.layout.has_value() && st.blocks.empty() && st.open.empty()) continue;
+    ++r.tenant_sequences;
+    r.tenant_sequence_blocks += st.blocks.size();
+    if (st.layout.has_value()) r.tenant_sequence_bytes += st.blocks.size() * EncodedBytes(*st.layout, st.encoding);
+    r.tenant_sequence_open_blocks += st.open.size();
+  }
   if (store_->cold_tier() != nullptr) {
     r.has_cold_tier = true;
     r.cold = store_->cold_tier()->stats();

@@ -145,6 +145,11 @@ absl::Status WireStats(NodeCore& core, const v1::Tenant& t, const v1::StatsReque
   resp->set_sequences(r.sequences);
   resp->set_tenant_pinned_bytes(r.tenant.pinned_bytes);
   resp->set_tenant_owned_bytes(r.tenant.owned_bytes);
+  resp->set_tenant_sequences(r.tenant_sequences);
+  resp->set_tenant_sequence_blocks(r.tenant_sequence_blocks);
+  resp->set_tenant_sequence_bytes(r.tenant_sequence_bytes);
+  resp->set_tenant_sequence_open_blocks(r.tenant_sequence_open_blocks);
+  resp->set_tenant_open_bytes(r.tenant.open_bytes);
   if (r.has_cold_tier) {
     resp->set_cold_stored_bytes(r.cold.stored_bytes);
     resp->set_cold_raw_bytes(r.cold.raw_bytes);

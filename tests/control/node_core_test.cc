@@ -630,6 +630,11 @@ TEST_F(NodeCoreTest, DeleteSequenceFreesEverythingItHeldAndIsIdempotent) {
   ASSERT_EQ(store_->stats().blocks, 3u);  // s: 0, 1; u: 0
   ASSERT_EQ(seqs_->num_sequences(), 2u);
   const uint64_t open_before = store_->GetTenantUsage(3).open_bytes;
+  NodeReport before = core_->Stats(tenant_);
+  EXPECT_EQ(before.tenant_sequences, 2u);
+  EXPECT_EQ(before.tenant_sequence_blocks, 3u);
+  EXPECT_EQ(before.tenant_sequence_bytes, 3 * L_.bytes());
+  EXPECT_EQ(before.tenant_sequence_open_blocks, 2u);
   absl::StatusOr<SequenceChange> c = core_->DeleteSequence(tenant_, "", "s");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_TRUE(c->held);
@@ -638,6 +643,11 @@ TEST_F(NodeCoreTest, DeleteSequenceFreesEverythingItHeldAndIsIdempotent) {
   EXPECT_EQ(store_->stats().blocks, 1u);
   EXPECT_EQ(store_->GetTenantUsage(3).open_bytes, open_before - L_.bytes());
   EXPECT_EQ(seqs_->num_sequences(), 1u);
+  NodeReport after = core_->Stats(tenant_);
+  EXPECT_EQ(after.tenant_sequences, 1u);
+  EXPECT_EQ(after.tenant_sequence_blocks, 1u);
+  EXPECT_EQ(after.tenant_sequence_open_blocks, 1u);
+  EXPECT_EQ(after.tenant.open_bytes, L_.bytes());
   EXPECT_FALSE(store_->Acquire(ns, SequenceBlockKey(ns, "s", 0, L_)).ok());
   absl::StatusOr<SequenceChange> again = core_->DeleteSequence(tenant_, "", "s");
   ASSERT_TRUE(again.ok());

@@ -113,6 +113,9 @@ class SequenceLifecycle(unittest.TestCase):
         self.assertGreaterEqual(r["nodes_holding"], 2)
         self.assertGreater(r["blocks_erased"], 0)
         self.assertEqual(self.counts(), base)
+        mine = self.c.stats()  # the tenant's own view: nothing of it left on any node
+        self.assertEqual(sum(s["tenant_sequences"] for s in mine), 0)
+        self.assertEqual(sum(s["tenant_open_bytes"] for s in mine), 0)
         self.assertEqual(self.c.delete_sequence("spec")["nodes_holding"], 0)  # idempotent
         with self.assertRaises(kvring.NotFoundError):
             self.c.attend("spec", self.L, 16, np.zeros((1, 4, D), np.float32), [15])

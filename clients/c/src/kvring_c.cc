@@ -279,6 +279,11 @@ int kvring_stats(kvring_client* c, kvring_node_stats* out, uint32_t cap, uint32_
     o.hbm_demotions = s.hbm_demotions;
     o.open_blocks = s.open_blocks;
     o.device_delivered_bytes = s.device_delivered_bytes;
+    o.tenant_sequences = s.tenant_sequences;
+    o.tenant_sequence_blocks = s.tenant_sequence_blocks;
+    o.tenant_sequence_bytes = s.tenant_sequence_bytes;
+    o.tenant_sequence_open_blocks = s.tenant_sequence_open_blocks;
+    o.tenant_open_bytes = s.tenant_open_bytes;
   }
   return Code(absl::OkStatus());
 }

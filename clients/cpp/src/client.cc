@@ -1444,6 +1444,11 @@ class ClientImpl {
       s.hbm_demotions = r.hbm_demotions();
       s.open_blocks = r.open_blocks();
       s.device_delivered_bytes = r.device_delivered_bytes();
+      s.tenant_sequences = r.tenant_sequences();
+      s.tenant_sequence_blocks = r.tenant_sequence_blocks();
+      s.tenant_sequence_bytes = r.tenant_sequence_bytes();
+      s.tenant_sequence_open_blocks = r.tenant_sequence_open_blocks();
+      s.tenant_open_bytes = r.tenant_open_bytes();
     });
     return out;
   }

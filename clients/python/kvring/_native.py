@@ -64,7 +64,9 @@ class NodeStats(ctypes.Structure):
                                       "num_pages", "puts", "hits", "misses", "evictions", "demotions", "promotions",
                                       "sequences", "cold_stored_bytes", "cold_raw_bytes", "hbm_pages",
                                       "hbm_free_pages", "hbm_page_bytes", "hbm_blocks", "hbm_hits", "hbm_misses",
-                                      "hbm_demotions", "open_blocks", "device_delivered_bytes")])
+                                      "hbm_demotions", "open_blocks", "device_delivered_bytes", "tenant_sequences",
+                                      "tenant_sequence_blocks", "tenant_sequence_bytes",
+                                      "tenant_sequence_open_blocks", "tenant_open_bytes")])
 
     def as_dict(self):
         d = {}

@@ -95,6 +95,9 @@ typedef struct {
   uint64_t cold_stored_bytes, cold_raw_bytes;
   uint64_t hbm_pages, hbm_free_pages, hbm_page_bytes, hbm_blocks, hbm_hits, hbm_misses, hbm_demotions, open_blocks;
   uint64_t device_delivered_bytes; /* Get payload bytes copied straight into callers' GPU memory (version 2) */
+  /* The caller's attention sequences on the node (version 4). */
+  uint64_t tenant_sequences, tenant_sequence_blocks, tenant_sequence_bytes, tenant_sequence_open_blocks;
+  uint64_t tenant_open_bytes;
 } kvring_node_stats;
 
 int kvring_api_version(void);

@@ -118,6 +118,8 @@ struct NodeReport {
   BlockStoreStats store;
   uint64_t sequences = 0, open_blocks = 0;
   TenantUsage tenant;
+  // The caller's sequences here (its own namespace).
+  uint64_t tenant_sequences = 0, tenant_sequence_blocks = 0, tenant_sequence_bytes = 0, tenant_sequence_open_blocks = 0;
   bool has_cold_tier = false;
   ColdTierStats cold;
   BackendStats backend;

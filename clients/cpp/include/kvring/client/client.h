@@ -201,6 +201,10 @@ struct NodeStats {
   // Get payload bytes the node copied straight into callers' GPU memory
   // (same host, CUDA IPC: GetInto with on_device).
   uint64_t device_delivered_bytes = 0;
+  // The caller's attention sequences on the node: count, full blocks and
+  // their bytes, open blocks and their bytes (charged to its budget).
+  uint64_t tenant_sequences = 0, tenant_sequence_blocks = 0, tenant_sequence_bytes = 0, tenant_sequence_open_blocks = 0,
+           tenant_open_bytes = 0;
   absl::Status status;
 };
 
