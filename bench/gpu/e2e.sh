@@ -8,6 +8,7 @@
 # then bench/gpu/e2e.py (a coordinator and kvringd --gpu daemons sharing the
 # GPU, checked against torch and timed), then bench/gpu/hf_e2e.py
 # (transformers' Llama on kvring: pass-Q attention and the prefix cache),
+# then bench/gpu/hf_spec.py (assisted generation with rollbacks on kvring),
 # then bench/gpu/hf_workloads.py (chat, a 128K agent, a cache-backend batch).
 # Logs and results go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -59,6 +60,9 @@ fi
 if [ $HF = 1 ]; then
   echo "== transformers on kvring"
   timeout 540 python3 bench/gpu/hf_e2e.py --bin "$BIN" --out "$OUT" "${HF_ARGS[@]}" 2>&1 | tee "$OUT/hf_e2e.log" | grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  echo "== speculative decoding on pass-Q (rollbacks by TruncateSequence)"
+  timeout 300 python3 bench/gpu/hf_spec.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/hf_spec.log" | grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [ $WL = 1 ]; then
