@@ -5,7 +5,7 @@
 //   kvring [flags] map              the shard map
 //   kvring [flags] bench            put/get throughput and latency
 //   kvring [flags] tenant-create|tenant-list|tenant-delete   (admin token)
-//   kvring --sequence=ID seq-delete | --sequence=ID --keep_tokens=N seq-truncate
+//   kvring seq-list | --sequence=ID seq-delete | --sequence=ID --keep_tokens=N seq-truncate
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -373,7 +373,7 @@ int main(int argc, char** argv) {
   FlagSet f(
       "kvring",
       "client for a kvring cluster\n\nusage: kvring [flags] COMMAND\ncommands: put, get, lookup (synthetic sequences), "
-      "stats, map, bench, tenant-create, tenant-list, tenant-delete, seq-delete, seq-truncate");
+      "stats, map, bench, tenant-create, tenant-list, tenant-delete, seq-list, seq-delete, seq-truncate");
   f.AddString("coordinator", &o.coordinator, "coordinator host:port");
   f.AddString("token", &o.token, "tenant token (admin token for tenant-*)");
   f.AddString("token_file", &o.token_file, "file holding the token");
@@ -443,6 +443,22 @@ int main(int argc, char** argv) {
   }
   if (cmd == "put" || cmd == "get" || cmd == "lookup") return CmdPutGetLookup(**c, o, cmd);
   if (cmd == "stats") return CmdStats(**c);
+  if (cmd == "seq-list") {
+    absl::StatusOr<std::vector<SequenceListing>> l = (*c)->ListSequences();
+    if (!l.ok()) {
+      std::fprintf(stderr, "kvring: %s\n", l.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("%-32s %10s %6s %12s %12s %14s\n", "sequence", "tokens", "nodes", "full blocks", "open blocks",
+                "bytes (full)");
+    for (const SequenceListing& s : *l) {
+      std::printf("%-32s %10llu %6d %12llu %12llu %14llu\n", s.sequence_id.c_str(),
+                  static_cast<unsigned long long>(s.tokens), s.nodes, static_cast<unsigned long long>(s.full_blocks),
+                  static_cast<unsigned long long>(s.open_blocks), static_cast<unsigned long long>(s.bytes));
+    }
+    std::printf("%zu sequence(s)\n", l->size());
+    return 0;
+  }
   if (cmd == "seq-delete" || cmd == "seq-truncate") {
     absl::StatusOr<SequenceChangeReport> r =
         cmd == "seq-delete" ? (*c)->DeleteSequence(o.sequence)

@@ -981,6 +981,37 @@ absl::StatusOr<SequenceChange> NodeCore::TruncateSequence(const v1::Tenant& t, c
   return c;
 }
 
+absl::StatusOr<std::vector<v1::SequenceInfo>> NodeCore::ListSequences(const v1::Tenant& t,
+                                                                      const std::string& requested) {
+  OpScope op(sequence_ops_);
+  auto ns = Namespace(t, requested);
+  if (!ns.ok()) return op.Done(ns.status());
+  std::vector<v1::SequenceInfo> out;
+  for (const auto& [sns, id] : sequences_->SequencesIn({*ns})) {
+    SequenceTable::Handle h = sequences_->Lock(sns, id);
+    const SequenceState& st = h.state();
+    if (!st.layout.has_value() && st.blocks.empty() && st.open.empty()) continue;
+    v1::SequenceInfo info;
+    info.set_sequence_id(id);
+    info.set_full_blocks(st.blocks.size());
+    info.set_open_blocks(st.open.size());
+    uint64_t tokens = 0;
+    if (st.layout.has_value()) {
+      const uint32_t bt = st.layout->block_tokens;
+      info.set_bytes(st.blocks.size() * EncodedBytes(*st.layout, st.encoding));
+      if (!st.blocks.empty()) tokens = (st.blocks.rbegin()->first + 1) * bt;
+      if (!st.open.empty()) {
+        const auto& [idx, o] = *st.open.rbegin();
+        if (!o.filled.empty()) tokens = std::max<uint64_t>(tokens, idx * bt + o.filled[0]);
+      }
+    }
+    info.set_tokens(tokens);
+    out.push_back(std::move(info));
+  }
+  op.Record(absl::OkStatus());
+  return out;
+}
+
 NodeReport NodeCore::Stats(const v1::Tenant& t) {
   OpScope op(stats_);
   NodeReport r;

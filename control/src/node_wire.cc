@@ -103,6 +103,14 @@ bool WireGetStaysInMemory(NodeCore& core, const v1::Tenant& t, const v1::GetRequ
   return core.GetStaysInMemory(t, req.header().namespace_(), KeysOf(req.keys()));
 }
 
+absl::Status WireListSequences(NodeCore& core, const v1::Tenant& t, const v1::ListSequencesRequest& req,
+                               v1::ListSequencesResponse* resp) {
+  KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));
+  KVRING_ASSIGN_OR_RETURN(std::vector<v1::SequenceInfo> list, core.ListSequences(t, req.header().namespace_()));
+  for (v1::SequenceInfo& s : list) *resp->add_sequences() = std::move(s);
+  return absl::OkStatus();
+}
+
 absl::Status WireSequence(NodeCore& core, const v1::Tenant& t, const v1::SequenceRequest& req, bool truncate,
                           v1::SequenceResponse* resp) {
   KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));

@@ -150,9 +150,17 @@ class SequenceLifecycle(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("truncated 'cli-seq'", r.stdout)
         self.check("cli-seq", k[:20], k[:20])
+        r = subprocess.run(cli + ["seq-list"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        row = [line.split() for line in r.stdout.splitlines() if line.startswith("cli-seq ")]
+        self.assertEqual(len(row), 1, r.stdout)
+        self.assertEqual(int(row[0][1]), 20, r.stdout)  # tokens after the truncate
+        self.assertGreaterEqual(int(row[0][2]), 2, r.stdout)  # R=2
         r = subprocess.run(cli + ["--sequence=cli-seq", "seq-delete"], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("deleted 'cli-seq'", r.stdout)
+        r = subprocess.run(cli + ["seq-list"], capture_output=True, text=True)
+        self.assertNotIn("cli-seq ", r.stdout)
         r = subprocess.run(cli + ["seq-truncate", "--sequence=x"], capture_output=True, text=True)
         self.assertEqual(r.returncode, 2)
         self.assertIn("keep_tokens", r.stderr)

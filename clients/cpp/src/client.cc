@@ -1399,6 +1399,37 @@ class ClientImpl {
     return rep;
   }
 
+  absl::StatusOr<std::vector<SequenceListing>> ListSequences() {
+    auto ring = Ring();
+    std::vector<int> nodes;
+    for (int i = 0; i < ring->num_nodes(); ++i) {
+      if (ring->node(i).state() == v1::NodeInfo::UP) nodes.push_back(i);
+    }
+    v1::ListSequencesRequest req;
+    *req.mutable_header() = Header();
+    std::vector<absl::StatusOr<v1::ListSequencesResponse>> res =
+        FanOut<v1::ListSequencesResponse>(*ring, nodes, [&](size_t, Node& n) { return n.Grpc().ListSequences(req); });
+    std::map<std::string, SequenceListing> by_id;
+    for (size_t j = 0; j < res.size(); ++j) {
+      if (!res[j].ok()) {
+        return absl::Status(res[j].status().code(), absl::StrCat("ListSequences on ", ring->node(nodes[j]).node_id(),
+                                                                 ": ", res[j].status().message()));
+      }
+      for (const v1::SequenceInfo& s : res[j]->sequences()) {
+        SequenceListing& l = by_id[s.sequence_id()];
+        l.sequence_id = s.sequence_id();
+        ++l.nodes;
+        l.full_blocks += s.full_blocks();
+        l.open_blocks += s.open_blocks();
+        l.bytes += s.bytes();
+        l.tokens = std::max<uint64_t>(l.tokens, s.tokens());
+      }
+    }
+    std::vector<SequenceListing> out;
+    for (auto& [id, l] : by_id) out.push_back(std::move(l));
+    return out;
+  }
+
   std::vector<NodeStats> Stats() {
     auto ring = Ring();
     std::vector<NodeStats> out(ring->num_nodes());
@@ -1592,6 +1623,7 @@ absl::StatusOr<SequenceChangeReport> Client::DeleteSequence(const std::string& s
 absl::StatusOr<SequenceChangeReport> Client::TruncateSequence(const std::string& sequence_id, uint64_t tokens) {
   return impl_->ChangeSequence(sequence_id, true, tokens);
 }
+absl::StatusOr<std::vector<SequenceListing>> Client::ListSequences() { return impl_->ListSequences(); }
 uint64_t Client::map_version() const {
   absl::MutexLock l(&impl_->mu_);
   return impl_->ring_ ? impl_->ring_->version() : 0;

@@ -94,6 +94,13 @@ class GrpcNodeChannel final : public NodeChannel {
     return resp;
   }
 
+  absl::StatusOr<v1::ListSequencesResponse> ListSequences(const v1::ListSequencesRequest& req) override {
+    v1::ListSequencesResponse resp;
+    auto ctx = Context(o_.timeout);
+    if (grpc::Status s = stub_->ListSequences(ctx.get(), req, &resp); !s.ok()) return FromGrpc(s);
+    return resp;
+  }
+
  private:
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
@@ -153,6 +160,9 @@ class UcxNodeChannel final : public NodeChannel {
   }
   absl::StatusOr<v1::SequenceResponse> Sequence(const v1::SequenceRequest& req, bool truncate) override {
     return control_->Sequence(req, truncate);
+  }
+  absl::StatusOr<v1::ListSequencesResponse> ListSequences(const v1::ListSequencesRequest& req) override {
+    return control_->ListSequences(req);
   }
 
  private:

@@ -214,6 +214,8 @@ class NodeCore {
   // many. Call periodically, off the request path (kvringd: every
   // heartbeat).
   absl::StatusOr<uint64_t> ExpireIdleSequences();
+  // The caller's sequences here, by id (kvring.proto SequenceInfo).
+  absl::StatusOr<std::vector<v1::SequenceInfo>> ListSequences(const v1::Tenant& t, const std::string& ns);
   const RequestLimits& limits() const { return options_.limits; }
   // The node's counters and tiers, and the tenant's usage.
   NodeReport Stats(const v1::Tenant& t);

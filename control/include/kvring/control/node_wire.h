@@ -27,6 +27,8 @@ absl::Status WireGet(NodeCore& core, const v1::Tenant& t, const v1::GetRequest& 
 // Whether WireGet would stay in host memory (NodeCore::GetStaysInMemory).
 bool WireGetStaysInMemory(NodeCore& core, const v1::Tenant& t, const v1::GetRequest& req);
 absl::Status WirePin(NodeCore& core, const v1::Tenant& t, const v1::PinRequest& req, v1::PinResponse* resp);
+absl::Status WireListSequences(NodeCore& core, const v1::Tenant& t, const v1::ListSequencesRequest& req,
+                               v1::ListSequencesResponse* resp);
 // DeleteSequence (truncate = false) or TruncateSequence.
 absl::Status WireSequence(NodeCore& core, const v1::Tenant& t, const v1::SequenceRequest& req, bool truncate,
                           v1::SequenceResponse* resp);

@@ -124,6 +124,16 @@ struct SequenceChangeReport {
   uint64_t open_blocks_dropped = 0;
 };
 
+// One of the caller's attention sequences, over every node that answered.
+struct SequenceListing {
+  std::string sequence_id;
+  int nodes = 0;             // nodes holding any of it (replicas count)
+  uint64_t full_blocks = 0;  // over those nodes (replicas count)
+  uint64_t open_blocks = 0;
+  uint64_t bytes = 0;   // of the full blocks
+  uint64_t tokens = 0;  // the sequence's length (layer 0), as far as the nodes can tell
+};
+
 struct GetResult {
   absl::Status status;
   BlockMeta meta;
@@ -282,6 +292,9 @@ class Client {
   // edited turn). The result says how much was freed in all.
   absl::StatusOr<SequenceChangeReport> DeleteSequence(const std::string& sequence_id);
   absl::StatusOr<SequenceChangeReport> TruncateSequence(const std::string& sequence_id, uint64_t tokens);
+  // The caller's sequences on every UP node, merged by id (sorted); an
+  // error when a node does not answer.
+  absl::StatusOr<std::vector<SequenceListing>> ListSequences();
   std::vector<NodeStats> Stats();
   // The cached shard map version, and a forced refresh.
   uint64_t map_version() const;
