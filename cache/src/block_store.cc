@@ -226,6 +226,17 @@ void BlockStore::ReleaseRead(PageId page) {
   ReleaseHoldLocked(page);
 }
 
+absl::Status BlockStore::DropEvictedLocked(PageId victim, const ScopedKey& vk, const BlockIndex::Entry& e) {
+  policy_->Remove(victim, /*evicted=*/true);
+  TenantUsage& u = tenants_[e.meta.owner].usage;
+  --u.owned_blocks;
+  u.owned_bytes -= e.meta.payload_bytes;
+  KVRING_RETURN_IF_ERROR(index_.Erase(vk));  // (e is gone from here on)
+  FreePageLocked(victim);
+  ++counters_.drops;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PageId> BlockStore::AcquirePageLocked() {
   const size_t max_attempts = 2 * pool_->num_pages() + 8;
   for (size_t attempt = 0; attempt < max_attempts; ++attempt) {
@@ -244,13 +255,7 @@ absl::StatusOr<PageId> BlockStore::AcquirePageLocked() {
     }
     ++counters_.evictions;
     if (cold_ == nullptr) {  // no lower tier: drop
-      policy_->Remove(victim, /*evicted=*/true);
-      TenantUsage& u = tenants_[e->meta.owner].usage;
-      --u.owned_blocks;
-      u.owned_bytes -= e->meta.payload_bytes;
-      KVRING_RETURN_IF_ERROR(index_.Erase(vk));
-      FreePageLocked(victim);
-      ++counters_.drops;
+      KVRING_RETURN_IF_ERROR(DropEvictedLocked(victim, vk, *e));
       continue;
     }
     if (e->in_cold) {  // the cold copy is current: drop the host copy
@@ -276,13 +281,7 @@ absl::StatusOr<PageId> BlockStore::AcquirePageLocked() {
         ReleaseHoldLocked(victim);  // erased meanwhile, or a reader or pinner arrived
         continue;
       }
-      policy_->Remove(victim, /*evicted=*/true);
-      TenantUsage& u = tenants_[e->meta.owner].usage;
-      --u.owned_blocks;
-      u.owned_bytes -= e->meta.payload_bytes;
-      KVRING_RETURN_IF_ERROR(index_.Erase(vk));
-      FreePageLocked(victim);
-      ++counters_.drops;
+      KVRING_RETURN_IF_ERROR(DropEvictedLocked(victim, vk, *e));
       continue;
     }
     if (!still_ours) {

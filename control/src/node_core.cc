@@ -797,21 +797,20 @@ uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h)
   return sealed;
 }
 
-absl::Status NodeCore::DropFullBlock(SequenceTable::Handle& h, uint64_t index, SequenceChange* c) {
+absl::Status NodeCore::DropFullBlocksFrom(SequenceTable::Handle& h, uint64_t first, SequenceChange* c) {
   SequenceState& st = h.state();
-  auto it = st.blocks.find(index);
-  if (it == st.blocks.end()) return absl::OkStatus();
-  // Only the sequence's own blocks go; a block PutSequence named by another
-  // key (a prefix-cache chain) is shared and stays, evictable.
-  if (st.layout.has_value() && it->second == SequenceBlockKey(h.ns(), h.id(), index, *st.layout)) {
+  for (auto it = st.blocks.lower_bound(first); it != st.blocks.end(); ++it) {
+    // Only the sequence's own blocks go; a block PutSequence named by another
+    // key (a prefix-cache chain) is shared and stays, evictable.
+    if (!st.layout.has_value() || !(it->second == SequenceBlockKey(h.ns(), h.id(), it->first, *st.layout))) continue;
     absl::Status e = store_->Erase(h.ns(), it->second);
     if (e.ok()) {
       ++c->blocks_erased;
     } else if (!absl::IsNotFound(e)) {
-      KVRING_LOG(WARNING) << "sequence '" << h.id() << "' block " << index << " stays in the store: " << e;
+      KVRING_LOG(WARNING) << "sequence '" << h.id() << "' block " << it->first << " stays in the store: " << e;
     }
   }
-  return h.Unrecord(index);
+  return h.UnrecordFrom(first);
 }
 
 absl::StatusOr<SequenceChange> NodeCore::DeleteSequence(const v1::Tenant& t, const std::string& requested,
@@ -830,9 +829,7 @@ absl::StatusOr<SequenceChange> NodeCore::ForgetLocked(SequenceTable::Handle& h, 
   SequenceState& st = h.state();
   SequenceChange c;
   c.held = st.layout.has_value() || !st.blocks.empty() || !st.open.empty();
-  std::vector<uint64_t> full;
-  for (const auto& [index, key] : st.blocks) full.push_back(index);
-  for (uint64_t index : full) KVRING_RETURN_IF_ERROR(DropFullBlock(h, index, &c));
+  KVRING_RETURN_IF_ERROR(DropFullBlocksFrom(h, 0, &c));
   c.open_blocks_dropped = st.open.size();
   backend_->ForgetSequence(SequenceRef{h.ns(), h.id(), tenant});
   KVRING_RETURN_IF_ERROR(h.Forget());
@@ -925,6 +922,7 @@ absl::StatusOr<SequenceChange> NodeCore::TruncateSequence(const v1::Tenant& t, c
   const BlockLayout L = *st.layout;
   const uint64_t keep = tokens / L.block_tokens;
   const uint32_t rem = static_cast<uint32_t>(tokens % L.block_tokens);
+  const uint64_t ends = keep + (rem > 0 ? 1 : 0);  // blocks [0, ends) hold kept tokens
   const SequenceRef ref{*ns, id, static_cast<TenantId>(t.id())};
   // The open blocks that stay (with their bytes: the backend is reset below,
   // so that no copy of a cut block, in HBM say, survives), and the sealed
@@ -936,7 +934,10 @@ absl::StatusOr<SequenceChange> NodeCore::TruncateSequence(const v1::Tenant& t, c
   };
   std::vector<Survivor> survivors;
   for (const auto& [index, o] : st.open) {
-    if (index > keep || (index == keep && rem == 0)) continue;
+    if (index >= ends) {
+      ++c.open_blocks_dropped;
+      continue;
+    }
     Survivor sv{index, o.filled, std::vector<uint8_t>(L.bytes())};
     if (index == keep) {
       for (uint32_t& f : sv.filled) f = std::min(f, rem);
@@ -957,16 +958,7 @@ absl::StatusOr<SequenceChange> NodeCore::TruncateSequence(const v1::Tenant& t, c
                                  std::vector<uint8_t>(pb->payload().begin(), pb->payload().end())});
   }
   // Full blocks from the cut on go (the reopened one too: it is open now).
-  std::vector<uint64_t> cut;
-  for (const auto& [index, key] : st.blocks) {
-    if (index > keep || (index == keep && rem == 0) || (index == keep && rem > 0)) cut.push_back(index);
-  }
-  for (uint64_t index : cut) {
-    if (absl::Status s = DropFullBlock(h, index, &c); !s.ok()) return op.Done(s);
-  }
-  for (const auto& [index, o] : st.open) {
-    if (index > keep || (index == keep && rem == 0)) ++c.open_blocks_dropped;
-  }
+  if (absl::Status s = DropFullBlocksFrom(h, keep, &c); !s.ok()) return op.Done(s);
   backend_->ForgetSequence(ref);
   st.open.clear();
   for (const Survivor& sv : survivors) {
@@ -981,13 +973,9 @@ absl::StatusOr<SequenceChange> NodeCore::TruncateSequence(const v1::Tenant& t, c
   return c;
 }
 
-absl::StatusOr<std::vector<v1::SequenceInfo>> NodeCore::ListSequences(const v1::Tenant& t,
-                                                                      const std::string& requested) {
-  OpScope op(sequence_ops_);
-  auto ns = Namespace(t, requested);
-  if (!ns.ok()) return op.Done(ns.status());
+std::vector<v1::SequenceInfo> NodeCore::DescribeSequences(NamespaceId ns) {
   std::vector<v1::SequenceInfo> out;
-  for (const auto& [sns, id] : sequences_->SequencesIn({*ns})) {
+  for (const auto& [sns, id] : sequences_->SequencesIn({ns})) {
     SequenceTable::Handle h = sequences_->Lock(sns, id);
     const SequenceState& st = h.state();
     if (!st.layout.has_value() && st.blocks.empty() && st.open.empty()) continue;
@@ -1008,6 +996,15 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> NodeCore::ListSequences(const v1::
     info.set_tokens(tokens);
     out.push_back(std::move(info));
   }
+  return out;
+}
+
+absl::StatusOr<std::vector<v1::SequenceInfo>> NodeCore::ListSequences(const v1::Tenant& t,
+                                                                      const std::string& requested) {
+  OpScope op(sequence_ops_);
+  auto ns = Namespace(t, requested);
+  if (!ns.ok()) return op.Done(ns.status());
+  std::vector<v1::SequenceInfo> out = DescribeSequences(*ns);
   op.Record(absl::OkStatus());
   return out;
 }
@@ -1021,15 +1018,11 @@ NodeReport NodeCore::Stats(const v1::Tenant& t) {
   r.sequences = sequences_->num_sequences();
   r.open_blocks = sequences_->open_blocks();
   r.tenant = store_->GetTenantUsage(t.id());
-  const NamespaceId own = NamespaceIdOf(t.namespace_());
-  for (const auto& [ns, id] : sequences_->SequencesIn({own})) {
-    SequenceTable::Handle h = sequences_->Lock(ns, id);
-    const SequenceState& st = h.state();
-    if (!st.layout.has_value() && st.blocks.empty() && st.open.empty()) continue;
+  for (const v1::SequenceInfo& s : DescribeSequences(NamespaceIdOf(t.namespace_()))) {
     ++r.tenant_sequences;
-    r.tenant_sequence_blocks += st.blocks.size();
-    if (st.layout.has_value()) r.tenant_sequence_bytes += st.blocks.size() * EncodedBytes(*st.layout, st.encoding);
-    r.tenant_sequence_open_blocks += st.open.size();
+    r.tenant_sequence_blocks += s.full_blocks();
+    r.tenant_sequence_bytes += s.bytes();
+    r.tenant_sequence_open_blocks += s.open_blocks();
   }
   if (store_->cold_tier() != nullptr) {
     r.has_cold_tier = true;

@@ -98,13 +98,16 @@ absl::Status SequenceTable::Handle::Record(uint64_t index, const BlockKey& key) 
   return absl::OkStatus();
 }
 
-absl::Status SequenceTable::Handle::Unrecord(uint64_t index) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::Status SequenceTable::Handle::UnrecordFrom(uint64_t first) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   SequenceState& st = entry_->state;
-  if (!st.blocks.contains(index)) return absl::OkStatus();
+  const auto from = st.blocks.lower_bound(first);
+  if (from == st.blocks.end()) return absl::OkStatus();
   if (table_->store_ != nullptr) {
-    KVRING_RETURN_IF_ERROR(table_->store_->Delete(RecordKey(entry_->ns, entry_->id, index)));
+    for (auto it = from; it != st.blocks.end(); ++it) {
+      KVRING_RETURN_IF_ERROR(table_->store_->Delete(RecordKey(entry_->ns, entry_->id, it->first)));
+    }
   }
-  st.blocks.erase(index);
+  st.blocks.erase(from, st.blocks.end());
   st.runs = BlockRuns();
   for (const auto& [i, key] : st.blocks) st.runs.Insert(i);
   return absl::OkStatus();

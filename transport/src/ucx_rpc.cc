@@ -294,6 +294,8 @@ struct ServerState : std::enable_shared_from_this<ServerState> {
   // cancels everything pending on it and releases the blocks it held.
   std::unordered_map<SendCtx*, ucp_ep_h> inflight;
   std::chrono::milliseconds reply_timeout{30000};
+  // "<pid>:<start time>" of this process, for the hello's reply (set once).
+  std::string process_id;
 
   // Closes a client's endpoint and forgets it: its transport resources
   // (shared-memory segments, sockets) go with it. Loop thread, never inside
@@ -446,9 +448,7 @@ ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* 
   st->clients[h.client_id] = c;
   // The reply names this process, so that a same-host client notices its
   // death at once instead of at a timeout.
-  const uint32_t pid = static_cast<uint32_t>(::getpid());
-  st->SendReply(ep, gen, /*the hello's request id*/ 0, absl::OkStatus(), absl::StrCat(pid, ":", ProcessStartTime(pid)),
-                {}, nullptr);
+  st->SendReply(ep, gen, /*the hello's request id*/ 0, absl::OkStatus(), st->process_id, {}, nullptr);
   return UCS_OK;
 }
 
@@ -624,6 +624,10 @@ absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::str
   st->fast_handler = std::move(fast_handler);
   st->pool = pool;
   st->max_bytes = max_message_bytes;
+  {
+    const uint32_t pid = static_cast<uint32_t>(::getpid());
+    st->process_id = absl::StrCat(pid, ":", ProcessStartTime(pid));
+  }
   absl::StatusOr<std::string> addr = srv->loop_->Run([&]() -> absl::StatusOr<std::string> {
     for (auto [id, cb] :
          {std::pair<unsigned, ucp_am_recv_callback_t>{kRequestAm, OnRequest}, {kHelloAm, OnHello}, {kByeAm, OnBye}}) {

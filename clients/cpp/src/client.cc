@@ -1367,16 +1367,22 @@ class ClientImpl {
     return absl::OkStatus();
   }
 
+  // The nodes of `ring` marked UP (the lifecycle calls go to each of them).
+  static std::vector<int> UpNodes(const ShardRing& ring) {
+    std::vector<int> nodes;
+    for (int i = 0; i < ring.num_nodes(); ++i) {
+      if (ring.node(i).state() == v1::NodeInfo::UP) nodes.push_back(i);
+    }
+    return nodes;
+  }
+
   absl::StatusOr<SequenceChangeReport> ChangeSequence(const std::string& id, bool truncate, uint64_t tokens) {
     KVRING_RETURN_IF_ERROR(ValidateSequenceId(id));
     if (tokens > kMaxSequenceTokens) {
       return absl::InvalidArgumentError(absl::StrCat("truncate to ", tokens, " tokens: over the limit"));
     }
     auto ring = Ring();
-    std::vector<int> nodes;
-    for (int i = 0; i < ring->num_nodes(); ++i) {
-      if (ring->node(i).state() == v1::NodeInfo::UP) nodes.push_back(i);
-    }
+    const std::vector<int> nodes = UpNodes(*ring);
     if (nodes.empty()) return absl::UnavailableError("the shard map has no node up");
     v1::SequenceRequest req;
     *req.mutable_header() = Header();
@@ -1401,10 +1407,7 @@ class ClientImpl {
 
   absl::StatusOr<std::vector<SequenceListing>> ListSequences() {
     auto ring = Ring();
-    std::vector<int> nodes;
-    for (int i = 0; i < ring->num_nodes(); ++i) {
-      if (ring->node(i).state() == v1::NodeInfo::UP) nodes.push_back(i);
-    }
+    const std::vector<int> nodes = UpNodes(*ring);
     v1::ListSequencesRequest req;
     *req.mutable_header() = Header();
     std::vector<absl::StatusOr<v1::ListSequencesResponse>> res =

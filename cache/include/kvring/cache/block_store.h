@@ -229,6 +229,10 @@ class BlockStore {
   // Frees a page or makes room by evicting; may release and re-take `mu_`
   // while a victim is demoted to the cold tier.
   absl::StatusOr<PageId> AcquirePageLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An eviction victim with no copy below (no cold tier, or it could not
+  // take the block) leaves the store: policy, owner's usage, index, page.
+  absl::Status DropEvictedLocked(PageId victim, const ScopedKey& vk, const BlockIndex::Entry& e)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HoldLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseHoldLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseRead(PageId page) ABSL_LOCKS_EXCLUDED(mu_);

@@ -264,9 +264,11 @@ class NodeCore {
   // they differ.
   absl::Status SameTokens(NamespaceId ns, SequenceTable::Handle& h, uint64_t idx, uint32_t layer, uint32_t off,
                           uint32_t count, const AttendBatch& b, uint32_t src_row, const BlockLayout& L);
-  // Erases full block `index` of the sequence from the store (if stored under
-  // the sequence's own key) and its record.
-  absl::Status DropFullBlock(SequenceTable::Handle& h, uint64_t index, SequenceChange* c);
+  // Erases the sequence's full blocks from index `first` on from the store
+  // (those under its own keys), then their records: one pass, one rebuild.
+  absl::Status DropFullBlocksFrom(SequenceTable::Handle& h, uint64_t first, SequenceChange* c);
+  // The sequences of namespace `ns` held here (ListSequences; Stats sums them).
+  std::vector<v1::SequenceInfo> DescribeSequences(NamespaceId ns);
   // DeleteSequence's work on a locked sequence.
   absl::StatusOr<SequenceChange> ForgetLocked(SequenceTable::Handle& h, TenantId tenant);
   absl::Time Now() const { return options_.clock != nullptr ? options_.clock->Now() : absl::Now(); }

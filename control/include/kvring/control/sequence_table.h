@@ -139,9 +139,9 @@ class SequenceTable {
     SequenceState& state() ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry_->state; }
     // Block `index` is full block `key` here: persisted, then in state().blocks.
     absl::Status Record(uint64_t index, const BlockKey& key);
-    // Block `index` is no longer held here (its record deleted, then gone
-    // from state().blocks); nothing when it was not recorded.
-    absl::Status Unrecord(uint64_t index);
+    // Blocks from index `first` on are no longer held here (their records
+    // deleted, then gone from state().blocks and its runs).
+    absl::Status UnrecordFrom(uint64_t first);
     // Ends the sequence here: its persisted records are deleted and its state
     // cleared (the caller gave its open blocks back to the backend); it
     // leaves the table when the handle is released.
