@@ -113,8 +113,8 @@ absl::StatusOr<ReclaimResult> NodeCore::ReclaimDeletedTenants() {
   for (const auto& [ns, id] : sequences_->SequencesIn(dead)) {
     SequenceTable::Handle h = sequences_->Lock(ns, id);
     const SequenceRef ref{ns, id, 0};
-    backend_->ForgetSequence(ref);  // open blocks included
-    KVRING_RETURN_IF_ERROR(h.Forget());
+    backend_->ForgetSequence(ref);                // open blocks included
+    KVRING_RETURN_IF_ERROR(h.Forget().status());  // the namespace's blocks are purged below
     ++r.sequences;
   }
   KVRING_ASSIGN_OR_RETURN(r.blocks, store_->PurgeNamespaces(dead));
@@ -205,7 +205,7 @@ absl::StatusOr<std::vector<PutOutcome>> NodeCore::Put(const v1::Tenant& t, const
       } else {
         pr = store_->Put(a, payload);
         if (pr.ok()) {
-          if (absl::Status s = h.Record(index, a.key); !s.ok()) {
+          if (absl::Status s = h.Record(index, a.key, /*owned=*/false); !s.ok()) {
             pr = s;
           } else {
             st.layout = meta.layout;
@@ -403,6 +403,14 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
   for (size_t i = 0; i < n; ++i) {
     SequenceState& st = hs[i].state();
     const AttendSequenceSpec& spec = b.sequences[i];
+    if (st.placement_digest != 0 && spec.placement_digest != st.placement_digest) {
+      // A fork the caller routed by another placement (one it has not
+      // resolved): this node may not be where the request's chunks are.
+      fail(i, absl::StatusCode::kAborted,
+           "a fork placed with its source's chunks, routed by another placement: resolve its placement "
+           "(ListSequences) and route again");
+      continue;
+    }
     if (!st.layout.has_value() && !st.blocks.empty()) {
       // Learn it from a block (after a restart the table holds only keys).
       absl::StatusOr<PinnedBlock> pb = store_->Acquire(*ns, st.blocks.begin()->second);
@@ -776,13 +784,13 @@ uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h)
     PutArgs a;
     a.tenant = tenant;
     a.ns = h.ns();
-    a.key = SequenceBlockKey(h.ns(), h.id(), idx, L);
+    a.key = SealKey(h, idx, L);
     a.meta.layout = L;
     a.meta.payload_bytes = static_cast<uint32_t>(L.bytes());
     buf.resize(L.bytes());
     absl::Status s = backend_->ReadOpenBlock(ref, idx, absl::MakeSpan(buf));
     if (s.ok()) s = store_->Put(a, buf).status();
-    if (s.ok()) s = h.Record(idx, a.key);
+    if (s.ok()) s = h.Record(idx, a.key, /*owned=*/true);
     if (!s.ok()) {
       // Left open (its bytes stay in the backend); the next append retries.
       KVRING_LOG(WARNING) << "sequence '" << h.id() << "' block " << idx << " is complete but not stored yet: " << s;
@@ -797,20 +805,42 @@ uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h)
   return sealed;
 }
 
+BlockKey NodeCore::SealKey(SequenceTable::Handle& h, uint64_t index, const BlockLayout& L) {
+  // The block's own key, unless another sequence still holds a block under
+  // it (a fork of this one, made before this one was truncated below the
+  // fork point): then the key of a later generation, so that the fork keeps
+  // its bytes and this sequence gets its new ones.
+  BlockKey key = SequenceBlockKey(h.ns(), h.id(), index, L);
+  for (uint64_t generation = 1;
+       sequences_->References(key).records > 0 || store_->Contains(h.ns(), absl::MakeConstSpan(&key, 1)).front();
+       ++generation) {
+    key = SequenceBlockKey(h.ns(), absl::StrCat(h.id(), "\x1f", generation), index, L);
+  }
+  return key;
+}
+
 absl::Status NodeCore::DropFullBlocksFrom(SequenceTable::Handle& h, uint64_t first, SequenceChange* c) {
-  SequenceState& st = h.state();
-  for (auto it = st.blocks.lower_bound(first); it != st.blocks.end(); ++it) {
-    // Only the sequence's own blocks go; a block PutSequence named by another
-    // key (a prefix-cache chain) is shared and stays, evictable.
-    if (!st.layout.has_value() || !(it->second == SequenceBlockKey(h.ns(), h.id(), it->first, *st.layout))) continue;
-    absl::Status e = store_->Erase(h.ns(), it->second);
+  KVRING_ASSIGN_OR_RETURN(std::vector<ReleasedBlock> released, h.UnrecordFrom(first));
+  EraseReleased(h, h.state().layout, released, c);
+  return absl::OkStatus();
+}
+
+void NodeCore::EraseReleased(const SequenceTable::Handle& h, const std::optional<BlockLayout>& L,
+                             const std::vector<ReleasedBlock>& released, SequenceChange* c) {
+  for (const ReleasedBlock& r : released) {
+    // Blocks no sequence here holds any more, that the node made (sealed
+    // from appends; a record from before forks were built: the sequence's
+    // own key), go. A block PutSequence named by another key (a prefix-cache
+    // chain) is the prefix cache's too and stays, evictable.
+    const bool own = r.owned || (L.has_value() && r.key == SequenceBlockKey(h.ns(), h.id(), r.index, *L));
+    if (!own) continue;
+    absl::Status e = store_->Erase(h.ns(), r.key);
     if (e.ok()) {
       ++c->blocks_erased;
     } else if (!absl::IsNotFound(e)) {
-      KVRING_LOG(WARNING) << "sequence '" << h.id() << "' block " << it->first << " stays in the store: " << e;
+      KVRING_LOG(WARNING) << "sequence '" << h.id() << "' block " << r.index << " stays in the store: " << e;
     }
   }
-  return h.UnrecordFrom(first);
 }
 
 absl::StatusOr<SequenceChange> NodeCore::DeleteSequence(const v1::Tenant& t, const std::string& requested,
@@ -829,10 +859,11 @@ absl::StatusOr<SequenceChange> NodeCore::ForgetLocked(SequenceTable::Handle& h, 
   SequenceState& st = h.state();
   SequenceChange c;
   c.held = st.layout.has_value() || !st.blocks.empty() || !st.open.empty();
-  KVRING_RETURN_IF_ERROR(DropFullBlocksFrom(h, 0, &c));
+  const std::optional<BlockLayout> layout = st.layout;
   c.open_blocks_dropped = st.open.size();
   backend_->ForgetSequence(SequenceRef{h.ns(), h.id(), tenant});
-  KVRING_RETURN_IF_ERROR(h.Forget());
+  KVRING_ASSIGN_OR_RETURN(std::vector<ReleasedBlock> released, h.Forget());
+  EraseReleased(h, layout, released, &c);
   return c;
 }
 
@@ -973,40 +1004,182 @@ absl::StatusOr<SequenceChange> NodeCore::TruncateSequence(const v1::Tenant& t, c
   return c;
 }
 
-std::vector<v1::SequenceInfo> NodeCore::DescribeSequences(NamespaceId ns) {
+namespace {
+// The highest token position + 1 a node holds of a sequence, on layer 0.
+uint64_t HeldTokens(const SequenceState& st) {
+  if (!st.layout.has_value()) return 0;
+  const uint32_t bt = st.layout->block_tokens;
+  uint64_t tokens = 0;
+  if (!st.blocks.empty()) tokens = (st.blocks.rbegin()->first + 1) * bt;
+  if (!st.open.empty()) {
+    const auto& [idx, o] = *st.open.rbegin();
+    if (!o.filled.empty()) tokens = std::max<uint64_t>(tokens, idx * bt + o.filled[0]);
+  }
+  return tokens;
+}
+}  // namespace
+
+std::vector<v1::SequenceInfo> NodeCore::DescribeSequences(NamespaceId ns, absl::Span<const std::string> ids) {
   std::vector<v1::SequenceInfo> out;
-  for (const auto& [sns, id] : sequences_->SequencesIn({ns})) {
+  std::vector<std::pair<NamespaceId, std::string>> which;
+  if (ids.empty()) {
+    which = sequences_->SequencesIn({ns});
+  } else {
+    for (const std::string& id : ids) which.emplace_back(ns, id);
+  }
+  for (const auto& [sns, id] : which) {
     SequenceTable::Handle h = sequences_->Lock(sns, id);
-    const SequenceState& st = h.state();
-    if (!st.layout.has_value() && st.blocks.empty() && st.open.empty()) continue;
+    SequenceState& st = h.state();
+    if (!st.layout.has_value() && st.blocks.empty() && st.open.empty() && st.placement.empty()) continue;
+    if (!st.layout.has_value() && !st.blocks.empty()) {
+      // Learn the layout from a block (after a restart the table holds only keys).
+      if (absl::StatusOr<PinnedBlock> pb = store_->Acquire(sns, st.blocks.begin()->second); pb.ok()) {
+        st.layout = pb->meta().layout;
+        st.encoding = pb->meta().encoding;
+      }
+    }
     v1::SequenceInfo info;
     info.set_sequence_id(id);
     info.set_full_blocks(st.blocks.size());
     info.set_open_blocks(st.open.size());
-    uint64_t tokens = 0;
     if (st.layout.has_value()) {
-      const uint32_t bt = st.layout->block_tokens;
       info.set_bytes(st.blocks.size() * EncodedBytes(*st.layout, st.encoding));
-      if (!st.blocks.empty()) tokens = (st.blocks.rbegin()->first + 1) * bt;
-      if (!st.open.empty()) {
-        const auto& [idx, o] = *st.open.rbegin();
-        if (!o.filled.empty()) tokens = std::max<uint64_t>(tokens, idx * bt + o.filled[0]);
-      }
+      info.set_block_tokens(st.layout->block_tokens);
     }
-    info.set_tokens(tokens);
+    info.set_tokens(HeldTokens(st));
+    uint64_t shared = 0;
+    for (const auto& [i, key] : st.blocks) shared += sequences_->References(key).records > 1;
+    info.set_shared_blocks(shared);
+    st.placement.ToProto(info.mutable_placement());
     out.push_back(std::move(info));
   }
   return out;
 }
 
-absl::StatusOr<std::vector<v1::SequenceInfo>> NodeCore::ListSequences(const v1::Tenant& t,
-                                                                      const std::string& requested) {
+absl::StatusOr<std::vector<v1::SequenceInfo>> NodeCore::ListSequences(const v1::Tenant& t, const std::string& requested,
+                                                                      absl::Span<const std::string> ids) {
   OpScope op(sequence_ops_);
   auto ns = Namespace(t, requested);
   if (!ns.ok()) return op.Done(ns.status());
-  std::vector<v1::SequenceInfo> out = DescribeSequences(*ns);
+  if (ids.size() > options_.limits.max_attend_sequences) {
+    return op.Done(absl::InvalidArgumentError(absl::StrCat("ListSequences names ", ids.size(), " sequences; at most ",
+                                                           options_.limits.max_attend_sequences)));
+  }
+  for (const std::string& id : ids) {
+    if (absl::Status s = ValidateSequenceId(id, options_.limits.max_sequence_id_bytes); !s.ok()) return op.Done(s);
+  }
+  std::vector<v1::SequenceInfo> out = DescribeSequences(*ns, ids);
   op.Record(absl::OkStatus());
   return out;
+}
+
+absl::StatusOr<ForkChange> NodeCore::ForkSequence(const v1::Tenant& t, const std::string& requested,
+                                                  const std::string& source, const std::string& id, uint64_t tokens,
+                                                  const SequencePlacement& placement) {
+  OpScope op(sequence_ops_);
+  auto ns = Namespace(t, requested);
+  if (!ns.ok()) return op.Done(ns.status());
+  for (const std::string* s : {&source, &id}) {
+    if (absl::Status v = ValidateSequenceId(*s, options_.limits.max_sequence_id_bytes); !v.ok()) return op.Done(v);
+  }
+  if (source == id) return op.Done(absl::InvalidArgumentError(absl::StrCat("sequence '", id, "' forked onto itself")));
+  if (tokens == 0 || tokens > kMaxSequenceTokens) {
+    return op.Done(absl::InvalidArgumentError(
+        absl::StrCat("a fork of ", tokens, " tokens (1 to ", kMaxSequenceTokens, "; a new sequence needs no fork)")));
+  }
+  if (placement.empty()) {
+    return op.Done(absl::InvalidArgumentError("a fork needs its placement (the source's chunks it shares)"));
+  }
+  const std::string ids[2] = {source, id};
+  std::vector<SequenceTable::Handle> hs = sequences_->LockMany(*ns, ids);
+  SequenceState& dst = hs[1].state();
+  const bool exists = dst.layout.has_value() || !dst.blocks.empty() || !dst.open.empty() || !dst.placement.empty();
+  if (exists) {
+    if (dst.placement == placement) {  // the same fork again
+      ForkChange c;
+      c.held = dst.layout.has_value();
+      c.source_tokens = HeldTokens(hs[0].state());
+      op.Record(absl::OkStatus());
+      return c;
+    }
+    return op.Done(absl::AlreadyExistsError(
+        absl::StrCat("sequence '", id,
+                     "' exists on this node (as another sequence or another fork); delete it or fork under "
+                     "another id")));
+  }
+  const TenantId tenant = static_cast<TenantId>(t.id());
+  absl::StatusOr<ForkChange> c = ForkLocked(hs[0], hs[1], tenant, tokens);
+  absl::Status s = c.status();
+  if (s.ok()) s = hs[1].SetPlacement(placement);
+  if (!s.ok()) {
+    (void)ForgetLocked(hs[1], tenant);  // nothing of the fork stays
+    return op.Done(s);
+  }
+  op.Record(absl::OkStatus());
+  return c;
+}
+
+absl::StatusOr<ForkChange> NodeCore::ForkLocked(SequenceTable::Handle& src, SequenceTable::Handle& dst, TenantId tenant,
+                                                uint64_t tokens) {
+  SequenceState& s = src.state();
+  SequenceState& d = dst.state();
+  s.last_use = d.last_use = Now();
+  ForkChange c;
+  if (!s.layout.has_value() && !s.blocks.empty()) {
+    // Learn the layout from a block (after a restart the table holds only keys).
+    KVRING_ASSIGN_OR_RETURN(PinnedBlock pb, store_->Acquire(src.ns(), s.blocks.begin()->second));
+    s.layout = pb.meta().layout;
+    s.encoding = pb.meta().encoding;
+  }
+  c.source_tokens = HeldTokens(s);
+  if (!s.layout.has_value()) return c;  // nothing of the source here
+  const BlockLayout L = *s.layout;
+  const uint64_t keep = tokens / L.block_tokens;
+  const uint32_t rem = static_cast<uint32_t>(tokens % L.block_tokens);
+  const uint64_t ends = keep + (rem > 0 ? 1 : 0);  // blocks [0, ends) hold the fork's tokens
+  const SequenceRef sref{src.ns(), src.id(), tenant}, dref{dst.ns(), dst.id(), tenant};
+  // The open blocks below the fork point must hold every token up to it.
+  for (auto it = s.open.begin(); it != s.open.end() && it->first < ends; ++it) {
+    const uint32_t need = it->first < keep ? L.block_tokens : rem;
+    for (uint32_t l = 0; l < it->second.filled.size(); ++l) {
+      if (it->second.filled[l] < need) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("sequence '", src.id(), "' holds only ", it->first * L.block_tokens + it->second.filled[l],
+                         " tokens of layer ", l, " on this node; a fork at ", tokens, " needs them all"));
+      }
+    }
+  }
+  d.layout = L;
+  d.encoding = s.encoding;
+  for (auto it = s.blocks.begin(); it != s.blocks.end() && it->first < keep; ++it) {
+    KVRING_RETURN_IF_ERROR(dst.Record(it->first, it->second, sequences_->References(it->second).owned));
+    ++c.blocks_shared;
+  }
+  // Copied: open blocks below the fork point, and the block holding token
+  // `tokens` (from the store when the source sealed it).
+  std::vector<uint8_t> bytes(L.bytes());
+  for (auto it = s.open.begin(); it != s.open.end() && it->first < ends; ++it) {
+    const uint32_t need = it->first < keep ? L.block_tokens : rem;
+    KVRING_RETURN_IF_ERROR(backend_->ReadOpenBlock(sref, it->first, absl::MakeSpan(bytes)));
+    const std::vector<uint32_t> filled(L.layers, need);
+    KVRING_RETURN_IF_ERROR(Reopen(dref, it->first, filled, bytes, L));
+    d.open[it->first] = OpenBlockState{filled};
+    ++c.blocks_copied;
+  }
+  if (rem > 0 && s.blocks.contains(keep) && !s.open.contains(keep)) {
+    KVRING_ASSIGN_OR_RETURN(PinnedBlock pb, store_->Acquire(src.ns(), s.blocks.at(keep)));
+    if (pb.meta().encoding.quantized() || !(pb.meta().layout == L)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("a fork of '", src.id(), "' at ", tokens, " tokens cuts into block ", keep,
+                       ", which is stored quantized; fork at a block boundary (", keep * L.block_tokens, ")"));
+    }
+    const std::vector<uint32_t> filled(L.layers, rem);
+    KVRING_RETURN_IF_ERROR(Reopen(dref, keep, filled, pb.payload(), L));
+    d.open[keep] = OpenBlockState{filled};
+    ++c.blocks_copied;
+  }
+  c.held = c.blocks_shared + c.blocks_copied > 0;
+  return c;
 }
 
 NodeReport NodeCore::Stats(const v1::Tenant& t) {
@@ -1018,7 +1191,7 @@ NodeReport NodeCore::Stats(const v1::Tenant& t) {
   r.sequences = sequences_->num_sequences();
   r.open_blocks = sequences_->open_blocks();
   r.tenant = store_->GetTenantUsage(t.id());
-  for (const v1::SequenceInfo& s : DescribeSequences(NamespaceIdOf(t.namespace_()))) {
+  for (const v1::SequenceInfo& s : DescribeSequences(NamespaceIdOf(t.namespace_()), {})) {
     ++r.tenant_sequences;
     r.tenant_sequence_blocks += s.full_blocks();
     r.tenant_sequence_bytes += s.bytes();

@@ -21,6 +21,7 @@ KVRING_NODE_RPC(Stats, StatsRequest, StatsResponse, WireStats(*core_, *t, *req, 
 KVRING_NODE_RPC(DeleteSequence, SequenceRequest, SequenceResponse, WireSequence(*core_, *t, *req, false, resp))
 KVRING_NODE_RPC(TruncateSequence, SequenceRequest, SequenceResponse, WireSequence(*core_, *t, *req, true, resp))
 KVRING_NODE_RPC(ListSequences, ListSequencesRequest, ListSequencesResponse, WireListSequences(*core_, *t, *req, resp))
+KVRING_NODE_RPC(ForkSequence, ForkSequenceRequest, ForkSequenceResponse, WireForkSequence(*core_, *t, *req, resp))
 
 #undef KVRING_NODE_RPC
 

@@ -106,7 +106,8 @@ bool WireGetStaysInMemory(NodeCore& core, const v1::Tenant& t, const v1::GetRequ
 absl::Status WireListSequences(NodeCore& core, const v1::Tenant& t, const v1::ListSequencesRequest& req,
                                v1::ListSequencesResponse* resp) {
   KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));
-  KVRING_ASSIGN_OR_RETURN(std::vector<v1::SequenceInfo> list, core.ListSequences(t, req.header().namespace_()));
+  const std::vector<std::string> ids(req.sequence_ids().begin(), req.sequence_ids().end());
+  KVRING_ASSIGN_OR_RETURN(std::vector<v1::SequenceInfo> list, core.ListSequences(t, req.header().namespace_(), ids));
   for (v1::SequenceInfo& s : list) *resp->add_sequences() = std::move(s);
   return absl::OkStatus();
 }
@@ -121,6 +122,19 @@ absl::Status WireSequence(NodeCore& core, const v1::Tenant& t, const v1::Sequenc
   resp->set_held(c->held);
   resp->set_blocks_erased(c->blocks_erased);
   resp->set_open_blocks_dropped(c->open_blocks_dropped);
+  return absl::OkStatus();
+}
+
+absl::Status WireForkSequence(NodeCore& core, const v1::Tenant& t, const v1::ForkSequenceRequest& req,
+                              v1::ForkSequenceResponse* resp) {
+  KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));
+  KVRING_ASSIGN_OR_RETURN(SequencePlacement placement, SequencePlacement::FromProto(req.placement()));
+  KVRING_ASSIGN_OR_RETURN(ForkChange c, core.ForkSequence(t, req.header().namespace_(), req.source_id(),
+                                                          req.sequence_id(), req.tokens(), placement));
+  resp->set_held(c.held);
+  resp->set_blocks_shared(c.blocks_shared);
+  resp->set_blocks_copied(c.blocks_copied);
+  resp->set_source_tokens(c.source_tokens);
   return absl::OkStatus();
 }
 

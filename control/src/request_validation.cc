@@ -201,6 +201,7 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
     spec.rows = s.rows();
     spec.append_tokens = s.append_tokens();
     spec.append_position = s.append_position();
+    spec.placement_digest = s.placement_digest();
     if (spec.tokens > kMaxSequenceTokens) return bad(absl::StrCat("tokens over the limit of ", kMaxSequenceTokens));
     uint64_t prev_end = 0;
     for (int k = 0; k < s.ranges_size(); ++k) {

@@ -14,6 +14,7 @@ namespace {
 std::string RecordKey(NamespaceId ns, const std::string& id, uint64_t index) {
   return absl::StrFormat("seq/%016x/%s/%016x", ns, id, index);
 }
+std::string PlacementKey(NamespaceId ns, const std::string& id) { return absl::StrFormat("seqp/%016x/%s", ns, id); }
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(MetadataStore* store) {
@@ -25,7 +26,9 @@ absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(MetadataSto
       store->ScanPrefix("seq/", [&](const std::string& k, const std::string& v) ABSL_NO_THREAD_SAFETY_ANALYSIS {
         std::vector<std::string> parts = absl::StrSplit(k, '/');
         uint64_t ns = 0, index = 0;
-        if (parts.size() != 4 || v.size() != 16 || !absl::SimpleHexAtoi(parts[1], &ns) ||
+        // 16 bytes: the key (written before forks: owned unknown, NodeCore
+        // tells its own keys by their derivation); 17: the key and `owned`.
+        if (parts.size() != 4 || (v.size() != 16 && v.size() != 17) || !absl::SimpleHexAtoi(parts[1], &ns) ||
             !absl::SimpleHexAtoi(parts[3], &index)) {
           bad = absl::DataLossError(absl::StrCat("corrupt sequence record '", k, "'"));
           return;
@@ -36,6 +39,27 @@ absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(MetadataSto
         SequenceState& st = t->FindOrAdd(ns, parts[2])->state;  // NOLINT: loaded before any lock is taken
         st.blocks[index] = key;
         st.runs.Insert(index);
+        KeyRefs& r = t->refs_[key];
+        ++r.records;
+        r.owned |= v.size() == 17 && v[16] != 0;
+      }));
+  KVRING_RETURN_IF_ERROR(bad);
+  KVRING_RETURN_IF_ERROR(
+      store->ScanPrefix("seqp/", [&](const std::string& k, const std::string& v) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        std::vector<std::string> parts = absl::StrSplit(absl::string_view(k).substr(5), absl::MaxSplits('/', 1));
+        uint64_t ns = 0;
+        v1::SequencePlacement p;
+        absl::StatusOr<SequencePlacement> placement = absl::DataLossError("");
+        if (parts.size() == 2 && absl::SimpleHexAtoi(parts[0], &ns) && p.ParseFromString(v)) {
+          placement = SequencePlacement::FromProto(p);
+        }
+        if (!placement.ok()) {
+          bad = absl::DataLossError(absl::StrCat("corrupt sequence placement record '", k, "'"));
+          return;
+        }
+        SequenceState& st = t->FindOrAdd(ns, parts[1])->state;  // NOLINT: loaded before any lock is taken
+        st.placement_digest = placement->Digest();
+        st.placement = *std::move(placement);
       }));
   KVRING_RETURN_IF_ERROR(bad);
   return t;
@@ -53,7 +77,7 @@ std::shared_ptr<SequenceTable::Entry> SequenceTable::FindOrAdd(NamespaceId ns, c
 
 void SequenceTable::DropIfEmpty(Entry* e) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const SequenceState& st = e->state;
-  if (!st.blocks.empty() || !st.open.empty() || st.layout.has_value()) return;
+  if (!st.blocks.empty() || !st.open.empty() || st.layout.has_value() || !st.placement.empty()) return;
   // Lock order: an entry's lock, then the table's (LockMany never holds the
   // table's while it waits for an entry).
   absl::MutexLock l(&mu_);
@@ -84,44 +108,91 @@ void SequenceTable::Handle::Release() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   table_ = nullptr;
 }
 
-absl::Status SequenceTable::Handle::Record(uint64_t index, const BlockKey& key) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::Status SequenceTable::Handle::Record(uint64_t index, const BlockKey& key,
+                                           bool owned) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   auto it = entry_->state.blocks.find(index);
   if (it != entry_->state.blocks.end() && it->second == key) return absl::OkStatus();
   if (table_->store_ != nullptr) {
-    std::string v(16, '\0');
+    std::string v(17, '\0');
     std::memcpy(v.data(), &key.lo, 8);
     std::memcpy(v.data() + 8, &key.hi, 8);
+    v[16] = owned ? 1 : 0;
     KVRING_RETURN_IF_ERROR(table_->store_->Put(RecordKey(entry_->ns, entry_->id, index), v));
+  }
+  if (it != entry_->state.blocks.end()) {
+    bool unused;
+    table_->ReleaseRef(it->second, &unused);  // replaced (a PutSequence under another key)
+  }
+  {
+    absl::MutexLock l(&table_->mu_);
+    KeyRefs& r = table_->refs_[key];
+    ++r.records;
+    r.owned |= owned;
   }
   entry_->state.blocks[index] = key;
   entry_->state.runs.Insert(index);
   return absl::OkStatus();
 }
 
-absl::Status SequenceTable::Handle::UnrecordFrom(uint64_t first) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+bool SequenceTable::ReleaseRef(const BlockKey& key, bool* owned) {
+  absl::MutexLock l(&mu_);
+  auto it = refs_.find(key);
+  if (it == refs_.end()) return false;
+  *owned = it->second.owned;
+  if (--it->second.records > 0) return false;
+  refs_.erase(it);
+  return true;
+}
+
+SequenceTable::KeyRefs SequenceTable::References(const BlockKey& key) const {
+  absl::MutexLock l(&mu_);
+  auto it = refs_.find(key);
+  return it == refs_.end() ? KeyRefs{} : it->second;
+}
+
+absl::StatusOr<std::vector<ReleasedBlock>> SequenceTable::Handle::UnrecordFrom(uint64_t first)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
   SequenceState& st = entry_->state;
+  std::vector<ReleasedBlock> released;
   const auto from = st.blocks.lower_bound(first);
-  if (from == st.blocks.end()) return absl::OkStatus();
+  if (from == st.blocks.end()) return released;
   if (table_->store_ != nullptr) {
     for (auto it = from; it != st.blocks.end(); ++it) {
       KVRING_RETURN_IF_ERROR(table_->store_->Delete(RecordKey(entry_->ns, entry_->id, it->first)));
     }
   }
+  for (auto it = from; it != st.blocks.end(); ++it) {
+    bool owned = false;
+    if (table_->ReleaseRef(it->second, &owned)) released.push_back(ReleasedBlock{it->first, it->second, owned});
+  }
   st.blocks.erase(from, st.blocks.end());
   st.runs = BlockRuns();
   for (const auto& [i, key] : st.blocks) st.runs.Insert(i);
+  return released;
+}
+
+absl::Status SequenceTable::Handle::SetPlacement(const SequencePlacement& placement) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  SequenceState& st = entry_->state;
+  if (st.placement == placement) return absl::OkStatus();
+  if (table_->store_ != nullptr) {
+    if (placement.empty()) {
+      KVRING_RETURN_IF_ERROR(table_->store_->Delete(PlacementKey(entry_->ns, entry_->id)));
+    } else {
+      v1::SequencePlacement p;
+      placement.ToProto(&p);
+      KVRING_RETURN_IF_ERROR(table_->store_->Put(PlacementKey(entry_->ns, entry_->id), p.SerializeAsString()));
+    }
+  }
+  st.placement = placement;
+  st.placement_digest = placement.Digest();
   return absl::OkStatus();
 }
 
-absl::Status SequenceTable::Handle::Forget() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  SequenceState& st = entry_->state;
-  if (table_->store_ != nullptr) {
-    for (const auto& [index, key] : st.blocks) {
-      KVRING_RETURN_IF_ERROR(table_->store_->Delete(RecordKey(entry_->ns, entry_->id, index)));
-    }
-  }
-  st = SequenceState{};
-  return absl::OkStatus();
+absl::StatusOr<std::vector<ReleasedBlock>> SequenceTable::Handle::Forget() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  KVRING_ASSIGN_OR_RETURN(std::vector<ReleasedBlock> released, UnrecordFrom(0));
+  KVRING_RETURN_IF_ERROR(SetPlacement(SequencePlacement()));
+  entry_->state = SequenceState{};
+  return released;
 }
 
 std::vector<std::pair<NamespaceId, std::string>> SequenceTable::SequencesIn(

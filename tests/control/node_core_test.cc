@@ -249,6 +249,7 @@ class NodeCoreTest : public ::testing::Test {
       s.append_tokens = p.append;
       s.tokens = before + p.append;
       s.rows = p.rows;
+      s.placement_digest = digest_[p.id];
       for (uint32_t t = 0; t < p.append * L_.kv_heads * L_.head_dim; ++t) {
         nk.push_back(nd(rng_));
         nv.push_back(nd(rng_));
@@ -343,6 +344,7 @@ class NodeCoreTest : public ::testing::Test {
   std::map<std::string, EngineKv> kv_;
   AttendStats last_;
   FakeClock clock_;
+  std::map<std::string, uint64_t> digest_;  // placement digest each sequence is routed by
 };
 
 TEST_F(NodeCoreTest, DecodeInPlaceCrossesBlockBoundariesAndSealsFullBlocks) {
@@ -734,6 +736,93 @@ TEST_F(NodeCoreTest, IdleSequencesExpireAfterTheTenantsTtl) {
   clock_.Advance(absl::Hours(1000));
   EXPECT_EQ(core_->ExpireIdleSequences().value(), 0u);
   EXPECT_EQ(seqs_->num_sequences(), 2u);
+  EXPECT_TRUE(store_->CheckInvariants().ok());
+}
+
+// ForkSequence on one node (block_tokens 4). The fork's full blocks are its
+// source's (no new store block), the partly filled block at the fork point
+// is copied; appends to either side change only that side, and each attends
+// exactly like a sequence built from scratch (the fixture's reference is the
+// engine's view: the source's first tokens, then the fork's own). A source
+// deleted, or truncated below the fork point and appended again with other
+// K/V, leaves the fork its bytes; with both gone nothing stays.
+TEST_F(NodeCoreTest, AForkSharesFullBlocksAndEachSideAttendsLikeOneBuiltFromScratch) {
+  const NamespaceId ns = NamespaceIdOf(TenantNamespace(3));
+  auto fork = [&](const std::string& src, const std::string& dst, uint64_t tokens) -> absl::StatusOr<ForkChange> {
+    const SequencePlacement p = SequencePlacement().Fork(src, 1).value();
+    absl::StatusOr<ForkChange> c = core_->ForkSequence(tenant_, "", src, dst, tokens, p);
+    if (!c.ok()) return c;
+    digest_[dst] = p.Digest();
+    for (auto [from, to] : {std::pair{&kv_[src].k, &kv_[dst].k}, std::pair{&kv_[src].v, &kv_[dst].v}}) {
+      for (auto& [layer, vals] : *from) {
+        (*to)[layer].assign(vals.begin(), vals.begin() + tokens * L_.kv_heads * L_.head_dim);
+      }
+    }
+    return c;
+  };
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"src", 2, 14}}).ok());  // blocks 0-2 sealed, 3 open (2)
+  ASSERT_EQ(store_->stats().blocks, 3u);
+  // At 10: blocks 0-1 shared, sealed block 2 copied (its first 2 tokens).
+  absl::StatusOr<ForkChange> c = fork("src", "a", 10);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->held);
+  EXPECT_EQ(c->blocks_shared, 2u);
+  EXPECT_EQ(c->blocks_copied, 1u);
+  EXPECT_EQ(c->source_tokens, 14u);
+  EXPECT_EQ(store_->stats().blocks, 3u);  // nothing copied into the store
+  // The same fork again changes nothing; another fork under the id, or a
+  // fork onto an existing sequence, is refused.
+  EXPECT_TRUE(core_->ForkSequence(tenant_, "", "src", "a", 10, SequencePlacement().Fork("src", 1).value()).ok());
+  EXPECT_EQ(
+      core_->ForkSequence(tenant_, "", "src", "a", 10, SequencePlacement().Fork("src", 2).value()).status().code(),
+      absl::StatusCode::kAlreadyExists);
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"u", 1, 3}}).ok());
+  EXPECT_EQ(fork("src", "u", 4).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(fork("src", "src", 4).status().code(), absl::StatusCode::kInvalidArgument);
+  // Past what the open block holds: refused, and nothing of the fork stays.
+  const size_t n = seqs_->num_sequences();
+  EXPECT_EQ(fork("src", "b", 15).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(seqs_->num_sequences(), n);
+  kv_.erase("b");
+  // Both sides go on, each with its own tokens.
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"a", 3, 5}, {"src", 2, 3}}).ok());
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"src", 1, 1}, {"a", 4, 1}}).ok());
+  // A fork routed by another placement (a caller that has not resolved it)
+  // is refused with nothing applied.
+  digest_["a"] = 0;
+  EXPECT_EQ(Step(0, {{"a", 1, 1}}).code(), absl::StatusCode::kAborted);
+  digest_["a"] = SequencePlacement().Fork("src", 1).value().Digest();
+  // At an open block (src: 18 tokens, block 4 open with 2): blocks 0-3 shared.
+  c = fork("src", "b", 18);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->blocks_shared, 4u);
+  EXPECT_EQ(c->blocks_copied, 1u);
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"b", 2, 6}}).ok());
+  {
+    SequenceTable::Handle h = seqs_->Lock(ns, "src");
+    EXPECT_EQ(seqs_->References(h.state().blocks.at(0)).records, 3u);  // src, a, b
+  }
+  // The source ends: the forks keep the blocks they share with it.
+  absl::StatusOr<SequenceChange> d = core_->DeleteSequence(tenant_, "", "src");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->blocks_erased, 0u);  // blocks 0-3 are held by b (0-1 by a too)
+  kv_.erase("src");
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"a", 2, 1}, {"b", 2, 1}}).ok());
+  // A source truncated below the fork point and appended again with other
+  // K/V: its new blocks do not overwrite the fork's.
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s2", 1, 12}}).ok());
+  ASSERT_TRUE(fork("s2", "f2", 12).ok());
+  ASSERT_TRUE(core_->TruncateSequence(tenant_, "", "s2", 4).ok());
+  for (auto* side : {&kv_["s2"].k, &kv_["s2"].v}) {
+    for (auto& [layer, vals] : *side) vals.resize(4 * L_.kv_heads * L_.head_dim);
+  }
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s2", 3, 9}}).ok());
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"f2", 3, 2}, {"s2", 2, 1}}).ok());
+  // Everything ends: nothing stays.
+  for (const char* id : {"a", "b", "u", "s2", "f2"}) ASSERT_TRUE(core_->DeleteSequence(tenant_, "", id).ok()) << id;
+  EXPECT_EQ(seqs_->num_sequences(), 0u);
+  EXPECT_EQ(store_->stats().blocks, 0u);
+  EXPECT_EQ(store_->GetTenantUsage(3).open_bytes, 0u);
   EXPECT_TRUE(store_->CheckInvariants().ok());
 }
 

@@ -26,6 +26,7 @@
 #include "kvring/protocol/wire.h"
 #include "kvring/transport/ucx_rpc.h"
 #include "node_channel.h"
+#include "sequence_placements.h"
 
 namespace kvring {
 
@@ -527,9 +528,11 @@ class ClientImpl {
     const int R = ring->replication(), W = ring->write_quorum();
     const size_t n = blocks.size();
     std::vector<uint64_t> pos(n);
+    const SequencePlacement placement = seq ? placements_.Get(*seq) : SequencePlacement();
     for (size_t i = 0; i < n; ++i) {
-      pos[i] = seq ? ShardRing::ChunkPosition(ns_, *seq, (first_block + i) / ring->chunk_blocks())
-                   : ShardRing::KeyPosition(blocks[i].key);
+      const uint64_t c = (first_block + i) / ring->chunk_blocks();
+      pos[i] =
+          seq ? ShardRing::ChunkPosition(ns_, placement.PlacedAs(*seq, c), c) : ShardRing::KeyPosition(blocks[i].key);
     }
     std::vector<std::vector<int>> cands(n);
     std::vector<size_t> next(n, 0);  // next candidate to try
@@ -853,7 +856,22 @@ class ClientImpl {
     return dev->ToDevice(out.lse, hl, lb);
   }
 
+  // A step, routed once more when a node says a sequence of it is a fork
+  // this client has not resolved (ABORTED: the node served nothing of that
+  // sequence): the placements are learned from the nodes first. What other
+  // nodes applied of the first routing is applied again with the same bytes
+  // (idempotent), and the output is written anew.
   absl::Status StepOnHost(const AttendStep& st, PartialOutput out, AttendReport* report, DeviceStep* dx = nullptr) {
+    absl::Status s = StepRouted(st, out, report, dx);
+    if (!absl::IsAborted(s)) return s;
+    std::vector<std::string> ids;
+    for (const auto& q : st.sequences) ids.push_back(q.sequence_id);
+    KVRING_RETURN_IF_ERROR(ResolvePlacements(ids));
+    if (dx != nullptr) dx->initialized = false;
+    return StepRouted(st, out, report, dx);
+  }
+
+  absl::Status StepRouted(const AttendStep& st, PartialOutput out, AttendReport* report, DeviceStep* dx) {
     const auto t0 = Clock::now();
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
@@ -923,11 +941,15 @@ class ClientImpl {
     // that answers; appends go to the first R.
     std::vector<std::vector<std::vector<int>>> cands(nseq);
     std::vector<std::vector<size_t>> next(nseq);
+    std::vector<uint64_t> digest(nseq);  // of the placement each sequence is routed by
     for (size_t b = 0; b < nseq; ++b) {
+      const std::string& id = st.sequences[b].sequence_id;
+      const SequencePlacement placement = placements_.Get(id);
+      digest[b] = placement.Digest();
       cands[b].resize(nchunks[b]);
       next[b].assign(nchunks[b], 0);
       for (uint64_t c = 0; c < nchunks[b]; ++c) {
-        cands[b][c] = Candidates(*ring, ShardRing::ChunkPosition(ns_, st.sequences[b].sequence_id, c));
+        cands[b][c] = Candidates(*ring, ShardRing::ChunkPosition(ns_, placement.PlacedAs(id, c), c));
       }
     }
     // Appended positions of each chunk they touch, and their acks.
@@ -978,7 +1000,8 @@ class ClientImpl {
           jobs.push_back(NodeJob{cs[k], {SeqPart{units[u].seq, {}, units[u].begin, units[u].end}}});
         }
       }
-      KVRING_RETURN_IF_ERROR(RunJobs(st, *ring, jobs, row_begin, app_begin, total, units, out, dx, &rep, &last_error));
+      KVRING_RETURN_IF_ERROR(
+          RunJobs(st, *ring, jobs, row_begin, app_begin, total, digest, units, out, dx, &rep, &last_error));
       plan.clear();
     }
     for (int round = 0; !pending.empty() || !plan.empty(); ++round) {
@@ -1019,7 +1042,7 @@ class ClientImpl {
       plan.clear();
       std::vector<FailedChunk> failed;
       KVRING_RETURN_IF_ERROR(
-          RunJobs(st, *ring, jobs, row_begin, app_begin, total, units, out, dx, &rep, &last_error, &failed));
+          RunJobs(st, *ring, jobs, row_begin, app_begin, total, digest, units, out, dx, &rep, &last_error, &failed));
       pending.clear();
       for (FailedChunk& f : failed) {
         pending.emplace_back(f.seq, f.chunk);
@@ -1048,9 +1071,9 @@ class ClientImpl {
   // the step's error.
   absl::Status RunJobs(const AttendStep& st, const ShardRing& ring, const std::vector<NodeJob>& jobs,
                        const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
-                       const std::vector<uint64_t>& total, std::vector<AppendUnit>& units, PartialOutput out,
-                       DeviceStep* dx, AttendReport* rep, absl::Status* last_error,
-                       std::vector<FailedChunk>* failed = nullptr) {
+                       const std::vector<uint64_t>& total, const std::vector<uint64_t>& digest,
+                       std::vector<AppendUnit>& units, PartialOutput out, DeviceStep* dx, AttendReport* rep,
+                       absl::Status* last_error, std::vector<FailedChunk>* failed = nullptr) {
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
     const uint64_t chunk = ring.chunk_blocks(), bt = L.block_tokens;
@@ -1204,6 +1227,7 @@ class ClientImpl {
             v1::AttendSequence* as = req.add_sequences();
             as->set_sequence_id(s.sequence_id);
             as->set_tokens(total[p.seq]);
+            as->set_placement_digest(digest[p.seq]);
             const uint64_t nblocks = (total[p.seq] + bt - 1) / bt;
             std::vector<uint64_t> chunks = p.chunks;
             std::sort(chunks.begin(), chunks.end());
@@ -1402,22 +1426,35 @@ class ClientImpl {
       rep.blocks_erased += res[j]->blocks_erased();
       rep.open_blocks_dropped += res[j]->open_blocks_dropped();
     }
+    if (!truncate) placements_.Set(id, SequencePlacement());
     return rep;
   }
 
-  absl::StatusOr<std::vector<SequenceListing>> ListSequences() {
+  // The caller's sequences (or `ids`) on every UP node, merged by id. With
+  // `tolerant`, nodes that do not answer are left out (an error only when
+  // none answered).
+  absl::StatusOr<std::vector<SequenceListing>> ListSequences(absl::Span<const std::string> ids, bool tolerant = false) {
+    for (const std::string& id : ids) KVRING_RETURN_IF_ERROR(ValidateSequenceId(id));
     auto ring = Ring();
     const std::vector<int> nodes = UpNodes(*ring);
+    if (nodes.empty()) return absl::UnavailableError("the shard map has no node up");
     v1::ListSequencesRequest req;
     *req.mutable_header() = Header();
+    for (const std::string& id : ids) req.add_sequence_ids(id);
     std::vector<absl::StatusOr<v1::ListSequencesResponse>> res =
         FanOut<v1::ListSequencesResponse>(*ring, nodes, [&](size_t, Node& n) { return n.Grpc().ListSequences(req); });
     std::map<std::string, SequenceListing> by_id;
+    absl::Status first_error;
+    size_t answered = 0;
     for (size_t j = 0; j < res.size(); ++j) {
       if (!res[j].ok()) {
-        return absl::Status(res[j].status().code(), absl::StrCat("ListSequences on ", ring->node(nodes[j]).node_id(),
-                                                                 ": ", res[j].status().message()));
+        absl::Status e(res[j].status().code(), absl::StrCat("ListSequences on ", ring->node(nodes[j]).node_id(), ": ",
+                                                            res[j].status().message()));
+        if (!tolerant) return e;
+        if (first_error.ok()) first_error = e;
+        continue;
       }
+      ++answered;
       for (const v1::SequenceInfo& s : res[j]->sequences()) {
         SequenceListing& l = by_id[s.sequence_id()];
         l.sequence_id = s.sequence_id();
@@ -1425,12 +1462,113 @@ class ClientImpl {
         l.full_blocks += s.full_blocks();
         l.open_blocks += s.open_blocks();
         l.bytes += s.bytes();
+        l.shared_blocks += s.shared_blocks();
         l.tokens = std::max<uint64_t>(l.tokens, s.tokens());
+        if (l.block_tokens == 0) l.block_tokens = s.block_tokens();
+        if (l.placement.empty()) {
+          for (const v1::PlacementSegment& g : s.placement().segments()) {
+            l.placement.push_back(PlacementSegment{g.end_chunk(), g.placed_as()});
+          }
+        }
       }
     }
+    if (answered == 0) return first_error;
     std::vector<SequenceListing> out;
     for (auto& [id, l] : by_id) out.push_back(std::move(l));
     return out;
+  }
+
+  // Learns the placement of each of `ids` from the nodes (every node records
+  // a fork's).
+  absl::Status ResolvePlacements(absl::Span<const std::string> ids) {
+    KVRING_ASSIGN_OR_RETURN(std::vector<SequenceListing> listed, ListSequences(ids, /*tolerant=*/true));
+    absl::flat_hash_map<std::string, const SequenceListing*> found;
+    for (const SequenceListing& l : listed) found[l.sequence_id] = &l;
+    for (const std::string& id : ids) {
+      auto it = found.find(id);
+      SequencePlacement p;
+      if (it != found.end()) {
+        KVRING_ASSIGN_OR_RETURN(p, PlacementOf(*it->second));
+      }
+      placements_.Set(id, p);
+    }
+    return absl::OkStatus();
+  }
+
+  static absl::StatusOr<SequencePlacement> PlacementOf(const SequenceListing& l) {
+    v1::SequencePlacement p;
+    for (const PlacementSegment& g : l.placement) {
+      v1::PlacementSegment* o = p.add_segments();
+      o->set_end_chunk(g.end_chunk);
+      o->set_placed_as(g.placed_as);
+    }
+    absl::StatusOr<SequencePlacement> out = SequencePlacement::FromProto(p);
+    if (!out.ok()) {
+      return absl::DataLossError(
+          absl::StrCat("a node listed a malformed placement of '", l.sequence_id, "': ", out.status().message()));
+    }
+    return out;
+  }
+
+  absl::StatusOr<ForkReport> ForkSequence(const std::string& source, const std::string& id, uint64_t tokens) {
+    KVRING_RETURN_IF_ERROR(ValidateSequenceId(source));
+    KVRING_RETURN_IF_ERROR(ValidateSequenceId(id));
+    if (source == id) return absl::InvalidArgumentError(absl::StrCat("sequence '", id, "' forked onto itself"));
+    if (tokens == 0 || tokens > kMaxSequenceTokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a fork of ", tokens, " tokens (1 to ", kMaxSequenceTokens, "; a new sequence needs no fork)"));
+    }
+    auto ring = Ring();
+    const std::vector<int> nodes = UpNodes(*ring);
+    if (nodes.empty()) return absl::UnavailableError("the shard map has no node up");
+    // The source as the nodes hold it: its length, block size and placement.
+    KVRING_ASSIGN_OR_RETURN(std::vector<SequenceListing> listed, ListSequences({source}));
+    if (listed.empty() || listed[0].block_tokens == 0) {
+      return absl::NotFoundError(absl::StrCat("no node holds sequence '", source, "'"));
+    }
+    const SequenceListing& src = listed[0];
+    if (src.tokens < tokens) {
+      return absl::FailedPreconditionError(absl::StrCat("sequence '", source, "' holds ", src.tokens,
+                                                        " tokens; a fork of its first ", tokens, " needs them all"));
+    }
+    KVRING_ASSIGN_OR_RETURN(const SequencePlacement source_placement, PlacementOf(src));
+    placements_.Set(source, source_placement);
+    const uint64_t span = uint64_t{ring->chunk_blocks()} * src.block_tokens;
+    ForkReport rep;
+    rep.shared_chunks = (tokens + span - 1) / span;
+    KVRING_ASSIGN_OR_RETURN(SequencePlacement placement, source_placement.Fork(source, rep.shared_chunks));
+    v1::ForkSequenceRequest req;
+    *req.mutable_header() = Header();
+    req.set_source_id(source);
+    req.set_sequence_id(id);
+    req.set_tokens(tokens);
+    placement.ToProto(req.mutable_placement());
+    std::vector<absl::StatusOr<v1::ForkSequenceResponse>> res =
+        FanOut<v1::ForkSequenceResponse>(*ring, nodes, [&](size_t, Node& n) { return n.Grpc().ForkSequence(req); });
+    absl::Status error;
+    bool exists = false;
+    for (size_t j = 0; j < res.size(); ++j) {
+      if (!res[j].ok()) {
+        exists |= absl::IsAlreadyExists(res[j].status());
+        if (error.ok()) {
+          error = absl::Status(res[j].status().code(),
+                               absl::StrCat("ForkSequence '", source, "' -> '", id, "' on ",
+                                            ring->node(nodes[j]).node_id(), ": ", res[j].status().message()));
+        }
+        continue;
+      }
+      rep.nodes_holding += res[j]->held();
+      rep.blocks_shared += res[j]->blocks_shared();
+      rep.blocks_copied += res[j]->blocks_copied();
+    }
+    if (!error.ok()) {
+      // Nothing of a failed fork stays; but an id that names another
+      // sequence somewhere is the caller's, and stays as it was.
+      if (!exists) (void)ChangeSequence(id, /*truncate=*/false, 0);
+      return error;
+    }
+    placements_.Set(id, placement);
+    return rep;
   }
 
   std::vector<NodeStats> Stats() {
@@ -1544,6 +1682,7 @@ class ClientImpl {
   absl::Time last_refresh_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Node>> nodes_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, absl::Time> suspect_until_ ABSL_GUARDED_BY(mu_);
+  SequencePlacements placements_;  // the forks this client knows
 };
 
 Client::Client(std::unique_ptr<ClientImpl> impl) : impl_(std::move(impl)) {}
@@ -1626,7 +1765,13 @@ absl::StatusOr<SequenceChangeReport> Client::DeleteSequence(const std::string& s
 absl::StatusOr<SequenceChangeReport> Client::TruncateSequence(const std::string& sequence_id, uint64_t tokens) {
   return impl_->ChangeSequence(sequence_id, true, tokens);
 }
-absl::StatusOr<std::vector<SequenceListing>> Client::ListSequences() { return impl_->ListSequences(); }
+absl::StatusOr<std::vector<SequenceListing>> Client::ListSequences(absl::Span<const std::string> ids) {
+  return impl_->ListSequences(ids);
+}
+absl::StatusOr<ForkReport> Client::ForkSequence(const std::string& source_id, const std::string& sequence_id,
+                                                uint64_t tokens) {
+  return impl_->ForkSequence(source_id, sequence_id, tokens);
+}
 uint64_t Client::map_version() const {
   absl::MutexLock l(&impl_->mu_);
   return impl_->ring_ ? impl_->ring_->version() : 0;

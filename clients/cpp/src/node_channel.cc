@@ -101,6 +101,13 @@ class GrpcNodeChannel final : public NodeChannel {
     return resp;
   }
 
+  absl::StatusOr<v1::ForkSequenceResponse> ForkSequence(const v1::ForkSequenceRequest& req) override {
+    v1::ForkSequenceResponse resp;
+    auto ctx = Context(o_.timeout);
+    if (grpc::Status s = stub_->ForkSequence(ctx.get(), req, &resp); !s.ok()) return FromGrpc(s);
+    return resp;
+  }
+
  private:
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
@@ -163,6 +170,9 @@ class UcxNodeChannel final : public NodeChannel {
   }
   absl::StatusOr<v1::ListSequencesResponse> ListSequences(const v1::ListSequencesRequest& req) override {
     return control_->ListSequences(req);
+  }
+  absl::StatusOr<v1::ForkSequenceResponse> ForkSequence(const v1::ForkSequenceRequest& req) override {
+    return control_->ForkSequence(req);
   }
 
  private:

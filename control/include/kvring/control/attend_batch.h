@@ -35,6 +35,7 @@ struct AttendSequenceSpec {
   uint32_t rows = 0;               // query rows (0: append only)
   uint32_t append_tokens = 0;
   uint64_t append_position = 0;
+  uint64_t placement_digest = 0;  // of the placement the caller routed by (0: the sequence's own)
 };
 
 // A batch whose queries, appended K/V and output are in a same-host

@@ -133,6 +133,14 @@ struct SequenceChange {
   uint64_t open_blocks_dropped = 0;  // open blocks given back (or, truncating, cut to nothing)
 };
 
+// What ForkSequence did on this node.
+struct ForkChange {
+  bool held = false;           // this node held some of the source below the fork point
+  uint64_t blocks_shared = 0;  // full blocks of the source the fork now holds too
+  uint64_t blocks_copied = 0;  // partly filled blocks copied into open blocks of the fork
+  uint64_t source_tokens = 0;  // the source's tokens here (its highest position + 1, layer 0)
+};
+
 class OpScope;
 
 class NodeCore {
@@ -207,6 +215,20 @@ class NodeCore {
   // falls inside a quantized block (its plain bytes are gone).
   absl::StatusOr<SequenceChange> TruncateSequence(const v1::Tenant& t, const std::string& ns, const std::string& id,
                                                   uint64_t tokens);
+  // Starts sequence `id` as the first `tokens` tokens of `source` (same
+  // namespace), for what this node holds of the source: its full blocks
+  // below the fork point are shared (recorded under the fork too, counted:
+  // a block leaves the store only when no sequence holds it), the block
+  // holding token `tokens` and any open block below it are copied into open
+  // blocks of the fork (on every layer, their first tokens up to the fork
+  // point). Records `placement` for the fork (every node is sent it, also
+  // one holding nothing of the source). Idempotent: the same fork again is
+  // OK and changes nothing. ALREADY_EXISTS when `id` is another sequence
+  // here; FAILED_PRECONDITION when an open block of the source here holds
+  // fewer tokens than the fork point needs, or the fork point falls inside a
+  // quantized block. On error nothing of the fork stays.
+  absl::StatusOr<ForkChange> ForkSequence(const v1::Tenant& t, const std::string& ns, const std::string& source,
+                                          const std::string& id, uint64_t tokens, const SequencePlacement& placement);
   // Deletes, as DeleteSequence does, every sequence of a tenant with a
   // sequence TTL (Tenant.sequence_ttl_s) that no call has named on this
   // node for longer than that (sequences in the tenant's own namespace; a
@@ -214,8 +236,10 @@ class NodeCore {
   // many. Call periodically, off the request path (kvringd: every
   // heartbeat).
   absl::StatusOr<uint64_t> ExpireIdleSequences();
-  // The caller's sequences here, by id (kvring.proto SequenceInfo).
-  absl::StatusOr<std::vector<v1::SequenceInfo>> ListSequences(const v1::Tenant& t, const std::string& ns);
+  // The caller's sequences here, by id (kvring.proto SequenceInfo); only
+  // those of `ids` when it is not empty.
+  absl::StatusOr<std::vector<v1::SequenceInfo>> ListSequences(const v1::Tenant& t, const std::string& ns,
+                                                              absl::Span<const std::string> ids = {});
   const RequestLimits& limits() const { return options_.limits; }
   // The node's counters and tiers, and the tenant's usage.
   NodeReport Stats(const v1::Tenant& t);
@@ -264,11 +288,23 @@ class NodeCore {
   // they differ.
   absl::Status SameTokens(NamespaceId ns, SequenceTable::Handle& h, uint64_t idx, uint32_t layer, uint32_t off,
                           uint32_t count, const AttendBatch& b, uint32_t src_row, const BlockLayout& L);
-  // Erases the sequence's full blocks from index `first` on from the store
-  // (those under its own keys), then their records: one pass, one rebuild.
+  // Forgets the sequence's full blocks from index `first` on, erasing from
+  // the store those no sequence holds any more (EraseReleased).
   absl::Status DropFullBlocksFrom(SequenceTable::Handle& h, uint64_t first, SequenceChange* c);
-  // The sequences of namespace `ns` held here (ListSequences; Stats sums them).
-  std::vector<v1::SequenceInfo> DescribeSequences(NamespaceId ns);
+  // Erases released blocks the node made (owned, or a sequence's own key
+  // under layout `L`) from the store.
+  void EraseReleased(const SequenceTable::Handle& h, const std::optional<BlockLayout>& L,
+                     const std::vector<ReleasedBlock>& released, SequenceChange* c);
+  // The key a block sealed from appends is stored under: the sequence's own
+  // key for it, or a later generation of it while another sequence holds a
+  // block under that key.
+  BlockKey SealKey(SequenceTable::Handle& h, uint64_t index, const BlockLayout& L);
+  // The sequences of namespace `ns` held here, or only `ids` (ListSequences;
+  // Stats sums them).
+  std::vector<v1::SequenceInfo> DescribeSequences(NamespaceId ns, absl::Span<const std::string> ids = {});
+  // ForkSequence's work on the locked source and fork.
+  absl::StatusOr<ForkChange> ForkLocked(SequenceTable::Handle& src, SequenceTable::Handle& dst, TenantId tenant,
+                                        uint64_t tokens);
   // DeleteSequence's work on a locked sequence.
   absl::StatusOr<SequenceChange> ForgetLocked(SequenceTable::Handle& h, TenantId tenant);
   absl::Time Now() const { return options_.clock != nullptr ? options_.clock->Now() : absl::Now(); }

@@ -32,6 +32,8 @@ absl::Status WireListSequences(NodeCore& core, const v1::Tenant& t, const v1::Li
 // DeleteSequence (truncate = false) or TruncateSequence.
 absl::Status WireSequence(NodeCore& core, const v1::Tenant& t, const v1::SequenceRequest& req, bool truncate,
                           v1::SequenceResponse* resp);
+absl::Status WireForkSequence(NodeCore& core, const v1::Tenant& t, const v1::ForkSequenceRequest& req,
+                              v1::ForkSequenceResponse* resp);
 absl::Status WireStats(NodeCore& core, const v1::Tenant& t, const v1::StatsRequest& req, v1::StatsResponse* resp);
 
 }  // namespace kvring

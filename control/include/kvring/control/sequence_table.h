@@ -3,11 +3,18 @@
 // Per sequence (namespace, id): the full blocks held here (block index ->
 // store key, written through to the daemon's MetadataStore when given and
 // reloaded at start, so Attend keeps working after a restart for every block
-// the cold tier recovered), and, in memory only, the sequence's layout and
-// encoding and its open blocks: blocks being filled by appends, with the
-// tokens filled so far on each layer. An open block's bytes live in the
-// attention backend; a daemon that dies loses its open blocks (their
-// replicas keep them).
+// the cold tier recovered), its placement when it is a fork (persisted the
+// same way), and, in memory only, the sequence's layout and encoding and its
+// open blocks: blocks being filled by appends, with the tokens filled so far
+// on each layer. An open block's bytes live in the attention backend; a
+// daemon that dies loses its open blocks (their replicas keep them).
+//
+// A store key may be recorded by several sequences (a fork shares its
+// source's full blocks): the table counts each key's records, and says when
+// the last one goes (ReleasedBlock), so that a block leaves the store only
+// when no sequence holds it. A key is *owned* when the node made it (sealed
+// from appends; forks inherit it): an owned key whose last record goes is
+// erased; a key PutSequence named (a prefix-cache chain's) is not.
 //
 // Access to a sequence's state goes through a Handle, which holds the
 // sequence's lock: calls on one sequence are serialized, calls on different
@@ -35,6 +42,7 @@
 #include "absl/types/span.h"
 #include "kvring/cache/block_meta.h"
 #include "kvring/control/metadata_store.h"
+#include "kvring/protocol/sequence_placement.h"
 
 namespace kvring {
 
@@ -109,6 +117,16 @@ struct SequenceState {
   // When a call last named the sequence here (NodeCore; idle expiry).
   // InfinitePast: not since this process started.
   absl::Time last_use = absl::InfinitePast();
+  // A fork's placement (empty otherwise) and its digest.
+  SequencePlacement placement;
+  uint64_t placement_digest = 0;
+};
+
+// A full block whose last record went: no sequence here holds `key` now.
+struct ReleasedBlock {
+  uint64_t index = 0;
+  BlockKey key;
+  bool owned = false;
 };
 
 class SequenceTable {
@@ -138,14 +156,19 @@ class SequenceTable {
     const std::string& id() const { return entry_->id; }
     SequenceState& state() ABSL_NO_THREAD_SAFETY_ANALYSIS { return entry_->state; }
     // Block `index` is full block `key` here: persisted, then in state().blocks.
-    absl::Status Record(uint64_t index, const BlockKey& key);
+    // `owned`: the node made the key (see above).
+    absl::Status Record(uint64_t index, const BlockKey& key, bool owned);
     // Blocks from index `first` on are no longer held here (their records
-    // deleted, then gone from state().blocks and its runs).
-    absl::Status UnrecordFrom(uint64_t first);
-    // Ends the sequence here: its persisted records are deleted and its state
-    // cleared (the caller gave its open blocks back to the backend); it
-    // leaves the table when the handle is released.
-    absl::Status Forget();
+    // deleted, then gone from state().blocks and its runs). Returns the
+    // blocks no sequence here holds any more.
+    absl::StatusOr<std::vector<ReleasedBlock>> UnrecordFrom(uint64_t first);
+    // Records the sequence's placement (a fork's): persisted, then in state().
+    absl::Status SetPlacement(const SequencePlacement& placement);
+    // Ends the sequence here: its persisted records (blocks, placement) are
+    // deleted and its state cleared (the caller gave its open blocks back to
+    // the backend); it leaves the table when the handle is released. Returns
+    // the blocks no sequence here holds any more.
+    absl::StatusOr<std::vector<ReleasedBlock>> Forget();
     void Release();
 
    private:
@@ -166,6 +189,13 @@ class SequenceTable {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Open blocks over all sequences (as of the last handle released).
   uint64_t open_blocks() const { return open_blocks_.load(std::memory_order_relaxed); }
+  // How many records name `key` (over all sequences), and whether the node
+  // owns it.
+  struct KeyRefs {
+    uint32_t records = 0;
+    bool owned = false;
+  };
+  KeyRefs References(const BlockKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   explicit SequenceTable(MetadataStore* store) : store_(store) {}
@@ -173,9 +203,12 @@ class SequenceTable {
   std::shared_ptr<Entry> FindOrAdd(NamespaceId ns, const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops an empty entry (its lock held by the caller).
   void DropIfEmpty(Entry* e) ABSL_LOCKS_EXCLUDED(mu_);
+  // One record of `key` fewer; true when it was the last.
+  bool ReleaseRef(const BlockKey& key, bool* owned) ABSL_LOCKS_EXCLUDED(mu_);
   MetadataStore* store_;
   mutable absl::Mutex mu_;
   std::map<Id, std::shared_ptr<Entry>> seqs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<BlockKey, KeyRefs> refs_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> open_blocks_{0};
 };
 

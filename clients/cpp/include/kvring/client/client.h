@@ -35,6 +35,7 @@
 #include "kvring/attention/tensors.h"
 #include "kvring/cache/block_key.h"
 #include "kvring/cache/block_meta.h"
+#include "kvring/client/sequence.h"
 #include "kvring/common/tls_config.h"
 #include "kvring/layout/kv_encoding.h"
 #include "kvring/transport/ucx_rpc.h"
@@ -116,22 +117,6 @@ struct BlockData {
   // The payload is GPU memory (e.g. a slice of an engine's KV pool): it is
   // copied to pinned host memory once, then sent.
   bool payload_on_device = false;
-};
-
-struct SequenceChangeReport {
-  int nodes_holding = 0;  // nodes that held any of the sequence
-  uint64_t blocks_erased = 0;
-  uint64_t open_blocks_dropped = 0;
-};
-
-// One of the caller's attention sequences, over every node that answered.
-struct SequenceListing {
-  std::string sequence_id;
-  int nodes = 0;             // nodes holding any of it (replicas count)
-  uint64_t full_blocks = 0;  // over those nodes (replicas count)
-  uint64_t open_blocks = 0;
-  uint64_t bytes = 0;   // of the full blocks
-  uint64_t tokens = 0;  // the sequence's length (layer 0), as far as the nodes can tell
 };
 
 struct GetResult {
@@ -292,9 +277,21 @@ class Client {
   // edited turn). The result says how much was freed in all.
   absl::StatusOr<SequenceChangeReport> DeleteSequence(const std::string& sequence_id);
   absl::StatusOr<SequenceChangeReport> TruncateSequence(const std::string& sequence_id, uint64_t tokens);
-  // The caller's sequences on every UP node, merged by id (sorted); an
-  // error when a node does not answer.
-  absl::StatusOr<std::vector<SequenceListing>> ListSequences();
+  // Starts `sequence_id` as the first `tokens` tokens of `source_id`,
+  // without copying them: the fork's chunks that hold those tokens are
+  // placed where the source's are, their full blocks are shared (counted
+  // per node: neither side's delete or truncate takes the other's bytes),
+  // and only the partly filled block at the fork point is copied, on the
+  // same node. Appends to either side never change the other. Goes to every
+  // UP node. NOT_FOUND when no node holds the source; FAILED_PRECONDITION
+  // when it holds fewer than `tokens` tokens; ALREADY_EXISTS when
+  // `sequence_id` is another sequence (the same fork again is OK). On error
+  // the fork is deleted again. Sequences of one namespace (the caller's).
+  absl::StatusOr<ForkReport> ForkSequence(const std::string& source_id, const std::string& sequence_id,
+                                          uint64_t tokens);
+  // The caller's sequences on every UP node, merged by id (sorted); only
+  // `ids` when it is not empty. An error when a node does not answer.
+  absl::StatusOr<std::vector<SequenceListing>> ListSequences(absl::Span<const std::string> ids = {});
   std::vector<NodeStats> Stats();
   // The cached shard map version, and a forced refresh.
   uint64_t map_version() const;
