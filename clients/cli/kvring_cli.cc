@@ -6,6 +6,7 @@
 //   kvring [flags] bench            put/get throughput and latency
 //   kvring [flags] tenant-create|tenant-list|tenant-delete   (admin token)
 //   kvring seq-list | --sequence=ID seq-delete | --sequence=ID --keep_tokens=N seq-truncate
+//   kvring --source=SRC --sequence=ID --keep_tokens=N seq-fork
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -38,6 +39,7 @@ struct Opts {
   uint64_t block_bytes = 1 << 20, quota = 0;
   std::string op = "both", name, shared, quantize, kv_encoding, sequence;
   int64_t keep_tokens = -1;
+  std::string source;
   absl::Duration rpc_timeout = absl::Seconds(10);
   absl::Duration sequence_ttl = absl::ZeroDuration();
   TlsConfig tls;
@@ -95,10 +97,13 @@ absl::Status InRange(const char* flag, int64_t v, int64_t lo, int64_t hi) {
 // the same layout checks and limits the daemons apply.
 absl::Status ValidateOpts(const Opts& o, const std::string& cmd) {
   if (o.sequence_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("--sequence_ttl must not be negative");
-  if (cmd == "seq-delete" || cmd == "seq-truncate") {
+  if (cmd == "seq-delete" || cmd == "seq-truncate" || cmd == "seq-fork") {
     if (o.sequence.empty()) return absl::InvalidArgumentError(cmd + " needs --sequence=ID");
     if (cmd == "seq-truncate" && o.keep_tokens < 0) {
       return absl::InvalidArgumentError("seq-truncate needs --keep_tokens=N (N >= 0)");
+    }
+    if (cmd == "seq-fork" && (o.source.empty() || o.keep_tokens <= 0)) {
+      return absl::InvalidArgumentError("seq-fork needs --source=ID and --keep_tokens=N (N >= 1)");
     }
   }
   if (o.rpc_timeout <= absl::ZeroDuration() || o.rpc_timeout == absl::InfiniteDuration()) {
@@ -373,7 +378,8 @@ int main(int argc, char** argv) {
   FlagSet f(
       "kvring",
       "client for a kvring cluster\n\nusage: kvring [flags] COMMAND\ncommands: put, get, lookup (synthetic sequences), "
-      "stats, map, bench, tenant-create, tenant-list, tenant-delete, seq-list, seq-delete, seq-truncate");
+      "stats, map, bench, tenant-create, tenant-list, tenant-delete, seq-list, seq-delete, seq-truncate, "
+      "seq-fork");
   f.AddString("coordinator", &o.coordinator, "coordinator host:port");
   f.AddString("token", &o.token, "tenant token (admin token for tenant-*)");
   f.AddString("token_file", &o.token_file, "file holding the token");
@@ -392,8 +398,11 @@ int main(int argc, char** argv) {
   f.AddInt("blocks", &o.blocks, "bench: blocks to put then get");
   f.AddBytes("block_bytes", &o.block_bytes, "bench: block size (multiple of 64K)");
   f.AddString("op", &o.op, "bench: put, get or both");
-  f.AddString("sequence", &o.sequence, "seq-delete / seq-truncate: the attention sequence's id");
-  f.AddInt("keep_tokens", &o.keep_tokens, "seq-truncate: the tokens to keep (the sequence's new length)");
+  f.AddString("sequence", &o.sequence, "seq-delete / seq-truncate / seq-fork: the attention sequence's id");
+  f.AddInt("keep_tokens", &o.keep_tokens,
+           "seq-truncate: the tokens to keep (the sequence's new length); seq-fork: the source's tokens the fork starts "
+           "with");
+  f.AddString("source", &o.source, "seq-fork: the sequence the fork starts from");
   f.AddString("name", &o.name, "tenant-*: tenant name");
   f.AddString("shared", &o.shared, "tenant-create: comma-separated shared namespaces (shared/<name>)");
   f.AddString("kv_encoding", &o.kv_encoding,
@@ -449,14 +458,32 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "kvring: %s\n", l.status().ToString().c_str());
       return 1;
     }
-    std::printf("%-32s %10s %6s %12s %12s %14s\n", "sequence", "tokens", "nodes", "full blocks", "open blocks",
-                "bytes (full)");
+    std::printf("%-32s %10s %6s %12s %12s %14s %8s  %s\n", "sequence", "tokens", "nodes", "full blocks",
+                "open blocks", "bytes (full)", "shared", "placed with");
     for (const SequenceListing& s : *l) {
-      std::printf("%-32s %10llu %6d %12llu %12llu %14llu\n", s.sequence_id.c_str(),
+      std::string placed;
+      for (const PlacementSegment& g : s.placement) {
+        absl::StrAppend(&placed, placed.empty() ? "" : ", ", "'", g.placed_as, "' to chunk ", g.end_chunk);
+      }
+      std::printf("%-32s %10llu %6d %12llu %12llu %14llu %8llu  %s\n", s.sequence_id.c_str(),
                   static_cast<unsigned long long>(s.tokens), s.nodes, static_cast<unsigned long long>(s.full_blocks),
-                  static_cast<unsigned long long>(s.open_blocks), static_cast<unsigned long long>(s.bytes));
+                  static_cast<unsigned long long>(s.open_blocks), static_cast<unsigned long long>(s.bytes),
+                  static_cast<unsigned long long>(s.shared_blocks), placed.empty() ? "-" : placed.c_str());
     }
     std::printf("%zu sequence(s)\n", l->size());
+    return 0;
+  }
+  if (cmd == "seq-fork") {
+    absl::StatusOr<ForkReport> r = (*c)->ForkSequence(o.source, o.sequence, static_cast<uint64_t>(o.keep_tokens));
+    if (!r.ok()) {
+      std::fprintf(stderr, "kvring: %s\n", r.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("forked '%s' from the first %lld tokens of '%s': %llu chunks placed with the source's, %llu full "
+                "blocks shared, %llu partly filled blocks copied (replicas count), on %d nodes\n",
+                o.sequence.c_str(), static_cast<long long>(o.keep_tokens), o.source.c_str(),
+                static_cast<unsigned long long>(r->shared_chunks), static_cast<unsigned long long>(r->blocks_shared),
+                static_cast<unsigned long long>(r->blocks_copied), r->nodes_holding);
     return 0;
   }
   if (cmd == "seq-delete" || cmd == "seq-truncate") {

@@ -174,6 +174,10 @@ class CudaAttentionBackend final : public AttentionBackend {
     po.slab_bytes = pages * o_.page_bytes;
     KVRING_ASSIGN_OR_RETURN(pool_, DevicePagePool::Create(po));
     pool_base_ = pool_->page_address(0);
+    {
+      absl::MutexLock l(&mu_);
+      pages_.assign(pages, PageInfo{});
+    }
     KVRING_RETURN_IF_ERROR(
         CudaStatus(cudaStreamCreateWithFlags(&admin_stream_, cudaStreamNonBlocking), "admin stream"));
     for (int i = 0; i < o_.lanes; ++i) {
@@ -219,9 +223,13 @@ class CudaAttentionBackend final : public AttentionBackend {
       d.tenant = seq.tenant;
       d.block_tokens = meta.layout.block_tokens;
       if (d.Has(index)) return absl::OkStatus();  // resident already
+      d.last_use = ++clock_;
+      if (int32_t shared = SharedPageLocked(key); shared >= 0) {  // another sequence's page of the same block
+        d.Insert(index, shared, /*is_open=*/false);
+        return absl::OkStatus();
+      }
       KVRING_ASSIGN_OR_RETURN(page, AllocatePageLocked(seq.tenant, &id));
       d.Insert(index, page, /*is_open=*/false);
-      d.last_use = ++clock_;
       ++d.busy;
     }
     // The payload is host memory the caller keeps until we return.
@@ -236,7 +244,11 @@ class CudaAttentionBackend final : public AttentionBackend {
     absl::MutexLock l(&mu_);
     DevSeq& d = SeqLocked(id);
     --d.busy;
-    if (!s.ok()) DropBlockLocked(d, index);
+    if (!s.ok()) {
+      DropBlockLocked(d, index);
+    } else {
+      KeyPageLocked(key, page);
+    }
     return s;
   }
 
@@ -343,6 +355,7 @@ class CudaAttentionBackend final : public AttentionBackend {
       d->open[k] = 0;  // now a full block whose home is the store: droppable
       --open_blocks_;
       store_->RefundOpenBytes(d->tenant, d->open_bytes_each);
+      KeyPageLocked(key, d->page[k]);  // (its last append's step completed: the page holds it)
     }
   }
 
@@ -360,6 +373,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     s.page_bytes = o_.page_bytes;
     absl::MutexLock l(&mu_);
     for (const auto& [id, d] : seqs_) s.resident_blocks += d->full_pages();
+    s.shared_pages = shared_pages_;
     s.hits = hits_;
     s.misses = misses_;
     s.demotions = demotions_;
@@ -417,6 +431,7 @@ class CudaAttentionBackend final : public AttentionBackend {
       absl::StatusOr<PageId> p = pool_->Allocate();
       if (p.ok()) {
         ++tenant_pages_[tenant];
+        pages_[*p] = PageInfo{tenant, 1, false, BlockKey{}};
         return static_cast<int32_t>(*p);
       }
       DevSeq* victim = nullptr;
@@ -447,9 +462,39 @@ class CudaAttentionBackend final : public AttentionBackend {
     return it == seqs_.end() ? nullptr : it->second.get();
   }
 
-  void FreePageLocked(TenantId tenant, int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // One holder of `page` fewer; the last gives it back to the pool (and
+  // the tenant that allocated it its quota).
+  void FreePageLocked(TenantId /*holder*/, int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    PageInfo& pi = pages_[page];
+    if (pi.holders > 1) {
+      if (--pi.holders == 1) --shared_pages_;
+      return;
+    }
+    if (pi.keyed) {
+      auto it = keyed_pages_.find(pi.key);
+      if (it != keyed_pages_.end() && it->second == page) keyed_pages_.erase(it);
+    }
+    --tenant_pages_[pi.owner];
+    pi = PageInfo{};
     (void)pool_->Free(static_cast<PageId>(page));  // a page this backend allocated
-    --tenant_pages_[tenant];
+  }
+
+  // The resident page holding full block `key` (the same block another
+  // sequence holds: a fork's shared blocks), with one more holder; -1 when
+  // none.
+  int32_t SharedPageLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = keyed_pages_.find(key);
+    if (it == keyed_pages_.end()) return -1;
+    if (pages_[it->second].holders++ == 1) ++shared_pages_;
+    return it->second;
+  }
+  // `page` now holds full block `key`, its bytes landed: later promotions
+  // of the key share it.
+  void KeyPageLocked(const BlockKey& key, int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (keyed_pages_.contains(key)) return;  // another page holds it already
+    keyed_pages_[key] = page;
+    pages_[page].key = key;
+    pages_[page].keyed = true;
   }
 
   // Block `index` of `d` leaves HBM (its page freed), if it is there.
@@ -503,6 +548,18 @@ class CudaAttentionBackend final : public AttentionBackend {
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t hits_ ABSL_GUARDED_BY(mu_) = 0, misses_ ABSL_GUARDED_BY(mu_) = 0, demotions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t open_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  // Per HBM page: the tenant charged for it, how many sequence tables hold
+  // it (a fork's shared blocks: more than one), and the full block it holds
+  // once its bytes landed (keyed_pages_ finds it by key).
+  struct PageInfo {
+    TenantId owner = 0;
+    uint32_t holders = 0;
+    bool keyed = false;
+    BlockKey key;
+  };
+  std::vector<PageInfo> pages_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<BlockKey, int32_t> keyed_pages_ ABSL_GUARDED_BY(mu_);
+  uint64_t shared_pages_ ABSL_GUARDED_BY(mu_) = 0;  // pages with more than one holder
 };
 
 // Converts `rows` query rows into the KV dtype (the kernels read queries in
@@ -591,6 +648,11 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
           if (full == s.full->end()) {
             for (DevSeq* d : dseq) --d->busy;
             return absl::InternalError(absl::StrCat("open block ", idx, " of '", s.seq.id, "' is not in HBM"));
+          }
+          if (int32_t shared = SharedPageLocked(full->second); shared >= 0) {
+            ++hits_;  // another sequence's page of the same block (a fork's shared block)
+            dseq[i]->Insert(idx, shared, /*is_open=*/false);
+            continue;
           }
           ++misses_;
           missing.push_back(Missing{i, idx, full->second, {}});
@@ -958,6 +1020,7 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
     d->synced = d->idx.size();
     --d->busy;
   }
+  for (const Missing& m : missing) KeyPageLocked(m.key, m.page);  // their bytes landed
   return absl::OkStatus();
 }
 

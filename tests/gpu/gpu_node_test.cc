@@ -76,6 +76,7 @@ class GpuNode {
     for (const Part& p : parts) {
       const uint64_t before = k_[p.id][layer].size() / kvn;
       AttendSequenceSpec s{p.id, {}, before + p.append, p.rows, p.append, before};
+      s.placement_digest = digest_[p.id];
       for (size_t i = 0; i < p.append * kvn; ++i) {
         nk.push_back(Round(nd(rng_)));
         nv.push_back(Round(nd(rng_)));
@@ -199,6 +200,23 @@ class GpuNode {
     return absl::OkStatus();
   }
 
+  // Forks `dst` from the first `tokens` tokens of `src` (the engine's view
+  // follows: the source's tokens, then the fork's own).
+  absl::Status Fork(const std::string& src, const std::string& dst, uint64_t tokens) {
+    const SequencePlacement p = SequencePlacement().Fork(src, 1).value();
+    KVRING_RETURN_IF_ERROR(core_->ForkSequence(tenant_, "", src, dst, tokens, p).status());
+    digest_[dst] = p.Digest();
+    const size_t n = tokens * L_.kv_heads * L_.head_dim;
+    for (auto& [layer, k] : k_[src]) k_[dst][layer].assign(k.begin(), k.begin() + n);
+    for (auto& [layer, v] : v_[src]) v_[dst][layer].assign(v.begin(), v.begin() + n);
+    return absl::OkStatus();
+  }
+  absl::Status Delete(const std::string& id) {
+    k_.erase(id);
+    v_.erase(id);
+    return core_->DeleteSequence(tenant_, "", id).status();
+  }
+
   BackendStats stats() { return backend_->stats(); }
   // The tenant is deleted: the node reclaims its sequences.
   absl::StatusOr<ReclaimResult> DeleteTenant() {
@@ -226,6 +244,7 @@ class GpuNode {
   v1::Tenant tenant_;
   AttendStats last_;
   std::map<std::string, std::map<uint32_t, std::vector<double>>> k_, v_;
+  std::map<std::string, uint64_t> digest_;  // placement digest each sequence is routed by
 };
 
 TEST(GpuNodeTest, DecodeInPlaceInHbmMatchesTheReference) {
@@ -313,6 +332,35 @@ TEST(GpuNodeTest, ReclaimingADeletedTenantFreesItsHbm) {
   EXPECT_EQ(node.stats().free_pages, node.stats().pages);
   EXPECT_EQ(node.stats().open_blocks, 0u);
   EXPECT_EQ(node.stats().resident_blocks, 0u);
+  EXPECT_TRUE(node.stats().healthy);
+}
+
+// A fork's full blocks are its source's in HBM too: one page, held by both
+// sequences' tables (promoted once, never copied), while each side appends
+// its own tokens exactly; the pages outlive the source and go back to the
+// pool with the last holder.
+TEST(GpuNodeTest, ForksShareTheirSourcesHbmPages) {
+  KVRING_REQUIRE_GPU();
+  GpuNode node(BlockLayout{16, 2, 2, 128, DType::kBF16}, 8, 64);
+  ASSERT_TRUE(node.status().ok()) << node.status();
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(node.Step(l, {{"ctx", 3, 200}}).ok());  // 12 full blocks + 8
+  const uint64_t used = node.stats().pages - node.stats().free_pages;
+  EXPECT_EQ(used, 13u);
+  ASSERT_TRUE(node.Fork("ctx", "f", 200).ok());
+  for (uint32_t l = 0; l < 2; ++l) {
+    absl::Status s = node.Step(l, {{"f", 2, 3}});
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  EXPECT_EQ(node.stats().shared_pages, 12u);
+  EXPECT_EQ(node.stats().pages - node.stats().free_pages, used + 1) << "only the fork's copied tail block is new";
+  for (int step = 0; step < 8; ++step) {
+    for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(node.Step(l, {{"ctx", 1, 1}, {"f", 1, 1}}).ok()) << step;
+  }
+  ASSERT_TRUE(node.Delete("ctx").ok());
+  EXPECT_EQ(node.stats().shared_pages, 0u);
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(node.Step(l, {{"f", 2, 1}}).ok());
+  ASSERT_TRUE(node.Delete("f").ok());
+  EXPECT_EQ(node.stats().free_pages, node.stats().pages);
   EXPECT_TRUE(node.stats().healthy);
 }
 

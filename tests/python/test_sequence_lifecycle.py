@@ -3,7 +3,10 @@ appends is truncated (speculative decoding's rejected drafts) and appended
 again with other K/V, and attends exactly like the same tokens built from
 scratch; DeleteSequence gives every block back (the nodes' block and
 sequence counts return to where they were) and is idempotent; another
-tenant's delete of the same id touches nothing of ours; the CLI does both."""
+tenant's delete of the same id touches nothing of ours; forks (and a fork of
+a fork) share their source's blocks without a copy, attend exactly, are
+found by a client that did not make them, and outlive their source; the CLI
+does each."""
 import math
 import os
 import subprocess
@@ -119,6 +122,75 @@ class SequenceLifecycle(unittest.TestCase):
         self.assertEqual(self.c.delete_sequence("spec")["nodes_holding"], 0)  # idempotent
         with self.assertRaises(kvring.NotFoundError):
             self.c.attend("spec", self.L, 16, np.zeros((1, 4, D), np.float32), [15])
+
+    def test_forks_share_blocks_attend_exactly_and_outlive_their_source(self):
+        base = self.counts()
+        rnd = lambda n: self.rng.standard_normal((n, 2, D)).astype(np.float32)  # noqa: E731
+        k, v = rnd(150), rnd(150)  # 9 full blocks + 6 tokens; chunks of 2 blocks (32 tokens): 5 chunks
+        self.append("ctx", 0, k, v)
+        blocks = self.counts()[0]
+        # At 100 (block 6, sealed, keeps 4 tokens): chunks 0-3 placed with the source's; 6 full blocks shared
+        # and block 6 copied, on each of R=2 replicas; no new store block.
+        r = self.c.fork_sequence("ctx", "f1", 100)
+        self.assertEqual(r, {"nodes_holding": r["nodes_holding"], "blocks_shared": 12, "blocks_copied": 2,
+                             "shared_chunks": 4})
+        self.assertEqual(self.counts()[0], blocks)
+        self.check("f1", k[:100], v[:100])
+        # Each side appends its own tokens; neither changes the other.
+        fk, fv = rnd(50), rnd(50)
+        self.append("f1", 100, fk, fv)
+        ck, cv = rnd(20), rnd(20)
+        self.append("ctx", 150, ck, cv)
+        F1k, F1v = np.concatenate([k[:100], fk]), np.concatenate([v[:100], fv])
+        self.check("f1", F1k, F1v)
+        self.check("ctx", np.concatenate([k, ck]), np.concatenate([v, cv]))
+        # A fork of the fork, past its fork point: chunks 0-3 with ctx's, chunk 4 with f1's.
+        self.assertEqual(self.c.fork_sequence("f1", "f2", 140)["shared_chunks"], 5)
+        gk, gv = rnd(9), rnd(9)
+        self.append("f2", 140, gk, gv)
+        self.check("f2", np.concatenate([F1k[:140], gk]), np.concatenate([F1v[:140], gv]))
+        # A client that did not make the forks finds them (the nodes tell it, it resolves their placement).
+        other = kvring.Client(self.cluster.coordinator, self.cluster.tenant_token)
+        q = self.wire(self.rng.standard_normal((1, 4, D)).astype(np.float32))
+        out, _ = other.step(self.L, [("f2", 149, 1, 0)], q, [148], layer=1, causal=False)
+        mine, _ = self.c.step(self.L, [("f2", 149, 1, 0)], q, [148], layer=1, causal=False)
+        np.testing.assert_array_equal(out, mine)
+        other.close()
+        listed = {s["sequence_id"]: s for s in self.c.list_sequences()}
+        self.assertTrue(listed["f1"]["forked"] and listed["f2"]["forked"] and not listed["ctx"]["forked"])
+        self.assertGreater(listed["ctx"]["shared_blocks"], 0)
+        # Refusals: unknown source, past its length, onto an existing id, onto itself.
+        with self.assertRaises(kvring.NotFoundError):
+            self.c.fork_sequence("nope", "x", 10)
+        with self.assertRaises(kvring.FailedPreconditionError):
+            self.c.fork_sequence("ctx", "x", 171)
+        with self.assertRaises(kvring.AlreadyExistsError):
+            self.c.fork_sequence("ctx", "f1", 64)
+        with self.assertRaises(kvring.InvalidArgumentError):
+            self.c.fork_sequence("ctx", "ctx", 64)
+        self.assertNotIn("x", {s["sequence_id"] for s in self.c.list_sequences()})
+        # The source ends: the forks keep their bytes; then everything goes.
+        self.c.delete_sequence("ctx")
+        self.check("f1", F1k, F1v)
+        self.check("f2", np.concatenate([F1k[:140], gk]), np.concatenate([F1v[:140], gv]))
+        for sid in ("f1", "f2"):
+            self.c.delete_sequence(sid)
+        self.assertEqual(self.counts(), base)
+        # The CLI forks too.
+        self.append("cli-src", 0, k[:40], v[:40])
+        cli = [str(self.cluster.bin / "clients/kvring"), "--coordinator=" + self.cluster.coordinator,
+               "--token=" + self.cluster.tenant_token]
+        r = subprocess.run(cli + ["--source=cli-src", "--sequence=cli-fork", "--keep_tokens=33", "seq-fork"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("forked 'cli-fork'", r.stdout)
+        self.check("cli-fork", k[:33], v[:33])
+        r = subprocess.run(cli + ["seq-fork", "--sequence=y"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--source", r.stderr)
+        for sid in ("cli-src", "cli-fork"):
+            self.c.delete_sequence(sid)
+        self.assertEqual(self.counts(), base)
 
     def test_idle_sequences_expire_after_the_tenants_ttl(self):
         import time

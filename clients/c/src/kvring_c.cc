@@ -208,6 +208,43 @@ int kvring_truncate_sequence(kvring_client* c, const char* sequence_id, size_t i
   return SequenceCall(c, sequence_id, id_len, true, tokens, report);
 }
 
+int kvring_fork_sequence(kvring_client* c, const char* source_id, size_t source_len, const char* sequence_id,
+                         size_t id_len, uint64_t tokens, kvring_fork_report* report) {
+  if (c == nullptr || source_id == nullptr || sequence_id == nullptr) {
+    return Code(absl::InvalidArgumentError("client, source_id and sequence_id are required"));
+  }
+  auto r = c->c->ForkSequence(std::string(source_id, source_len), std::string(sequence_id, id_len), tokens);
+  if (!r.ok()) return Code(r.status());
+  if (report != nullptr) {
+    *report = kvring_fork_report{r->nodes_holding, r->blocks_shared, r->blocks_copied, r->shared_chunks};
+  }
+  return Code(absl::OkStatus());
+}
+
+int kvring_list_sequences(kvring_client* c, kvring_sequence_info* out, uint32_t cap, uint32_t* n) {
+  if (c == nullptr || n == nullptr || (cap > 0 && out == nullptr)) {
+    return Code(absl::InvalidArgumentError("client, n (and out when cap > 0) are required"));
+  }
+  auto r = c->c->ListSequences();
+  if (!r.ok()) return Code(r.status());
+  *n = static_cast<uint32_t>(r->size());
+  for (size_t i = 0; i < r->size() && i < cap; ++i) {
+    const SequenceListing& l = (*r)[i];
+    kvring_sequence_info& o = out[i];
+    std::memset(&o, 0, sizeof(o));
+    std::memcpy(o.sequence_id, l.sequence_id.data(), std::min(l.sequence_id.size(), sizeof(o.sequence_id) - 1));
+    o.nodes = l.nodes;
+    o.full_blocks = l.full_blocks;
+    o.open_blocks = l.open_blocks;
+    o.bytes = l.bytes;
+    o.shared_blocks = l.shared_blocks;
+    o.tokens = l.tokens;
+    o.block_tokens = l.block_tokens;
+    o.forked = l.placement.empty() ? 0 : 1;
+  }
+  return Code(absl::OkStatus());
+}
+
 int kvring_step(kvring_client* c, const kvring_step_args* a, float* out, float* lse, kvring_attend_report* report) {
   if (a == nullptr || (a->num_rows > 0 && (out == nullptr || lse == nullptr))) {
     return Code(absl::InvalidArgumentError("args, out and lse are required"));

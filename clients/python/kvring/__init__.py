@@ -523,6 +523,33 @@ class Client:
         _check(_lib.kvring_truncate_sequence(h, sid, len(sid), _int("tokens", tokens, 0, 1 << 40), ctypes.byref(rep)))
         return rep.as_dict()
 
+    def fork_sequence(self, source_id, sequence_id, tokens):
+        """Starts `sequence_id` as the first `tokens` tokens of `source_id` without copying them: the fork's chunks
+        that hold them are placed with the source's, their full blocks shared (neither side's delete or truncate
+        takes the other's bytes), only the partly filled block at the fork point copied. Appends to either side never
+        change the other. Returns {nodes_holding, blocks_shared, blocks_copied, shared_chunks}."""
+        h = self._h
+        src = _text("source_id", source_id, 256, empty=False)
+        sid = _text("sequence_id", sequence_id, 256, empty=False)
+        rep = _native.ForkReport()
+        _check(_lib.kvring_fork_sequence(h, src, len(src), sid, len(sid), _int("tokens", tokens, 1, 1 << 40),
+                                         ctypes.byref(rep)))
+        return rep.as_dict()
+
+    def list_sequences(self):
+        """The caller's attention sequences over every node, by id: a list of dicts {sequence_id, nodes,
+        full_blocks, open_blocks, bytes, shared_blocks, tokens, block_tokens, forked} (replicas count in the
+        block and byte figures; shared_blocks: those another sequence on the same node holds too)."""
+        h = self._h
+        n = ctypes.c_uint32()
+        _check(_lib.kvring_list_sequences(h, None, 0, ctypes.byref(n)))
+        while True:
+            cap = max(1, n.value)
+            arr = (_native.SequenceInfo * cap)()
+            _check(_lib.kvring_list_sequences(h, arr, cap, ctypes.byref(n)))
+            if n.value <= cap:
+                return [arr[i].as_dict() for i in range(n.value)]
+
     def stats(self):
         n = ctypes.c_uint32()
         cap = 256

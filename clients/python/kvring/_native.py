@@ -57,6 +57,26 @@ class SequenceReport(ctypes.Structure):
         return {name: getattr(self, name) for name, _ in self._fields_}
 
 
+class ForkReport(ctypes.Structure):
+    _fields_ = [("nodes_holding", ctypes.c_int32), ("blocks_shared", c_u64), ("blocks_copied", c_u64),
+                ("shared_chunks", c_u64)]
+
+    def as_dict(self):
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+class SequenceInfo(ctypes.Structure):
+    _fields_ = ([("sequence_id", ctypes.c_char * 257), ("nodes", ctypes.c_int32)] +
+                [(n, c_u64) for n in ("full_blocks", "open_blocks", "bytes", "shared_blocks", "tokens")] +
+                [("block_tokens", ctypes.c_uint32), ("forked", ctypes.c_int32)])
+
+    def as_dict(self):
+        d = {name: getattr(self, name) for name, _ in self._fields_}
+        d["sequence_id"] = self.sequence_id.decode("utf-8", "replace")
+        d["forked"] = bool(self.forked)
+        return d
+
+
 class NodeStats(ctypes.Structure):
     _fields_ = ([("node_id", ctypes.c_char * 64), ("address", ctypes.c_char * 64), ("state", ctypes.c_char * 16),
                  ("backend", ctypes.c_char * 24), ("ok", ctypes.c_int32), ("error", ctypes.c_char * 128)] +
@@ -98,6 +118,8 @@ def _load():
         "kvring_stats": (c_int, [c_void_p, P(NodeStats), c_u32, P(c_u32)]),
         "kvring_delete_sequence": (c_int, [c_void_p, c_char_p, c_size_t, P(SequenceReport)]),
         "kvring_truncate_sequence": (c_int, [c_void_p, c_char_p, c_size_t, c_u64, P(SequenceReport)]),
+        "kvring_fork_sequence": (c_int, [c_void_p, c_char_p, c_size_t, c_char_p, c_size_t, c_u64, P(ForkReport)]),
+        "kvring_list_sequences": (c_int, [c_void_p, P(SequenceInfo), c_u32, P(c_u32)]),
         "kvring_merge": (c_int, [P(c_void_p), P(c_void_p), c_u32, c_u32, c_u32, c_u32, c_void_p, c_void_p]),
         "kvring_create_tenant": (c_int, [c_char_p, c_char_p, c_char_p, P(c_char_p), c_u32, c_u64, c_char_p, c_char_p,
                                          c_u64, c_char_p, c_size_t]),
@@ -106,8 +128,8 @@ def _load():
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
-    if lib.kvring_api_version() != 4:
-        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 4" % lib.kvring_api_version())
+    if lib.kvring_api_version() != 5:
+        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 5" % lib.kvring_api_version())
     return lib
 
 

@@ -183,13 +183,22 @@ class PassQSession:
     """Pass-Q attention for one batch of sequences (one per batch row) of `model` over `client`."""
 
     def __init__(self, client, model, sequence_ids, block_tokens=16, max_rows_per_step=2048, keep=False,
-                 start_tokens=0):
+                 start_tokens=0, fork_of=None):
         """keep=False: end() (and leaving a `with` block) deletes the session's sequences from kvring; keep=True
         leaves them for a later session over the same ids, which passes start_tokens (an int, or one per sequence:
-        the tokens each already holds)."""
+        the tokens each already holds). fork_of=(source_id, tokens) (or one pair per sequence) starts each sequence
+        as a fork of the first `tokens` tokens of a sequence kvring holds (a shared context stored once: no copy of
+        its full blocks); the session then starts at that length."""
         register()
         self.client, self.model = client, model
         self.ids = list(sequence_ids)
+        if fork_of is not None:
+            forks = list(fork_of) if isinstance(fork_of, list) else [fork_of] * len(self.ids)
+            if len(forks) != len(self.ids) or any(not isinstance(f, tuple) or len(f) != 2 for f in forks):
+                raise InvalidArgumentError("fork_of: a (source_id, tokens) pair, or one per sequence")
+            for sid, (src, n) in zip(self.ids, forks):
+                client.fork_sequence(src, sid, n)
+            start_tokens = [int(n) for _, n in forks]
         self.layout = layout_for(model.config, block_tokens)
         self.max_rows = max_rows_per_step
         self.keep = keep

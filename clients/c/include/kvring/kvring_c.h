@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KVRING_C_API_VERSION 4
+#define KVRING_C_API_VERSION 5
 
 typedef struct kvring_client kvring_client;
 
@@ -139,6 +139,24 @@ typedef struct {
 int kvring_delete_sequence(kvring_client* c, const char* sequence_id, size_t id_len, kvring_sequence_report* report);
 int kvring_truncate_sequence(kvring_client* c, const char* sequence_id, size_t id_len, uint64_t tokens,
                              kvring_sequence_report* report);
+/* Forks (version 5; Client::ForkSequence): `sequence_id` starts as the first
+ * `tokens` tokens of `source_id`, sharing its full blocks. report may be NULL. */
+typedef struct {
+  int32_t nodes_holding;
+  uint64_t blocks_shared, blocks_copied, shared_chunks;
+} kvring_fork_report;
+int kvring_fork_sequence(kvring_client* c, const char* source_id, size_t source_len, const char* sequence_id,
+                         size_t id_len, uint64_t tokens, kvring_fork_report* report);
+/* The caller's sequences (version 5; Client::ListSequences): up to `cap`
+ * into `out`; *n is how many there are. */
+typedef struct {
+  char sequence_id[257]; /* NUL-terminated (ids are at most 256 bytes) */
+  int32_t nodes;
+  uint64_t full_blocks, open_blocks, bytes, shared_blocks, tokens;
+  uint32_t block_tokens;
+  int32_t forked; /* placed with a source's chunks (a fork) */
+} kvring_sequence_info;
+int kvring_list_sequences(kvring_client* c, kvring_sequence_info* out, uint32_t cap, uint32_t* n);
 /* Up to `cap` nodes' stats; *n is the number of nodes in the map. */
 int kvring_stats(kvring_client* c, kvring_node_stats* out, uint32_t cap, uint32_t* n);
 

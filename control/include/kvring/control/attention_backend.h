@@ -109,6 +109,9 @@ struct BackendStats {
   std::string name;
   uint64_t pages = 0, free_pages = 0, page_bytes = 0;  // the backend's own page pool (HBM); 0 on the CPU
   uint64_t resident_blocks = 0, hits = 0, misses = 0, demotions = 0, open_blocks = 0;
+  // Pages (of `pages`) that more than one sequence's table holds: a fork's
+  // blocks shared with its source, kept once.
+  uint64_t shared_pages = 0;
   bool healthy = true;
 };
 
