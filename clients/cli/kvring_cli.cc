@@ -399,9 +399,10 @@ int main(int argc, char** argv) {
   f.AddBytes("block_bytes", &o.block_bytes, "bench: block size (multiple of 64K)");
   f.AddString("op", &o.op, "bench: put, get or both");
   f.AddString("sequence", &o.sequence, "seq-delete / seq-truncate / seq-fork: the attention sequence's id");
-  f.AddInt("keep_tokens", &o.keep_tokens,
-           "seq-truncate: the tokens to keep (the sequence's new length); seq-fork: the source's tokens the fork starts "
-           "with");
+  f.AddInt(
+      "keep_tokens", &o.keep_tokens,
+      "seq-truncate: the tokens to keep (the sequence's new length); seq-fork: the source's tokens the fork starts "
+      "with");
   f.AddString("source", &o.source, "seq-fork: the sequence the fork starts from");
   f.AddString("name", &o.name, "tenant-*: tenant name");
   f.AddString("shared", &o.shared, "tenant-create: comma-separated shared namespaces (shared/<name>)");
@@ -458,8 +459,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "kvring: %s\n", l.status().ToString().c_str());
       return 1;
     }
-    std::printf("%-32s %10s %6s %12s %12s %14s %8s  %s\n", "sequence", "tokens", "nodes", "full blocks",
-                "open blocks", "bytes (full)", "shared", "placed with");
+    std::printf("%-32s %10s %6s %12s %12s %14s %8s  %s\n", "sequence", "tokens", "nodes", "full blocks", "open blocks",
+                "bytes (full)", "shared", "placed with");
     for (const SequenceListing& s : *l) {
       std::string placed;
       for (const PlacementSegment& g : s.placement) {
@@ -479,11 +480,12 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "kvring: %s\n", r.status().ToString().c_str());
       return 1;
     }
-    std::printf("forked '%s' from the first %lld tokens of '%s': %llu chunks placed with the source's, %llu full "
-                "blocks shared, %llu partly filled blocks copied (replicas count), on %d nodes\n",
-                o.sequence.c_str(), static_cast<long long>(o.keep_tokens), o.source.c_str(),
-                static_cast<unsigned long long>(r->shared_chunks), static_cast<unsigned long long>(r->blocks_shared),
-                static_cast<unsigned long long>(r->blocks_copied), r->nodes_holding);
+    std::printf(
+        "forked '%s' from the first %lld tokens of '%s': %llu chunks placed with the source's, %llu full "
+        "blocks shared, %llu partly filled blocks copied (replicas count), on %d nodes\n",
+        o.sequence.c_str(), static_cast<long long>(o.keep_tokens), o.source.c_str(),
+        static_cast<unsigned long long>(r->shared_chunks), static_cast<unsigned long long>(r->blocks_shared),
+        static_cast<unsigned long long>(r->blocks_copied), r->nodes_holding);
     return 0;
   }
   if (cmd == "seq-delete" || cmd == "seq-truncate") {

@@ -1073,6 +1073,61 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> NodeCore::ListSequences(const v1::
   return out;
 }
 
+absl::StatusOr<std::vector<SequenceBlockOut>> NodeCore::ReadSequence(const v1::Tenant& t, const std::string& requested,
+                                                                     const std::string& id, uint64_t begin,
+                                                                     uint64_t end) {
+  OpScope op(sequence_ops_);
+  auto ns = Namespace(t, requested);
+  if (!ns.ok()) return op.Done(ns.status());
+  if (absl::Status s = ValidateSequenceId(id, options_.limits.max_sequence_id_bytes); !s.ok()) return op.Done(s);
+  if (end < begin || end - begin > 64) {
+    return op.Done(absl::InvalidArgumentError(
+        absl::StrCat("ReadSequence of blocks [", begin, ", ", end, "): at most 64 blocks a call")));
+  }
+  SequenceTable::Handle h = sequences_->Lock(*ns, id);
+  SequenceState& st = h.state();
+  std::vector<SequenceBlockOut> out;
+  if (!st.layout.has_value() && !st.blocks.empty()) {
+    absl::StatusOr<PinnedBlock> pb = store_->Acquire(*ns, st.blocks.begin()->second);
+    if (!pb.ok()) return op.Done(pb.status());
+    st.layout = pb->meta().layout;
+    st.encoding = pb->meta().encoding;
+  }
+  if (!st.layout.has_value()) {
+    op.Record(absl::OkStatus());
+    return out;
+  }
+  const BlockLayout L = *st.layout;
+  const SequenceRef ref{*ns, id, static_cast<TenantId>(t.id())};
+  for (auto it = st.blocks.lower_bound(begin); it != st.blocks.end() && it->first < end; ++it) {
+    absl::StatusOr<PinnedBlock> pb = store_->Acquire(*ns, it->second);
+    if (!pb.ok()) {
+      return op.Done(absl::Status(pb.status().code(),
+                                  absl::StrCat("sequence '", id, "' block ", it->first, ": ", pb.status().message())));
+    }
+    SequenceBlockOut b;
+    b.index = it->first;
+    b.key = it->second;
+    b.meta = pb->meta();
+    b.bytes.assign(pb->payload().begin(), pb->payload().end());
+    out.push_back(std::move(b));
+  }
+  for (auto it = st.open.lower_bound(begin); it != st.open.end() && it->first < end; ++it) {
+    SequenceBlockOut b;
+    b.index = it->first;
+    b.meta.layout = L;
+    b.meta.payload_bytes = static_cast<uint32_t>(L.bytes());
+    b.filled = it->second.filled;
+    b.bytes.resize(L.bytes());
+    if (absl::Status s = backend_->ReadOpenBlock(ref, it->first, absl::MakeSpan(b.bytes)); !s.ok()) return op.Done(s);
+    out.push_back(std::move(b));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const SequenceBlockOut& a, const SequenceBlockOut& b) { return a.index < b.index; });
+  op.Record(absl::OkStatus());
+  return out;
+}
+
 absl::StatusOr<ForkChange> NodeCore::ForkSequence(const v1::Tenant& t, const std::string& requested,
                                                   const std::string& source, const std::string& id, uint64_t tokens,
                                                   const SequencePlacement& placement) {

@@ -22,6 +22,7 @@ KVRING_NODE_RPC(DeleteSequence, SequenceRequest, SequenceResponse, WireSequence(
 KVRING_NODE_RPC(TruncateSequence, SequenceRequest, SequenceResponse, WireSequence(*core_, *t, *req, true, resp))
 KVRING_NODE_RPC(ListSequences, ListSequencesRequest, ListSequencesResponse, WireListSequences(*core_, *t, *req, resp))
 KVRING_NODE_RPC(ForkSequence, ForkSequenceRequest, ForkSequenceResponse, WireForkSequence(*core_, *t, *req, resp))
+KVRING_NODE_RPC(ReadSequence, ReadSequenceRequest, ReadSequenceResponse, WireReadSequence(*core_, *t, *req, resp))
 
 #undef KVRING_NODE_RPC
 

@@ -138,6 +138,26 @@ absl::Status WireForkSequence(NodeCore& core, const v1::Tenant& t, const v1::For
   return absl::OkStatus();
 }
 
+absl::Status WireReadSequence(NodeCore& core, const v1::Tenant& t, const v1::ReadSequenceRequest& req,
+                              v1::ReadSequenceResponse* resp) {
+  KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));
+  KVRING_ASSIGN_OR_RETURN(
+      std::vector<SequenceBlockOut> blocks,
+      core.ReadSequence(t, req.header().namespace_(), req.sequence_id(), req.begin_block(), req.end_block()));
+  for (const SequenceBlockOut& b : blocks) {
+    v1::SequenceBlock* o = resp->add_blocks();
+    o->set_index(b.index);
+    KeyToProto(b.key, o->mutable_block()->mutable_key());
+    LayoutToProto(b.meta.layout, o->mutable_block()->mutable_layout());
+    o->mutable_block()->set_encoding(b.meta.encoding.Pack());
+    o->mutable_block()->set_payload_bytes(static_cast<uint32_t>(b.bytes.size()));
+    o->mutable_block()->set_checksum(PayloadChecksum(b.bytes.data(), b.bytes.size()));
+    for (uint32_t f : b.filled) o->add_filled(f);
+    o->set_payload(reinterpret_cast<const char*>(b.bytes.data()), b.bytes.size());
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WirePin(NodeCore& core, const v1::Tenant& t, const v1::PinRequest& req, v1::PinResponse* resp) {
   KVRING_RETURN_IF_ERROR(ValidateHeader(req.header(), core.limits()));
   KVRING_RETURN_IF_ERROR(ValidateKeys(req.keys(), core.limits()));

@@ -782,6 +782,8 @@ class ClientImpl {
     uint64_t chunk, begin, end;
     int acks = 0;
     absl::Status last;
+    std::vector<int> acked_on;    // nodes that acknowledged it
+    std::vector<int> missing_on;  // nodes that refused it for tokens they lack before it (DATA_LOSS)
   };
   // An attended chunk a node did not serve: retried on the next replica, or
   // (same_node_again) on the same one without the append that was refused.
@@ -869,6 +871,84 @@ class ClientImpl {
     KVRING_RETURN_IF_ERROR(ResolvePlacements(ids));
     if (dx != nullptr) dx->initialized = false;
     return StepRouted(st, out, report, dx);
+  }
+
+  // Copies what node `from` holds of sequence `id` in blocks [b0, b1) onto
+  // node `to`: full blocks stored there as they are (under the sequence's
+  // own keys: its delete erases them), the open block's tokens appended
+  // layer by layer. `to` then holds what `from` holds of those blocks
+  // (tokens it held already are compared, not written again).
+  absl::Status CopyReplica(const ShardRing& ring, int from, int to, const std::string& id, const BlockLayout& L,
+                           uint64_t b0, uint64_t b1, uint64_t digest) {
+    std::shared_ptr<Node> src = NodeFor(ring.node(from).node_id()), dst = NodeFor(ring.node(to).node_id());
+    if (!src || !dst) return absl::UnavailableError("repair: unknown node");
+    const NamespaceId nsid = NamespaceIdOf(ns_);
+    const size_t esz = DTypeSize(L.dtype), row = size_t{L.head_dim} * esz;
+    for (uint64_t b = b0; b < b1; b += 16) {
+      v1::ReadSequenceRequest rr;
+      *rr.mutable_header() = Header();
+      rr.set_sequence_id(id);
+      rr.set_begin_block(b);
+      rr.set_end_block(std::min(b1, b + 16));
+      KVRING_ASSIGN_OR_RETURN(v1::ReadSequenceResponse got, src->Grpc().ReadSequence(rr));
+      v1::PutRequest put;
+      *put.mutable_header() = Header();
+      put.set_quantize("none");  // stored as the source holds it
+      std::vector<absl::Span<const uint8_t>> payloads;
+      for (const v1::SequenceBlock& blk : got.blocks()) {
+        const auto* bytes = reinterpret_cast<const uint8_t*>(blk.payload().data());
+        if (PayloadChecksum(bytes, blk.payload().size()) != blk.block().checksum()) {
+          return absl::DataLossError(absl::StrCat("repair: block ", blk.index(), " of '", id, "' arrived corrupt"));
+        }
+        if (blk.filled_size() > 0) continue;  // open: appended below
+        v1::PutBlock* pb = put.add_blocks();
+        *pb->mutable_block() = blk.block();
+        KeyToProto(SequenceBlockKey(nsid, id, blk.index(), L), pb->mutable_block()->mutable_key());
+        pb->mutable_sequence()->set_sequence_id(id);
+        pb->mutable_sequence()->set_block_index(blk.index());
+        payloads.push_back(absl::MakeConstSpan(bytes, blk.payload().size()));
+      }
+      if (put.blocks_size() > 0) {
+        KVRING_ASSIGN_OR_RETURN(v1::PutResponse pr, PutOn(*dst, std::move(put), payloads));
+        for (const auto& r : pr.results()) KVRING_RETURN_IF_ERROR(StatusOf(r.status()));
+      }
+      for (const v1::SequenceBlock& blk : got.blocks()) {
+        if (blk.filled_size() == 0) continue;
+        if (blk.payload().size() != L.bytes() || static_cast<uint32_t>(blk.filled_size()) != L.layers) {
+          return absl::DataLossError(
+              absl::StrCat("repair: open block ", blk.index(), " of '", id, "' does not match the step's layout"));
+        }
+        const auto* bytes = reinterpret_cast<const uint8_t*>(blk.payload().data());
+        for (uint32_t l = 0; l < L.layers; ++l) {
+          const uint32_t n = blk.filled(static_cast<int>(l));
+          if (n == 0) continue;
+          std::vector<uint8_t> k(size_t{n} * L.kv_heads * row), v(k.size());
+          for (uint32_t t = 0; t < n; ++t) {
+            for (uint32_t h = 0; h < L.kv_heads; ++h) {
+              const size_t at = (size_t{t} * L.kv_heads + h) * row;
+              std::memcpy(k.data() + at, bytes + L.index(l, 0, h, t, 0) * esz, row);
+              std::memcpy(v.data() + at, bytes + L.index(l, 1, h, t, 0) * esz, row);
+            }
+          }
+          v1::AttendRequest req;
+          *req.mutable_header() = Header();
+          req.set_layer(l);
+          req.set_q_heads(L.kv_heads);
+          req.set_head_dim(L.head_dim);
+          req.set_q_dtype(static_cast<uint32_t>(L.dtype));
+          LayoutToProto(L, req.mutable_layout());
+          v1::AttendSequence* as = req.add_sequences();
+          as->set_sequence_id(id);
+          as->set_tokens(blk.index() * L.block_tokens + n);
+          as->set_append_position(blk.index() * L.block_tokens);
+          as->set_append_tokens(n);
+          as->set_placement_digest(digest);
+          KVRING_ASSIGN_OR_RETURN(v1::AttendResponse ar, AttendOn(*dst, std::move(req), {}, {k}, {v}, {}));
+          for (const v1::Status& ss : ar.sequence_status()) KVRING_RETURN_IF_ERROR(StatusOf(ss));
+        }
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status StepRouted(const AttendStep& st, PartialOutput out, AttendReport* report, DeviceStep* dx) {
@@ -1049,6 +1129,24 @@ class ClientImpl {
         if (f.same_node_again) --next[f.seq][f.chunk];  // the same replica once more, attend only
         tried[{f.seq, f.chunk}].push_back(std::move(f.why));
         tried_codes[{f.seq, f.chunk}].push_back(f.code);
+      }
+    }
+    // Repair: a write replica that lacks the tokens before an append (the new
+    // replica after a node's death, or one that restarted without its open
+    // block) gets the chunk's blocks copied from a replica that acknowledged
+    // the append, so the sequence keeps R copies and W=R steps go on.
+    for (AppendUnit& u : units) {
+      for (int n : u.missing_on) {
+        if (u.acks >= R || u.acked_on.empty()) break;
+        const uint64_t b0 = u.chunk * chunk, b1 = (u.end - 1) / bt + 1;
+        absl::Status r =
+            CopyReplica(*ring, u.acked_on.front(), n, st.sequences[u.seq].sequence_id, L, b0, b1, digest[u.seq]);
+        if (!r.ok()) {
+          u.last = r;
+          continue;
+        }
+        ++u.acks;
+        ++rep.repairs;
       }
     }
     for (const AppendUnit& u : units) {
@@ -1287,7 +1385,10 @@ class ClientImpl {
       if (!s.ok()) {
         *last_error = s;
         for (const SeqPart& p : jobs[j].parts) {
-          unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { u.last = s; });
+          unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) {
+            u.last = s;
+            if (absl::IsDataLoss(s)) u.missing_on.push_back(jobs[j].node);
+          });
         }
         // A replica's refusal (it lacks blocks or tokens: NOT_FOUND, DATA_LOSS
         // with the first missing position; an append it cannot take:
@@ -1314,14 +1415,20 @@ class ClientImpl {
         const absl::Status ps =
             r.sequence_status_size() ? StatusOf(r.sequence_status(static_cast<int>(k))) : absl::OkStatus();
         if (ps.ok()) {
-          unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { ++u.acks; });
+          unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) {
+            ++u.acks;
+            u.acked_on.push_back(jobs[j].node);
+          });
           continue;
         }
         // This node did not serve the sequence: its appends are not acked
         // here and its chunks go to the next replica.
         served[k] = false;
         *last_error = ps;
-        unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) { u.last = ps; });
+        unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) {
+          u.last = ps;
+          if (absl::IsDataLoss(ps)) u.missing_on.push_back(jobs[j].node);
+        });
         if (!absl::IsNotFound(ps) && !absl::IsFailedPrecondition(ps) && !absl::IsDataLoss(ps)) return ps;
         // A refused append (a replica behind on another chunk's tail, or
         // missing tokens before it: DATA_LOSS) also refuses the attends

@@ -108,6 +108,13 @@ class GrpcNodeChannel final : public NodeChannel {
     return resp;
   }
 
+  absl::StatusOr<v1::ReadSequenceResponse> ReadSequence(const v1::ReadSequenceRequest& req) override {
+    v1::ReadSequenceResponse resp;
+    auto ctx = Context(o_.timeout);
+    if (grpc::Status s = stub_->ReadSequence(ctx.get(), req, &resp); !s.ok()) return FromGrpc(s);
+    return resp;
+  }
+
  private:
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
@@ -173,6 +180,9 @@ class UcxNodeChannel final : public NodeChannel {
   }
   absl::StatusOr<v1::ForkSequenceResponse> ForkSequence(const v1::ForkSequenceRequest& req) override {
     return control_->ForkSequence(req);
+  }
+  absl::StatusOr<v1::ReadSequenceResponse> ReadSequence(const v1::ReadSequenceRequest& req) override {
+    return control_->ReadSequence(req);
   }
 
  private:

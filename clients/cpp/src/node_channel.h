@@ -66,6 +66,7 @@ class NodeChannel {
   virtual absl::StatusOr<v1::SequenceResponse> Sequence(const v1::SequenceRequest& req, bool truncate) = 0;
   virtual absl::StatusOr<v1::ListSequencesResponse> ListSequences(const v1::ListSequencesRequest& req) = 0;
   virtual absl::StatusOr<v1::ForkSequenceResponse> ForkSequence(const v1::ForkSequenceRequest& req) = 0;
+  virtual absl::StatusOr<v1::ReadSequenceResponse> ReadSequence(const v1::ReadSequenceRequest& req) = 0;
 };
 
 // What every call carries: the tenant's token and the deadline of a call.

@@ -133,6 +133,15 @@ struct SequenceChange {
   uint64_t open_blocks_dropped = 0;  // open blocks given back (or, truncating, cut to nothing)
 };
 
+// A block of a sequence as ReadSequence returns it.
+struct SequenceBlockOut {
+  uint64_t index = 0;
+  BlockKey key;                  // a full block's store key (zero for an open block)
+  BlockMeta meta;                // layout, encoding, payload bytes, checksum
+  std::vector<uint32_t> filled;  // an open block: tokens per layer (empty: full)
+  std::vector<uint8_t> bytes;
+};
+
 // What ForkSequence did on this node.
 struct ForkChange {
   bool held = false;           // this node held some of the source below the fork point
@@ -229,6 +238,11 @@ class NodeCore {
   // quantized block. On error nothing of the fork stays.
   absl::StatusOr<ForkChange> ForkSequence(const v1::Tenant& t, const std::string& ns, const std::string& source,
                                           const std::string& id, uint64_t tokens, const SequencePlacement& placement);
+  // The blocks this node holds of sequence `id` in [begin, end) (at most
+  // 64), full ones from the store and open ones from the backend (with
+  // their filled counts): what a client copies onto a new replica.
+  absl::StatusOr<std::vector<SequenceBlockOut>> ReadSequence(const v1::Tenant& t, const std::string& ns,
+                                                             const std::string& id, uint64_t begin, uint64_t end);
   // Deletes, as DeleteSequence does, every sequence of a tenant with a
   // sequence TTL (Tenant.sequence_ttl_s) that no call has named on this
   // node for longer than that (sequences in the tenant's own namespace; a

@@ -23,6 +23,8 @@ class NodeService final : public v1::Node::Service {
                                 v1::SequenceResponse* resp) override;
   grpc::Status ForkSequence(grpc::ServerContext* ctx, const v1::ForkSequenceRequest* req,
                             v1::ForkSequenceResponse* resp) override;
+  grpc::Status ReadSequence(grpc::ServerContext* ctx, const v1::ReadSequenceRequest* req,
+                            v1::ReadSequenceResponse* resp) override;
   grpc::Status ListSequences(grpc::ServerContext* ctx, const v1::ListSequencesRequest* req,
                              v1::ListSequencesResponse* resp) override;
 

@@ -34,6 +34,8 @@ absl::Status WireSequence(NodeCore& core, const v1::Tenant& t, const v1::Sequenc
                           v1::SequenceResponse* resp);
 absl::Status WireForkSequence(NodeCore& core, const v1::Tenant& t, const v1::ForkSequenceRequest& req,
                               v1::ForkSequenceResponse* resp);
+absl::Status WireReadSequence(NodeCore& core, const v1::Tenant& t, const v1::ReadSequenceRequest& req,
+                              v1::ReadSequenceResponse* resp);
 absl::Status WireStats(NodeCore& core, const v1::Tenant& t, const v1::StatsRequest& req, v1::StatsResponse* resp);
 
 }  // namespace kvring

@@ -144,6 +144,10 @@ struct AttendReport {
   // partials).
   uint64_t bytes_sent = 0, bytes_received = 0;
   int retries = 0;
+  // Write replicas brought up to date from another (their chunk's blocks
+  // copied) before they took the step's append: the new replica after a
+  // node's death.
+  int repairs = 0;
   uint32_t appended_tokens = 0;  // per replica that acknowledged
   double seconds = 0;            // the whole call
   // The slowest shard's own time on its request, and within it the
