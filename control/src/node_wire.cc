@@ -205,6 +205,7 @@ absl::Status WireStats(NodeCore& core, const v1::Tenant& t, const v1::StatsReque
   resp->set_hbm_hits(r.backend.hits);
   resp->set_hbm_misses(r.backend.misses);
   resp->set_hbm_demotions(r.backend.demotions);
+  resp->set_hbm_shared_pages(r.backend.shared_pages);
   resp->set_open_blocks(r.open_blocks);
   resp->set_device_delivered_bytes(r.device_delivered_bytes);
   return absl::OkStatus();

@@ -321,6 +321,7 @@ int kvring_stats(kvring_client* c, kvring_node_stats* out, uint32_t cap, uint32_
     o.tenant_sequence_bytes = s.tenant_sequence_bytes;
     o.tenant_sequence_open_blocks = s.tenant_sequence_open_blocks;
     o.tenant_open_bytes = s.tenant_open_bytes;
+    o.hbm_shared_pages = s.hbm_shared_pages;
   }
   return Code(absl::OkStatus());
 }

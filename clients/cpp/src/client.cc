@@ -1721,6 +1721,7 @@ class ClientImpl {
       s.hbm_hits = r.hbm_hits();
       s.hbm_misses = r.hbm_misses();
       s.hbm_demotions = r.hbm_demotions();
+      s.hbm_shared_pages = r.hbm_shared_pages();
       s.open_blocks = r.open_blocks();
       s.device_delivered_bytes = r.device_delivered_bytes();
       s.tenant_sequences = r.tenant_sequences();

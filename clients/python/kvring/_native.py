@@ -86,7 +86,7 @@ class NodeStats(ctypes.Structure):
                                       "hbm_free_pages", "hbm_page_bytes", "hbm_blocks", "hbm_hits", "hbm_misses",
                                       "hbm_demotions", "open_blocks", "device_delivered_bytes", "tenant_sequences",
                                       "tenant_sequence_blocks", "tenant_sequence_bytes",
-                                      "tenant_sequence_open_blocks", "tenant_open_bytes")])
+                                      "tenant_sequence_open_blocks", "tenant_open_bytes", "hbm_shared_pages")])
 
     def as_dict(self):
         d = {}

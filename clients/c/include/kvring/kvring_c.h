@@ -98,6 +98,7 @@ typedef struct {
   /* The caller's attention sequences on the node (version 4). */
   uint64_t tenant_sequences, tenant_sequence_blocks, tenant_sequence_bytes, tenant_sequence_open_blocks;
   uint64_t tenant_open_bytes;
+  uint64_t hbm_shared_pages; /* HBM pages several sequences hold: forks' shared blocks (version 5) */
 } kvring_node_stats;
 
 int kvring_api_version(void);

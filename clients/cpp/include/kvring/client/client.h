@@ -204,6 +204,7 @@ struct NodeStats {
   // their bytes, open blocks and their bytes (charged to its budget).
   uint64_t tenant_sequences = 0, tenant_sequence_blocks = 0, tenant_sequence_bytes = 0, tenant_sequence_open_blocks = 0,
            tenant_open_bytes = 0;
+  uint64_t hbm_shared_pages = 0;  // HBM pages several sequences hold (forks' shared blocks)
   absl::Status status;
 };
 
