@@ -9,6 +9,7 @@
 # GPU, checked against torch and timed), then bench/gpu/hf_e2e.py
 # (transformers' Llama on kvring: pass-Q attention and the prefix cache),
 # then bench/gpu/hf_spec.py (assisted generation with rollbacks on kvring),
+# then bench/gpu/hf_fork.py (transformers sessions forked from one prompt),
 # then bench/gpu/seq_lifecycle.py (forks share one context; sessions give memory back),
 # then bench/gpu/hf_workloads.py (chat, a 128K agent, a cache-backend batch).
 # Logs and results go to $OUT (or ./gpu-out).
@@ -64,6 +65,9 @@ if [ $HF = 1 ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   echo "== speculative decoding on pass-Q (rollbacks by TruncateSequence)"
   timeout 300 python3 bench/gpu/hf_spec.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/hf_spec.log" | grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  echo "== transformers sessions forked from one shared prompt"
+  timeout 300 python3 bench/gpu/hf_fork.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/hf_fork.log" | grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   echo "== sequence lifecycle: 64 forks of a 64K context, sessions opened and ended"
   timeout 420 python3 bench/gpu/seq_lifecycle.py --bin "$BIN" --out "$OUT" --sessions 200 2>&1 | tee "$OUT/seq_lifecycle.log" | grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1"
