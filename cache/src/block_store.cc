@@ -418,6 +418,21 @@ bool BlockStore::InMemoryOrAbsent(NamespaceId ns, absl::Span<const BlockKey> key
   return true;
 }
 
+BlockStore::TierCounts BlockStore::CountTiers(NamespaceId ns, absl::Span<const BlockKey> keys) {
+  TierCounts t;
+  absl::MutexLock lock(&mu_);
+  for (const BlockKey& k : keys) {
+    const BlockIndex::Entry* e = index_.Find(ScopedKey{ns, k});
+    if (e == nullptr) continue;
+    if (e->page == kNoPage) {
+      ++t.cold;
+    } else {
+      ++t.host;
+    }
+  }
+  return t;
+}
+
 absl::StatusOr<PinnedBlock> BlockStore::Acquire(NamespaceId ns, const BlockKey& key) {
   const ScopedKey sk{ns, key};
   absl::MutexLock lock(&mu_);

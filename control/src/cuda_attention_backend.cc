@@ -382,6 +382,12 @@ class CudaAttentionBackend final : public AttentionBackend {
     return s;
   }
 
+  uint64_t TenantBytes(TenantId tenant) override {
+    absl::MutexLock l(&mu_);
+    auto it = tenant_pages_.find(tenant);
+    return it == tenant_pages_.end() ? 0 : it->second * o_.page_bytes;
+  }
+
   absl::Status Step(const StepPlan& plan, PartialOutput out, StepTimes* times) override;
   std::string DeviceIoRefusal(const BlockLayout& l, const KvEncoding& e, DType q_dtype) const override {
     if (!KernelsTake(l))

@@ -1048,8 +1048,16 @@ std::vector<v1::SequenceInfo> NodeCore::DescribeSequences(NamespaceId ns, absl::
     }
     info.set_tokens(HeldTokens(st));
     uint64_t shared = 0;
-    for (const auto& [i, key] : st.blocks) shared += sequences_->References(key).records > 1;
+    std::vector<BlockKey> keys;
+    keys.reserve(st.blocks.size());
+    for (const auto& [i, key] : st.blocks) {
+      shared += sequences_->References(key).records > 1;
+      keys.push_back(key);
+    }
     info.set_shared_blocks(shared);
+    const BlockStore::TierCounts tiers = store_->CountTiers(sns, keys);
+    info.set_host_blocks(tiers.host);
+    info.set_cold_blocks(tiers.cold);
     st.placement.ToProto(info.mutable_placement());
     out.push_back(std::move(info));
   }
@@ -1251,12 +1259,15 @@ NodeReport NodeCore::Stats(const v1::Tenant& t) {
     r.tenant_sequence_blocks += s.full_blocks();
     r.tenant_sequence_bytes += s.bytes();
     r.tenant_sequence_open_blocks += s.open_blocks();
+    r.tenant_sequence_host_blocks += s.host_blocks();
+    r.tenant_sequence_cold_blocks += s.cold_blocks();
   }
   if (store_->cold_tier() != nullptr) {
     r.has_cold_tier = true;
     r.cold = store_->cold_tier()->stats();
   }
   r.backend = backend_->stats();
+  r.tenant_sequence_hbm_bytes = backend_->TenantBytes(static_cast<TenantId>(t.id()));
   r.device_delivered_bytes = device_bytes_->value();
   op.Record(absl::OkStatus());
   return r;

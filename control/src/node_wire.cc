@@ -192,6 +192,9 @@ absl::Status WireStats(NodeCore& core, const v1::Tenant& t, const v1::StatsReque
   resp->set_tenant_sequence_bytes(r.tenant_sequence_bytes);
   resp->set_tenant_sequence_open_blocks(r.tenant_sequence_open_blocks);
   resp->set_tenant_open_bytes(r.tenant.open_bytes);
+  resp->set_tenant_sequence_host_blocks(r.tenant_sequence_host_blocks);
+  resp->set_tenant_sequence_cold_blocks(r.tenant_sequence_cold_blocks);
+  resp->set_tenant_sequence_hbm_bytes(r.tenant_sequence_hbm_bytes);
   if (r.has_cold_tier) {
     resp->set_cold_stored_bytes(r.cold.stored_bytes);
     resp->set_cold_raw_bytes(r.cold.raw_bytes);

@@ -637,6 +637,8 @@ TEST_F(NodeCoreTest, DeleteSequenceFreesEverythingItHeldAndIsIdempotent) {
   EXPECT_EQ(before.tenant_sequence_blocks, 3u);
   EXPECT_EQ(before.tenant_sequence_bytes, 3 * L_.bytes());
   EXPECT_EQ(before.tenant_sequence_open_blocks, 2u);
+  EXPECT_EQ(before.tenant_sequence_host_blocks, 3u);  // no cold tier here: every full block in host memory
+  EXPECT_EQ(before.tenant_sequence_cold_blocks, 0u);
   absl::StatusOr<SequenceChange> c = core_->DeleteSequence(tenant_, "", "s");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_TRUE(c->held);

@@ -159,6 +159,7 @@ class SequenceLifecycle(unittest.TestCase):
         listed = {s["sequence_id"]: s for s in self.c.list_sequences()}
         self.assertTrue(listed["f1"]["forked"] and listed["f2"]["forked"] and not listed["ctx"]["forked"])
         self.assertGreater(listed["ctx"]["shared_blocks"], 0)
+        self.assertEqual(listed["ctx"]["host_blocks"] + listed["ctx"]["cold_blocks"], listed["ctx"]["full_blocks"])
         # Refusals: unknown source, past its length, onto an existing id, onto itself.
         with self.assertRaises(kvring.NotFoundError):
             self.c.fork_sequence("nope", "x", 10)

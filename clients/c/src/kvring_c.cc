@@ -241,6 +241,8 @@ int kvring_list_sequences(kvring_client* c, kvring_sequence_info* out, uint32_t 
     o.tokens = l.tokens;
     o.block_tokens = l.block_tokens;
     o.forked = l.placement.empty() ? 0 : 1;
+    o.host_blocks = l.host_blocks;
+    o.cold_blocks = l.cold_blocks;
   }
   return Code(absl::OkStatus());
 }
@@ -322,6 +324,9 @@ int kvring_stats(kvring_client* c, kvring_node_stats* out, uint32_t cap, uint32_
     o.tenant_sequence_open_blocks = s.tenant_sequence_open_blocks;
     o.tenant_open_bytes = s.tenant_open_bytes;
     o.hbm_shared_pages = s.hbm_shared_pages;
+    o.tenant_sequence_host_blocks = s.tenant_sequence_host_blocks;
+    o.tenant_sequence_cold_blocks = s.tenant_sequence_cold_blocks;
+    o.tenant_sequence_hbm_bytes = s.tenant_sequence_hbm_bytes;
   }
   return Code(absl::OkStatus());
 }

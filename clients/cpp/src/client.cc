@@ -1570,6 +1570,8 @@ class ClientImpl {
         l.open_blocks += s.open_blocks();
         l.bytes += s.bytes();
         l.shared_blocks += s.shared_blocks();
+        l.host_blocks += s.host_blocks();
+        l.cold_blocks += s.cold_blocks();
         l.tokens = std::max<uint64_t>(l.tokens, s.tokens());
         if (l.block_tokens == 0) l.block_tokens = s.block_tokens();
         if (l.placement.empty()) {
@@ -1729,6 +1731,9 @@ class ClientImpl {
       s.tenant_sequence_bytes = r.tenant_sequence_bytes();
       s.tenant_sequence_open_blocks = r.tenant_sequence_open_blocks();
       s.tenant_open_bytes = r.tenant_open_bytes();
+      s.tenant_sequence_host_blocks = r.tenant_sequence_host_blocks();
+      s.tenant_sequence_cold_blocks = r.tenant_sequence_cold_blocks();
+      s.tenant_sequence_hbm_bytes = r.tenant_sequence_hbm_bytes();
     });
     return out;
   }

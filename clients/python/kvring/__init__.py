@@ -538,8 +538,9 @@ class Client:
 
     def list_sequences(self):
         """The caller's attention sequences over every node, by id: a list of dicts {sequence_id, nodes,
-        full_blocks, open_blocks, bytes, shared_blocks, tokens, block_tokens, forked} (replicas count in the
-        block and byte figures; shared_blocks: those another sequence on the same node holds too)."""
+        full_blocks, open_blocks, bytes, shared_blocks, tokens, block_tokens, forked, host_blocks, cold_blocks}
+        (replicas count in the block and byte figures; shared_blocks: those another sequence on the same node holds
+        too; host_blocks / cold_blocks: the full blocks in the host tier / only in the cold tier)."""
         h = self._h
         n = ctypes.c_uint32()
         _check(_lib.kvring_list_sequences(h, None, 0, ctypes.byref(n)))

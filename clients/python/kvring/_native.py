@@ -68,7 +68,8 @@ class ForkReport(ctypes.Structure):
 class SequenceInfo(ctypes.Structure):
     _fields_ = ([("sequence_id", ctypes.c_char * 257), ("nodes", ctypes.c_int32)] +
                 [(n, c_u64) for n in ("full_blocks", "open_blocks", "bytes", "shared_blocks", "tokens")] +
-                [("block_tokens", ctypes.c_uint32), ("forked", ctypes.c_int32)])
+                [("block_tokens", ctypes.c_uint32), ("forked", ctypes.c_int32), ("host_blocks", c_u64),
+                 ("cold_blocks", c_u64)])
 
     def as_dict(self):
         d = {name: getattr(self, name) for name, _ in self._fields_}
@@ -86,7 +87,9 @@ class NodeStats(ctypes.Structure):
                                       "hbm_free_pages", "hbm_page_bytes", "hbm_blocks", "hbm_hits", "hbm_misses",
                                       "hbm_demotions", "open_blocks", "device_delivered_bytes", "tenant_sequences",
                                       "tenant_sequence_blocks", "tenant_sequence_bytes",
-                                      "tenant_sequence_open_blocks", "tenant_open_bytes", "hbm_shared_pages")])
+                                      "tenant_sequence_open_blocks", "tenant_open_bytes", "hbm_shared_pages",
+                                      "tenant_sequence_host_blocks", "tenant_sequence_cold_blocks",
+                                      "tenant_sequence_hbm_bytes")])
 
     def as_dict(self):
         d = {}

@@ -181,6 +181,12 @@ class BlockStore {
   // host tier or not held at all (none needs a read from the cold tier). A
   // hint: a block may be demoted right after.
   bool InMemoryOrAbsent(NamespaceId ns, absl::Span<const BlockKey> keys) ABSL_LOCKS_EXCLUDED(mu_);
+  // How many of `keys` are in the host tier and how many only in the cold
+  // tier (the rest are not held). A snapshot.
+  struct TierCounts {
+    uint64_t host = 0, cold = 0;
+  };
+  TierCounts CountTiers(NamespaceId ns, absl::Span<const BlockKey> keys) ABSL_LOCKS_EXCLUDED(mu_);
   // A read hold on the block, promoting it from the cold tier if needed.
   absl::StatusOr<PinnedBlock> Acquire(NamespaceId ns, const BlockKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // Copies the payload into `dst` (INVALID_ARGUMENT if too small).

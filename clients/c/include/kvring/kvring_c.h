@@ -99,6 +99,8 @@ typedef struct {
   uint64_t tenant_sequences, tenant_sequence_blocks, tenant_sequence_bytes, tenant_sequence_open_blocks;
   uint64_t tenant_open_bytes;
   uint64_t hbm_shared_pages; /* HBM pages several sequences hold: forks' shared blocks (version 5) */
+  /* The caller's full sequence blocks by tier, and its sequences' HBM bytes (version 5). */
+  uint64_t tenant_sequence_host_blocks, tenant_sequence_cold_blocks, tenant_sequence_hbm_bytes;
 } kvring_node_stats;
 
 int kvring_api_version(void);
@@ -155,7 +157,8 @@ typedef struct {
   int32_t nodes;
   uint64_t full_blocks, open_blocks, bytes, shared_blocks, tokens;
   uint32_t block_tokens;
-  int32_t forked; /* placed with a source's chunks (a fork) */
+  int32_t forked;                    /* placed with a source's chunks (a fork) */
+  uint64_t host_blocks, cold_blocks; /* of full_blocks: in the host tier, only in the cold tier */
 } kvring_sequence_info;
 int kvring_list_sequences(kvring_client* c, kvring_sequence_info* out, uint32_t cap, uint32_t* n);
 /* Up to `cap` nodes' stats; *n is the number of nodes in the map. */

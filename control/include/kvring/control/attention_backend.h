@@ -156,6 +156,9 @@ class AttentionBackend {
   // (the tenant's pinned-bytes quota; UINT64_MAX: none).
   virtual void SetTenantQuota(TenantId tenant, uint64_t max_bytes) = 0;
   virtual BackendStats stats() = 0;
+  // Bytes of the backend's own memory (HBM pages) charged to `tenant`'s
+  // sequences; 0 for a backend without one.
+  virtual uint64_t TenantBytes(TenantId tenant) { return 0; }
 };
 
 }  // namespace kvring

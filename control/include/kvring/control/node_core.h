@@ -120,6 +120,9 @@ struct NodeReport {
   TenantUsage tenant;
   // The caller's sequences here (its own namespace).
   uint64_t tenant_sequences = 0, tenant_sequence_blocks = 0, tenant_sequence_bytes = 0, tenant_sequence_open_blocks = 0;
+  // Its full blocks by tier (a block shared by several of its sequences
+  // counts once a sequence), and its HBM bytes (the backend's pages).
+  uint64_t tenant_sequence_host_blocks = 0, tenant_sequence_cold_blocks = 0, tenant_sequence_hbm_bytes = 0;
   bool has_cold_tier = false;
   ColdTierStats cold;
   BackendStats backend;

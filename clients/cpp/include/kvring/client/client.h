@@ -205,6 +205,8 @@ struct NodeStats {
   uint64_t tenant_sequences = 0, tenant_sequence_blocks = 0, tenant_sequence_bytes = 0, tenant_sequence_open_blocks = 0,
            tenant_open_bytes = 0;
   uint64_t hbm_shared_pages = 0;  // HBM pages several sequences hold (forks' shared blocks)
+  // The caller's full sequence blocks by tier, and its sequences' HBM bytes.
+  uint64_t tenant_sequence_host_blocks = 0, tenant_sequence_cold_blocks = 0, tenant_sequence_hbm_bytes = 0;
   absl::Status status;
 };
 

@@ -43,11 +43,12 @@ struct SequenceListing {
   int nodes = 0;             // nodes holding any of it (replicas count)
   uint64_t full_blocks = 0;  // over those nodes (replicas count)
   uint64_t open_blocks = 0;
-  uint64_t bytes = 0;                       // of the full blocks
-  uint64_t shared_blocks = 0;               // of full_blocks, those another sequence on the same node holds too (forks)
-  uint64_t tokens = 0;                      // the sequence's length (layer 0), as far as the nodes can tell
-  uint32_t block_tokens = 0;                // of its blocks (0: no node knows yet)
-  std::vector<PlacementSegment> placement;  // a fork's (empty: its own id's)
+  uint64_t bytes = 0;          // of the full blocks
+  uint64_t shared_blocks = 0;  // of full_blocks, those another sequence on the same node holds too (forks)
+  uint64_t host_blocks = 0, cold_blocks = 0;  // of full_blocks: in the host tier, only in the cold tier
+  uint64_t tokens = 0;                        // the sequence's length (layer 0), as far as the nodes can tell
+  uint32_t block_tokens = 0;                  // of its blocks (0: no node knows yet)
+  std::vector<PlacementSegment> placement;    // a fork's (empty: its own id's)
 };
 
 }  // namespace kvring
