@@ -312,7 +312,7 @@ class CudaAttentionBackend final : public AttentionBackend {
       if (it == seqs_.end()) return;
       DevSeq& d = *it->second;
       for (size_t k = 0; k < d.idx.size(); ++k) {
-        FreePageLocked(d.tenant, d.page[k]);
+        FreePageLocked(d.page[k]);
         if (d.open[k]) {
           --open_blocks_;
           store_->RefundOpenBytes(d.tenant, d.open_bytes_each);
@@ -451,7 +451,7 @@ class CudaAttentionBackend final : public AttentionBackend {
       }
       for (size_t k = victim->idx.size(); k-- > 0;) {
         if (victim->open[k]) continue;
-        FreePageLocked(victim->tenant, victim->page[k]);
+        FreePageLocked(victim->page[k]);
         victim->Erase(k);
         ++demotions_;
       }
@@ -470,7 +470,7 @@ class CudaAttentionBackend final : public AttentionBackend {
 
   // One holder of `page` fewer; the last gives it back to the pool (and
   // the tenant that allocated it its quota).
-  void FreePageLocked(TenantId /*holder*/, int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void FreePageLocked(int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     PageInfo& pi = pages_[page];
     if (pi.holders > 1) {
       if (--pi.holders == 1) --shared_pages_;
@@ -507,7 +507,7 @@ class CudaAttentionBackend final : public AttentionBackend {
   void DropBlockLocked(DevSeq& d, uint64_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const size_t k = d.Find(index);
     if (k >= d.idx.size() || d.idx[k] != index) return;
-    FreePageLocked(d.tenant, d.page[k]);
+    FreePageLocked(d.page[k]);
     d.Erase(k);
   }
 

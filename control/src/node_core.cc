@@ -10,6 +10,7 @@
 #include "kvring/common/logging.h"
 #include "kvring/common/process.h"
 #include "kvring/common/status_macros.h"
+#include "kvring/layout/token_rows.h"
 
 namespace kvring {
 
@@ -411,15 +412,9 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
            "(ListSequences) and route again");
       continue;
     }
-    if (!st.layout.has_value() && !st.blocks.empty()) {
-      // Learn it from a block (after a restart the table holds only keys).
-      absl::StatusOr<PinnedBlock> pb = store_->Acquire(*ns, st.blocks.begin()->second);
-      if (!pb.ok()) {
-        fail(i, pb.status().code(), absl::StrCat("block ", st.blocks.begin()->first, ": ", pb.status().message()));
-        continue;
-      }
-      st.layout = pb->meta().layout;
-      st.encoding = pb->meta().encoding;
+    if (absl::Status s = LearnLayout(*ns, st); !s.ok()) {
+      fail(i, s.code(), s.message());
+      continue;
     }
     if (!st.layout.has_value()) {
       if (spec.append_tokens == 0) {
@@ -805,6 +800,45 @@ uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h)
   return sealed;
 }
 
+absl::Status NodeCore::LearnLayout(NamespaceId ns, SequenceState& st) {
+  if (st.layout.has_value() || st.blocks.empty()) return absl::OkStatus();
+  const auto& [index, key] = *st.blocks.begin();
+  absl::StatusOr<PinnedBlock> pb = store_->Acquire(ns, key);
+  if (!pb.ok()) return absl::Status(pb.status().code(), absl::StrCat("block ", index, ": ", pb.status().message()));
+  st.layout = pb->meta().layout;
+  st.encoding = pb->meta().encoding;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<NodeCore::KeptBlock>> NodeCore::KeptBlocks(SequenceTable::Handle& h, TenantId tenant,
+                                                                      const BlockLayout& L, uint64_t tokens,
+                                                                      absl::string_view cut) {
+  const SequenceState& st = h.state();
+  const uint64_t keep = tokens / L.block_tokens;
+  const uint32_t rem = static_cast<uint32_t>(tokens % L.block_tokens);
+  const uint64_t ends = keep + (rem > 0 ? 1 : 0);  // blocks [0, ends) hold tokens below the cut
+  const SequenceRef ref{h.ns(), h.id(), tenant};
+  std::vector<KeptBlock> kept;
+  for (auto it = st.open.begin(); it != st.open.end() && it->first < ends; ++it) {
+    KeptBlock k{it->first, it->second.filled, std::vector<uint8_t>(L.bytes())};
+    const uint32_t below = it->first < keep ? L.block_tokens : rem;
+    for (uint32_t& f : k.filled) f = std::min(f, below);
+    KVRING_RETURN_IF_ERROR(backend_->ReadOpenBlock(ref, it->first, absl::MakeSpan(k.bytes)));
+    kept.push_back(std::move(k));
+  }
+  if (rem > 0 && st.blocks.contains(keep) && !st.open.contains(keep)) {
+    KVRING_ASSIGN_OR_RETURN(PinnedBlock pb, store_->Acquire(h.ns(), st.blocks.at(keep)));
+    if (pb.meta().encoding.quantized() || !(pb.meta().layout == L)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence '", h.id(), "': ", cut, " ", tokens, " tokens cuts into block ", keep,
+          ", which is stored quantized or in another layout; cut at a block boundary (", keep * L.block_tokens, ")"));
+    }
+    kept.push_back(KeptBlock{keep, std::vector<uint32_t>(L.layers, rem),
+                             std::vector<uint8_t>(pb.payload().begin(), pb.payload().end())});
+  }
+  return kept;
+}
+
 BlockKey NodeCore::SealKey(SequenceTable::Handle& h, uint64_t index, const BlockLayout& L) {
   // The block's own key, unless another sequence still holds a block under
   // it (a fork of this one, made before this one was truncated below the
@@ -900,19 +934,13 @@ absl::StatusOr<uint64_t> NodeCore::ExpireIdleSequences() {
 absl::Status NodeCore::Reopen(const SequenceRef& ref, uint64_t index, const std::vector<uint32_t>& filled,
                               absl::Span<const uint8_t> bytes, const BlockLayout& L) {
   KVRING_RETURN_IF_ERROR(backend_->OpenBlock(ref, index, L));
-  const size_t esz = DTypeSize(L.dtype), row = size_t{L.head_dim} * esz;
+  const size_t row_bytes = size_t{L.kv_heads} * L.head_dim * DTypeSize(L.dtype);
   const std::map<uint64_t, BlockKey> none;
   for (uint32_t l = 0; l < L.layers && l < filled.size(); ++l) {
     const uint32_t n = filled[l];
     if (n == 0) continue;
-    std::vector<uint8_t> k(size_t{n} * L.kv_heads * row), v(k.size());
-    for (uint32_t tok = 0; tok < n; ++tok) {
-      for (uint32_t hd = 0; hd < L.kv_heads; ++hd) {
-        const size_t dst = (size_t{tok} * L.kv_heads + hd) * row;
-        std::memcpy(k.data() + dst, bytes.data() + L.index(l, 0, hd, tok, 0) * esz, row);
-        std::memcpy(v.data() + dst, bytes.data() + L.index(l, 1, hd, tok, 0) * esz, row);
-      }
-    }
+    std::vector<uint8_t> k(n * row_bytes), v(k.size());
+    CopyTokenRows(L, bytes.data(), l, n, k.data(), v.data());
     StepPlan plan;
     plan.layout = L;
     plan.options.layer = l;
@@ -954,45 +982,18 @@ absl::StatusOr<SequenceChange> NodeCore::TruncateSequence(const v1::Tenant& t, c
   const uint64_t keep = tokens / L.block_tokens;
   const uint32_t rem = static_cast<uint32_t>(tokens % L.block_tokens);
   const uint64_t ends = keep + (rem > 0 ? 1 : 0);  // blocks [0, ends) hold kept tokens
-  const SequenceRef ref{*ns, id, static_cast<TenantId>(t.id())};
-  // The open blocks that stay (with their bytes: the backend is reset below,
-  // so that no copy of a cut block, in HBM say, survives), and the sealed
-  // block the cut falls in, reopened from the store.
-  struct Survivor {
-    uint64_t index;
-    std::vector<uint32_t> filled;
-    std::vector<uint8_t> bytes;
-  };
-  std::vector<Survivor> survivors;
-  for (const auto& [index, o] : st.open) {
-    if (index >= ends) {
-      ++c.open_blocks_dropped;
-      continue;
-    }
-    Survivor sv{index, o.filled, std::vector<uint8_t>(L.bytes())};
-    if (index == keep) {
-      for (uint32_t& f : sv.filled) f = std::min(f, rem);
-    }
-    if (absl::Status s = backend_->ReadOpenBlock(ref, index, absl::MakeSpan(sv.bytes)); !s.ok()) return op.Done(s);
-    survivors.push_back(std::move(sv));
-  }
-  if (rem > 0 && st.blocks.contains(keep) && !st.open.contains(keep)) {
-    absl::StatusOr<PinnedBlock> pb = store_->Acquire(*ns, st.blocks[keep]);
-    if (!pb.ok()) return op.Done(pb.status());
-    if (pb->meta().encoding.quantized() || !(pb->meta().layout == L)) {
-      return op.Done(absl::FailedPreconditionError(
-          absl::StrCat("sequence '", id, "': truncating to ", tokens, " tokens cuts into block ", keep,
-                       ", which is stored quantized or in another layout; truncate to a block boundary (",
-                       keep * L.block_tokens, ")")));
-    }
-    survivors.push_back(Survivor{keep, std::vector<uint32_t>(L.layers, rem),
-                                 std::vector<uint8_t>(pb->payload().begin(), pb->payload().end())});
-  }
+  const TenantId tenant = static_cast<TenantId>(t.id());
+  const SequenceRef ref{*ns, id, tenant};
+  // The blocks that stay partly (with their bytes: the backend is reset
+  // below, so that no copy of a cut block, in HBM say, survives).
+  absl::StatusOr<std::vector<KeptBlock>> survivors = KeptBlocks(h, tenant, L, tokens, "truncating to");
+  if (!survivors.ok()) return op.Done(survivors.status());
+  for (const auto& [index, o] : st.open) c.open_blocks_dropped += index >= ends;
   // Full blocks from the cut on go (the reopened one too: it is open now).
   if (absl::Status s = DropFullBlocksFrom(h, keep, &c); !s.ok()) return op.Done(s);
   backend_->ForgetSequence(ref);
   st.open.clear();
-  for (const Survivor& sv : survivors) {
+  for (const KeptBlock& sv : *survivors) {
     if (absl::Status s = Reopen(ref, sv.index, sv.filled, sv.bytes, L); !s.ok()) {
       backend_->DiscardOpenBlock(ref, sv.index);
       return op.Done(absl::Status(
@@ -1031,13 +1032,7 @@ std::vector<v1::SequenceInfo> NodeCore::DescribeSequences(NamespaceId ns, absl::
     SequenceTable::Handle h = sequences_->Lock(sns, id);
     SequenceState& st = h.state();
     if (!st.layout.has_value() && st.blocks.empty() && st.open.empty() && st.placement.empty()) continue;
-    if (!st.layout.has_value() && !st.blocks.empty()) {
-      // Learn the layout from a block (after a restart the table holds only keys).
-      if (absl::StatusOr<PinnedBlock> pb = store_->Acquire(sns, st.blocks.begin()->second); pb.ok()) {
-        st.layout = pb->meta().layout;
-        st.encoding = pb->meta().encoding;
-      }
-    }
+    (void)LearnLayout(sns, st);  // listed without a layout if its first block cannot be read
     v1::SequenceInfo info;
     info.set_sequence_id(id);
     info.set_full_blocks(st.blocks.size());
@@ -1047,14 +1042,10 @@ std::vector<v1::SequenceInfo> NodeCore::DescribeSequences(NamespaceId ns, absl::
       info.set_block_tokens(st.layout->block_tokens);
     }
     info.set_tokens(HeldTokens(st));
-    uint64_t shared = 0;
     std::vector<BlockKey> keys;
     keys.reserve(st.blocks.size());
-    for (const auto& [i, key] : st.blocks) {
-      shared += sequences_->References(key).records > 1;
-      keys.push_back(key);
-    }
-    info.set_shared_blocks(shared);
+    for (const auto& [i, key] : st.blocks) keys.push_back(key);
+    info.set_shared_blocks(sequences_->CountShared(keys));
     const BlockStore::TierCounts tiers = store_->CountTiers(sns, keys);
     info.set_host_blocks(tiers.host);
     info.set_cold_blocks(tiers.cold);
@@ -1095,12 +1086,7 @@ absl::StatusOr<std::vector<SequenceBlockOut>> NodeCore::ReadSequence(const v1::T
   SequenceTable::Handle h = sequences_->Lock(*ns, id);
   SequenceState& st = h.state();
   std::vector<SequenceBlockOut> out;
-  if (!st.layout.has_value() && !st.blocks.empty()) {
-    absl::StatusOr<PinnedBlock> pb = store_->Acquire(*ns, st.blocks.begin()->second);
-    if (!pb.ok()) return op.Done(pb.status());
-    st.layout = pb->meta().layout;
-    st.encoding = pb->meta().encoding;
-  }
+  if (absl::Status s = LearnLayout(*ns, st); !s.ok()) return op.Done(s);
   if (!st.layout.has_value()) {
     op.Record(absl::OkStatus());
     return out;
@@ -1188,19 +1174,14 @@ absl::StatusOr<ForkChange> NodeCore::ForkLocked(SequenceTable::Handle& src, Sequ
   SequenceState& d = dst.state();
   s.last_use = d.last_use = Now();
   ForkChange c;
-  if (!s.layout.has_value() && !s.blocks.empty()) {
-    // Learn the layout from a block (after a restart the table holds only keys).
-    KVRING_ASSIGN_OR_RETURN(PinnedBlock pb, store_->Acquire(src.ns(), s.blocks.begin()->second));
-    s.layout = pb.meta().layout;
-    s.encoding = pb.meta().encoding;
-  }
+  KVRING_RETURN_IF_ERROR(LearnLayout(src.ns(), s));
   c.source_tokens = HeldTokens(s);
   if (!s.layout.has_value()) return c;  // nothing of the source here
   const BlockLayout L = *s.layout;
   const uint64_t keep = tokens / L.block_tokens;
   const uint32_t rem = static_cast<uint32_t>(tokens % L.block_tokens);
   const uint64_t ends = keep + (rem > 0 ? 1 : 0);  // blocks [0, ends) hold the fork's tokens
-  const SequenceRef sref{src.ns(), src.id(), tenant}, dref{dst.ns(), dst.id(), tenant};
+  const SequenceRef dref{dst.ns(), dst.id(), tenant};
   // The open blocks below the fork point must hold every token up to it.
   for (auto it = s.open.begin(); it != s.open.end() && it->first < ends; ++it) {
     const uint32_t need = it->first < keep ? L.block_tokens : rem;
@@ -1220,25 +1201,10 @@ absl::StatusOr<ForkChange> NodeCore::ForkLocked(SequenceTable::Handle& src, Sequ
   }
   // Copied: open blocks below the fork point, and the block holding token
   // `tokens` (from the store when the source sealed it).
-  std::vector<uint8_t> bytes(L.bytes());
-  for (auto it = s.open.begin(); it != s.open.end() && it->first < ends; ++it) {
-    const uint32_t need = it->first < keep ? L.block_tokens : rem;
-    KVRING_RETURN_IF_ERROR(backend_->ReadOpenBlock(sref, it->first, absl::MakeSpan(bytes)));
-    const std::vector<uint32_t> filled(L.layers, need);
-    KVRING_RETURN_IF_ERROR(Reopen(dref, it->first, filled, bytes, L));
-    d.open[it->first] = OpenBlockState{filled};
-    ++c.blocks_copied;
-  }
-  if (rem > 0 && s.blocks.contains(keep) && !s.open.contains(keep)) {
-    KVRING_ASSIGN_OR_RETURN(PinnedBlock pb, store_->Acquire(src.ns(), s.blocks.at(keep)));
-    if (pb.meta().encoding.quantized() || !(pb.meta().layout == L)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("a fork of '", src.id(), "' at ", tokens, " tokens cuts into block ", keep,
-                       ", which is stored quantized; fork at a block boundary (", keep * L.block_tokens, ")"));
-    }
-    const std::vector<uint32_t> filled(L.layers, rem);
-    KVRING_RETURN_IF_ERROR(Reopen(dref, keep, filled, pb.payload(), L));
-    d.open[keep] = OpenBlockState{filled};
+  KVRING_ASSIGN_OR_RETURN(std::vector<KeptBlock> kept, KeptBlocks(src, tenant, L, tokens, "a fork at"));
+  for (const KeptBlock& k : kept) {
+    KVRING_RETURN_IF_ERROR(Reopen(dref, k.index, k.filled, k.bytes, L));
+    d.open[k.index] = OpenBlockState{k.filled};
     ++c.blocks_copied;
   }
   c.held = c.blocks_shared + c.blocks_copied > 0;

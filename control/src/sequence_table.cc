@@ -150,6 +150,16 @@ SequenceTable::KeyRefs SequenceTable::References(const BlockKey& key) const {
   return it == refs_.end() ? KeyRefs{} : it->second;
 }
 
+uint64_t SequenceTable::CountShared(absl::Span<const BlockKey> keys) const {
+  absl::MutexLock l(&mu_);
+  uint64_t n = 0;
+  for (const BlockKey& key : keys) {
+    auto it = refs_.find(key);
+    n += it != refs_.end() && it->second.records > 1;
+  }
+  return n;
+}
+
 absl::StatusOr<std::vector<ReleasedBlock>> SequenceTable::Handle::UnrecordFrom(uint64_t first)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   SequenceState& st = entry_->state;

@@ -21,6 +21,7 @@
 #include "kvring/common/process.h"
 #include "kvring/common/status_macros.h"
 #include "kvring/common/thread_pool.h"
+#include "kvring/layout/token_rows.h"
 #include "kvring/protocol/shard_ring.h"
 #include "kvring/protocol/tls.h"
 #include "kvring/protocol/wire.h"
@@ -883,7 +884,7 @@ class ClientImpl {
     std::shared_ptr<Node> src = NodeFor(ring.node(from).node_id()), dst = NodeFor(ring.node(to).node_id());
     if (!src || !dst) return absl::UnavailableError("repair: unknown node");
     const NamespaceId nsid = NamespaceIdOf(ns_);
-    const size_t esz = DTypeSize(L.dtype), row = size_t{L.head_dim} * esz;
+    const size_t row_bytes = size_t{L.kv_heads} * L.head_dim * DTypeSize(L.dtype);
     for (uint64_t b = b0; b < b1; b += 16) {
       v1::ReadSequenceRequest rr;
       *rr.mutable_header() = Header();
@@ -922,14 +923,8 @@ class ClientImpl {
         for (uint32_t l = 0; l < L.layers; ++l) {
           const uint32_t n = blk.filled(static_cast<int>(l));
           if (n == 0) continue;
-          std::vector<uint8_t> k(size_t{n} * L.kv_heads * row), v(k.size());
-          for (uint32_t t = 0; t < n; ++t) {
-            for (uint32_t h = 0; h < L.kv_heads; ++h) {
-              const size_t at = (size_t{t} * L.kv_heads + h) * row;
-              std::memcpy(k.data() + at, bytes + L.index(l, 0, h, t, 0) * esz, row);
-              std::memcpy(v.data() + at, bytes + L.index(l, 1, h, t, 0) * esz, row);
-            }
-          }
+          std::vector<uint8_t> k(n * row_bytes), v(k.size());
+          CopyTokenRows(L, bytes, l, n, k.data(), v.data());
           v1::AttendRequest req;
           *req.mutable_header() = Header();
           req.set_layer(l);

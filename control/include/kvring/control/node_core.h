@@ -319,6 +319,22 @@ class NodeCore {
   // The sequences of namespace `ns` held here, or only `ids` (ListSequences;
   // Stats sums them).
   std::vector<v1::SequenceInfo> DescribeSequences(NamespaceId ns, absl::Span<const std::string> ids = {});
+  // Learns a sequence's layout and encoding from its first full block when
+  // this process has not seen them (after a restart the table holds only
+  // keys); OK with nothing to learn. The error names the block.
+  absl::Status LearnLayout(NamespaceId ns, SequenceState& st);
+  // A block that keeps some of its tokens at a cut at `tokens` (truncate,
+  // fork): its bytes, and per layer its tokens below the cut.
+  struct KeptBlock {
+    uint64_t index = 0;
+    std::vector<uint32_t> filled;
+    std::vector<uint8_t> bytes;
+  };
+  // The open blocks below the cut and the sealed block the cut falls in
+  // (read from the store; FAILED_PRECONDITION when it is quantized or in
+  // another layout, `cut` naming the operation in the message).
+  absl::StatusOr<std::vector<KeptBlock>> KeptBlocks(SequenceTable::Handle& h, TenantId tenant, const BlockLayout& L,
+                                                    uint64_t tokens, absl::string_view cut);
   // ForkSequence's work on the locked source and fork.
   absl::StatusOr<ForkChange> ForkLocked(SequenceTable::Handle& src, SequenceTable::Handle& dst, TenantId tenant,
                                         uint64_t tokens);

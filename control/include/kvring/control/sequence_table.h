@@ -196,6 +196,8 @@ class SequenceTable {
     bool owned = false;
   };
   KeyRefs References(const BlockKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
+  // How many of `keys` more than one record names (blocks sequences share).
+  uint64_t CountShared(absl::Span<const BlockKey> keys) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   explicit SequenceTable(MetadataStore* store) : store_(store) {}
