@@ -974,6 +974,7 @@ absl::StatusOr<SequenceChange> NodeCore::TruncateSequence(const v1::Tenant& t, c
   st.last_use = Now();
   SequenceChange c;
   c.held = st.layout.has_value() || !st.blocks.empty() || !st.open.empty();
+  if (absl::Status s = LearnLayout(*ns, st); !s.ok()) return op.Done(s);  // after a restart: only keys
   if (!st.layout.has_value()) {
     op.Record(absl::OkStatus());
     return c;

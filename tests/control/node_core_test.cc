@@ -704,6 +704,17 @@ TEST_F(NodeCoreTest, ATruncatedAndReappendedSequenceAttendsLikeOneBuiltFromScrat
   // To nothing: a new sequence under the same id.
   cut("s", 0);
   for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 3, 3}}).ok());
+  // As after a restart (the table holds the full blocks' keys only, no
+  // layout yet): the cut still happens.
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 9}}).ok());  // 12 tokens: blocks 0-2 sealed
+  {
+    SequenceTable::Handle h = seqs_->Lock(NamespaceIdOf(TenantNamespace(3)), "s");
+    ASSERT_TRUE(h.state().open.empty());
+    h.state().layout.reset();
+  }
+  cut("s", 4);
+  EXPECT_EQ(seqs_->Lock(NamespaceIdOf(TenantNamespace(3)), "s").state().blocks.size(), 1u);
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 2, 5}}).ok()) << "re-append after a cut after a restart";
   EXPECT_TRUE(store_->CheckInvariants().ok());
 }
 
