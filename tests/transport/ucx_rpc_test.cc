@@ -26,7 +26,7 @@ namespace {
 // request's payload reversed (so a reply is checked byte for byte).
 class Echo {
  public:
-  Echo() : pool_(4) {
+  explicit Echo(const UcxLoopOptions& loop = {}) : pool_(4) {
     auto s = UcxRpcServer::Start(
         "127.0.0.1:0",
         [this](UcxRequest&& req, UcxReplier reply) {
@@ -37,12 +37,13 @@ class Echo {
           ++served_;
           reply.Send(absl::OkStatus(), "ok", {absl::MakeConstSpan(*out)}, out);
         },
-        &pool_, 64 << 20);
+        &pool_, 64 << 20, nullptr, loop);
     EXPECT_TRUE(s.ok()) << s.status();
     if (s.ok()) server_ = std::move(*s);
   }
   const std::string& address() const { return server_->address(); }
   int served() const { return served_.load(); }
+  uint64_t sleeps() const { return server_->sleeps(); }
 
  private:
   ThreadPool pool_;
@@ -75,6 +76,53 @@ TEST(UcxRpcTest, AnExactRoundTripSmallAndLarge) {
   auto c = UcxRpcClient::Connect(e.address());
   ASSERT_TRUE(c.ok()) << c.status();
   for (size_t n : {size_t{0}, size_t{100}, size_t{64} << 10, size_t{4} << 20}) ExpectExactCall(**c, n, 3);
+}
+
+// Calls a step apart (a decode loop: the engine computes between them): with
+// the adaptive spin the server's progress thread stays awake across the gaps
+// (it sleeps only once the calls stop); with a short fixed spin it sleeps
+// before every call, whose wake-up the call then pays.
+uint64_t ServerSleepsOverSpacedCalls(const UcxLoopOptions& loop, int calls, std::chrono::microseconds gap) {
+  Echo e(loop);
+  auto c = UcxRpcClient::Connect(e.address(), absl::Seconds(5), nullptr, loop);
+  EXPECT_TRUE(c.ok()) << c.status();
+  if (!c.ok()) return 0;
+  for (int i = 0; i < 3; ++i) ExpectExactCall(**c, 64, 1);  // connected, warm
+  const uint64_t before = e.sleeps();
+  for (int i = 0; i < calls; ++i) {
+    ExpectExactCall(**c, 256, static_cast<uint8_t>(i));
+    const auto until = std::chrono::steady_clock::now() + gap;
+    while (std::chrono::steady_clock::now() < until) {
+    }
+  }
+  return e.sleeps() - before;
+}
+
+TEST(UcxRpcTest, AdaptiveSpinKeepsTheProgressThreadAwakeWhileCallsStreamAndLetsItSleepAfter) {
+  constexpr int kCalls = 200;
+  UcxLoopOptions fixed;
+  fixed.spin_us = 0;
+  fixed.spin_max_us = 0;
+  UcxLoopOptions adaptive;
+  adaptive.spin_us = 0;
+  adaptive.spin_max_us = 50000;  // generous: a 2-core CI machine may deschedule the spinning threads
+  const uint64_t fixed_sleeps = ServerSleepsOverSpacedCalls(fixed, kCalls, std::chrono::microseconds(300));
+  const uint64_t adaptive_sleeps = ServerSleepsOverSpacedCalls(adaptive, kCalls, std::chrono::microseconds(300));
+  EXPECT_GE(fixed_sleeps, uint64_t{kCalls} * 3 / 4);
+  EXPECT_LE(adaptive_sleeps, uint64_t{kCalls} / 4);
+
+  // Once the calls stop, the adaptive loop sleeps again (an idle endpoint
+  // costs no CPU): after its window it goes to sleep and stays asleep (each
+  // poll lasts 100 ms: a handful of sleeps in a second, not a spinning core).
+  Echo e(adaptive);
+  auto c = UcxRpcClient::Connect(e.address(), absl::Seconds(5), nullptr, adaptive);
+  ASSERT_TRUE(c.ok()) << c.status();
+  for (int i = 0; i < 20; ++i) ExpectExactCall(**c, 64, 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const uint64_t asleep = e.sleeps();
+  EXPECT_GE(asleep, 1u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_LE(e.sleeps() - asleep, 10u);
 }
 
 TEST(UcxRpcTest, ClientsThatAbandonCallsAtEveryStageDoNotHurtTheServer) {

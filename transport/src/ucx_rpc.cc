@@ -657,6 +657,8 @@ absl::StatusOr<std::unique_ptr<UcxRpcServer>> UcxRpcServer::Start(const std::str
   return srv;
 }
 
+uint64_t UcxRpcServer::sleeps() const { return loop_->sleeps(); }
+
 UcxRpcServer::~UcxRpcServer() {
   {
     absl::MutexLock g(&state_->mu);
@@ -676,6 +678,12 @@ UcxRpcServer::~UcxRpcServer() {
 template <typename F>
 bool UcxRpcClient::WaitFor(F& f, absl::Duration timeout) {
   const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(timeout);
+  // Poll first for as long as the progress thread spins (UcxLoopOptions):
+  // a reply it takes while spinning then wakes no one.
+  const auto spin_until = std::min(deadline, std::chrono::steady_clock::now() + loop_->spin_window());
+  while (std::chrono::steady_clock::now() < spin_until) {
+    if (f.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return true;
+  }
   for (;;) {
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) return false;
@@ -826,6 +834,8 @@ void UcxRpcClient::Break(const absl::Status& why) {
   ClientState* st = state_.get();
   loop_->Post([st] { SayBye(st); });
 }
+
+uint64_t UcxRpcClient::sleeps() const { return loop_->sleeps(); }
 
 bool UcxRpcClient::connected() const {
   absl::MutexLock g(&state_->mu);

@@ -129,7 +129,11 @@ absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t fe
   }
   l->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   // UcxLoopOptions::spin_us says why the default depends on the core count.
-  l->spin_us_ = options.spin_us >= 0 ? options.spin_us : (std::thread::hardware_concurrency() >= 8 ? 20 : 0);
+  const bool big_host = std::thread::hardware_concurrency() >= 8;
+  l->spin_us_ = options.spin_us >= 0 ? options.spin_us : (big_host ? 20 : 0);
+  l->spin_max_us_ = options.spin_max_us >= 0 ? options.spin_max_us : (big_host ? 2000 : 0);
+  l->spin_max_us_ = std::max(l->spin_max_us_, l->spin_us_);
+  l->wakeup_ = options.wakeup;
   if (l->wake_fd_ < 0) return absl::InternalError("eventfd failed");
   UcxWorkerLoop* raw = l.get();
   l->thread_ = std::thread([raw] { raw->Loop(); });
@@ -189,6 +193,7 @@ void UcxWorkerLoop::Stop(std::function<void()> last) {
 
 void UcxWorkerLoop::Loop() {
   pthread_setname_np(pthread_self(), "kvring-ucx");  // as top -H and /proc show it
+  auto last_activity = std::chrono::steady_clock::now();
   while (!stop_.load()) {
     std::deque<std::function<void()>> todo;
     {
@@ -196,15 +201,18 @@ void UcxWorkerLoop::Loop() {
       todo.swap(tasks_);
     }
     for (auto& t : todo) t();
+    if (!todo.empty()) last_activity = std::chrono::steady_clock::now();
     if (stop_.load()) break;
     if (periodic_ && std::chrono::steady_clock::now() >= next_periodic_) {
       periodic_();
       next_periodic_ = std::chrono::steady_clock::now() + periodic_every_;
     }
     // Hybrid polling: keep progressing while there is activity and for a
-    // short spin after it (messages in flight complete without a sleep/wake
-    // round trip), then arm the worker and sleep.
-    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+    // spin after it (UcxLoopOptions: longer while the traffic streams), then
+    // arm the worker and sleep.
+    const bool streaming = streaming_.load(std::memory_order_relaxed);
+    const auto spin_until =
+        std::chrono::steady_clock::now() + std::chrono::microseconds(streaming ? spin_max_us_ : spin_us_);
     bool idle = true;
     do {
       if (ucp_worker_progress(worker_) != 0) idle = false;
@@ -216,15 +224,18 @@ void UcxWorkerLoop::Loop() {
         }
       }
     } while (std::chrono::steady_clock::now() < spin_until);
-    if (!idle) continue;
+    if (!idle) {
+      last_activity = std::chrono::steady_clock::now();
+      continue;
+    }
+    if (!wakeup_) continue;  // busy poll: never sleeps
     if (worker_fd_ < 0) {
-      pollfd f1{wake_fd_, POLLIN, 0};
-      ::poll(&f1, 1, 0);
       std::this_thread::sleep_for(std::chrono::microseconds(20));
       continue;
     }
     const ucs_status_t armed = ucp_worker_arm(worker_);
     if (armed == UCS_ERR_BUSY) continue;
+    sleeps_.fetch_add(1, std::memory_order_relaxed);
     pollfd fds[2] = {{worker_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
     ::poll(fds, 2, 100);
     if (fds[1].revents & POLLIN) {
@@ -232,6 +243,12 @@ void UcxWorkerLoop::Loop() {
       ssize_t r = ::read(wake_fd_, &v, sizeof(v));
       (void)r;
     }
+    // Streaming when this wake came soon after the last activity.
+    const auto woke = std::chrono::steady_clock::now();
+    const bool woke_by_message = (fds[0].revents | fds[1].revents) & POLLIN;
+    streaming_.store(
+        spin_max_us_ > spin_us_ && woke_by_message && woke - last_activity <= std::chrono::microseconds(spin_max_us_),
+        std::memory_order_relaxed);
   }
   // No progress after `last`: it closed every endpoint (cancelling what was
   // in flight), and progress now could answer a peer's messages for a closed

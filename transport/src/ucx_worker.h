@@ -65,6 +65,13 @@ class UcxWorkerLoop {
   void Stop(std::function<void()> last);
   // Runs `fn` on the loop thread about every `every` (set before traffic).
   void SetPeriodic(std::function<void()> fn, std::chrono::milliseconds every);
+  // How often the thread has gone to sleep (UcxRpcServer::sleeps). Any thread.
+  uint64_t sleeps() const { return sleeps_.load(std::memory_order_relaxed); }
+  // How long a waiter should poll before it sleeps: the current spin window
+  // (UcxLoopOptions). Any thread.
+  std::chrono::microseconds spin_window() const {
+    return std::chrono::microseconds(streaming_.load(std::memory_order_relaxed) ? spin_max_us_ : spin_us_);
+  }
 
  private:
   UcxWorkerLoop() = default;
@@ -73,7 +80,12 @@ class UcxWorkerLoop {
   ucp_worker_h worker_ = nullptr;
   int worker_fd_ = -1;
   int wake_fd_ = -1;
-  int spin_us_ = 0;  // UcxLoopOptions::spin_us, resolved
+  int spin_us_ = 0;      // UcxLoopOptions::spin_us, resolved
+  int spin_max_us_ = 0;  // UcxLoopOptions::spin_max_us, resolved
+  bool wakeup_ = true;
+  // The last wake came within spin_max_us_ of the activity before it.
+  std::atomic<bool> streaming_{false};
+  std::atomic<uint64_t> sleeps_{0};
   size_t max_am_header_ = 0;
   absl::Mutex mu_;
   std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);  // posted to the loop thread

@@ -61,17 +61,30 @@ struct ClientState;
 }  // namespace ucx_internal
 
 // How a UCX endpoint's progress thread waits for messages.
+//
+// Adaptive spin (the default on hosts of 8 or more cores): after a message
+// the thread busy-polls spin_us before sleeping on the worker's event fd; but
+// while messages keep coming (the last one woke it within spin_max_us of the
+// activity before it: a decode loop stepping layer after layer) it polls
+// spin_max_us after each, so the next one is taken without a sleep and wake
+// (each costs tens of microseconds, and a reply's wake is on the step's
+// critical path). When the traffic stops the thread sleeps again: an idle
+// endpoint costs no CPU, a streaming one about a core (bench/RESULTS.md has
+// what it costs and what it saves). A caller waiting in UcxRpcClient::Call
+// polls its reply for the same window before it sleeps.
 struct UcxLoopOptions {
-  // Busy-poll this long after each message before sleeping on the worker's
-  // event fd: a reply that comes back within it is taken without a sleep and
-  // wake (each costs tens of microseconds, more in a VM), at the price of a
-  // core kept busy for that long. -1: 20 us on hosts of 8 or more cores, 0
-  // below (on a small machine spinning loops take the cores from the work
-  // itself: 2 cores, 2 daemons + a client, 256 KiB gets ran 1.2 GB/s spinning,
-  // 1.7 without). Default: -1.
+  // Busy-poll this long after each message before sleeping when the traffic
+  // is not streaming. -1: 20 us on hosts of 8 or more cores, 0 below (on a
+  // small machine spinning loops take the cores from the work itself: 2
+  // cores, 2 daemons + a client, 256 KiB gets ran 1.2 GB/s spinning, 1.7
+  // without). Default: -1.
   int spin_us = -1;
+  // Busy-poll this long after each message while the traffic streams (see
+  // above); 0 turns the adaptive spin off (spin_us only). -1: 2000 us on
+  // hosts of 8 or more cores, 0 below. Default: -1.
+  int spin_max_us = -1;
   // Sleep on the worker's event fd between messages (UCP_FEATURE_WAKEUP).
-  // false: the loop polls without sleeping (lowest latency, a core always
+  // false: the loop polls without ever sleeping (lowest latency, a core always
   // busy). Default: true.
   bool wakeup = true;
   // The network devices the worker may use (UCX's device names, e.g. "lo",
@@ -126,6 +139,9 @@ class UcxRpcServer {
   ~UcxRpcServer();
   // "ucxw:<hex worker address>": what clients pass to Connect().
   const std::string& address() const { return address_; }
+  // How often the progress thread has gone to sleep (each sleep is a wake-up
+  // some later message pays). Any thread.
+  uint64_t sleeps() const;
 
  private:
   UcxRpcServer() = default;
@@ -163,6 +179,8 @@ class UcxRpcClient {
   const std::string& address() const { return address_; }
   // True when the server is on this host (shared-memory / CMA lanes).
   bool same_host() const { return same_host_; }
+  // How often the progress thread has gone to sleep. Any thread.
+  uint64_t sleeps() const;
 
  private:
   UcxRpcClient() = default;
