@@ -3,9 +3,10 @@
 #
 #   deploy/local-cluster.sh start  [--nodes N] [--dir DIR] [--port P] [--replication R] [--host-bytes B] [--page-bytes B] [--no-ucx]
 #                                  [--gpu DEV | --gpus D0,D1,... --hbm-bytes B] [--chunk-blocks N] [--write-quorum W] [--bin BUILD_DIR]
-#                                  [--daemon-flags "FLAGS"]  (more kvringd flags, e.g. "--ucx_spin_us=200")
+#                                  [--daemon-flags "FLAGS"]  (more kvringd flags, e.g. "--ucx_spin_us=200") [--no-mps]
 #   deploy/local-cluster.sh stop   [--dir DIR]
 #   deploy/local-cluster.sh status [--dir DIR]
+#   deploy/local-cluster.sh mps-start | mps-stop | mps-status
 #
 # Ports: coordinator P (default 7400), daemon i gRPC P+1+i, UCX P+101+i,
 # metrics P+201+i. State, logs and tokens live in DIR (default
@@ -13,11 +14,15 @@
 # DIR/tenant.token for a tenant 'demo' created at start. --gpu makes every
 # daemon a GPU node on device DEV with --hbm-bytes of HBM each (several
 # daemons may share one GPU); --gpus puts daemon i on device D(i mod n). --bin: where the binaries are (default
-# $KVRING_BIN, else ./build).
+# $KVRING_BIN, else ./build). With --gpu/--gpus, start first starts CUDA MPS
+# (nvidia-cuda-mps-control -d) unless it runs or --no-mps is given: the
+# daemons and an engine started after them then share the GPU without a
+# context switch on every pass-Q step (docs/MPS.md). stop leaves MPS running
+# (an engine may still use it); mps-stop ends it.
 set -euo pipefail
 cmd=${1:-}; shift || true
 NODES=4; DIR=/tmp/kvring-cluster; PORT=7400; R=2; HOST_BYTES=512M; PAGE_BYTES=2M; UCX=1; GPU=-1; HBM_BYTES=0
-CHUNK=64; W=0; DAEMON_FLAGS=""; GPUS=""
+CHUNK=64; W=0; DAEMON_FLAGS=""; GPUS=""; MPS=1
 BIN=${KVRING_BIN:-$(cd "$(dirname "$0")/.." && pwd)/build}
 while (($#)); do
   case "$1" in
@@ -35,12 +40,31 @@ while (($#)); do
     --write-quorum) W=$2; shift 2;;
     --bin) BIN=$2; shift 2;;
     --daemon-flags) DAEMON_FLAGS=$2; shift 2;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0;;
+    --no-mps) MPS=0; shift;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
 done
 
 pids() { cat "$DIR"/pids/* 2>/dev/null || true; }
+
+# CUDA MPS: one GPU context shared by every process of this user on the GPU.
+MPS_PIPE=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
+mps_running() { [ -p "$MPS_PIPE/control" ] && pgrep -x nvidia-cuda-mps-control >/dev/null 2>&1; }
+mps_start() {
+  if ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    echo "[cluster] no nvidia-cuda-mps-control on PATH: an engine on the daemons' GPU pays a GPU context switch on every pass-Q step"
+    return 0
+  fi
+  if mps_running; then echo "[cluster] MPS running (control pipe $MPS_PIPE)"; return 0; fi
+  nvidia-cuda-mps-control -d
+  for _ in $(seq 50); do mps_running && break; sleep 0.1; done
+  mps_running || { echo "[cluster] nvidia-cuda-mps-control -d did not start" >&2; exit 1; }
+  echo "[cluster] started MPS (control pipe $MPS_PIPE): start engines after this to share the daemons' GPU context"
+}
+mps_stop() {
+  if mps_running; then echo quit | nvidia-cuda-mps-control; echo "[cluster] MPS stopped"; else echo "[cluster] MPS not running"; fi
+}
 
 stop() {
   local any=0
@@ -67,6 +91,7 @@ start() {
   [ -x "$BIN/control/kvringd" ] || { echo "build first: $BIN/control/kvringd missing" >&2; exit 1; }
   mkdir -p "$DIR/pids" "$DIR/logs"
   if [ -n "$(pids)" ]; then stop >/dev/null; fi
+  if [ "$GPU" -ge 0 ] && [ $MPS = 1 ]; then mps_start; fi
   [ -f "$DIR/admin.token" ] || head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$DIR/admin.token"
   [ -f "$DIR/cluster.token" ] || head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$DIR/cluster.token"
   chmod 600 "$DIR"/*.token
@@ -120,5 +145,8 @@ case "$cmd" in
   start) start;;
   stop) stop;;
   status) status;;
-  *) sed -n '2,12p' "$0"; exit 2;;
+  mps-start) mps_start;;
+  mps-stop) mps_stop;;
+  mps-status) if mps_running; then echo "MPS running (control pipe $MPS_PIPE)"; else echo "MPS not running"; fi;;
+  *) sed -n '2,19p' "$0"; exit 2;;
 esac

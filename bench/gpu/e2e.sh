@@ -8,6 +8,7 @@
 # then bench/gpu/e2e.py (a coordinator and kvringd --gpu daemons sharing the
 # GPU, checked against torch and timed), then bench/gpu/hf_e2e.py
 # (transformers' Llama on kvring: pass-Q attention and the prefix cache),
+# then bench/gpu/hf_decode.py (pass-Q decode in generate against local sdpa),
 # then bench/gpu/hf_spec.py (assisted generation with rollbacks on kvring),
 # then bench/gpu/hf_fork.py (transformers sessions forked from one prompt),
 # then bench/gpu/seq_lifecycle.py (forks share one context; sessions give memory back),
@@ -45,6 +46,9 @@ for a in "$@"; do
 done
 echo "== machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee "$OUT/nvidia-smi.txt"
+# The default deployment of GPU nodes shares the GPU through CUDA MPS; every
+# process below joins it at its first CUDA call (docs/MPS.md).
+bash deploy/local-cluster.sh mps-start
 rc=0
 if [ $TESTS = 1 ]; then
   echo "== gpu tests"
@@ -62,6 +66,9 @@ fi
 if [ $HF = 1 ]; then
   echo "== transformers on kvring"
   timeout 540 python3 bench/gpu/hf_e2e.py --bin "$BIN" --out "$OUT" "${HF_ARGS[@]}" 2>&1 | tee "$OUT/hf_e2e.log" | grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  echo "== pass-Q decode inside generate against local sdpa (default deployment)"
+  timeout 560 python3 bench/gpu/hf_decode.py --bin "$BIN" --out "$OUT" --budget 420 2>&1 | tee "$OUT/hf_decode.log" | grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   echo "== speculative decoding on pass-Q (rollbacks by TruncateSequence)"
   timeout 300 python3 bench/gpu/hf_spec.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/hf_spec.log" | grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1"

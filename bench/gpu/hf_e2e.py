@@ -314,7 +314,8 @@ def main():
                         "or any of those parts")
     args = p.parse_args()
     import kvring
-    from kvring.local_cluster import LocalCluster
+    from kvring.local_cluster import LocalCluster, start_mps
+    log("[mps] " + start_mps(ROOT))  # before this process's first CUDA call (the default deployment: docs/MPS.md)
     results = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0)}
     import transformers
     results["transformers"] = transformers.__version__

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -68,7 +69,7 @@ int main(int argc, char** argv) {
   std::string listen = "0.0.0.0:7100", advertise, coordinator = "127.0.0.1:7000", cluster_token, cluster_token_file;
   std::string data_dir, node_id, eviction = "lru", cold_codec = "zstd", metrics_listen = "127.0.0.1:0", port_file;
   std::string log_level = "info", ucx_listen;
-  int64_t gpu = -1, gpu_lanes = 4, ucx_spin_us = -1;
+  int64_t gpu = -1, gpu_lanes = 4, ucx_spin_us = -1, ucx_spin_max_us = -1;
   bool ucx_busy_poll = false;
   int64_t ucx_inline_attend_rows = -1;
   uint64_t hbm_bytes = 0;
@@ -114,6 +115,10 @@ int main(int argc, char** argv) {
   flags.AddInt(
       "ucx_spin_us", &ucx_spin_us,
       "UCX progress thread: busy-poll this long after each message before sleeping (-1: 20 with 8+ cores, else 0)");
+  flags.AddInt("ucx_spin_max_us", &ucx_spin_max_us,
+               "UCX adaptive spin: while messages keep arriving (each within this window of the last), the progress "
+               "thread busy-polls up to this long after each one instead of --ucx_spin_us, so a decode loop's steps "
+               "find it awake; idle, it sleeps (-1: 2000 with 8+ cores, else 0; 0: off)");
   flags.AddBool("ucx_busy_poll", &ucx_busy_poll,
                 "UCX progress thread: poll without ever sleeping (lowest latency, one core busy)");
   flags.AddInt("ucx_inline_attend_rows", &ucx_inline_attend_rows,
@@ -237,6 +242,20 @@ int main(int argc, char** argv) {
     };
     auto b = MakeCudaAttentionBackend(go, store->get(), &pool);
     if (!b.ok()) return Fail(b.status(), "--gpu");
+    // Whether an engine on this GPU can share the daemon's context (CUDA MPS:
+    // the driver joined it at the first CUDA call if its control pipe was there).
+    const char* mps_dir = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
+    const std::string mps_pipe =
+        absl::StrCat(mps_dir != nullptr && *mps_dir != '\0' ? mps_dir : "/tmp/nvidia-mps", "/control");
+    std::error_code ec;
+    if (std::filesystem::exists(mps_pipe, ec)) {
+      KVRING_LOG(INFO) << "GPU " << gpu << " shared through CUDA MPS (" << mps_pipe
+                       << "): engines started under the same MPS attend without a GPU context switch";
+    } else {
+      KVRING_LOG(WARNING) << "GPU " << gpu << ": no CUDA MPS (" << mps_pipe
+                          << " missing): an engine on this GPU pays a GPU context switch (~150 us) on every pass-Q "
+                             "step; deploy/local-cluster.sh --gpu and the kvring-mps unit start MPS (docs/MPS.md)";
+    }
     gpu_backend = std::move(*b);
     backend = gpu_backend.get();
     // Get into the GPU memory of engines on this host (CUDA IPC).
@@ -285,11 +304,15 @@ int main(int argc, char** argv) {
       return Fail(absl::InvalidArgumentError("--ucx_inline_attend_rows must be in [-1, 4096]"), "flags");
     }
     if (ucx_inline_attend_rows < 0) ucx_inline_attend_rows = gpu >= 0 ? 64 : 0;
+    if (ucx_spin_us < -1 || ucx_spin_us > 1000000 || ucx_spin_max_us < -1 || ucx_spin_max_us > 1000000) {
+      return Fail(absl::InvalidArgumentError("--ucx_spin_us and --ucx_spin_max_us must be in [-1, 1000000]"), "flags");
+    }
     UcxDataPlaneOptions uo;
     uo.listen = ucx_listen;
     uo.max_message_bytes = max_message;
     uo.threads = 4;
     uo.loop.spin_us = static_cast<int>(ucx_spin_us);
+    uo.loop.spin_max_us = static_cast<int>(ucx_spin_max_us);
     uo.loop.wakeup = !ucx_busy_poll;
     uo.inline_attend_rows = static_cast<uint32_t>(ucx_inline_attend_rows);
     auto u = UcxDataPlane::Start(&core, uo);

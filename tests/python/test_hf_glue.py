@@ -1,6 +1,8 @@
 """kvring.hf's glue without transformers (which runs on the GPU host, bench/gpu/hf_e2e.py): PassQSession's
 attention over a local cluster of CPU daemons, against attention computed here in float64, through a
-minimal stand-in for transformers' registries and Cache base classes. Skips without torch.
+minimal stand-in for transformers' registries and Cache base classes. Skips without torch. Where CUDA is
+present (the GPU host) it runs again on GPU daemons with CUDA tensors, which takes the session's prepared
+path (kvring.torch.StepPlan), against the unprepared one and the same reference.
 
     python3 tests/python/test_hf_glue.py
 """
@@ -49,6 +51,15 @@ def fake_transformers():
 @unittest.skipIf(torch is None, "needs torch")
 class HfGlueTest(unittest.TestCase):
     def test_passq_session_appends_and_attends_exactly(self):
+        self._check(torch.device("cpu"), prepared=True)
+
+    @unittest.skipIf(torch is None or not torch.cuda.is_available(), "needs CUDA")
+    def test_prepared_and_unprepared_steps_on_gpu_daemons(self):
+        for prepared in (True, False):
+            with self.subTest(prepared=prepared):
+                self._check(torch.device("cuda"), prepared=prepared)
+
+    def _check(self, device, prepared):
         registry = fake_transformers()
         import kvring
         import kvring.hf as khf
@@ -69,9 +80,11 @@ class HfGlueTest(unittest.TestCase):
                                                     head_dim=D, num_hidden_layers=L, _attn_implementation="sdpa")
 
         model = Model()
-        with LocalCluster(nodes=3, port=int(os.environ.get("KVRING_TEST_PORT", "17900")), replication=1, chunk_blocks=2) as cl:
+        gpu = dict(gpu=0, hbm_bytes="256M") if device.type == "cuda" else {}
+        with LocalCluster(nodes=3, port=int(os.environ.get("KVRING_TEST_PORT", "17900")), replication=1, chunk_blocks=2,
+                          **gpu) as cl:
             c = kvring.Client(cl.coordinator, cl.tenant_token)
-            sess = khf.PassQSession(c, model, ["a", "b"], block_tokens=16, max_rows_per_step=40)
+            sess = khf.PassQSession(c, model, ["a", "b"], block_tokens=16, max_rows_per_step=40, prepared=prepared)
             self.assertEqual(model.config._attn_implementation, "kvring")
             fn = registry["kvring"]
             cache = sess.cache()
@@ -83,11 +96,14 @@ class HfGlueTest(unittest.TestCase):
                     q = torch.randn(2, H, T, D, generator=g).to(torch.bfloat16)
                     k = torch.randn(2, HKV, T, D, generator=g).to(torch.bfloat16)
                     v = torch.randn(2, HKV, T, D, generator=g).to(torch.bfloat16)
-                    kk, vv = cache.update(k, v, layer)
-                    self.assertIs(kk, k)  # the cache keeps nothing
-                    out, w = fn(model.layers[layer], q, kk, vv, None, scaling=1 / math.sqrt(D))
+                    kd, vd = k.to(device), v.to(device)
+                    kk, vv = cache.update(kd, vd, layer)
+                    self.assertIs(kk, kd)  # the cache keeps nothing
+                    out, w = fn(model.layers[layer], q.to(device), kk, vv, None, scaling=1 / math.sqrt(D))
                     self.assertIsNone(w)
                     self.assertEqual(tuple(out.shape), (2, T, H, D))
+                    self.assertEqual(out.device.type, device.type)
+                    out = out.cpu()
                     for b in range(2):
                         keys[b][layer].append(k[b].double())
                         vals[b][layer].append(v[b].double())
@@ -107,6 +123,9 @@ class HfGlueTest(unittest.TestCase):
             self.assertEqual(cache.get_seq_length(0), 140)
             self.assertEqual(sess.tokens, [[140, 140]] * L)
             self.assertEqual(sess.steps, (3 + 1 + 1 + 1 + 1) * L)
+            if device.type == "cuda" and prepared:  # decode steps timed at the engine
+                self.assertEqual(len(sess.decode_steps), 3 * L)
+                self.assertTrue(all(s[0] > 0 and s[3] > 0 for s in sess.decode_steps))
             # Rejected drafts: the cache's crop (what assisted generation calls) cuts the sequences on kvring
             # back too, and the next tokens attend over the kept ones only.
             cache.crop(120)

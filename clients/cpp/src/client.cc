@@ -1809,6 +1809,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     return absl::InvalidArgumentError(
         absl::StrCat("ucx_spin_us must be -1 (by core count) or 0..1000000, not ", options.ucx_loop.spin_us));
   }
+  if (options.ucx_loop.spin_max_us < -1 || options.ucx_loop.spin_max_us > 1000000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ucx_spin_max_us must be -1 (by core count) or 0..1000000, not ", options.ucx_loop.spin_max_us));
+  }
   auto impl = std::make_unique<ClientImpl>(options);
   KVRING_RETURN_IF_ERROR(impl->Init());
   return std::unique_ptr<Client>(new Client(std::move(impl)));

@@ -22,7 +22,8 @@ class Options(ctypes.Structure):
     _fields_ = [("coordinator", c_char_p), ("token", c_char_p), ("ns", c_char_p), ("use_ucx", c_int),
                 ("quantize", c_char_p), ("rpc_timeout_s", c_double), ("tls_ca", c_char_p), ("tls_cert", c_char_p),
                 ("tls_key", c_char_p), ("threads", c_u32), ("ucx_spin_us", ctypes.c_int32), ("ucx_busy_poll", ctypes.c_int32),
-                ("no_device_delivery", ctypes.c_int32), ("device_exchange_min_bytes", ctypes.c_int64)]
+                ("no_device_delivery", ctypes.c_int32), ("device_exchange_min_bytes", ctypes.c_int64),
+                ("ucx_spin_max_us", ctypes.c_int32)]
 
 
 class PutReport(ctypes.Structure):
@@ -131,8 +132,8 @@ def _load():
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
-    if lib.kvring_api_version() != 5:
-        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 5" % lib.kvring_api_version())
+    if lib.kvring_api_version() != 6:
+        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 6" % lib.kvring_api_version())
     return lib
 
 

@@ -23,6 +23,7 @@ looks the prompt's blocks up, loads the hits into a DynamicCache on the GPU
 only the rest, and saves the new full blocks afterwards. Blocks evicted
 between the lookup and the load are recomputed.
 """
+import collections
 import time
 import warnings
 
@@ -183,12 +184,17 @@ class PassQSession:
     """Pass-Q attention for one batch of sequences (one per batch row) of `model` over `client`."""
 
     def __init__(self, client, model, sequence_ids, block_tokens=16, max_rows_per_step=2048, keep=False,
-                 start_tokens=0, fork_of=None):
+                 start_tokens=0, fork_of=None, prepared=True):
         """keep=False: end() (and leaving a `with` block) deletes the session's sequences from kvring; keep=True
         leaves them for a later session over the same ids, which passes start_tokens (an int, or one per sequence:
         the tokens each already holds). fork_of=(source_id, tokens) (or one pair per sequence) starts each sequence
         as a fork of the first `tokens` tokens of a sequence kvring holds (a shared context stored once: no copy of
-        its full blocks); the session then starts at that length."""
+        its full blocks); the session then starts at that length. prepared=False sends each step through
+        kvring.torch.step (built from scratch per call) instead of a kvring.torch.StepPlan made once: slower, for
+        comparison only.
+
+        decode_steps holds the latest single-token steps as (seconds at the engine, from inputs ready to output
+        ready; and the client's, the node's and the kernel's seconds from the step's report)."""
         register()
         self.client, self.model = client, model
         self.ids = list(sequence_ids)
@@ -212,6 +218,9 @@ class PassQSession:
         self.bytes_sent = self.bytes_received = 0
         self.shard_steps = self.shard_steps_in_place = 0  # shard requests, and those served in this GPU's memory
         self.seconds = 0.0
+        self.prepared = prepared
+        self._plan = None
+        self.decode_steps = collections.deque(maxlen=1 << 16)
         self.previous_attention = getattr(model.config, "_attn_implementation", None) or "sdpa"
         if self.previous_attention == ATTENTION_NAME:
             self.previous_attention = "sdpa"
@@ -267,6 +276,8 @@ class PassQSession:
         B, Hq, T, D = query.shape
         if B != len(self.ids):
             raise InvalidArgumentError(f"batch of {B} rows but the session has {len(self.ids)} sequences")
+        if self.prepared and query.is_cuda:
+            return self._attend_planned(layer, query, key, value, scaling)
         q = query.transpose(1, 2).contiguous()   # [B, T, Hq, D]
         k = key.transpose(1, 2).contiguous()     # [B, T, Hkv, D]
         v = value.transpose(1, 2).contiguous()
@@ -298,6 +309,54 @@ class PassQSession:
             self.shard_steps_in_place += rep["shards_in_place"]
         self.seconds += time.perf_counter() - t0
         return out.to(query.dtype)
+
+    def _attend_planned(self, layer, query, key, value, scaling):
+        """attend() through the session's StepPlan: for a decode step (T = 1) the transposes below are views
+        (no copy), and nothing is allocated but the bf16 result."""
+        B, Hq, T, D = query.shape
+        scale = float(scaling or 0.0)
+        if self._plan is None or self._plan[0] != (Hq, scale):
+            self._plan = ((Hq, scale), kt.StepPlan(self.client, self.layout, self.ids, Hq, max_rows=self.max_rows,
+                                                   softmax_scale=scale))
+        plan = self._plan[1]
+        q = query.transpose(1, 2)  # [B, T, Hq, D]
+        k = key.transpose(1, 2)
+        v = value.transpose(1, 2)
+        if T > 1:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if k.dtype != torch.bfloat16:
+            k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+        torch.cuda.current_stream(query.device).synchronize()  # the step starts once its inputs are computed
+        t0 = time.perf_counter()
+        tokens = self.tokens[layer]
+        rep = plan.report
+        if T <= self.max_rows:
+            o, _ = plan.run(layer, tokens, T, q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D),
+                            v.reshape(B * T, -1, D))
+            result = o.view(B, T, Hq, D).to(query.dtype)
+            self._account(tokens, T, rep)
+        else:  # a long prompt: a chunked prefill
+            result = torch.empty((B, T, Hq, D), dtype=query.dtype, device=query.device)
+            for c0 in range(0, T, self.max_rows):
+                n = min(T, c0 + self.max_rows) - c0
+                o, _ = plan.run(layer, tokens, n, q[:, c0:c0 + n].reshape(B * n, Hq, D),
+                                k[:, c0:c0 + n].reshape(B * n, -1, D), v[:, c0:c0 + n].reshape(B * n, -1, D))
+                result[:, c0:c0 + n] = o.view(B, n, Hq, D)
+                self._account(tokens, n, rep)
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        if T == 1:
+            self.decode_steps.append((dt, rep.seconds, rep.node_seconds, rep.kernel_seconds))
+        return result
+
+    def _account(self, tokens, n, rep):
+        for b in range(len(tokens)):
+            tokens[b] += n
+        self.steps += 1
+        self.bytes_sent += rep.bytes_sent
+        self.bytes_received += rep.bytes_received
+        self.shard_steps += rep.shards
+        self.shard_steps_in_place += rep.shards_in_place
 
 
 def _dynamic_cache(model):

@@ -7,7 +7,8 @@ demos and workloads, driven through deploy/local-cluster.sh.
 Binaries come from `bin` (default: KVRING_BIN, else the build directory this
 package was built into), the script from `root` (default: KVRING_ROOT, else
 the binaries' parent). gpu=DEV makes every daemon a GPU node with hbm_bytes
-of HBM; chunk_blocks and write_quorum go to the coordinator.
+of HBM (and starts CUDA MPS first unless mps=False: see start_mps());
+chunk_blocks and write_quorum go to the coordinator.
 """
 import os
 import shutil
@@ -19,12 +20,13 @@ from pathlib import Path
 class LocalCluster:
     def __init__(self, nodes=4, port=7600, replication=2, host_bytes="512M", page_bytes="2M", directory=None, keep=False,
                  gpu=-1, hbm_bytes="0", chunk_blocks=64, write_quorum=0, bin=None, root=None, daemon_flags="",
-                 gpus=None):
+                 gpus=None, mps=True):
         here = Path(__file__).resolve()
         self.bin = Path(bin or os.environ.get("KVRING_BIN", here.parents[2]))
         self.root = Path(root or os.environ.get("KVRING_ROOT", self.bin.parent))
         self.gpu, self.hbm_bytes, self.chunk_blocks, self.write_quorum = gpu, hbm_bytes, chunk_blocks, write_quorum
         self.daemon_flags = daemon_flags
+        self.mps = mps
         self.gpus = gpus  # a list of devices: daemon i on gpus[i % len(gpus)] (overrides gpu)
         self.nodes, self.port, self.replication = nodes, port, replication
         self.host_bytes, self.page_bytes = host_bytes, page_bytes
@@ -47,7 +49,8 @@ class LocalCluster:
                      str(self.replication), "--host-bytes", self.host_bytes, "--page-bytes", self.page_bytes,
                      "--gpu", str(self.gpu), "--hbm-bytes", str(self.hbm_bytes), "--chunk-blocks",
                      str(self.chunk_blocks), "--write-quorum", str(self.write_quorum), "--daemon-flags",
-                     self.daemon_flags, *(["--gpus", ",".join(str(g) for g in self.gpus)] if self.gpus else []))
+                     self.daemon_flags, *(["--gpus", ",".join(str(g) for g in self.gpus)] if self.gpus else []),
+                     *([] if self.mps else ["--no-mps"]))
         return self
 
     def stop(self):
@@ -77,3 +80,25 @@ class LocalCluster:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _mps_script(action, root=None):
+    here = Path(__file__).resolve()
+    root = Path(root or os.environ.get("KVRING_ROOT", here.parents[3]))
+    r = subprocess.run(["bash", str(root / "deploy/local-cluster.sh"), action], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"local-cluster.sh {action} failed:\n{r.stdout}{r.stderr}")
+    return r.stdout.strip()
+
+
+def start_mps(root=None):
+    """Starts CUDA MPS (as deploy/local-cluster.sh --gpu does) unless it runs. A process joins MPS when it first
+    touches CUDA: a script that starts GPU daemons and then uses the GPU itself calls this before its first CUDA
+    call, so it shares the daemons' GPU context instead of paying a context switch on every pass-Q step."""
+    return _mps_script("mps-start", root)
+
+
+def stop_mps(root=None):
+    """Ends CUDA MPS (processes that joined it keep running until they exit)."""
+    return _mps_script("mps-stop", root)
+

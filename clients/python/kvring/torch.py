@@ -4,6 +4,8 @@
     kt.put(client, keys, blocks, layout)              # blocks: [n, *layout.block_shape] tensor
     found = kt.get_into(client, keys, layout, pool[i:i + n])   # into a slice of a GPU KV pool
     out, lse = kt.step(client, layout, [("seq", ctx, rows, append)], q, positions, new_k, new_v, layer=l)
+    plan = kt.StepPlan(client, layout, ["seq"], q_heads, max_rows=1)  # an engine's per-layer call, prepared once
+    out, lse = plan.run(l, [ctx], 1, q, new_k, new_v)
 
 CUDA tensors go to the client as device pointers: queries and appended K/V
 cross to the host once, the merged output lands in a device tensor, and
@@ -15,7 +17,7 @@ import ctypes
 import numpy as np
 import torch
 
-from . import Layout, _check, _invalid, _keys, _lib, _native, _parent, _ptr
+from . import Layout, _check, _int, _invalid, _keys, _lib, _native, _parent, _ptr, _real, _text
 
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _LAYOUT_DT = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
@@ -105,4 +107,85 @@ def step(client, layout, sequences, q, positions, new_k=None, new_v=None, layer=
     return (out, lse, rep) if report else (out, lse)
 
 
-__all__ = ["put", "put_sequence", "get_into", "step", "layout_dtype", "Layout"]
+class StepPlan:
+    """step() prepared once for an engine's decode loop: a fixed batch of sequences, each appending and attending
+    the same number of rows a call, with CUDA tensors on one device. The C structs, the positions array and the
+    output buffers are built here and reused, so a call allocates no Python objects but the tensors it returns,
+    and checks only what can change from call to call (the tensors' shapes, dtypes, device, contiguity); the
+    client checks the rest at its boundary as for step().
+
+    Not thread-safe: one engine thread drives a plan. The returned (out, lse) are the plan's own buffers: they
+    hold the result until the next run() (copy them to keep them longer)."""
+
+    def __init__(self, client, layout, sequence_ids, q_heads, max_rows=1, causal=True, softmax_scale=0.0):
+        ids = list(sequence_ids)
+        if not ids:
+            _invalid("a StepPlan needs at least one sequence")
+        self._client, self._layout = client, layout
+        self._ids = [_text("sequence_id", sid, 256, empty=False) for sid in ids]  # kept alive for the C structs
+        self.batch = len(ids)
+        self.q_heads = _int("q_heads", q_heads, 1, 4096)
+        self.max_rows = _int("max_rows", max_rows, 1, 1 << 20)
+        self._dtype = layout_dtype(layout)
+        self._seqs = (_native.Seq * self.batch)(*[_native.Seq(sid, 0, 0, 0) for sid in self._ids])
+        self._pos = np.zeros(self.batch * self.max_rows, np.int64)
+        self._arange = np.arange(self.max_rows, dtype=np.int64)
+        self._args = _native.StepArgs(layout._c(), self._seqs, self.batch, None, 2, 0, self.q_heads, layout.head_dim,
+                                      self._pos.ctypes.data_as(_native.P(ctypes.c_int64)), None, None, 0,
+                                      1 if causal else 0, 0, _real("softmax_scale", softmax_scale, 0, 1e6), 1)
+        self._args_ref = ctypes.byref(self._args)
+        self.report = _native.AttendReport()  # the last run's report
+        self._report_ref = ctypes.byref(self.report)
+        self._out = {}  # (rows, device) -> (out, lse, out pointer, lse pointer)
+
+    def run(self, layer, contexts, rows, q, new_k, new_v):
+        """Appends `rows` tokens to each sequence on `layer` (sequence b holds contexts[b] tokens there before the
+        call) and attends their queries: q [batch * rows, q_heads, head_dim] (bf16/f16/f32), new_k / new_v
+        [batch * rows, kv_heads, head_dim] in the layout's dtype, rows grouped by sequence, CUDA tensors on one
+        device, contiguous. Returns (out [batch * rows, q_heads, head_dim] f32, lse [batch * rows, q_heads] f32)
+        on that device."""
+        B, L = self.batch, self._layout
+        if not 0 < rows <= self.max_rows:
+            _invalid("rows must be in [1, %d], got %d" % (self.max_rows, rows))
+        n = B * rows
+        qd = _DT.get(q.dtype)
+        if qd is None or q.shape != (n, self.q_heads, L.head_dim) or not q.is_contiguous() or not q.is_cuda:
+            _invalid("q must be a contiguous CUDA tensor (%d, %d, %d) of float32/16 or bfloat16, got %s %s" %
+                     (n, self.q_heads, L.head_dim, tuple(q.shape), q.dtype))
+        kv = (n, L.kv_heads, L.head_dim)
+        for t, what in ((new_k, "new_k"), (new_v, "new_v")):
+            if t.shape != kv or t.dtype != self._dtype or not t.is_contiguous() or t.device != q.device:
+                _invalid("%s must be a contiguous %s tensor %s on q's device, got %s %s" %
+                         (what, self._dtype, kv, tuple(t.shape), t.dtype))
+        if len(contexts) != B:
+            _invalid("contexts: one token count per sequence (%d), got %d" % (B, len(contexts)))
+        seqs, pos = self._seqs, self._pos
+        if rows == 1:
+            for b in range(B):
+                c = contexts[b]
+                s = seqs[b]
+                s.context_tokens, s.rows, s.append_tokens = c, 1, 1
+                pos[b] = c
+        else:
+            for b in range(B):
+                c = contexts[b]
+                s = seqs[b]
+                s.context_tokens, s.rows, s.append_tokens = c, rows, rows
+                np.add(self._arange[:rows], c, out=pos[b * rows:(b + 1) * rows])
+        key = (rows, q.device)
+        buf = self._out.get(key)
+        if buf is None:
+            o = torch.empty((n, self.q_heads, L.head_dim), dtype=torch.float32, device=q.device)
+            lo = torch.empty((n, self.q_heads), dtype=torch.float32, device=q.device)
+            buf = (o, lo, ctypes.c_void_p(o.data_ptr()), ctypes.c_void_p(lo.data_ptr()))
+            if rows <= 16:  # decode and draft steps reuse their buffers; prefill chunks of every size do not stay
+                self._out[key] = buf
+        a = self._args
+        a.q, a.q_dtype, a.num_rows, a.layer = q.data_ptr(), qd, n, layer
+        a.new_k, a.new_v = new_k.data_ptr(), new_v.data_ptr()
+        torch.cuda.current_stream(q.device).synchronize()  # inputs written; the client reads them on its own stream
+        _check(_lib.kvring_step(self._client._h, self._args_ref, buf[2], buf[3], self._report_ref))
+        return buf[0], buf[1]
+
+
+__all__ = ["put", "put_sequence", "get_into", "step", "StepPlan", "layout_dtype", "Layout"]

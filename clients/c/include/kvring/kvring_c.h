@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KVRING_C_API_VERSION 5
+#define KVRING_C_API_VERSION 6
 
 typedef struct kvring_client kvring_client;
 
@@ -48,6 +48,8 @@ typedef struct {
   int32_t ucx_busy_poll;             /* UCX progress threads never sleep */
   int32_t no_device_delivery;        /* ClientOptions::device_delivery = false (version 2) */
   int64_t device_exchange_min_bytes; /* ClientOptions::device_exchange_min_bytes; < 0: its default (version 3) */
+  int32_t ucx_spin_max_us; /* UCX adaptive spin window (UcxLoopOptions::spin_max_us; -1: by core count, 0: off; version
+                              6) */
 } kvring_options;
 
 typedef struct {

@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Pass-Q decode inside transformers' generate, on the default deployment, beside local sdpa in the same run.
+
+  python3 bench/gpu/hf_decode.py --bin .gpu [--deployment default|before] [--configs 1x1x32K,4x1x32K,...]
+                                 [--budget SECONDS]
+
+Llama-3-8B shapes (32 layers, 32 q / 8 kv heads, d128; random weights). For each configuration
+SHARDSxBATCHxCONTEXT: the decode tokens/s of model.generate with kvring.hf.PassQSession (the KV on GPU
+daemons, the engine holding none) against generate with a DynamicCache and sdpa (the KV in the engine);
+both timed between the first and the last token (no prefill). Inside the same pass-Q generate, the
+per-layer step at the engine (PassQSession.decode_steps: inputs ready -> output ready, p50) beside the
+node's kernel for that step, with the breakdown engine glue / client + transport / daemon / kernel; and
+sdpa's own attention per layer inside a local generate, timed the same way.
+
+--deployment default: what deploy/local-cluster.sh --gpu starts (CUDA MPS, the daemons' default UCX
+progress: adaptive spin) and the client's defaults (adaptive spin; the prepared step). before: the
+settings before issue 32, for the ratio: no MPS, --ucx_spin_us=20 --ucx_spin_max_us=0 on the daemons,
+ucx_spin_max_us=0 in the client, and the unprepared per-call path (prepared=False). MPS is joined when a
+process first touches CUDA, so this script starts (or stops) it before its own first CUDA call. The
+daemons' and the engine's CPU use (cores busy) during decode and idle afterwards is recorded for the
+progress mode's cost.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def parse_config(s):
+    shards, batch, ctx = s.lower().split("x")
+    n = int(ctx[:-1]) * 1024 if ctx.endswith("k") else int(ctx)
+    return int(shards), int(batch), n
+
+
+def cpu_seconds(pid):
+    """utime + stime of a process (all its threads), in seconds."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """Cores busy (CPU seconds per wall second) of a set of processes over an interval."""
+
+    def __init__(self, pids):
+        self.pids = pids
+
+    def __enter__(self):
+        self.t0, self.c0 = time.perf_counter(), sum(cpu_seconds(p) for p in self.pids)
+        return self
+
+    def __exit__(self, *exc):
+        self.cores = (sum(cpu_seconds(p) for p in self.pids) - self.c0) / max(1e-9, time.perf_counter() - self.t0)
+
+
+from transformers import LogitsProcessor  # noqa: E402  (no CUDA call)
+
+
+class Stamps(LogitsProcessor):
+    """A logits processor that stamps the time of each token (after a sync): decode tokens/s without prefill."""
+
+    def __init__(self):
+        self.t = []
+
+    def __call__(self, input_ids, scores):
+        torch.cuda.synchronize()
+        self.t.append(time.perf_counter())
+        return scores
+
+    def rate(self):
+        return (len(self.t) - 1) / max(1e-9, self.t[-1] - self.t[0])
+
+
+def generate_timed(model, ids, n_new, cache):
+    from transformers import LogitsProcessorList
+    st = Stamps()
+    model.generate(ids, max_new_tokens=n_new, do_sample=False, past_key_values=cache, pad_token_id=0,
+                   logits_processor=LogitsProcessorList([st]))
+    return st.rate()
+
+
+def sdpa_layer_times(model, ids, n_new):
+    """sdpa's attention per layer inside a local generate's decode steps (sync, attention, sync), seconds."""
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    times = []
+
+    def timed(module, query, *a, **k):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = sdpa_attention_forward(module, query, *a, **k)
+        torch.cuda.synchronize()
+        if query.shape[2] == 1:
+            times.append(time.perf_counter() - t0)
+        return out
+
+    AttentionInterface.register("sdpa_timed", timed)
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionMaskInterface.register("sdpa_timed", sdpa_mask)
+    import kvring.hf as khf
+    khf._set_attention(model, "sdpa_timed")
+    try:
+        model.generate(ids, max_new_tokens=n_new, do_sample=False, past_key_values=DynamicCache(), pad_token_id=0)
+    finally:
+        khf._set_attention(model, "sdpa")
+    return times
+
+
+def p50(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
+    import kvring.hf as khf
+    from transformers import DynamicCache
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, model.config.vocab_size, (batch, ctx), generator=g).cuda()
+    daemons = [int(p.read_text()) for p in (cl.dir / "pids").glob("node*")]
+    me = [os.getpid()]
+    r = {"shards": shards, "batch": batch, "context": ctx, "new_tokens": n_new}
+
+    torch.cuda.synchronize()
+    with CpuMeter(me) as eng_local:
+        r["sdpa_tokens_per_s"] = generate_timed(model, ids, n_new, DynamicCache())
+    torch.cuda.empty_cache()
+    try:
+        r["sdpa_layer_p50_us"] = p50(sdpa_layer_times(model, ids, 4)) * 1e6
+    except Exception as e:  # noqa: BLE001  (the per-layer peer only; the rates stand without it)
+        log(f"  sdpa per-layer timing failed: {e!r}")
+        r["sdpa_layer_p50_us"] = float("nan")
+    torch.cuda.empty_cache()
+
+    sess = khf.PassQSession(c, model, [f"{label}-{shards}x{batch}x{ctx}-{b}" for b in range(batch)],
+                            prepared=not before)
+    try:
+        with sess:
+            with CpuMeter(daemons) as dm, CpuMeter(me) as eng:
+                r["passq_tokens_per_s"] = generate_timed(model, ids, n_new, sess.cache())
+            time.sleep(0.5)
+            with CpuMeter(daemons) as idle:
+                time.sleep(2.0)
+            steps = list(sess.decode_steps)
+    finally:
+        khf._set_attention(model, "sdpa")
+    if steps:
+        r["step_p50_us"] = p50([s[0] for s in steps]) * 1e6
+        r["client_p50_us"] = p50([s[1] for s in steps]) * 1e6
+        r["node_p50_us"] = p50([s[2] for s in steps]) * 1e6
+        r["kernel_p50_us"] = p50([s[3] for s in steps]) * 1e6
+        r["over_kernel_us"] = r["step_p50_us"] - r["kernel_p50_us"]
+        r["breakdown_us"] = {"engine glue": r["step_p50_us"] - r["client_p50_us"],
+                             "client + transport": r["client_p50_us"] - r["node_p50_us"],
+                             "daemon": r["node_p50_us"] - r["kernel_p50_us"], "kernel": r["kernel_p50_us"]}
+    r["ratio"] = r["passq_tokens_per_s"] / r["sdpa_tokens_per_s"]
+    r["cores_busy"] = {"daemons_decode": dm.cores, "daemons_idle": idle.cores, "engine_decode_passq": eng.cores,
+                       "engine_decode_sdpa": eng_local.cores}
+    torch.cuda.empty_cache()
+    log(f"  {shards} shard(s), batch {batch}, {ctx // 1024}K: pass-Q {r['passq_tokens_per_s']:.1f} tok/s vs sdpa "
+        f"{r['sdpa_tokens_per_s']:.1f} = {r['ratio']:.2f}x; step p50 {r.get('step_p50_us', float('nan')):.0f} us "
+        f"(kernel {r.get('kernel_p50_us', float('nan')):.0f}, +{r.get('over_kernel_us', float('nan')):.0f}; "
+        f"sdpa's attention {r['sdpa_layer_p50_us']:.0f} us); breakdown "
+        + ", ".join(f"{k} {v:.0f}" for k, v in r.get("breakdown_us", {}).items())
+        + f"; cores busy: daemons {dm.cores:.2f} decoding, {idle.cores:.2f} idle; engine {eng.cores:.2f} "
+          f"(sdpa {eng_local.cores:.2f})")
+    return r
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bin", default=str(ROOT / ".gpu"))
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
+    p.add_argument("--deployment", choices=["default", "before"], default="default")
+    p.add_argument("--configs", default="1x1x32K,4x1x32K,1x8x32K,4x8x32K,1x1x128K,4x1x128K",
+                   help="SHARDSxBATCHxCONTEXT, comma-separated, run in this order")
+    p.add_argument("--new", type=int, default=33, help="tokens generated per run (decode rate over the last n-1)")
+    p.add_argument("--budget", type=float, default=480, help="start no configuration after this many seconds")
+    args = p.parse_args()
+    t_start = time.time()
+    from kvring.local_cluster import LocalCluster, start_mps, stop_mps
+    before = args.deployment == "before"
+    # Before this process's first CUDA call: it joins MPS (or not) there.
+    log("[mps] " + (stop_mps(ROOT) if before else start_mps(ROOT)))
+    import kvring
+    from hf_e2e import build_model
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
+               "deployment": args.deployment, "configs": []}
+    import transformers
+    results["transformers"], results["torch"] = transformers.__version__, torch.__version__
+    log(f"== pass-Q decode in generate, {args.deployment} deployment, Llama-3-8B shapes (random weights)")
+    model = build_model(32, 32, 8, 4096, 14336, seed=1)
+    page = str(2 << 20)
+    configs = [parse_config(s) for s in args.configs.split(",")]
+    dflags = "--ucx_spin_us=20 --ucx_spin_max_us=0" if before else ""
+    copts = {"ucx_spin_max_us": 0} if before else {}
+    path = out / f"hf_decode_{args.deployment}.json"
+    for shards in sorted({s for s, _, _ in configs}):
+        mine = [(b, n) for s, b, n in configs if s == shards]
+        need = max(b * n for b, n in mine) * 32 * 8 * 128 * 2 * 2  # the largest configuration's KV, all layers
+        hbm = f"{int(need * 1.15 / shards / 2**30) + 2}G"
+        if time.time() - t_start > args.budget:
+            log(f"  (budget spent: {shards}-shard configurations skipped)")
+            break
+        with LocalCluster(nodes=shards, port=8600 + 10 * shards, replication=1, host_bytes="4G", page_bytes=page,
+                          gpu=0, hbm_bytes=hbm, chunk_blocks=256, bin=args.bin, root=ROOT, daemon_flags=dflags,
+                          mps=not before) as cl:
+            c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=120, **copts)
+            for b, n in mine:
+                if time.time() - t_start > args.budget:
+                    log(f"  (budget spent: {shards}x{b}x{n // 1024}K skipped)")
+                    continue
+                try:
+                    results["configs"].append(run_config(c, cl, model, shards, b, n, args.new, before,
+                                                         args.deployment))
+                except Exception as e:  # noqa: BLE001
+                    import traceback
+                    traceback.print_exc()
+                    results.setdefault("errors", []).append(f"{shards}x{b}x{n}: {e!r}")
+                path.write_text(json.dumps(results, indent=1))
+            c.close()
+    path.write_text(json.dumps(results, indent=1))
+    log(f"hf_decode: {len(results['configs'])} configuration(s) measured in {time.time() - t_start:.0f} s -> {path}")
+    sys.exit(1 if results.get("errors") else 0)
+
+
+if __name__ == "__main__":
+    main()
