@@ -284,6 +284,8 @@ class PassQSession:
         if k.dtype != torch.bfloat16:
             k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
         out = torch.empty((B, T, Hq, D), dtype=torch.float32, device=query.device)
+        if query.is_cuda:
+            torch.cuda.current_stream(query.device).synchronize()  # timed from inputs ready, as the prepared path
         t0 = time.perf_counter()
         # Chunks of at most max_rows rows a sequence (a long prompt is a chunked prefill).
         for c0 in range(0, T, self.max_rows):
@@ -307,8 +309,12 @@ class PassQSession:
             self.bytes_received += rep["bytes_received"]
             self.shard_steps += rep["shards"]
             self.shard_steps_in_place += rep["shards_in_place"]
-        self.seconds += time.perf_counter() - t0
-        return out.to(query.dtype)
+        result = out.to(query.dtype)
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        if T == 1:
+            self.decode_steps.append((dt, rep["seconds"], rep["node_seconds"], rep["kernel_seconds"]))
+        return result
 
     def _attend_planned(self, layer, query, key, value, scaling):
         """attend() through the session's StepPlan: for a decode step (T = 1) the transposes below are views
