@@ -843,11 +843,14 @@ class ClientImpl {
     AttendStep st = in;
     st.device_buffers = false;
     uint8_t* p = stage.data();
-    if (qb > 0) KVRING_RETURN_IF_ERROR(dev->ToHost(p, in.q.data, qb));
+    // Queued on one stream and waited for once (a decode step's three small
+    // copies each paid a synchronous cudaMemcpy's round trip before).
+    if (qb > 0) KVRING_RETURN_IF_ERROR(dev->CopyAsync(p, in.q.data, qb));
     if (kvb > 0) {
-      KVRING_RETURN_IF_ERROR(dev->ToHost(p + qb, in.new_k, kvb));
-      KVRING_RETURN_IF_ERROR(dev->ToHost(p + qb + kvb, in.new_v, kvb));
+      KVRING_RETURN_IF_ERROR(dev->CopyAsync(p + qb, in.new_k, kvb));
+      KVRING_RETURN_IF_ERROR(dev->CopyAsync(p + qb + kvb, in.new_v, kvb));
     }
+    if (qb + kvb > 0) KVRING_RETURN_IF_ERROR(dev->Wait());
     st.q.data = p;
     st.new_k = p + qb;
     st.new_v = p + qb + kvb;
@@ -855,8 +858,9 @@ class ClientImpl {
     float* hl = ho + ob / 4;
     KVRING_RETURN_IF_ERROR(StepOnHost(st, PartialOutput{ho, hl}, report));
     if (ob == 0) return absl::OkStatus();  // an append-only step
-    KVRING_RETURN_IF_ERROR(dev->ToDevice(out.out, ho, ob));
-    return dev->ToDevice(out.lse, hl, lb);
+    KVRING_RETURN_IF_ERROR(dev->CopyAsync(out.out, ho, ob));
+    KVRING_RETURN_IF_ERROR(dev->CopyAsync(out.lse, hl, lb));
+    return dev->Wait();  // (the staging goes back to the pool on return)
   }
 
   // A step, routed once more when a node says a sequence of it is a fork
