@@ -186,6 +186,9 @@ def main():
                    help="SHARDSxBATCHxCONTEXT, comma-separated, run in this order")
     p.add_argument("--new", type=int, default=33, help="tokens generated per run (decode rate over the last n-1)")
     p.add_argument("--budget", type=float, default=480, help="start no configuration after this many seconds")
+    p.add_argument("--exchange-min-bytes", type=int, default=-1,
+                   help="the client's device_exchange_min_bytes (-1: its default; 0: every step through the "
+                        "device exchange, for comparison)")
     args = p.parse_args()
     t_start = time.time()
     from kvring.local_cluster import LocalCluster, start_mps, stop_mps
@@ -210,7 +213,9 @@ def main():
     configs = [parse_config(s) for s in args.configs.split(",")]
     dflags = "--ucx_spin_us=20 --ucx_spin_max_us=0" if before else ""
     copts = {"ucx_spin_max_us": 0} if before else {}
-    path = out / f"hf_decode_{args.deployment}.json"
+    copts["device_exchange_min_bytes"] = args.exchange_min_bytes
+    results["device_exchange_min_bytes"] = args.exchange_min_bytes
+    path = out / f"hf_decode_{args.deployment}{'' if args.exchange_min_bytes < 0 else '_x%d' % args.exchange_min_bytes}.json"
     for shards in sorted({s for s, _, _ in configs}):
         mine = [(b, n) for s, b, n in configs if s == shards]
         need = max(b * n for b, n in mine) * 32 * 8 * 128 * 2 * 2  # the largest configuration's KV, all layers
