@@ -50,11 +50,9 @@ pids() { cat "$DIR"/pids/* 2>/dev/null || true; }
 
 # CUDA MPS: one GPU context shared by every process of this user on the GPU.
 MPS_PIPE=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
-# (The control daemon answers on its pipe; pgrep -x would miss it: its name is
-# longer than the 15 characters the kernel keeps.)
-mps_running() {
-  [ -p "$MPS_PIPE/control" ] && echo get_server_list | timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1
-}
+# (By its command line: pgrep -x would miss it, its name being longer than the
+# 15 characters the kernel keeps.)
+mps_running() { pgrep -f '(^|/)nvidia-cuda-mps-control -d' >/dev/null 2>&1; }
 mps_start() {
   if ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
     echo "[cluster] no nvidia-cuda-mps-control on PATH: an engine on the daemons' GPU pays a GPU context switch on every pass-Q step"

@@ -206,7 +206,8 @@ class PassQSession:
                 client.fork_sequence(src, sid, n)
             start_tokens = [int(n) for _, n in forks]
         self.layout = layout_for(model.config, block_tokens)
-        self.max_rows = max_rows_per_step
+        # Rows a sequence sends per step: a node takes at most 4096 query rows a request (the whole batch's).
+        self.max_rows = max(1, min(max_rows_per_step, 4096 // max(1, len(self.ids))))
         self.keep = keep
         self.ended = False
         self.truncations = 0  # sequences rolled back on kvring (rejected drafts)
