@@ -101,15 +101,6 @@ absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t fe
       return UcsError(s, absl::StrCat("setting UCX ", key));
     }
   }
-  // kvring's UCX moves host memory only (GPU memory crosses by CUDA IPC):
-  // UCX's CUDA transports are left out. Under CUDA MPS they cannot start
-  // (ucp_worker_create: "Device is busy" on the H200), and elsewhere they
-  // only cost a CUDA context in every process that speaks UCX.
-  s = ucp_config_modify(config, "TLS", "^cuda_copy,cuda_ipc,gdr_copy");
-  if (s != UCS_OK) {
-    ucp_config_release(config);
-    return UcsError(s, "leaving UCX's CUDA transports out");
-  }
   if (!options.net_devices.empty()) {
     s = ucp_config_modify(config, "NET_DEVICES", options.net_devices.c_str());
     if (s != UCS_OK) {
