@@ -61,7 +61,7 @@ mps_start() {
   if mps_running; then echo "[cluster] MPS running (control pipe $MPS_PIPE)"; return 0; fi
   nvidia-cuda-mps-control -d
   for _ in $(seq 50); do mps_running && break; sleep 0.1; done
-  mps_running || { echo "[cluster] nvidia-cuda-mps-control -d did not start" >&2; exit 1; }
+  mps_running || { echo "[cluster] nvidia-cuda-mps-control -d did not start" >&2; return 1; }
   echo "[cluster] started MPS (control pipe $MPS_PIPE): start engines after this to share the daemons' GPU context"
 }
 mps_stop() {
@@ -93,7 +93,9 @@ start() {
   [ -x "$BIN/control/kvringd" ] || { echo "build first: $BIN/control/kvringd missing" >&2; exit 1; }
   mkdir -p "$DIR/pids" "$DIR/logs"
   if [ -n "$(pids)" ]; then stop >/dev/null; fi
-  if [ "$GPU" -ge 0 ] && [ $MPS = 1 ]; then mps_start; fi
+  if [ "$GPU" -ge 0 ] && [ $MPS = 1 ]; then
+    mps_start || echo "[cluster] WARNING: going on without MPS: an engine on these GPUs pays a context switch per pass-Q step" >&2
+  fi
   [ -f "$DIR/admin.token" ] || head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$DIR/admin.token"
   [ -f "$DIR/cluster.token" ] || head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$DIR/cluster.token"
   chmod 600 "$DIR"/*.token

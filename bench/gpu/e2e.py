@@ -569,6 +569,9 @@ def main():
                    help="also run the first daemon count with --delivery_checksum=true")
     p.add_argument("--shards", default="1,4", help="shard counts of the latency part (e.g. 1,2,4,8 on 8 GPUs)")
     ARGS = args = p.parse_args()
+    from kvring.local_cluster import start_mps
+    if args.device == "cuda":  # before this process's first CUDA call: the default deployment (docs/MPS.md)
+        print("[mps] " + start_mps(), flush=True)
     import kvring
     import kvring.torch as kt
     dev = torch.device(args.device)

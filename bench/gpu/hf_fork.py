@@ -30,6 +30,8 @@ def main():
     p.add_argument("--prompt", type=int, default=4096)
     p.add_argument("--forks", type=int, default=4)
     args = p.parse_args()
+    from kvring.local_cluster import start_mps
+    print("[mps] " + start_mps(), flush=True)  # before this process's first CUDA call: the default deployment (docs/MPS.md)
     import kvring
     import kvring.hf as khf
     from kvring.local_cluster import LocalCluster

@@ -43,6 +43,8 @@ def main():
     p.add_argument("--prompt", type=int, default=2048)
     p.add_argument("--new", type=int, default=48)
     args = p.parse_args()
+    from kvring.local_cluster import start_mps
+    print("[mps] " + start_mps(), flush=True)  # before this process's first CUDA call: the default deployment (docs/MPS.md)
     import kvring
     import kvring.hf as khf
     from kvring.local_cluster import LocalCluster

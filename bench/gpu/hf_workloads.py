@@ -239,6 +239,8 @@ def main():
     p.add_argument("--chat-turns", type=int, default=12)
     p.add_argument("--cudnn-sdpa", action="store_true", help="leave SDPA's cuDNN backend on (see main)")
     args = p.parse_args()
+    from kvring.local_cluster import start_mps
+    print("[mps] " + start_mps(), flush=True)  # before this process's first CUDA call: the default deployment (docs/MPS.md)
     import kvring
     from kvring.local_cluster import LocalCluster
     results = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0)}

@@ -150,6 +150,8 @@ def main():
     p.add_argument("--forks", type=int, default=64)
     p.add_argument("--sessions", type=int, default=1000)
     args = p.parse_args()
+    from kvring.local_cluster import start_mps
+    print("[mps] " + start_mps(), flush=True)  # before this process's first CUDA call: the default deployment (docs/MPS.md)
     import kvring
     from kvring.local_cluster import LocalCluster
     L = kvring.Layout(block_tokens=16, layers=2, kv_heads=8, head_dim=128, dtype="bf16")
