@@ -223,7 +223,8 @@ def main():
         if time.time() - t_start > args.budget:
             log(f"  (budget spent: {shards}-shard configurations skipped)")
             break
-        with LocalCluster(nodes=shards, port=8600 + 10 * shards, replication=1, host_bytes="4G", page_bytes=page,
+        # (Each deployment on its own ports: run one after the other, the second never meets the first's sockets.)
+        with LocalCluster(nodes=shards, port=(8900 if before else 8600) + 10 * shards, replication=1, host_bytes="4G", page_bytes=page,
                           gpu=0, hbm_bytes=hbm, chunk_blocks=256, bin=args.bin, root=ROOT, daemon_flags=dflags,
                           mps=not before) as cl:
             c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=120, **copts)
