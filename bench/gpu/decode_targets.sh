@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 32's decode figures in one device call (about 9 minutes): pass-Q
+# decode inside transformers' generate with the settings from before the
+# default deployment changed (no MPS, fixed UCX spin, the unprepared step),
+# then on the default deployment (MPS, adaptive spin, the prepared step),
+# then the teacher-forced pass-Q check on the final code.
+#   here:          bash bench/gpu/pack.sh
+#   on the host:   bash bench/gpu/decode_targets.sh [--configs 1x1x32K,...]   (results in $OUT or ./gpu-out)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+[ -d .gpu ] || tar xzf .gpu.tar.gz
+export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export UCX_MODULE_DIR=$PWD/.gpu/lib/ucx PYTHONPATH=$PWD/.gpu/python:${PYTHONPATH:-} KVRING_BIN=$PWD/.gpu KVRING_ROOT=$PWD
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+CONFIGS=1x1x32K,4x1x32K,1x8x32K,4x8x32K,1x1x128K,4x1x128K
+for a in "$@"; do
+  case "$a" in
+    --configs=*) CONFIGS=${a#--configs=};;
+    *) echo "unknown option $a" >&2; exit 2;;
+  esac
+done
+quiet() { grep -v "UCX  ERROR\|UCX  WARN\|^W1\|^I1\|^  File \|^    "; }
+rc=0
+echo "== before: no MPS, fixed spin, unprepared step"
+bash deploy/local-cluster.sh mps-stop
+timeout 150 python3 bench/gpu/hf_decode.py --bin .gpu --out "$OUT" --deployment before \
+  --configs 1x1x32K,4x1x32K --budget 100 2>&1 | tee "$OUT/hf_decode_before.log" | quiet
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== default deployment"
+bash deploy/local-cluster.sh mps-start
+timeout 330 python3 bench/gpu/hf_decode.py --bin .gpu --out "$OUT" --configs "$CONFIGS" --budget 250 2>&1 \
+  | tee "$OUT/hf_decode_default.log" | quiet
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== teacher-forced pass-Q check (final code, default deployment)"
+timeout 120 python3 bench/gpu/hf_e2e.py --bin .gpu --out "$OUT" --only passq 2>&1 | tee "$OUT/hf_e2e.log" | quiet | tail -4
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+exit $rc
