@@ -41,7 +41,7 @@ while (($#)); do
     --bin) BIN=$2; shift 2;;
     --daemon-flags) DAEMON_FLAGS=$2; shift 2;;
     --no-mps) MPS=0; shift;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
 done
@@ -152,5 +152,5 @@ case "$cmd" in
   mps-start) mps_start;;
   mps-stop) mps_stop;;
   mps-status) if mps_running; then echo "MPS running (control pipe $MPS_PIPE)"; else echo "MPS not running"; fi;;
-  *) sed -n '2,19p' "$0"; exit 2;;
+  *) sed -n '2,21p' "$0"; exit 2;;
 esac
