@@ -61,7 +61,26 @@ for unit in ("kvring-coordinator.service", "kvringd@.service"):
     if os.path.basename(exe) not in ("kvringd", "kvring-coordinator"):
         fail.append(f"{unit}: ExecStart runs {exe}")
 
+# GPU nodes share their GPU with the engines through CUDA MPS (docs/MPS.md):
+# the node unit wants the MPS unit and starts after it, and sees its pipe.
+mps = configparser.ConfigParser(strict=False, interpolation=None)
+mps.read(os.path.join(root, "deploy/systemd/kvring-mps.service"))
+if "Service" not in mps or os.path.basename(mps["Service"].get("ExecStart", "").split()[0]) != "nvidia-cuda-mps-control":
+    fail.append("kvring-mps.service: ExecStart does not run nvidia-cuda-mps-control")
+elif mps["Service"].get("Type") != "forking" or "ConditionPathExists" not in mps["Unit"]:
+    fail.append("kvring-mps.service: not Type=forking, or not skipped where the NVIDIA tools are missing")
+node_unit = open(os.path.join(root, "deploy/systemd/kvringd@.service")).read()
+for line in ("Wants=kvring-mps.service", "BindPaths=-/tmp/nvidia-mps"):
+    if line not in node_unit.splitlines():
+        fail.append(f"kvringd@.service lacks {line}")
+if "kvring-mps.service" not in [w for l in node_unit.splitlines() if l.startswith("After=") for w in l.split("=", 1)[1].split()]:
+    fail.append("kvringd@.service does not start after kvring-mps.service")
+# local-cluster.sh: its MPS commands run where the NVIDIA tools are missing (they say so and succeed).
+r = subprocess.run(["bash", os.path.join(root, "deploy/local-cluster.sh"), "mps-status"], capture_output=True, text=True)
+if r.returncode != 0 or "MPS" not in r.stdout:
+    fail.append(f"local-cluster.sh mps-status: rc {r.returncode}: {r.stdout}{r.stderr}")
+
 if fail:
     print("\n".join(fail))
     sys.exit(1)
-print(f"deploy files OK: {len(docs)} Kubernetes objects, 4 config files, 2 systemd units")
+print(f"deploy files OK: {len(docs)} Kubernetes objects, 4 config files, 3 systemd units")
