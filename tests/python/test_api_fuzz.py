@@ -51,6 +51,8 @@ class ApiFuzz(unittest.TestCase):
             lambda: kvring.Client(co, tok, threads=-1),
             lambda: kvring.Client(co, tok, threads=2 ** 40),
             lambda: kvring.Client(co, tok, ucx_spin_us=2 ** 40),
+            lambda: kvring.Client(co, tok, ucx_spin_max_us=2 ** 40),
+            lambda: kvring.Client(co, tok, ucx_spin_max_us=-2),
             lambda: kvring.Client(co, tok + "\0junk"),
             lambda: kvring.Layout(dtype=["bf16"]),
             lambda: kvring.Layout(head_dim="64"),
