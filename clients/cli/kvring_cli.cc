@@ -23,7 +23,6 @@
 #include "kvring/common/flags.h"
 #include "kvring/common/process.h"
 #include "kvring/common/status_macros.h"
-#include "kvring/control/auth.h"
 #include "kvring/protocol/tls.h"
 
 using namespace kvring;
