@@ -79,7 +79,7 @@ def main():
             pull_s = time.time() - tp
             if not found.all():
                 raise SystemExit(f"pull: {int((~found).sum())} of {n_blocks} blocks missing")
-            session = connector.PassQSession(client, layout, seq, stored_blocks=n_blocks)
+            session = connector.TailPassQ(client, layout, seq, stored_blocks=n_blocks)
             mine = []
             for step in range(a.steps):
                 sent0, recv0 = session.bytes_sent, session.bytes_received

@@ -42,7 +42,7 @@ class EngineEndToEnd(unittest.TestCase):
     def test_pass_q_decode_equals_local_attention(self):
         prompt = self.rng.integers(0, self.cfg.vocab, 203)  # 12 full blocks + 11 tokens
         want_tokens, want = engine.greedy(self.model, prompt, 24, engine.LocalAttention(self.cfg))
-        s = connector.PassQSession(self.client, self.layout, "e2e-passq")
+        s = connector.TailPassQ(self.client, self.layout, "e2e-passq")
         got_tokens, got = engine.greedy(self.model, prompt, 24, s)
         self.assertEqual(got_tokens, want_tokens)
         self.assertLogitsClose(got, want)
@@ -74,7 +74,7 @@ class EngineEndToEnd(unittest.TestCase):
 
     def test_pass_q_prefill_of_a_new_chunk_over_a_stored_prefix(self):
         prompt = self.rng.integers(0, self.cfg.vocab, 300)
-        s = connector.PassQSession(self.client, self.layout, "e2e-chunked")
+        s = connector.TailPassQ(self.client, self.layout, "e2e-chunked")
         self.model.forward(prompt[:256], 0, s)   # 16 blocks stored
         self.assertEqual(s.stored_blocks, 16)
         got = self.model.forward(prompt[256:], 256, s)  # 44 queries shipped per layer

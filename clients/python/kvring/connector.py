@@ -5,14 +5,14 @@ vLLM's KV-connector hooks and SGLang's hierarchical cache).
   Connector.lookup(tokens)          how many leading tokens are cached (whole blocks)
   Connector.load(tokens, n)         pull the KV of the first n cached blocks (into numpy)
   Connector.save(tokens, k, v, ..)  store the new full blocks after prefill
-  PassQSession                      decode/prefill by shipping queries (pass-Q) to the
+  TailPassQ                      decode/prefill by shipping queries (pass-Q) to the
                                     shards holding a long sequence, instead of pulling it
 
 KV arrays here are per layer, [tokens, kv_heads, head_dim] in the layout's
 dtype (float16 for the reference engine). A block on the wire is
 [layers, 2 (K, V), kv_heads, block_tokens, head_dim].
 
-Not thread-safe per object: one Connector/PassQSession per engine thread
+Not thread-safe per object: one Connector/TailPassQ per engine thread
 (the kvring.Client underneath is thread-safe and may be shared).
 """
 import numpy as np
@@ -88,7 +88,7 @@ class Connector:
         return rep["inserted"]
 
 
-class PassQSession:
+class TailPassQ:
     """One long sequence kept in the cluster (placed by sequence over the
     shards) and attended by pass-Q: an attention callback for
     engine.Model.forward. For each layer it sends the rows' queries to the
@@ -97,7 +97,8 @@ class PassQSession:
     the two exactly. When the last layer has run, full tail blocks are written
     to the cluster (put_sequence) and leave the tail.
 
-    stored_blocks > 0 resumes a sequence already in the cluster."""
+    stored_blocks > 0 resumes a sequence already in the cluster. (kvring.hf.PassQSession is transformers'
+    pass-Q session: every token's K/V on the shards, none in the engine.)"""
 
     def __init__(self, client, layout, sequence_id, stored_blocks=0):
         self.client, self.layout, self.seq = client, layout, sequence_id
