@@ -26,43 +26,6 @@ KVRING_NODE_RPC(ReadSequence, ReadSequenceRequest, ReadSequenceResponse, WireRea
 
 #undef KVRING_NODE_RPC
 
-absl::Status AttendInto(NodeCore& core, const v1::Tenant& t, const v1::AttendRequest& req, const AttendBatch& batch,
-                        v1::AttendResponse* resp, PartialOutput out) {
-  AttendStats st;
-  absl::Status s;
-  if (req.has_device()) {
-    const v1::DeviceExchange& d = req.device();
-    s = core.AttendOnDevice(t, req.header().namespace_(), batch,
-                            DeviceExchangeIn{d.host_id(), d.ipc_handle(), d.queries_offset(), d.new_k_offset(),
-                                             d.new_v_offset(), d.out_offset(), d.lse_offset()},
-                            &st);
-  } else {
-    s = core.Attend(t, req.header().namespace_(), batch, out, &st);
-  }
-  if (!s.ok()) return s;
-  if (!st.device_refusal.empty()) {
-    resp->set_device_refusal(st.device_refusal);
-    resp->set_backend(st.backend);
-    return absl::OkStatus();
-  }
-  resp->set_num_rows(batch.num_rows);
-  resp->set_q_heads(batch.q_heads);
-  resp->set_head_dim(batch.head_dim);
-  resp->set_blocks_used(st.blocks_used);
-  resp->set_compute_seconds(st.compute_seconds);
-  resp->set_kernel_seconds(st.kernel_seconds);
-  resp->set_copy_seconds(st.copy_seconds);
-  resp->set_appended_tokens(st.appended_tokens);
-  resp->set_completed_blocks(st.completed_blocks);
-  resp->set_backend(st.backend);
-  bool all_ok = true;
-  for (const absl::Status& q : st.sequence_status) all_ok &= q.ok();
-  if (!all_ok) {
-    for (const absl::Status& q : st.sequence_status) StatusToProto(q, resp->add_sequence_status());
-  }
-  return absl::OkStatus();
-}
-
 grpc::Status NodeService::Attend(grpc::ServerContext* ctx, const v1::AttendRequest* req, v1::AttendResponse* resp) {
   absl::StatusOr<v1::Tenant> t = core_->tenants()->Authenticate(*ctx);
   if (!t.ok()) return ToGrpc(t.status());
@@ -77,7 +40,7 @@ grpc::Status NodeService::Attend(grpc::ServerContext* ctx, const v1::AttendReque
     lse->resize(size_t{batch->num_rows} * batch->q_heads * sizeof(float));
   }
   absl::Status s =
-      AttendInto(*core_, *t, *req, *batch, resp,
+      WireAttend(*core_, *t, *req, *batch, resp,
                  PartialOutput{reinterpret_cast<float*>(out->data()), reinterpret_cast<float*>(lse->data())});
   if (!s.ok()) {
     resp->clear_out();

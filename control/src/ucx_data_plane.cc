@@ -1,7 +1,6 @@
 #include "kvring/control/ucx_data_plane.h"
 
 #include "absl/strings/str_cat.h"
-#include "kvring/control/node_service.h"
 #include "kvring/control/node_wire.h"
 
 namespace kvring {
@@ -87,14 +86,14 @@ void UcxDataPlane::ServeAttend(const v1::Tenant& tenant, const v1::AttendRequest
   }
   v1::AttendResponse head;
   if (r.has_device()) {  // the output lands in the caller's GPU memory: only the header goes back
-    absl::Status s = AttendInto(*core_, tenant, r, *batch, &head, PartialOutput{nullptr, nullptr});
+    absl::Status s = WireAttend(*core_, tenant, r, *batch, &head, PartialOutput{nullptr, nullptr});
     reply.Send(s, s.ok() ? head.SerializeAsString() : "");
     return;
   }
   const size_t out_n = size_t{batch->num_rows} * batch->q_heads * batch->head_dim;
   const size_t lse_n = size_t{batch->num_rows} * batch->q_heads;
   auto buf = std::make_shared<std::vector<float>>(out_n + lse_n);
-  absl::Status s = AttendInto(*core_, tenant, r, *batch, &head, PartialOutput{buf->data(), buf->data() + out_n});
+  absl::Status s = WireAttend(*core_, tenant, r, *batch, &head, PartialOutput{buf->data(), buf->data() + out_n});
   if (!s.ok()) {
     reply.Send(s, "");
     return;

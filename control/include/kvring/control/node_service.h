@@ -32,11 +32,4 @@ class NodeService final : public v1::Node::Service {
   NodeCore* core_;
 };
 
-// Runs a parsed Attend on the core and fills the response's header fields
-// (the caller owns `out`, sized for the batch; unused with a device
-// exchange, whose output goes to the caller's GPU memory, or whose refusal
-// goes into resp->device_refusal). Shared by the gRPC and UCX faces.
-absl::Status AttendInto(NodeCore& core, const v1::Tenant& t, const v1::AttendRequest& req, const AttendBatch& batch,
-                        v1::AttendResponse* resp, PartialOutput out);
-
 }  // namespace kvring

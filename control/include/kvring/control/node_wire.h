@@ -37,5 +37,11 @@ absl::Status WireForkSequence(NodeCore& core, const v1::Tenant& t, const v1::For
 absl::Status WireReadSequence(NodeCore& core, const v1::Tenant& t, const v1::ReadSequenceRequest& req,
                               v1::ReadSequenceResponse* resp);
 absl::Status WireStats(NodeCore& core, const v1::Tenant& t, const v1::StatsRequest& req, v1::StatsResponse* resp);
+// Runs a parsed Attend (request_validation.h's ParseAttendRequest) on the
+// core and fills the response's header fields. The caller owns `out`, sized
+// for the batch; unused with a device exchange, whose output goes to the
+// caller's GPU memory, or whose refusal goes into resp->device_refusal.
+absl::Status WireAttend(NodeCore& core, const v1::Tenant& t, const v1::AttendRequest& req, const AttendBatch& batch,
+                        v1::AttendResponse* resp, PartialOutput out);
 
 }  // namespace kvring
