@@ -6,10 +6,12 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -304,16 +306,16 @@ int main(int argc, char** argv) {
       return Fail(absl::InvalidArgumentError("--ucx_inline_attend_rows must be in [-1, 4096]"), "flags");
     }
     if (ucx_inline_attend_rows < 0) ucx_inline_attend_rows = gpu >= 0 ? 64 : 0;
-    if (ucx_spin_us < -1 || ucx_spin_us > 1000000 || ucx_spin_max_us < -1 || ucx_spin_max_us > 1000000) {
-      return Fail(absl::InvalidArgumentError("--ucx_spin_us and --ucx_spin_max_us must be in [-1, 1000000]"), "flags");
-    }
     UcxDataPlaneOptions uo;
     uo.listen = ucx_listen;
     uo.max_message_bytes = max_message;
     uo.threads = 4;
-    uo.loop.spin_us = static_cast<int>(ucx_spin_us);
-    uo.loop.spin_max_us = static_cast<int>(ucx_spin_max_us);
+    // (Flags beyond int's range are clamped to it, so that they are refused below, not truncated into range.)
+    constexpr int64_t kIntMin = std::numeric_limits<int>::min(), kIntMax = std::numeric_limits<int>::max();
+    uo.loop.spin_us = static_cast<int>(std::clamp(ucx_spin_us, kIntMin, kIntMax));
+    uo.loop.spin_max_us = static_cast<int>(std::clamp(ucx_spin_max_us, kIntMin, kIntMax));
     uo.loop.wakeup = !ucx_busy_poll;
+    if (absl::Status s = ValidateUcxLoopOptions(uo.loop); !s.ok()) return Fail(s, "flags");
     uo.inline_attend_rows = static_cast<uint32_t>(ucx_inline_attend_rows);
     auto u = UcxDataPlane::Start(&core, uo);
     if (!u.ok()) return Fail(u.status(), "UCX data plane");

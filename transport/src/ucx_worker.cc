@@ -17,6 +17,20 @@
 #include "absl/strings/str_cat.h"
 #include "kvring/common/status_macros.h"
 
+namespace kvring {
+
+absl::Status ValidateUcxLoopOptions(const UcxLoopOptions& options) {
+  for (auto [name, v] :
+       {std::pair<const char*, int>{"ucx_spin_us", options.spin_us}, {"ucx_spin_max_us", options.spin_max_us}}) {
+    if (v < -1 || v > 1000000) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " must be -1 (by core count) or 0..1000000, not ", v));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvring
+
 namespace kvring::ucx_internal {
 
 absl::Status UcsError(ucs_status_t s, const std::string& what) {
@@ -84,6 +98,7 @@ absl::StatusOr<std::string> NetDeviceOf(const std::string& host_port) {
 
 absl::StatusOr<std::unique_ptr<UcxWorkerLoop>> UcxWorkerLoop::Create(uint64_t features, const std::string& name,
                                                                      const UcxLoopOptions& options) {
+  KVRING_RETURN_IF_ERROR(ValidateUcxLoopOptions(options));
   std::unique_ptr<UcxWorkerLoop> l(new UcxWorkerLoop());
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);

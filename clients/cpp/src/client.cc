@@ -1809,14 +1809,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (options.threads > 4096) {
     return absl::InvalidArgumentError(absl::StrCat("threads must be at most 4096, not ", options.threads));
   }
-  if (options.ucx_loop.spin_us < -1 || options.ucx_loop.spin_us > 1000000) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ucx_spin_us must be -1 (by core count) or 0..1000000, not ", options.ucx_loop.spin_us));
-  }
-  if (options.ucx_loop.spin_max_us < -1 || options.ucx_loop.spin_max_us > 1000000) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ucx_spin_max_us must be -1 (by core count) or 0..1000000, not ", options.ucx_loop.spin_max_us));
-  }
+  KVRING_RETURN_IF_ERROR(ValidateUcxLoopOptions(options.ucx_loop));
   auto impl = std::make_unique<ClientImpl>(options);
   KVRING_RETURN_IF_ERROR(impl->Init());
   return std::unique_ptr<Client>(new Client(std::move(impl)));

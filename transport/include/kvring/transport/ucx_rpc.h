@@ -94,6 +94,12 @@ struct UcxLoopOptions {
   std::string net_devices;
 };
 
+// INVALID_ARGUMENT naming the field when spin_us or spin_max_us is outside
+// -1 (by core count) .. 1000000. UcxRpcServer::Start and
+// UcxRpcClient::Connect check it; callers that take the options from a user
+// (flags, ClientOptions) check it up front with this.
+absl::Status ValidateUcxLoopOptions(const UcxLoopOptions& options);
+
 struct UcxRequest {
   uint32_t method = 0;
   std::string token;
