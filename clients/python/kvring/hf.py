@@ -303,13 +303,8 @@ class PassQSession:
             o, _, rep = kt.step(self.client, self.layout, spec, qs, torch.cat(pos), ks, vs, layer=layer,
                                 softmax_scale=float(scaling or 0.0), report=True)
             out[:, c0:c1] = o.view(B, n, Hq, D)
-            for b in range(B):
-                self.tokens[layer][b] += n
-            self.steps += 1
-            self.bytes_sent += rep["bytes_sent"]
-            self.bytes_received += rep["bytes_received"]
-            self.shard_steps += rep["shards"]
-            self.shard_steps_in_place += rep["shards_in_place"]
+            self._account(self.tokens[layer], n, rep["bytes_sent"], rep["bytes_received"], rep["shards"],
+                          rep["shards_in_place"])
         result = out.to(query.dtype)
         dt = time.perf_counter() - t0
         self.seconds += dt
@@ -341,7 +336,7 @@ class PassQSession:
             o, _ = plan.run(layer, tokens, T, q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D),
                             v.reshape(B * T, -1, D))
             result = o.view(B, T, Hq, D).to(query.dtype)
-            self._account(tokens, T, rep)
+            self._account(tokens, T, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
         else:  # a long prompt: a chunked prefill
             result = torch.empty((B, T, Hq, D), dtype=query.dtype, device=query.device)
             for c0 in range(0, T, self.max_rows):
@@ -349,21 +344,22 @@ class PassQSession:
                 o, _ = plan.run(layer, tokens, n, q[:, c0:c0 + n].reshape(B * n, Hq, D),
                                 k[:, c0:c0 + n].reshape(B * n, -1, D), v[:, c0:c0 + n].reshape(B * n, -1, D))
                 result[:, c0:c0 + n] = o.view(B, n, Hq, D)
-                self._account(tokens, n, rep)
+                self._account(tokens, n, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
         dt = time.perf_counter() - t0
         self.seconds += dt
         if T == 1:
             self.decode_steps.append((dt, rep.seconds, rep.node_seconds, rep.kernel_seconds))
         return result
 
-    def _account(self, tokens, n, rep):
+    def _account(self, tokens, n, sent, received, shards, in_place):
+        """One step done: each sequence of `tokens` (one layer's counts) is n longer; the step's traffic counted."""
         for b in range(len(tokens)):
             tokens[b] += n
         self.steps += 1
-        self.bytes_sent += rep.bytes_sent
-        self.bytes_received += rep.bytes_received
-        self.shard_steps += rep.shards
-        self.shard_steps_in_place += rep.shards_in_place
+        self.bytes_sent += sent
+        self.bytes_received += received
+        self.shard_steps += shards
+        self.shard_steps_in_place += in_place
 
 
 def _dynamic_cache(model):

@@ -36,13 +36,8 @@ class LocalCluster:
         self.coordinator = f"127.0.0.1:{port}"
 
     def _script(self, *args):
-        env = dict(os.environ, KVRING_BIN=str(self.bin))
-        r = subprocess.run(["bash", str(self.root / "deploy/local-cluster.sh"), *args, "--dir", str(self.dir), "--bin",
-                            str(self.bin)],
-                           env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"local-cluster.sh {args[0]} failed:\n{r.stdout}{r.stderr}")
-        return r.stdout
+        return _run_script(self.root, *args, "--dir", str(self.dir), "--bin", str(self.bin),
+                           env=dict(os.environ, KVRING_BIN=str(self.bin)))
 
     def start(self):
         self._script("start", "--nodes", str(self.nodes), "--port", str(self.port), "--replication",
@@ -82,13 +77,18 @@ class LocalCluster:
         self.stop()
 
 
-def _mps_script(action, root=None):
-    here = Path(__file__).resolve()
-    root = Path(root or os.environ.get("KVRING_ROOT", here.parents[3]))
-    r = subprocess.run(["bash", str(root / "deploy/local-cluster.sh"), action], capture_output=True, text=True)
+def _run_script(root, *args, env=None):
+    """deploy/local-cluster.sh under `root` with `args`: its output, or RuntimeError with it."""
+    r = subprocess.run(["bash", str(Path(root) / "deploy/local-cluster.sh"), *args], env=env, capture_output=True,
+                       text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"local-cluster.sh {action} failed:\n{r.stdout}{r.stderr}")
-    return r.stdout.strip()
+        raise RuntimeError(f"local-cluster.sh {args[0]} failed:\n{r.stdout}{r.stderr}")
+    return r.stdout
+
+
+def _mps_script(action, root=None):
+    root = root or os.environ.get("KVRING_ROOT", Path(__file__).resolve().parents[3])
+    return _run_script(root, action).strip()
 
 
 def start_mps(root=None):

@@ -160,17 +160,13 @@ class StepPlan:
         if len(contexts) != B:
             _invalid("contexts: one token count per sequence (%d), got %d" % (B, len(contexts)))
         seqs, pos = self._seqs, self._pos
-        if rows == 1:
-            for b in range(B):
-                c = contexts[b]
-                s = seqs[b]
-                s.context_tokens, s.rows, s.append_tokens = c, 1, 1
+        for b in range(B):
+            c = contexts[b]
+            s = seqs[b]
+            s.context_tokens, s.rows, s.append_tokens = c, rows, rows
+            if rows == 1:  # (a decode step: no slice)
                 pos[b] = c
-        else:
-            for b in range(B):
-                c = contexts[b]
-                s = seqs[b]
-                s.context_tokens, s.rows, s.append_tokens = c, rows, rows
+            else:
                 np.add(self._arange[:rows], c, out=pos[b * rows:(b + 1) * rows])
         key = (rows, q.device)
         buf = self._out.get(key)
