@@ -23,6 +23,7 @@
 #include "kvring/common/flags.h"
 #include "kvring/common/process.h"
 #include "kvring/common/status_macros.h"
+#include "kvring/protocol/coordinator_channel.h"
 #include "kvring/protocol/tls.h"
 
 using namespace kvring;
@@ -317,10 +318,17 @@ int CmdTenant(const Opts& o, const std::string& cmd) {
     std::fprintf(stderr, "%s\n", creds.status().ToString().c_str());
     return 1;
   }
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(o.coordinator, *creds));
-  grpc::ClientContext ctx;
-  ctx.AddMetadata("authorization", "Bearer " + o.token);
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  auto channel = CoordinatorChannel::Create(o.coordinator, *creds);
+  if (!channel.ok()) {
+    std::fprintf(stderr, "%s\n", channel.status().ToString().c_str());
+    return 1;
+  }
+  auto ctx = [&] {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->AddMetadata("authorization", "Bearer " + o.token);
+    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    return c;
+  };
   if (cmd == "tenant-create") {
     TenantSpec spec;
     spec.name = o.name;
@@ -345,9 +353,10 @@ int CmdTenant(const Opts& o, const std::string& cmd) {
     req.set_version(1);
     req.set_name(o.name);
     v1::DeleteTenantResponse resp;
-    grpc::Status s = stub->DeleteTenant(&ctx, req, &resp);
+    absl::Status s = (*channel)->Call(
+        ctx, [&](v1::Coordinator::Stub& stub, grpc::ClientContext* c) { return stub.DeleteTenant(c, req, &resp); });
     if (!s.ok()) {
-      std::fprintf(stderr, "tenant-delete: %s\n", s.error_message().c_str());
+      std::fprintf(stderr, "tenant-delete: %s\n", std::string(s.message()).c_str());
       return 1;
     }
     return 0;
@@ -355,9 +364,12 @@ int CmdTenant(const Opts& o, const std::string& cmd) {
   v1::ListTenantsRequest req;
   req.set_version(1);
   v1::ListTenantsResponse resp;
-  grpc::Status s = stub->ListTenants(&ctx, req, &resp);
+  absl::Status s = (*channel)->Call(ctx, [&](v1::Coordinator::Stub& stub, grpc::ClientContext* c) {
+    resp.Clear();
+    return stub.ListTenants(c, req, &resp);
+  });
   if (!s.ok()) {
-    std::fprintf(stderr, "tenant-list: %s\n", s.error_message().c_str());
+    std::fprintf(stderr, "tenant-list: %s\n", std::string(s.message()).c_str());
     return 1;
   }
   std::printf("%-4s %-20s %-28s %-14s %s\n", "id", "name", "namespace", "pinned quota", "shared");
@@ -379,7 +391,7 @@ int main(int argc, char** argv) {
       "client for a kvring cluster\n\nusage: kvring [flags] COMMAND\ncommands: put, get, lookup (synthetic sequences), "
       "stats, map, bench, tenant-create, tenant-list, tenant-delete, seq-list, seq-delete, seq-truncate, "
       "seq-fork");
-  f.AddString("coordinator", &o.coordinator, "coordinator host:port");
+  f.AddString("coordinator", &o.coordinator, "coordinator host:port, or every coordinator: host:port,...");
   f.AddString("token", &o.token, "tenant token (admin token for tenant-*)");
   f.AddString("token_file", &o.token_file, "file holding the token");
   f.AddString("ns", &o.ns, "namespace (empty: the tenant's own; or shared/<name>)");

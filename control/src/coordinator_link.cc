@@ -3,13 +3,18 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
 #include "kvring/common/logging.h"
+#include "kvring/common/status_macros.h"
 
 namespace kvring {
 
 CoordinatorLink::CoordinatorLink(CoordinatorLinkOptions options, TenantDirectory* tenants)
     : options_(std::move(options)), tenants_(tenants) {
-  stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(
-      options_.coordinator, options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials()));
+  auto channel = CoordinatorChannel::Create(options_.coordinator, options_.credentials);
+  if (channel.ok()) {
+    channel_ = std::move(*channel);
+  } else {
+    bad_address_ = channel.status();
+  }
 }
 
 CoordinatorLink::~CoordinatorLink() {
@@ -29,13 +34,13 @@ absl::Status CoordinatorLink::Register() {
   req.set_version(1);
   *req.mutable_node() = options_.node;
   v1::RegisterNodeResponse resp;
-  auto ctx = Context();
-  grpc::Status s = stub_->RegisterNode(ctx.get(), req, &resp);
-  if (!s.ok()) return FromGrpc(s);
+  KVRING_RETURN_IF_ERROR(channel_->Call(
+      [this] { return Context(); },
+      [&](v1::Coordinator::Stub& stub, grpc::ClientContext* ctx) { return stub.RegisterNode(ctx, req, &resp); }));
   incarnation_ = resp.incarnation();
   map_version_ = resp.map_version();
   if (resp.heartbeat_interval_ms() > 0) interval_ms_ = resp.heartbeat_interval_ms();
-  KVRING_LOG(INFO) << "registered with coordinator " << options_.coordinator << " as " << options_.node.node_id()
+  KVRING_LOG(INFO) << "registered with coordinator " << channel_->current() << " as " << options_.node.node_id()
                    << " (incarnation " << resp.incarnation() << ", map version " << resp.map_version() << ")";
   return absl::OkStatus();
 }
@@ -51,9 +56,11 @@ absl::StatusOr<v1::TenantTable> CoordinatorLink::FetchTenantTable() {
       req.set_version(1);
       req.set_page_after(after);
       v1::TenantTable page;
-      auto ctx = Context();
-      grpc::Status s = stub_->GetTenantTable(ctx.get(), req, &page);
-      if (!s.ok()) return FromGrpc(s);
+      KVRING_RETURN_IF_ERROR(channel_->Call([this] { return Context(); },
+                                            [&](v1::Coordinator::Stub& stub, grpc::ClientContext* ctx) {
+                                              page.Clear();
+                                              return stub.GetTenantTable(ctx, req, &page);
+                                            }));
       if (first) {
         all.set_tenants_version(page.tenants_version());
         *all.mutable_deleted_tenant_ids() = page.deleted_tenant_ids();
@@ -86,6 +93,7 @@ absl::Status CoordinatorLink::RefreshTenants() {
 }
 
 absl::Status CoordinatorLink::Start() {
+  if (!bad_address_.ok()) return bad_address_;
   const absl::Time deadline = absl::Now() + options_.start_timeout;
   absl::Duration backoff = absl::Milliseconds(100);
   absl::Status last;
@@ -115,10 +123,13 @@ void CoordinatorLink::Loop() {
     req.set_incarnation(incarnation_.load());
     if (options_.fill_load) options_.fill_load(&req);
     v1::HeartbeatResponse resp;
-    auto ctx = Context();
-    grpc::Status s = stub_->Heartbeat(ctx.get(), req, &resp);
+    absl::Status s = channel_->Call([this] { return Context(); },
+                                    [&](v1::Coordinator::Stub& stub, grpc::ClientContext* ctx) {
+                                      resp.Clear();
+                                      return stub.Heartbeat(ctx, req, &resp);
+                                    });
     if (!s.ok()) {
-      KVRING_LOG(WARNING) << "heartbeat to " << options_.coordinator << " failed: " << s.error_message();
+      KVRING_LOG(WARNING) << "heartbeat to " << options_.coordinator << " failed: " << s.message();
       continue;
     }
     map_version_ = resp.map_version();

@@ -1,5 +1,9 @@
 // kvring-coordinator: membership, the shard map and tenants for a kvring
-// cluster, persisted in RocksDB.
+// cluster, persisted in RocksDB (one coordinator) or in etcd (--etcd: any
+// number of coordinators, one leading through an etcd lease, the others
+// serving reads; docs/CONTROL-PLANE.md).
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -14,6 +18,9 @@
 #include "kvring/common/metrics.h"
 #include "kvring/common/process.h"
 #include "kvring/control/coordinator_service.h"
+#include "kvring/control/etcd_client.h"
+#include "kvring/control/etcd_metadata_store.h"
+#include "kvring/control/leader_election.h"
 #include "kvring/protocol/tls.h"
 
 using namespace kvring;
@@ -25,9 +32,24 @@ int main(int argc, char** argv) {
   uint64_t replication = 2, write_quorum = 0, vnodes = 64, chunk_blocks = 64;
   absl::Duration hb_interval = absl::Milliseconds(500), hb_timeout = absl::Seconds(3);
   bool check_config = false;
+  std::string etcd, etcd_prefix = "/kvring/", advertise;
+  absl::Duration lease_ttl = absl::Seconds(5);
+  TlsConfig etcd_tls;
   FlagSet flags("kvring-coordinator", "membership, shard map and tenants of a kvring cluster");
   flags.AddString("listen", &listen, "gRPC listen address host:port");
-  flags.AddString("data_dir", &data_dir, "directory of the metadata database (required)");
+  flags.AddString("data_dir", &data_dir, "directory of the metadata database (required without --etcd)");
+  flags.AddString("etcd", &etcd,
+                  "etcd members host:port,... : keep the metadata in etcd and lead or stand by (empty: RocksDB in "
+                  "--data_dir, one coordinator)");
+  flags.AddString("etcd_prefix", &etcd_prefix, "key prefix of this cluster in etcd (clusters may share an etcd)");
+  flags.AddString("etcd_ca", &etcd_tls.ca_file, "CA that signed etcd's certificates (TLS towards etcd)");
+  flags.AddString("etcd_cert", &etcd_tls.cert_file, "client certificate presented to etcd");
+  flags.AddString("etcd_key", &etcd_tls.key_file, "key of --etcd_cert");
+  flags.AddString("advertise", &advertise,
+                  "host:port standbys name as the leader when this one leads (default: --listen's host, or this "
+                  "machine's name for 0.0.0.0, with the bound port)");
+  flags.AddDuration("lease_ttl", &lease_ttl,
+                    "leadership lease in etcd: a standby leads within about this long of the leader's death (>= 2s)");
   flags.AddString("admin_token", &admin_token, "token for tenant administration (prefer --admin_token_file)");
   flags.AddString("admin_token_file", &admin_token_file, "file holding the admin token");
   flags.AddString("cluster_token", &cluster_token, "token nodes present (prefer --cluster_token_file)");
@@ -73,9 +95,23 @@ int main(int argc, char** argv) {
   if (!secret(&admin_token, admin_token_file, "admin_token") ||
       !secret(&cluster_token, cluster_token_file, "cluster_token"))
     return 2;
-  if (data_dir.empty()) {
-    KVRING_LOG(ERROR) << "--data_dir is required";
+  if (data_dir.empty() && etcd.empty()) {
+    KVRING_LOG(ERROR) << "--data_dir (or --etcd) is required";
     return 2;
+  }
+  if (!etcd.empty()) {
+    if (auto e = EtcdClient::ParseEndpoints(etcd); !e.ok()) {
+      KVRING_LOG(ERROR) << "--etcd: " << e.status().message();
+      return 2;
+    }
+    if (lease_ttl < absl::Seconds(2)) {
+      KVRING_LOG(ERROR) << "--lease_ttl must be at least 2s (etcd refuses shorter leases)";
+      return 2;
+    }
+    if (etcd_prefix.empty() || etcd_prefix.back() != '/') {
+      KVRING_LOG(ERROR) << "--etcd_prefix must end with '/'";
+      return 2;
+    }
   }
   if (replication == 0 || replication > 16 || write_quorum > replication || hb_timeout <= hb_interval ||
       !ParseHostPort(listen).ok()) {
@@ -88,11 +124,37 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::error_code ec;
-  std::filesystem::create_directories(data_dir, ec);
-  auto store = MetadataStore::Open(data_dir + "/meta");
-  if (!store.ok()) {
-    KVRING_LOG(ERROR) << store.status();
-    return 1;
+  std::unique_ptr<MetadataStore> store;
+  std::unique_ptr<EtcdClient> etcd_client;
+  EtcdMetadataStore* etcd_store = nullptr;
+  if (etcd.empty()) {
+    std::filesystem::create_directories(data_dir, ec);
+    auto opened = MetadataStore::Open(data_dir + "/meta");
+    if (!opened.ok()) {
+      KVRING_LOG(ERROR) << opened.status();
+      return 1;
+    }
+    store = std::move(*opened);
+  } else {
+    EtcdOptions eo;
+    eo.endpoints = *EtcdClient::ParseEndpoints(etcd);
+    if (etcd_tls.enabled()) {
+      auto c = MakeChannelCredentials(etcd_tls);
+      if (!c.ok()) {
+        KVRING_LOG(ERROR) << "etcd TLS: " << c.status().message();
+        return 2;
+      }
+      eo.credentials = *c;
+    }
+    auto client = EtcdClient::Create(eo);
+    if (!client.ok()) {
+      KVRING_LOG(ERROR) << client.status();
+      return 2;
+    }
+    etcd_client = std::move(*client);
+    auto s = std::make_unique<EtcdMetadataStore>(etcd_client.get(), etcd_prefix);
+    etcd_store = s.get();
+    store = std::move(s);
   }
   CoordinatorOptions o;
   o.replication = static_cast<uint32_t>(replication);
@@ -103,8 +165,9 @@ int main(int argc, char** argv) {
   o.heartbeat_timeout = hb_timeout;
   o.admin_token = admin_token;
   o.cluster_token = cluster_token;
+  o.standby = etcd_store != nullptr;
   SystemClock clock;
-  auto service = CoordinatorService::Create(o, std::move(*store), &clock);
+  auto service = CoordinatorService::Create(o, std::move(store), &clock);
   if (!service.ok()) {
     KVRING_LOG(ERROR) << service.status();
     return 1;
@@ -128,6 +191,8 @@ int main(int argc, char** argv) {
   GaugeMetric* g_map = metrics.Gauge("kvring_map_version", "Version of the shard map");
   GaugeMetric* g_up = metrics.Gauge("kvring_nodes_up", "Nodes UP in the shard map");
   GaugeMetric* g_nodes = metrics.Gauge("kvring_nodes", "Nodes in the shard map, UP or DOWN");
+  GaugeMetric* g_leading =
+      metrics.Gauge("kvring_coordinator_leading", "1 while this coordinator leads (accepts writes)");
   if (!metrics_listen.empty()) {
     auto hp = ParseHostPort(metrics_listen);
     if (!hp.ok()) {
@@ -143,6 +208,7 @@ int main(int argc, char** argv) {
           g_map->Set(static_cast<double>(m.version()));
           g_up->Set(up);
           g_nodes->Set(m.nodes_size());
+          g_leading->Set((*service)->leading() ? 1 : 0);
           return metrics.Render();
         },
         MetricsRegistry::kContentType);
@@ -152,6 +218,35 @@ int main(int argc, char** argv) {
       return 1;
     }
     KVRING_LOG(INFO) << "metrics on port " << *mp;
+  }
+  // The etcd mode: lead or stand by.
+  std::unique_ptr<LeaderElection> election;
+  if (etcd_store != nullptr) {
+    if (advertise.empty()) {
+      auto hp = ParseHostPort(listen);
+      std::string host = hp->host;
+      if (host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]") {
+        char name[256] = {0};
+        host = gethostname(name, sizeof(name) - 1) == 0 ? name : "127.0.0.1";
+      }
+      advertise = absl::StrCat(host, ":", port);
+    }
+    LeaderElectionOptions eo;
+    eo.key = etcd_prefix + "leader";
+    eo.candidate = advertise;
+    eo.ttl = lease_ttl;
+    eo.on_lead = [&, key = eo.key](int64_t fence) {
+      etcd_store->SetFence(key, fence);
+      return (*service)->BecomeLeader([&] { return election->HoldsLease(); });
+    };
+    eo.on_follow = [&, key = eo.key](const std::string& leader) {
+      (*service)->BecomeStandby(leader);
+      etcd_store->SetFence(key, 0);
+    };
+    election = std::make_unique<LeaderElection>(etcd_client.get(), eo);
+    election->Start();
+    KVRING_LOG(INFO) << "etcd mode: " << etcd << " (prefix " << etcd_prefix << "), advertised as " << advertise
+                     << ", lease " << absl::FormatDuration(lease_ttl);
   }
   absl::Notification stop;
   std::thread monitor([&] {
@@ -165,6 +260,7 @@ int main(int argc, char** argv) {
                    << absl::FormatDuration(hb_timeout) << ")";
   const int sig = WaitForTerminationSignal();
   KVRING_LOG(INFO) << "signal " << sig << ": shutting down";
+  if (election) election->Stop();  // resign: a standby leads at its next round
   stop.Notify();
   monitor.join();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));

@@ -1,5 +1,7 @@
 #include "kvring/control/coordinator_service.h"
 
+#include <optional>
+
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -45,12 +47,24 @@ absl::StatusOr<std::unique_ptr<CoordinatorService>> CoordinatorService::Create(c
     return absl::InvalidArgumentError("heartbeat_timeout must be longer than heartbeat_interval");
   }
   std::unique_ptr<CoordinatorService> c(new CoordinatorService(o, std::move(store), clock));
-  KVRING_RETURN_IF_ERROR(c->Load());
+  absl::MutexLock w(&c->write_mu_);
+  absl::MutexLock l(&c->mu_);
+  if (o.standby) {
+    c->leading_ = false;
+    // A store that cannot be read yet is read again by Tick.
+    if (absl::Status s = c->LoadLocked(); !s.ok()) {
+      KVRING_LOG(WARNING) << "standby: the metadata is not readable yet: " << s.message();
+      c->stale_ = true;
+    }
+    return c;
+  }
+  KVRING_RETURN_IF_ERROR(c->LoadLocked());
+  if (!c->nodes_.empty() || c->map_version_ > 0) KVRING_RETURN_IF_ERROR(c->WriteWithNewMapVersionLocked({}));
   return c;
 }
 
-absl::Status CoordinatorService::Load() {
-  absl::MutexLock l(&mu_);
+absl::StatusOr<CoordinatorService::State> CoordinatorService::ReadState() {
+  State st;
   auto counter = [&](const std::string& name, uint64_t* out) -> absl::Status {
     auto v = store_->Get("meta/" + name);
     if (absl::IsNotFound(v.status())) return absl::OkStatus();
@@ -58,9 +72,9 @@ absl::Status CoordinatorService::Load() {
     if (!absl::SimpleAtoi(*v, out)) return absl::DataLossError("corrupt counter " + name);
     return absl::OkStatus();
   };
-  KVRING_RETURN_IF_ERROR(counter("map_version", &map_version_));
-  KVRING_RETURN_IF_ERROR(counter("tenants_version", &tenants_version_));
-  KVRING_RETURN_IF_ERROR(counter("next_tenant_id", &next_tenant_id_));
+  KVRING_RETURN_IF_ERROR(counter("map_version", &st.map_version));
+  KVRING_RETURN_IF_ERROR(counter("tenants_version", &st.tenants_version));
+  KVRING_RETURN_IF_ERROR(counter("next_tenant_id", &st.next_tenant_id));
   const absl::Time now = clock_->Now();
   absl::Status bad = absl::OkStatus();
   KVRING_RETURN_IF_ERROR(store_->ScanPrefix("node/", [&](const std::string&, const std::string& v) {
@@ -69,8 +83,7 @@ absl::Status CoordinatorService::Load() {
       bad = absl::DataLossError("corrupt node record");
       return;
     }
-    mu_.AssertHeld();                    // (Load holds it; the analysis does not see into the callback)
-    nodes_[n.node_id()] = Node{n, now};  // one timeout of grace to heartbeat again
+    st.nodes[n.node_id()] = Node{n, now};  // one timeout of grace to heartbeat again
   }));
   KVRING_RETURN_IF_ERROR(store_->ScanPrefix("tenant/", [&](const std::string&, const std::string& v) {
     v1::TenantTable::Entry e;
@@ -78,8 +91,7 @@ absl::Status CoordinatorService::Load() {
       bad = absl::DataLossError("corrupt tenant record");
       return;
     }
-    mu_.AssertHeld();
-    tenants_[e.tenant().name()] = e;
+    st.tenants[e.tenant().name()] = e;
   }));
   KVRING_RETURN_IF_ERROR(store_->ScanPrefix("deleted/", [&](const std::string& k, const std::string&) {
     uint32_t id = 0;
@@ -87,27 +99,87 @@ absl::Status CoordinatorService::Load() {
       bad = absl::DataLossError("corrupt deleted-tenant record");
       return;
     }
-    mu_.AssertHeld();
-    deleted_ids_.push_back(id);
+    st.deleted_ids.push_back(id);
   }));
   KVRING_RETURN_IF_ERROR(bad);
-  if (!nodes_.empty() || map_version_ > 0) KVRING_RETURN_IF_ERROR(BumpMapVersionLocked());
+  return st;
+}
+
+absl::Status CoordinatorService::LoadLocked() {
+  mu_.Unlock();
+  absl::StatusOr<State> st = ReadState();
+  mu_.Lock();
+  if (!st.ok()) return st.status();
+  map_version_ = st->map_version;
+  tenants_version_ = st->tenants_version;
+  next_tenant_id_ = st->next_tenant_id;
+  nodes_ = std::move(st->nodes);
+  tenants_ = std::move(st->tenants);
+  deleted_ids_ = std::move(st->deleted_ids);
+  stale_ = false;
   KVRING_LOG(INFO) << "coordinator state: " << nodes_.size() << " nodes, " << tenants_.size()
                    << " tenants, map version " << map_version_;
   return absl::OkStatus();
 }
 
-absl::Status CoordinatorService::PersistCounterLocked(const std::string& name, uint64_t v) {
-  return store_->Put("meta/" + name, absl::StrCat(v));
+absl::Status CoordinatorService::WriteLocked(const MetadataWrite& w) {
+  mu_.Unlock();
+  absl::Status s = store_->Write(w);
+  mu_.Lock();
+  if (absl::IsFailedPrecondition(s) && leading_) {
+    KVRING_LOG(WARNING) << "a metadata write was fenced (" << s.message() << "): standing by";
+    leading_ = false;
+    leader_.clear();
+    stale_ = true;
+  }
+  return s;
 }
 
-absl::Status CoordinatorService::BumpMapVersionLocked() {
+absl::Status CoordinatorService::WriteWithNewMapVersionLocked(MetadataWrite w) {
+  w.Put("meta/map_version", absl::StrCat(map_version_ + 1));
+  KVRING_RETURN_IF_ERROR(WriteLocked(w));
   ++map_version_;
-  return PersistCounterLocked("map_version", map_version_);
+  return absl::OkStatus();
 }
 
-absl::Status CoordinatorService::PersistNodeLocked(const v1::NodeInfo& n) {
-  return store_->Put("node/" + n.node_id(), n.SerializeAsString());
+absl::Status CoordinatorService::CheckLeadingLocked(grpc::ServerContext* ctx) {
+  if (leading_ && (!holds_lease_ || holds_lease_())) return absl::OkStatus();
+  if (!leader_.empty() && ctx != nullptr) ctx->AddTrailingMetadata("kvring-leader", leader_);
+  return absl::UnavailableError(
+      leader_.empty() ? std::string("this coordinator is a standby and no coordinator leads right now; retry shortly")
+                      : absl::StrCat("this coordinator is a standby; the leader is ", leader_));
+}
+
+absl::Status CoordinatorService::BecomeLeader(std::function<bool()> holds_lease) {
+  absl::MutexLock w(&write_mu_);
+  absl::MutexLock l(&mu_);
+  leading_ = true;  // (the fence guards the store: a write that is not ours fails)
+  holds_lease_ = std::move(holds_lease);
+  absl::Status s = LoadLocked();
+  if (s.ok()) s = WriteWithNewMapVersionLocked({});
+  if (!s.ok()) {
+    leading_ = false;
+    stale_ = true;
+    return s;
+  }
+  KVRING_LOG(INFO) << "leading: " << nodes_.size() << " nodes have " << absl::FormatDuration(options_.heartbeat_timeout)
+                   << " to heartbeat; map version " << map_version_;
+  return absl::OkStatus();
+}
+
+void CoordinatorService::BecomeStandby(const std::string& leader) {
+  absl::MutexLock l(&mu_);
+  if (leading_) {
+    KVRING_LOG(WARNING) << "standing by" << (leader.empty() ? std::string() : " for " + leader);
+    stale_ = true;  // what the leader wrote from now on is read back from the store
+  }
+  leading_ = false;
+  leader_ = leader;
+}
+
+bool CoordinatorService::leading() {
+  absl::MutexLock l(&mu_);
+  return leading_ && (!holds_lease_ || holds_lease_());
 }
 
 absl::Status CoordinatorService::CheckToken(const grpc::ServerContext& ctx, const std::string& expected,
@@ -141,16 +213,22 @@ grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext* ctx, const v1
   if (in.grpc_address().empty() || in.grpc_address().find(':') == std::string::npos) {
     return ToGrpc(absl::InvalidArgumentError("grpc_address must be host:port"));
   }
+  absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
-  Node& n = nodes_[in.node_id()];
-  const uint64_t incarnation = n.info.incarnation() + 1;
+  if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
+  auto known = nodes_.find(in.node_id());
+  const uint64_t incarnation = (known == nodes_.end() ? 0 : known->second.info.incarnation()) + 1;
+  Node n;
   n.info = in;
   n.info.set_incarnation(incarnation);
   n.info.set_state(v1::NodeInfo::UP);
   n.last_heartbeat = clock_->Now();
   n.info.set_last_heartbeat_unix_ms(absl::ToUnixMillis(n.last_heartbeat));
-  if (absl::Status s = PersistNodeLocked(n.info); !s.ok()) return ToGrpc(s);
-  if (absl::Status s = BumpMapVersionLocked(); !s.ok()) return ToGrpc(s);
+  if (absl::Status s =
+          WriteWithNewMapVersionLocked(MetadataWrite().Put("node/" + in.node_id(), n.info.SerializeAsString()));
+      !s.ok())
+    return ToGrpc(s);
+  nodes_[in.node_id()] = n;
   KVRING_LOG(INFO) << "node " << in.node_id() << " registered at " << in.grpc_address() << " (incarnation "
                    << incarnation << "), map version " << map_version_;
   resp->set_map_version(map_version_);
@@ -163,39 +241,83 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx, const v1::H
                                            v1::HeartbeatResponse* resp) {
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.cluster_token, "cluster"); !s.ok()) return ToGrpc(s);
-  absl::MutexLock l(&mu_);
-  auto it = nodes_.find(req->node_id());
-  resp->set_tenants_version(tenants_version_);
-  if (it == nodes_.end() || it->second.info.incarnation() != req->incarnation()) {
-    resp->set_reregister(true);
+  // A node that is UP only refreshes its time (mu_ alone); one coming back
+  // is written first (write_mu_, then mu_).
+  for (bool writer : {false, true}) {
+    std::optional<absl::MutexLock> w;
+    if (writer) w.emplace(&write_mu_);
+    absl::MutexLock l(&mu_);
+    if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
+    auto it = nodes_.find(req->node_id());
+    resp->set_tenants_version(tenants_version_);
+    resp->set_map_version(map_version_);
+    if (it == nodes_.end() || it->second.info.incarnation() != req->incarnation()) {
+      resp->set_reregister(true);
+      return grpc::Status::OK;
+    }
+    const absl::Time now = clock_->Now();
+    if (it->second.info.state() != v1::NodeInfo::UP) {
+      if (!writer) continue;
+      v1::NodeInfo up = it->second.info;
+      up.set_state(v1::NodeInfo::UP);
+      up.set_last_heartbeat_unix_ms(absl::ToUnixMillis(now));
+      write_mu_.AssertHeld();
+      if (absl::Status s =
+              WriteWithNewMapVersionLocked(MetadataWrite().Put("node/" + up.node_id(), up.SerializeAsString()));
+          !s.ok())
+        return ToGrpc(s);
+      nodes_[up.node_id()].info = up;
+      KVRING_LOG(INFO) << "node " << up.node_id() << " is UP again, map version " << map_version_;
+    }
+    Node& n = nodes_[req->node_id()];
+    n.last_heartbeat = now;
+    n.info.set_last_heartbeat_unix_ms(absl::ToUnixMillis(now));
     resp->set_map_version(map_version_);
     return grpc::Status::OK;
   }
-  Node& n = it->second;
-  n.last_heartbeat = clock_->Now();
-  n.info.set_last_heartbeat_unix_ms(absl::ToUnixMillis(n.last_heartbeat));
-  if (n.info.state() != v1::NodeInfo::UP) {
-    n.info.set_state(v1::NodeInfo::UP);
-    if (absl::Status s = PersistNodeLocked(n.info); !s.ok()) return ToGrpc(s);
-    if (absl::Status s = BumpMapVersionLocked(); !s.ok()) return ToGrpc(s);
-    KVRING_LOG(INFO) << "node " << n.info.node_id() << " is UP again, map version " << map_version_;
-  }
-  resp->set_map_version(map_version_);
-  return grpc::Status::OK;
+  return grpc::Status::OK;  // (not reached)
 }
 
 void CoordinatorService::Tick() {
+  absl::MutexLock wl(&write_mu_);
   absl::MutexLock l(&mu_);
+  if (!leading_) {
+    // A standby follows the leader's writes through the store's versions
+    // (read without mu_: the cached state keeps serving while etcd is away).
+    uint64_t map_version = 0, tenants_version = 0;
+    mu_.Unlock();
+    auto v = store_->Get("meta/map_version");
+    auto t = store_->Get("meta/tenants_version");
+    mu_.Lock();
+    if ((!v.ok() && !absl::IsNotFound(v.status())) || (!t.ok() && !absl::IsNotFound(t.status()))) return;
+    if (v.ok()) (void)absl::SimpleAtoi(*v, &map_version);
+    if (t.ok()) (void)absl::SimpleAtoi(*t, &tenants_version);
+    if (leading_) return;  // (it began leading meanwhile)
+    if (stale_ || map_version != map_version_ || tenants_version != tenants_version_) {
+      if (absl::Status s = LoadLocked(); !s.ok()) KVRING_LOG(WARNING) << "standby: reload failed: " << s.message();
+    }
+    return;
+  }
+  if (holds_lease_ && !holds_lease_()) return;  // (woken from a pause: the election decides first)
   const absl::Time now = clock_->Now();
+  MetadataWrite w;
+  std::vector<std::string> down;
   for (auto& [id, n] : nodes_) {
     if (n.info.state() == v1::NodeInfo::UP && now - n.last_heartbeat > options_.heartbeat_timeout) {
-      n.info.set_state(v1::NodeInfo::DOWN);
-      absl::Status s = PersistNodeLocked(n.info);
-      if (s.ok()) s = BumpMapVersionLocked();
-      KVRING_LOG(WARNING) << "node " << id << " missed heartbeats for " << absl::FormatDuration(now - n.last_heartbeat)
-                          << ": DOWN, map version " << map_version_ << (s.ok() ? "" : " (persist failed: ")
-                          << (s.ok() ? "" : std::string(s.message()) + ")");
+      v1::NodeInfo d = n.info;
+      d.set_state(v1::NodeInfo::DOWN);
+      w.Put("node/" + id, d.SerializeAsString());
+      down.push_back(id);
     }
+  }
+  if (down.empty()) return;
+  absl::Status s = WriteWithNewMapVersionLocked(std::move(w));
+  for (const auto& id : down) {
+    Node& n = nodes_[id];
+    if (s.ok()) n.info.set_state(v1::NodeInfo::DOWN);
+    KVRING_LOG(WARNING) << "node " << id << " missed heartbeats for " << absl::FormatDuration(now - n.last_heartbeat)
+                        << (s.ok() ? absl::StrCat(": DOWN, map version ", map_version_)
+                                   : absl::StrCat(": not marked DOWN, the write failed: ", s.message()));
   }
 }
 
@@ -287,7 +409,9 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
     return ToGrpc(absl::InvalidArgumentError(absl::StrCat("a chosen token must have at least ", kMinChosenTokenBytes,
                                                           " characters (or let the coordinator generate one)")));
   }
+  absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
+  if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
   if (tenants_.count(req->name()))
     return ToGrpc(absl::AlreadyExistsError(absl::StrCat("tenant ", Quote(req->name()), " exists")));
   const std::string digest = Sha256(token);
@@ -305,11 +429,14 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
   e.mutable_tenant()->set_kv_encoding(req->kv_encoding() == "none" ? "" : req->kv_encoding());
   e.mutable_tenant()->set_sequence_ttl_s(req->sequence_ttl_s());
   e.set_token_sha256(digest);
-  if (absl::Status s = store_->Put("tenant/" + req->name(), e.SerializeAsString()); !s.ok()) return ToGrpc(s);
+  if (absl::Status s = WriteLocked(MetadataWrite()
+                                       .Put("tenant/" + req->name(), e.SerializeAsString())
+                                       .Put("meta/next_tenant_id", absl::StrCat(next_tenant_id_ + 1))
+                                       .Put("meta/tenants_version", absl::StrCat(tenants_version_ + 1)));
+      !s.ok())
+    return ToGrpc(s);
   ++next_tenant_id_;
   ++tenants_version_;
-  if (absl::Status s = PersistCounterLocked("next_tenant_id", next_tenant_id_); !s.ok()) return ToGrpc(s);
-  if (absl::Status s = PersistCounterLocked("tenants_version", tenants_version_); !s.ok()) return ToGrpc(s);
   tenants_[req->name()] = e;
   KVRING_LOG(INFO) << "tenant '" << req->name() << "' created (id " << e.tenant().id() << ")";
   *resp->mutable_tenant() = e.tenant();
@@ -331,17 +458,23 @@ grpc::Status CoordinatorService::DeleteTenant(grpc::ServerContext* ctx, const v1
                                               v1::DeleteTenantResponse*) {
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.admin_token, "admin"); !s.ok()) return ToGrpc(s);
+  absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
+  if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
   auto it = tenants_.find(req->name());
   if (it == tenants_.end()) return ToGrpc(absl::NotFoundError(absl::StrCat("no tenant ", Quote(req->name()))));
   const uint32_t id = it->second.tenant().id();
-  // The tombstone first: daemons reclaim the namespace of every id listed.
-  if (absl::Status s = store_->Put(absl::StrCat("deleted/", id), ""); !s.ok()) return ToGrpc(s);
-  if (absl::Status s = store_->Delete("tenant/" + req->name()); !s.ok()) return ToGrpc(s);
+  // The tombstone with the deletion, in one write: daemons reclaim the
+  // namespace of every id listed.
+  if (absl::Status s = WriteLocked(MetadataWrite()
+                                       .Delete("tenant/" + req->name())
+                                       .Put(absl::StrCat("deleted/", id), "")
+                                       .Put("meta/tenants_version", absl::StrCat(tenants_version_ + 1)));
+      !s.ok())
+    return ToGrpc(s);
   tenants_.erase(it);
   deleted_ids_.push_back(id);
   ++tenants_version_;
-  if (absl::Status s = PersistCounterLocked("tenants_version", tenants_version_); !s.ok()) return ToGrpc(s);
   KVRING_LOG(INFO) << "tenant '" << req->name() << "' (id " << id << ") deleted; daemons reclaim its blocks";
   return grpc::Status::OK;
 }
@@ -350,15 +483,20 @@ grpc::Status CoordinatorService::SetTenantQuota(grpc::ServerContext* ctx, const 
                                                 v1::SetTenantQuotaResponse* resp) {
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.admin_token, "admin"); !s.ok()) return ToGrpc(s);
+  absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
+  if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
   auto it = tenants_.find(req->name());
   if (it == tenants_.end()) return ToGrpc(absl::NotFoundError(absl::StrCat("no tenant ", Quote(req->name()))));
   v1::TenantTable::Entry e = it->second;
   e.mutable_tenant()->set_max_pinned_bytes(req->max_pinned_bytes());
-  if (absl::Status s = store_->Put("tenant/" + req->name(), e.SerializeAsString()); !s.ok()) return ToGrpc(s);
+  if (absl::Status s = WriteLocked(MetadataWrite()
+                                       .Put("tenant/" + req->name(), e.SerializeAsString())
+                                       .Put("meta/tenants_version", absl::StrCat(tenants_version_ + 1)));
+      !s.ok())
+    return ToGrpc(s);
   it->second = e;
   ++tenants_version_;
-  if (absl::Status s = PersistCounterLocked("tenants_version", tenants_version_); !s.ok()) return ToGrpc(s);
   *resp->mutable_tenant() = e.tenant();
   return grpc::Status::OK;
 }

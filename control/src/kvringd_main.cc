@@ -83,7 +83,8 @@ int main(int argc, char** argv) {
   flags.AddString("listen", &listen, "gRPC listen address host:port (port 0: any free port)");
   flags.AddString("advertise", &advertise,
                   "address other processes use to reach this node (default: listen, with 127.0.0.1 for 0.0.0.0)");
-  flags.AddString("coordinator", &coordinator, "coordinator address host:port");
+  flags.AddString("coordinator", &coordinator,
+                  "coordinator address host:port, or every coordinator: host:port,host:port,...");
   flags.AddString("cluster_token", &cluster_token,
                   "token nodes present to the coordinator (prefer --cluster_token_file)");
   flags.AddString("cluster_token_file", &cluster_token_file, "file holding the cluster token");

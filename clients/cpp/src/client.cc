@@ -22,6 +22,7 @@
 #include "kvring/common/status_macros.h"
 #include "kvring/common/thread_pool.h"
 #include "kvring/layout/token_rows.h"
+#include "kvring/protocol/coordinator_channel.h"
 #include "kvring/protocol/shard_ring.h"
 #include "kvring/protocol/tls.h"
 #include "kvring/protocol/wire.h"
@@ -56,13 +57,15 @@ class ClientImpl {
   absl::Status Init() {
     KVRING_ASSIGN_OR_RETURN(creds_, MakeChannelCredentials(o_.tls));
     if (o_.tls.enabled()) o_.use_ucx = false;  // UCX is not encrypted
-    coord_ = v1::Coordinator::NewStub(grpc::CreateChannel(o_.coordinator, creds_));
+    KVRING_ASSIGN_OR_RETURN(coord_, CoordinatorChannel::Create(o_.coordinator, creds_));
     v1::WhoAmIRequest req;
     req.set_version(1);
-    auto ctx = Context(absl::Seconds(5));
-    grpc::Status s = coord_->WhoAmI(ctx.get(), req, &tenant_);
-    if (!s.ok())
-      return absl::Status(FromGrpc(s).code(), absl::StrCat("coordinator ", o_.coordinator, ": ", s.error_message()));
+    absl::Status s = coord_->Call([&] { return Context(absl::Seconds(5)); },
+                                  [&](v1::Coordinator::Stub& stub, grpc::ClientContext* ctx) {
+                                    tenant_.Clear();
+                                    return stub.WhoAmI(ctx, req, &tenant_);
+                                  });
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("coordinator ", o_.coordinator, ": ", s.message()));
     KVRING_ASSIGN_OR_RETURN(ns_, ResolveNamespace(tenant_, o_.ns));
     ns_id_ = NamespaceIdOf(ns_);
     return RefreshMap();
@@ -86,9 +89,11 @@ class ClientImpl {
     v1::GetShardMapRequest req;
     req.set_version(1);
     v1::ShardMap map;
-    auto ctx = Context(absl::Seconds(5));
-    grpc::Status s = coord_->GetShardMap(ctx.get(), req, &map);
-    if (!s.ok()) return FromGrpc(s);
+    KVRING_RETURN_IF_ERROR(coord_->Call([&] { return Context(absl::Seconds(5)); },
+                                        [&](v1::Coordinator::Stub& stub, grpc::ClientContext* ctx) {
+                                          map.Clear();
+                                          return stub.GetShardMap(ctx, req, &map);
+                                        }));
     auto ring = std::make_shared<const ShardRing>(map);
     absl::MutexLock l(&mu_);
     for (const auto& n : map.nodes()) {
@@ -1787,7 +1792,7 @@ class ClientImpl {
   v1::Tenant tenant_;
   std::string ns_;
   NamespaceId ns_id_ = 0;
-  std::unique_ptr<v1::Coordinator::Stub> coord_;
+  std::unique_ptr<CoordinatorChannel> coord_;
   ThreadPool pool_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const ShardRing> ring_ ABSL_GUARDED_BY(mu_);
@@ -1890,10 +1895,7 @@ absl::Status Client::RefreshMap() { return impl_->RefreshMap(); }
 absl::StatusOr<CreatedTenant> CreateTenant(const std::string& coordinator, const std::string& admin_token,
                                            const TenantSpec& spec, const TlsConfig& tls) {
   KVRING_ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator, creds));
-  grpc::ClientContext ctx;
-  ctx.AddMetadata("authorization", "Bearer " + admin_token);
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  KVRING_ASSIGN_OR_RETURN(auto channel, CoordinatorChannel::Create(coordinator, creds));
   v1::CreateTenantRequest req;
   req.set_version(1);
   req.set_name(spec.name);
@@ -1902,8 +1904,14 @@ absl::StatusOr<CreatedTenant> CreateTenant(const std::string& coordinator, const
   req.set_sequence_ttl_s(spec.sequence_ttl_s);
   for (const auto& n : spec.shared_namespaces) req.add_shared_namespaces(n);
   v1::CreateTenantResponse resp;
-  grpc::Status s = stub->CreateTenant(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s);
+  KVRING_RETURN_IF_ERROR(channel->Call(
+      [&] {
+        auto ctx = std::make_unique<grpc::ClientContext>();
+        ctx->AddMetadata("authorization", "Bearer " + admin_token);
+        ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+        return ctx;
+      },
+      [&](v1::Coordinator::Stub& stub, grpc::ClientContext* ctx) { return stub.CreateTenant(ctx, req, &resp); }));
   return CreatedTenant{resp.token(), resp.tenant().id(), resp.tenant().namespace_()};
 }
 

@@ -1,4 +1,6 @@
-// CoordinatorLink: a daemon's session with the coordinator. Registers the
+// CoordinatorLink: a daemon's session with the coordinators (one, or a list
+// of which one leads: coordinator_channel.h moves its calls on to the leader
+// when one dies or is a standby). Registers the
 // node (retrying with backoff until the coordinator answers), heartbeats
 // every interval on its own thread, re-registers when the coordinator asks
 // (it restarted or declared this node dead), and refreshes the tenant
@@ -20,11 +22,12 @@
 #include "grpcpp/security/credentials.h"
 #include "kvring.grpc.pb.h"
 #include "kvring/control/auth.h"
+#include "kvring/protocol/coordinator_channel.h"
 
 namespace kvring {
 
 struct CoordinatorLinkOptions {
-  std::string coordinator;  // host:port
+  std::string coordinator;  // host:port, or host:port,host:port,... (every coordinator)
   // Channel credentials towards the coordinator (null: plaintext).
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   std::string cluster_token;
@@ -60,7 +63,8 @@ class CoordinatorLink {
 
   CoordinatorLinkOptions options_;
   TenantDirectory* tenants_;
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::unique_ptr<CoordinatorChannel> channel_;
+  absl::Status bad_address_;  // what Start() reports for an unusable address
   std::atomic<uint64_t> incarnation_{0}, map_version_{0};
   std::atomic<uint64_t> interval_ms_{500};
   absl::Notification stop_;

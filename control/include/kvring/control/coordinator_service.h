@@ -11,14 +11,28 @@
 //   every daemon reclaims that namespace's blocks in the background.
 // - Daemons read the tenant table in pages of at most 1 MiB.
 // - Everything the coordinator must not lose (nodes, tenants, versions) is in
-//   the MetadataStore (RocksDB, synced writes). After a restart the map
-//   version moves forward, known nodes keep their state for one timeout of
-//   grace, and nodes with an unknown incarnation are told to re-register.
+//   the MetadataStore (RocksDB with synced writes, or etcd), written before
+//   the call that changed it is answered, in one atomic write, and only then
+//   applied in memory. After a restart the map version moves forward, known
+//   nodes keep their state for one timeout of grace, and nodes with an
+//   unknown incarnation are told to re-register.
+// - Leadership (the etcd mode, docs/CONTROL-PLANE.md): several coordinators
+//   share one etcd store and one leads (leader_election.h). A service created
+//   with options.standby serves reads (the shard map, the tenant table,
+//   WhoAmI, ListTenants) from the store's state, reloaded whenever the
+//   store's versions move (Tick), and refuses every write (node registration
+//   and heartbeats, tenant changes) with UNAVAILABLE naming the leader (also
+//   in the trailing metadata "kvring-leader"), so callers move on to it.
+//   BecomeLeader reloads everything, gives every known node one heartbeat
+//   timeout of grace (a new leader does not declare live nodes dead because
+//   it has not heard from them yet) and moves the map version forward.
 //
-// Thread-safe: gRPC calls and Tick() may run concurrently; `mu_` guards all
-// state. The clock is injected (FakeClock in tests).
+// Thread-safe: gRPC calls, Tick() and the leadership calls may run
+// concurrently; `mu_` guards all state. The clock is injected (FakeClock in
+// tests).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -49,6 +63,8 @@ struct CoordinatorOptions {
   std::string admin_token;
   // Bearer token nodes present to register and heartbeat. Required.
   std::string cluster_token;
+  // Starts as a standby (the etcd mode): reads only, until BecomeLeader.
+  bool standby = false;
 };
 
 class CoordinatorService final : public v1::Coordinator::Service {
@@ -76,27 +92,56 @@ class CoordinatorService final : public v1::Coordinator::Service {
 
   // Marks silent nodes DOWN. Called by the server's monitor thread (and by
   // tests, after advancing a FakeClock).
+  // A standby reloads the state when the store's versions moved.
   void Tick() ABSL_LOCKS_EXCLUDED(mu_);
   v1::ShardMap CurrentMap() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Starts leading: reloads the state, grants the grace, moves the map
+  // version forward. Writes are accepted while `holds_lease()` (null:
+  // always). An error leaves it a standby.
+  absl::Status BecomeLeader(std::function<bool()> holds_lease) ABSL_LOCKS_EXCLUDED(mu_);
+  // Stops leading; `leader` ("" when unknown) is named to callers of writes.
+  void BecomeStandby(const std::string& leader) ABSL_LOCKS_EXCLUDED(mu_);
+  bool leading() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   CoordinatorService(const CoordinatorOptions& o, std::unique_ptr<MetadataStore> store, const Clock* clock)
       : options_(o), store_(std::move(store)), clock_(clock) {}
-  absl::Status Load() ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status BumpMapVersionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status PersistNodeLocked(const v1::NodeInfo& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status PersistCounterLocked(const std::string& name, uint64_t v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckToken(const grpc::ServerContext& ctx, const std::string& expected, const char* what);
-  // Admin, cluster, or any tenant token.
-  absl::Status CheckAnyToken(const grpc::ServerContext& ctx) ABSL_LOCKS_EXCLUDED(mu_);
-
   struct Node {
     v1::NodeInfo info;
     absl::Time last_heartbeat;
   };
+  struct State {
+    uint64_t map_version = 0, tenants_version = 0, next_tenant_id = 1;
+    std::map<std::string, Node> nodes;
+    std::map<std::string, v1::TenantTable::Entry> tenants;
+    std::vector<uint32_t> deleted_ids;
+  };
+  // The store's state; known nodes get one timeout of grace. No lock: the
+  // store is read without holding mu_, so reads of the state go on while
+  // the store is slow or away.
+  absl::StatusOr<State> ReadState();
+  // Replaces the state with the store's (write_mu_ keeps writers out).
+  absl::Status LoadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_, mu_);
+  // Writes `w` plus the map version moved by one, then applies the version.
+  absl::Status WriteWithNewMapVersionLocked(MetadataWrite w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_, mu_);
+  // Writes `w`, releasing mu_ meanwhile (write_mu_ keeps the state the
+  // writer read in place); a fenced write (another coordinator leads now)
+  // makes this one a standby.
+  absl::Status WriteLocked(const MetadataWrite& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_, mu_);
+  // OK while this coordinator may write; else UNAVAILABLE naming the leader
+  // (and the leader in ctx's trailing metadata).
+  absl::Status CheckLeadingLocked(grpc::ServerContext* ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckToken(const grpc::ServerContext& ctx, const std::string& expected, const char* what);
+  // Admin, cluster, or any tenant token.
+  absl::Status CheckAnyToken(const grpc::ServerContext& ctx) ABSL_LOCKS_EXCLUDED(mu_);
+
   const CoordinatorOptions options_;
   std::unique_ptr<MetadataStore> store_;
   const Clock* clock_;
+  // Writers of the store take write_mu_ first, then mu_ (which they drop
+  // while the store writes).
+  absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex mu_;
   uint64_t map_version_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tenants_version_ ABSL_GUARDED_BY(mu_) = 0;
@@ -104,6 +149,10 @@ class CoordinatorService final : public v1::Coordinator::Service {
   std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, v1::TenantTable::Entry> tenants_ ABSL_GUARDED_BY(mu_);  // by name
   std::vector<uint32_t> deleted_ids_ ABSL_GUARDED_BY(mu_);
+  bool leading_ ABSL_GUARDED_BY(mu_) = true;
+  std::function<bool()> holds_lease_ ABSL_GUARDED_BY(mu_);
+  std::string leader_ ABSL_GUARDED_BY(mu_);
+  bool stale_ ABSL_GUARDED_BY(mu_) = false;  // a standby whose state must be reloaded
 };
 
 }  // namespace kvring

@@ -43,7 +43,9 @@
 namespace kvring {
 
 struct ClientOptions {
-  // The coordinator's gRPC address (host:port). Default: 127.0.0.1:7000.
+  // The coordinator's gRPC address (host:port), or every coordinator of a
+  // cluster that runs several (host:port,host:port,...: calls move on to the
+  // leader; coordinator_channel.h). Default: 127.0.0.1:7000.
   std::string coordinator = "127.0.0.1:7000";
   // The tenant's bearer token (required).
   std::string token;

@@ -1,0 +1,81 @@
+// LeaderElection: one of several coordinators leads, through an etcd lease.
+// Each candidate holds a lease of `ttl` and keeps it alive every ttl/3; the
+// one that creates `key` (bound to its lease, holding its advertised
+// address) leads until its lease ends: it stops keeping it alive (a crash, a
+// pause, a partition from etcd's quorum) or resigns (Stop()). The others
+// read the key to learn the leader and try again when it is gone, so a
+// standby leads within about one ttl of the leader's death.
+//
+// The key's create revision is the leadership's fence: on_lead receives it,
+// and the leader's metadata writes apply only while the key still has it
+// (etcd_metadata_store.h). A leader steps down by itself (on_follow) when a
+// keep-alive fails for longer than the lease has left by its own clock, so it
+// stops acting as leader before another can start.
+//
+// Callbacks run on the election's thread, one at a time: on_lead(fence) when
+// this candidate starts leading (a non-OK status resigns at once), and
+// on_follow(leader) when it stops leading or learns of another leader
+// ("" while there is none). Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "kvring/control/etcd_client.h"
+
+namespace kvring {
+
+struct LeaderElectionOptions {
+  // The key candidates race to create, e.g. "/kvring/leader".
+  std::string key;
+  // What this candidate writes there (what standbys tell callers).
+  std::string candidate;
+  // The lease. etcd refuses leases shorter than about 1.5 s of its election
+  // timeout; 2 s is the shortest that is safe. Default: 5 s.
+  absl::Duration ttl = absl::Seconds(5);
+  std::function<absl::Status(int64_t fence)> on_lead;
+  std::function<void(const std::string& leader)> on_follow;
+};
+
+class LeaderElection {
+ public:
+  // `etcd` must outlive the election.
+  LeaderElection(EtcdClient* etcd, LeaderElectionOptions options);
+  // Stops; a leader resigns (revokes its lease, so a standby leads at once).
+  ~LeaderElection();
+  LeaderElection(const LeaderElection&) = delete;
+  LeaderElection& operator=(const LeaderElection&) = delete;
+
+  void Start();
+  void Stop();
+  bool leading() const { return leading_.load(); }
+  // Leading, and by this clock the lease has more than ttl/6 left: what a
+  // leader checks before it acts (after a pause, its thread may not yet have
+  // noticed that the lease is gone).
+  bool HoldsLease() const;
+
+ private:
+  void Loop();
+  // One round: keep the lease alive (or get one), then campaign or watch.
+  void Round();
+  void Lose(const char* why);
+
+  EtcdClient* const etcd_;
+  const LeaderElectionOptions options_;
+  std::atomic<bool> leading_{false};
+  // The election thread's own state.
+  int64_t lease_ = 0;
+  absl::Time lease_deadline_ = absl::InfinitePast();  // by this clock, with the send time as its start
+  std::atomic<int64_t> lease_deadline_ns_{0};         // the same, for HoldsLease
+  std::string leader_seen_ = "?";
+  absl::Notification stop_;
+  std::thread thread_;
+};
+
+}  // namespace kvring
