@@ -13,7 +13,7 @@ PACKAGES=(
   librocksdb-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libucx-dev ucx-utils libgtest-dev libgmock-dev libbenchmark-dev
   libzstd-dev liblz4-dev libxxhash-dev python3-numpy python3-matplotlib
-  redis-server clang libclang-rt-14-dev iproute2 procps python3-yaml libssl-dev openssl prometheus clang-format
+  redis-server etcd-server clang libclang-rt-14-dev iproute2 procps python3-yaml libssl-dev openssl prometheus clang-format
 )
 
 SUDO=""

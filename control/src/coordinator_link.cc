@@ -130,6 +130,13 @@ void CoordinatorLink::Loop() {
                                     });
     if (!s.ok()) {
       KVRING_LOG(WARNING) << "heartbeat to " << options_.coordinator << " failed: " << s.message();
+      // No leader to heartbeat to (a failover, or etcd without quorum): the
+      // tenant table is still read from any coordinator, so a tenant
+      // created just before is served (at most once a second).
+      if (absl::Now() - last_tenant_read_ > absl::Seconds(1)) {
+        last_tenant_read_ = absl::Now();
+        if (absl::Status r = RefreshTenants(); !r.ok()) KVRING_LOG(WARNING) << "tenant refresh failed: " << r.message();
+      }
       continue;
     }
     map_version_ = resp.map_version();

@@ -122,10 +122,18 @@ absl::Status CoordinatorService::LoadLocked() {
   return absl::OkStatus();
 }
 
+absl::Status CoordinatorService::FreshLocked() {
+  if (!stale_) return absl::OkStatus();
+  return LoadLocked();
+}
+
 absl::Status CoordinatorService::WriteLocked(const MetadataWrite& w) {
   mu_.Unlock();
   absl::Status s = store_->Write(w);
   mu_.Lock();
+  // A write that failed may still land (etcd can commit a request that timed
+  // out): the next write starts from the store's state, not from memory.
+  if (!s.ok()) stale_ = true;
   if (absl::IsFailedPrecondition(s) && leading_) {
     KVRING_LOG(WARNING) << "a metadata write was fenced (" << s.message() << "): standing by";
     leading_ = false;
@@ -196,9 +204,14 @@ absl::Status CoordinatorService::CheckAnyToken(const grpc::ServerContext& ctx) {
   if (!tok.ok()) return tok.status();
   if (*tok == options_.admin_token || *tok == options_.cluster_token) return absl::OkStatus();
   const std::string d = Sha256(*tok);
-  absl::MutexLock l(&mu_);
-  for (const auto& [name, e] : tenants_) {
-    if (e.token_sha256() == d) return absl::OkStatus();
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    {
+      absl::MutexLock l(&mu_);
+      for (const auto& [name, e] : tenants_) {
+        if (e.token_sha256() == d) return absl::OkStatus();
+      }
+    }
+    if (attempt == 0) TryFollowStore();
   }
   return absl::UnauthenticatedError("unknown token");
 }
@@ -216,6 +229,7 @@ grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext* ctx, const v1
   absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
   if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
+  if (absl::Status s = FreshLocked(); !s.ok()) return ToGrpc(s);
   auto known = nodes_.find(in.node_id());
   const uint64_t incarnation = (known == nodes_.end() ? 0 : known->second.info.incarnation()) + 1;
   Node n;
@@ -258,6 +272,13 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx, const v1::H
     const absl::Time now = clock_->Now();
     if (it->second.info.state() != v1::NodeInfo::UP) {
       if (!writer) continue;
+      write_mu_.AssertHeld();
+      if (absl::Status s = FreshLocked(); !s.ok()) return ToGrpc(s);
+      it = nodes_.find(req->node_id());
+      if (it == nodes_.end() || it->second.info.incarnation() != req->incarnation()) {
+        resp->set_reregister(true);
+        return grpc::Status::OK;
+      }
       v1::NodeInfo up = it->second.info;
       up.set_state(v1::NodeInfo::UP);
       up.set_last_heartbeat_unix_ms(absl::ToUnixMillis(now));
@@ -278,27 +299,49 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx, const v1::H
   return grpc::Status::OK;  // (not reached)
 }
 
+bool CoordinatorService::FollowStore() {
+  absl::MutexLock wl(&write_mu_);
+  return FollowStoreLocked();
+}
+
+void CoordinatorService::TryFollowStore() {
+  {
+    absl::MutexLock l(&mu_);
+    if (leading_ || !store_readable_) return;  // (etcd away: the cache answers at once)
+  }
+  if (write_mu_.TryLock()) {  // (busy: a refresh or a write is under way; the cache answers)
+    FollowStoreLocked();
+    write_mu_.Unlock();
+  }
+}
+
+bool CoordinatorService::FollowStoreLocked() {
+  absl::MutexLock l(&mu_);
+  if (leading_) return false;
+  // (read without mu_: the cached state keeps serving while etcd is away)
+  uint64_t map_version = 0, tenants_version = 0;
+  mu_.Unlock();
+  auto v = store_->Get("meta/map_version");
+  auto t = store_->Get("meta/tenants_version");
+  mu_.Lock();
+  store_readable_ = (v.ok() || absl::IsNotFound(v.status())) && (t.ok() || absl::IsNotFound(t.status()));
+  if (!store_readable_) return true;
+  if (v.ok()) (void)absl::SimpleAtoi(*v, &map_version);
+  if (t.ok()) (void)absl::SimpleAtoi(*t, &tenants_version);
+  if (leading_) return false;  // (it began leading meanwhile)
+  if (stale_ || map_version != map_version_ || tenants_version != tenants_version_) {
+    if (absl::Status s = LoadLocked(); !s.ok()) KVRING_LOG(WARNING) << "standby: reload failed: " << s.message();
+  }
+  return true;
+}
+
 void CoordinatorService::Tick() {
+  if (FollowStore()) return;
   absl::MutexLock wl(&write_mu_);
   absl::MutexLock l(&mu_);
-  if (!leading_) {
-    // A standby follows the leader's writes through the store's versions
-    // (read without mu_: the cached state keeps serving while etcd is away).
-    uint64_t map_version = 0, tenants_version = 0;
-    mu_.Unlock();
-    auto v = store_->Get("meta/map_version");
-    auto t = store_->Get("meta/tenants_version");
-    mu_.Lock();
-    if ((!v.ok() && !absl::IsNotFound(v.status())) || (!t.ok() && !absl::IsNotFound(t.status()))) return;
-    if (v.ok()) (void)absl::SimpleAtoi(*v, &map_version);
-    if (t.ok()) (void)absl::SimpleAtoi(*t, &tenants_version);
-    if (leading_) return;  // (it began leading meanwhile)
-    if (stale_ || map_version != map_version_ || tenants_version != tenants_version_) {
-      if (absl::Status s = LoadLocked(); !s.ok()) KVRING_LOG(WARNING) << "standby: reload failed: " << s.message();
-    }
-    return;
-  }
+  if (!leading_) return;
   if (holds_lease_ && !holds_lease_()) return;  // (woken from a pause: the election decides first)
+  if (absl::Status s = FreshLocked(); !s.ok()) return;
   const absl::Time now = clock_->Now();
   MetadataWrite w;
   std::vector<std::string> down;
@@ -345,6 +388,7 @@ grpc::Status CoordinatorService::GetTenantTable(grpc::ServerContext* ctx, const 
                                                 v1::TenantTable* resp) {
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.cluster_token, "cluster"); !s.ok()) return ToGrpc(s);
+  if (req->page_after().empty()) TryFollowStore();  // (a standby: up to what the leader wrote)
   absl::MutexLock l(&mu_);
   resp->set_tenants_version(tenants_version_);
   if (req->page_after().empty()) {
@@ -367,12 +411,18 @@ grpc::Status CoordinatorService::WhoAmI(grpc::ServerContext* ctx, const v1::WhoA
   absl::StatusOr<std::string> tok = BearerToken(*ctx);
   if (!tok.ok()) return ToGrpc(tok.status());
   const std::string d = Sha256(*tok);
-  absl::MutexLock l(&mu_);
-  for (const auto& [name, e] : tenants_) {
-    if (e.token_sha256() == d) {
-      *resp = e.tenant();
-      return grpc::Status::OK;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    {
+      absl::MutexLock l(&mu_);
+      for (const auto& [name, e] : tenants_) {
+        if (e.token_sha256() == d) {
+          *resp = e.tenant();
+          return grpc::Status::OK;
+        }
+      }
     }
+    // A tenant the leader created a moment ago: a standby reads it now.
+    if (attempt == 0) TryFollowStore();
   }
   return ToGrpc(absl::UnauthenticatedError("unknown tenant token"));
 }
@@ -412,6 +462,7 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
   absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
   if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
+  if (absl::Status s = FreshLocked(); !s.ok()) return ToGrpc(s);
   if (tenants_.count(req->name()))
     return ToGrpc(absl::AlreadyExistsError(absl::StrCat("tenant ", Quote(req->name()), " exists")));
   const std::string digest = Sha256(token);
@@ -448,6 +499,7 @@ grpc::Status CoordinatorService::ListTenants(grpc::ServerContext* ctx, const v1:
                                              v1::ListTenantsResponse* resp) {
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.admin_token, "admin"); !s.ok()) return ToGrpc(s);
+  TryFollowStore();  // a standby answers with what the leader wrote up to now
   absl::MutexLock l(&mu_);
   resp->set_tenants_version(tenants_version_);
   for (const auto& [n, e] : tenants_) *resp->add_tenants() = e.tenant();
@@ -461,6 +513,7 @@ grpc::Status CoordinatorService::DeleteTenant(grpc::ServerContext* ctx, const v1
   absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
   if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
+  if (absl::Status s = FreshLocked(); !s.ok()) return ToGrpc(s);
   auto it = tenants_.find(req->name());
   if (it == tenants_.end()) return ToGrpc(absl::NotFoundError(absl::StrCat("no tenant ", Quote(req->name()))));
   const uint32_t id = it->second.tenant().id();
@@ -486,6 +539,7 @@ grpc::Status CoordinatorService::SetTenantQuota(grpc::ServerContext* ctx, const 
   absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
   if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
+  if (absl::Status s = FreshLocked(); !s.ok()) return ToGrpc(s);
   auto it = tenants_.find(req->name());
   if (it == tenants_.end()) return ToGrpc(absl::NotFoundError(absl::StrCat("no tenant ", Quote(req->name()))));
   v1::TenantTable::Entry e = it->second;

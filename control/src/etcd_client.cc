@@ -5,7 +5,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "grpcpp/create_channel.h"
 #include "kvring/protocol/wire.h"
 
 namespace kvring {
@@ -48,10 +47,7 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdOptions optio
   options.endpoints = cleaned;
   auto creds = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
   std::unique_ptr<EtcdClient> c(new EtcdClient(std::move(options)));
-  for (const auto& e : c->options_.endpoints) {
-    auto channel = grpc::CreateChannel(e, creds);
-    c->members_.push_back(Member{e, etcdserverpb::KV::NewStub(channel), etcdserverpb::Lease::NewStub(channel)});
-  }
+  for (const auto& e : c->options_.endpoints) c->members_.push_back(std::make_unique<RenewableChannel>(e, creds));
   return c;
 }
 
@@ -68,7 +64,9 @@ absl::Status EtcdClient::OnAnyMember(const char* what, Rpc&& rpc) {
   std::vector<std::string> tried;
   for (size_t i = 0; i < n; ++i) {
     const size_t m = (first + i) % n;
-    grpc::Status s = rpc(members_[m]);
+    std::shared_ptr<grpc::Channel> channel = members_[m]->Get();
+    grpc::Status s = rpc(*channel);
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) members_[m]->Renew(channel);
     if (s.ok()) {
       preferred_.store(m, std::memory_order_relaxed);
       return absl::OkStatus();
@@ -78,18 +76,18 @@ absl::Status EtcdClient::OnAnyMember(const char* what, Rpc&& rpc) {
       // etcd answered: the request itself was refused. Another member would
       // say the same.
       return absl::Status(FromGrpc(s).code(),
-                          absl::StrCat("etcd ", what, " at ", members_[m].address, ": ", s.error_message()));
+                          absl::StrCat("etcd ", what, " at ", members_[m]->address(), ": ", s.error_message()));
     }
-    tried.push_back(absl::StrCat(members_[m].address, " (", s.error_message(), ")"));
+    tried.push_back(absl::StrCat(members_[m]->address(), " (", s.error_message(), ")"));
   }
   return absl::UnavailableError(absl::StrCat("etcd ", what, ": no member answered: ", absl::StrJoin(tried, "; ")));
 }
 
 absl::StatusOr<etcdserverpb::RangeResponse> EtcdClient::Range(const etcdserverpb::RangeRequest& req) {
   etcdserverpb::RangeResponse resp;
-  absl::Status s = OnAnyMember("range", [&](Member& m) {
+  absl::Status s = OnAnyMember("range", [&](grpc::Channel& ch) {
     resp.Clear();
-    return m.kv->Range(Context().get(), req, &resp);
+    return etcdserverpb::KV::NewStub(ch.shared_from_this())->Range(Context().get(), req, &resp);
   });
   if (!s.ok()) return s;
   return resp;
@@ -97,9 +95,9 @@ absl::StatusOr<etcdserverpb::RangeResponse> EtcdClient::Range(const etcdserverpb
 
 absl::StatusOr<etcdserverpb::TxnResponse> EtcdClient::Txn(const etcdserverpb::TxnRequest& req) {
   etcdserverpb::TxnResponse resp;
-  absl::Status s = OnAnyMember("txn", [&](Member& m) {
+  absl::Status s = OnAnyMember("txn", [&](grpc::Channel& ch) {
     resp.Clear();
-    return m.kv->Txn(Context().get(), req, &resp);
+    return etcdserverpb::KV::NewStub(ch.shared_from_this())->Txn(Context().get(), req, &resp);
   });
   if (!s.ok()) return s;
   return resp;
@@ -109,9 +107,9 @@ absl::StatusOr<etcdserverpb::LeaseGrantResponse> EtcdClient::LeaseGrant(absl::Du
   etcdserverpb::LeaseGrantRequest req;
   req.set_ttl(std::max<int64_t>(1, absl::ToInt64Seconds(absl::Ceil(ttl, absl::Seconds(1)))));
   etcdserverpb::LeaseGrantResponse resp;
-  absl::Status s = OnAnyMember("lease grant", [&](Member& m) {
+  absl::Status s = OnAnyMember("lease grant", [&](grpc::Channel& ch) {
     resp.Clear();
-    return m.lease->LeaseGrant(Context().get(), req, &resp);
+    return etcdserverpb::Lease::NewStub(ch.shared_from_this())->LeaseGrant(Context().get(), req, &resp);
   });
   if (!s.ok()) return s;
   if (!resp.error().empty()) return absl::UnavailableError(absl::StrCat("etcd lease grant: ", resp.error()));
@@ -122,14 +120,17 @@ absl::Status EtcdClient::LeaseRevoke(int64_t id) {
   etcdserverpb::LeaseRevokeRequest req;
   req.set_id(id);
   etcdserverpb::LeaseRevokeResponse resp;
-  return OnAnyMember("lease revoke", [&](Member& m) { return m.lease->LeaseRevoke(Context().get(), req, &resp); });
+  return OnAnyMember("lease revoke", [&](grpc::Channel& ch) {
+    return etcdserverpb::Lease::NewStub(ch.shared_from_this())->LeaseRevoke(Context().get(), req, &resp);
+  });
 }
 
 absl::StatusOr<int64_t> EtcdClient::LeaseKeepAlive(int64_t id) {
   int64_t ttl = 0;
-  absl::Status s = OnAnyMember("lease keep-alive", [&](Member& m) {
+  absl::Status s = OnAnyMember("lease keep-alive", [&](grpc::Channel& ch) {
     auto ctx = Context();
-    auto stream = m.lease->LeaseKeepAlive(ctx.get());
+    auto stub = etcdserverpb::Lease::NewStub(ch.shared_from_this());
+    auto stream = stub->LeaseKeepAlive(ctx.get());
     etcdserverpb::LeaseKeepAliveRequest req;
     req.set_id(id);
     etcdserverpb::LeaseKeepAliveResponse resp;

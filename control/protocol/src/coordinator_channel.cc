@@ -24,7 +24,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorChannel>> CoordinatorChannel::Create(
     }
     if (std::find(c->names_.begin(), c->names_.end(), a) != c->names_.end()) continue;
     c->names_.emplace_back(a);
-    c->stubs_.push_back(v1::Coordinator::NewStub(grpc::CreateChannel(std::string(a), credentials)));
+    c->channels_.push_back(std::make_unique<RenewableChannel>(std::string(a), credentials));
   }
   if (c->names_.empty()) return absl::InvalidArgumentError("no coordinator address given");
   return c;
@@ -46,7 +46,11 @@ absl::Status CoordinatorChannel::Call(const std::function<std::unique_ptr<grpc::
     const size_t m = next;
     tried[m] = true;
     auto ctx = context();
-    last = rpc(*stubs_[m], ctx.get());
+    std::shared_ptr<grpc::Channel> channel = channels_[m]->Get();
+    auto stub = v1::Coordinator::NewStub(channel);
+    last = rpc(*stub, ctx.get());
+    if (last.error_code() == grpc::StatusCode::UNAVAILABLE && ctx->GetServerTrailingMetadata().empty())
+      channels_[m]->Renew(channel);  // (unreachable, not a standby's answer)
     if (last.ok() || (last.error_code() != grpc::StatusCode::UNAVAILABLE &&
                       last.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED)) {
       if (last.ok()) preferred_.store(m, std::memory_order_relaxed);

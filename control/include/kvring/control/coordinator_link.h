@@ -64,7 +64,9 @@ class CoordinatorLink {
   CoordinatorLinkOptions options_;
   TenantDirectory* tenants_;
   std::unique_ptr<CoordinatorChannel> channel_;
-  absl::Status bad_address_;  // what Start() reports for an unusable address
+  absl::Status bad_address_;
+  absl::Time last_tenant_read_ =
+      absl::InfinitePast();  // (the heartbeat thread's)  // what Start() reports for an unusable address
   std::atomic<uint64_t> incarnation_{0}, map_version_{0};
   std::atomic<uint64_t> interval_ms_{500};
   absl::Notification stop_;

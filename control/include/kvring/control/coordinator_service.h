@@ -129,6 +129,15 @@ class CoordinatorService final : public v1::Coordinator::Service {
   // writer read in place); a fenced write (another coordinator leads now)
   // makes this one a standby.
   absl::Status WriteLocked(const MetadataWrite& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_, mu_);
+  // Reloads the state when a write failed since the last load.
+  absl::Status FreshLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_, mu_);
+  // A standby reloads the state if the store's versions moved (true); a
+  // leader does nothing (false).
+  bool FollowStore() ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
+  bool FollowStoreLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // The same for a caller that waits (a read): only when the store answered
+  // the last time and no refresh is under way, else the cached state serves.
+  void TryFollowStore() ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
   // OK while this coordinator may write; else UNAVAILABLE naming the leader
   // (and the leader in ctx's trailing metadata).
   absl::Status CheckLeadingLocked(grpc::ServerContext* ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -152,7 +161,10 @@ class CoordinatorService final : public v1::Coordinator::Service {
   bool leading_ ABSL_GUARDED_BY(mu_) = true;
   std::function<bool()> holds_lease_ ABSL_GUARDED_BY(mu_);
   std::string leader_ ABSL_GUARDED_BY(mu_);
-  bool stale_ ABSL_GUARDED_BY(mu_) = false;  // a standby whose state must be reloaded
+  // The state must be reloaded before it is used for a write (a standby's
+  // after the leader wrote; anyone's after a failed write).
+  bool stale_ ABSL_GUARDED_BY(mu_) = false;
+  bool store_readable_ ABSL_GUARDED_BY(mu_) = true;  // the last standby refresh reached the store
 };
 
 }  // namespace kvring

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "etcd_rpc.grpc.pb.h"
 #include "grpcpp/security/credentials.h"
+#include "kvring/protocol/renewable_channel.h"
 
 namespace kvring {
 
@@ -49,11 +50,6 @@ class EtcdClient {
   const std::vector<std::string>& endpoints() const { return options_.endpoints; }
 
  private:
-  struct Member {
-    std::string address;
-    std::unique_ptr<etcdserverpb::KV::Stub> kv;
-    std::unique_ptr<etcdserverpb::Lease::Stub> lease;
-  };
   explicit EtcdClient(EtcdOptions o) : options_(std::move(o)) {}
   std::unique_ptr<grpc::ClientContext> Context() const;
   // Runs `rpc` against each member in turn, starting with the last one that
@@ -63,7 +59,7 @@ class EtcdClient {
   absl::Status OnAnyMember(const char* what, Rpc&& rpc);
 
   EtcdOptions options_;
-  std::vector<Member> members_;
+  std::vector<std::unique_ptr<RenewableChannel>> members_;
   std::atomic<size_t> preferred_{0};
 };
 

@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "grpcpp/security/credentials.h"
 #include "kvring.grpc.pb.h"
+#include "kvring/protocol/renewable_channel.h"
 
 namespace kvring {
 
@@ -40,7 +41,7 @@ class CoordinatorChannel {
   CoordinatorChannel() = default;
   std::string addresses_;
   std::vector<std::string> names_;
-  std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
+  std::vector<std::unique_ptr<RenewableChannel>> channels_;
   std::atomic<size_t> preferred_{0};
 };
 
