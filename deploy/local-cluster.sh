@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A kvring cluster on this machine: one coordinator and N daemons on loopback.
+# A kvring cluster on this machine: one coordinator and N daemons on loopback
+# (with --etcd: a 3-member etcd and two coordinators, one leading).
 #
-#   deploy/local-cluster.sh start  [--nodes N] [--dir DIR] [--port P] [--replication R] [--host-bytes B] [--page-bytes B] [--no-ucx]
+#   deploy/local-cluster.sh start  [--nodes N] [--dir DIR] [--port P] [--replication R] [--host-bytes B] [--page-bytes B] [--no-ucx] [--etcd]
 #                                  [--gpu DEV | --gpus D0,D1,... --hbm-bytes B] [--chunk-blocks N] [--write-quorum W] [--bin BUILD_DIR]
 #                                  [--daemon-flags "FLAGS"]  (more kvringd flags, e.g. "--ucx_spin_us=200") [--no-mps]
 #   deploy/local-cluster.sh stop   [--dir DIR]
@@ -9,7 +10,11 @@
 #   deploy/local-cluster.sh mps-start | mps-stop | mps-status
 #
 # Ports: coordinator P (default 7400), daemon i gRPC P+1+i, UCX P+101+i,
-# metrics P+201+i. State, logs and tokens live in DIR (default
+# metrics P+201+i. --etcd: etcd member j serves clients on P+301+j (peers
+# P+311+j), the second coordinator listens on P+320 (metrics P+321), and
+# the metadata lives in etcd, not in the coordinator's RocksDB; the daemons,
+# the demo tenant and DIR/coordinators name both coordinators
+# (docs/CONTROL-PLANE.md). State, logs and tokens live in DIR (default
 # /tmp/kvring-cluster): DIR/admin.token, DIR/cluster.token, and
 # DIR/tenant.token for a tenant 'demo' created at start. --gpu makes every
 # daemon a GPU node on device DEV with --hbm-bytes of HBM each (several
@@ -22,7 +27,7 @@
 set -euo pipefail
 cmd=${1:-}; shift || true
 NODES=4; DIR=/tmp/kvring-cluster; PORT=7400; R=2; HOST_BYTES=512M; PAGE_BYTES=2M; UCX=1; GPU=-1; HBM_BYTES=0
-CHUNK=64; W=0; DAEMON_FLAGS=""; GPUS=""; MPS=1
+CHUNK=64; W=0; DAEMON_FLAGS=""; GPUS=""; MPS=1; ETCD=0
 BIN=${KVRING_BIN:-$(cd "$(dirname "$0")/.." && pwd)/build}
 while (($#)); do
   case "$1" in
@@ -41,7 +46,8 @@ while (($#)); do
     --bin) BIN=$2; shift 2;;
     --daemon-flags) DAEMON_FLAGS=$2; shift 2;;
     --no-mps) MPS=0; shift;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0;;
+    --etcd) ETCD=1; shift;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
 done
@@ -89,6 +95,25 @@ stop() {
   [ $any = 1 ] && echo "[cluster] stopped" || echo "[cluster] nothing running in $DIR"
 }
 
+# A 3-member etcd on loopback (Debian's etcd-server), its data in DIR/etcd<j>.
+start_etcd() {
+  command -v etcd >/dev/null 2>&1 || { echo "--etcd needs etcd (apt-get install etcd-server)" >&2; exit 1; }
+  local cluster="" j
+  for j in 0 1 2; do cluster="$cluster${cluster:+,}m$j=http://127.0.0.1:$((PORT+311+j))"; done
+  ETCD_ENDPOINTS=""
+  for j in 0 1 2; do
+    ETCD_ENDPOINTS="$ETCD_ENDPOINTS${ETCD_ENDPOINTS:+,}127.0.0.1:$((PORT+301+j))"
+    local state=new; [ -d "$DIR/etcd$j/member" ] && state=existing
+    setsid etcd --name=m$j --data-dir="$DIR/etcd$j" --listen-client-urls=http://127.0.0.1:$((PORT+301+j)) \
+      --advertise-client-urls=http://127.0.0.1:$((PORT+301+j)) --listen-peer-urls=http://127.0.0.1:$((PORT+311+j)) \
+      --initial-advertise-peer-urls=http://127.0.0.1:$((PORT+311+j)) --initial-cluster="$cluster" \
+      --initial-cluster-state=$state --initial-cluster-token=kvring-local \
+      >"$DIR/logs/etcd$j.log" 2>&1 < /dev/null &
+    echo $! > "$DIR/pids/etcd$j"
+  done
+  echo "[cluster] etcd members on $ETCD_ENDPOINTS"
+}
+
 start() {
   [ -x "$BIN/control/kvringd" ] || { echo "build first: $BIN/control/kvringd missing" >&2; exit 1; }
   mkdir -p "$DIR/pids" "$DIR/logs"
@@ -99,12 +124,27 @@ start() {
   [ -f "$DIR/admin.token" ] || head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$DIR/admin.token"
   [ -f "$DIR/cluster.token" ] || head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$DIR/cluster.token"
   chmod 600 "$DIR"/*.token
-  setsid "$BIN/control/kvring-coordinator" --listen=127.0.0.1:$PORT --data_dir="$DIR/coordinator" \
-    --admin_token_file="$DIR/admin.token" --cluster_token_file="$DIR/cluster.token" --replication=$R \
-    --heartbeat_interval=250ms --heartbeat_timeout=1500ms --metrics_listen=127.0.0.1:$((PORT+200)) \
-    --sequence_chunk_blocks=$CHUNK --write_quorum=$W \
-    >"$DIR/logs/coordinator.log" 2>&1 < /dev/null &
-  echo $! > "$DIR/pids/coordinator"
+  local coord_flags=(--admin_token_file="$DIR/admin.token" --cluster_token_file="$DIR/cluster.token" --replication=$R
+    --heartbeat_interval=250ms --heartbeat_timeout=1500ms --sequence_chunk_blocks=$CHUNK --write_quorum=$W)
+  COORDS=127.0.0.1:$PORT
+  if [ $ETCD = 1 ]; then
+    start_etcd
+    COORDS=127.0.0.1:$PORT,127.0.0.1:$((PORT+320))
+    local c=0
+    for p in $PORT $((PORT+320)); do
+      local m=$((PORT+200)); [ $c = 1 ] && m=$((PORT+321))
+      setsid "$BIN/control/kvring-coordinator" --listen=127.0.0.1:$p --etcd="$ETCD_ENDPOINTS" --etcd_prefix=/kvring/local/ \
+        --metrics_listen=127.0.0.1:$m "${coord_flags[@]}" >"$DIR/logs/coordinator$c.log" 2>&1 < /dev/null &
+      echo $! > "$DIR/pids/coordinator$c"
+      c=$((c+1))
+    done
+  else
+    setsid "$BIN/control/kvring-coordinator" --listen=127.0.0.1:$PORT --data_dir="$DIR/coordinator" \
+      --metrics_listen=127.0.0.1:$((PORT+200)) "${coord_flags[@]}" \
+      >"$DIR/logs/coordinator.log" 2>&1 < /dev/null &
+    echo $! > "$DIR/pids/coordinator"
+  fi
+  echo "$COORDS" > "$DIR/coordinators"
   for i in $(seq 0 $((NODES-1))); do
     ucx_flag=""
     [ $UCX = 1 ] && ucx_flag="--ucx_listen=127.0.0.1:$((PORT+101+i))"
@@ -112,7 +152,7 @@ start() {
     if [ -n "$GPUS" ]; then IFS=, read -ra list <<< "$GPUS"; dev=${list[$((i % ${#list[@]}))]}; fi
     [ "$GPU" -ge 0 ] && ucx_flag="$ucx_flag --gpu=$dev --hbm_bytes=$HBM_BYTES"
     ucx_flag="$ucx_flag $DAEMON_FLAGS"
-    setsid "$BIN/control/kvringd" --listen=127.0.0.1:$((PORT+1+i)) --coordinator=127.0.0.1:$PORT \
+    setsid "$BIN/control/kvringd" --listen=127.0.0.1:$((PORT+1+i)) --coordinator="$COORDS" \
       --cluster_token_file="$DIR/cluster.token" --data_dir="$DIR/node$i" --node_id=node$i \
       --host_bytes=$HOST_BYTES --page_bytes=$PAGE_BYTES $ucx_flag --metrics_listen=127.0.0.1:$((PORT+201+i)) \
       >"$DIR/logs/node$i.log" 2>&1 < /dev/null &
@@ -130,11 +170,11 @@ start() {
     grep -q "kvringd ready" "$DIR/logs/node$i.log" || { echo "[cluster] node$i not ready" >&2; tail -5 "$DIR/logs/node$i.log" >&2; exit 1; }
   done
   if [ ! -f "$DIR/tenant.token" ]; then
-    "$BIN/clients/kvring" --coordinator=127.0.0.1:$PORT --token_file="$DIR/admin.token" tenant-create --name=demo \
+    "$BIN/clients/kvring" --coordinator="$COORDS" --token_file="$DIR/admin.token" tenant-create --name=demo \
       > "$DIR/tenant.token" 2>/dev/null
     chmod 600 "$DIR/tenant.token"
   fi
-  echo "[cluster] coordinator 127.0.0.1:$PORT, $NODES daemons (R=$R, UCX=$UCX$([ "$GPU" -ge 0 ] && echo ", GPU $GPU, $HBM_BYTES HBM each")), state in $DIR"
+  echo "[cluster] coordinator$([ $ETCD = 1 ] && echo "s $COORDS (etcd $ETCD_ENDPOINTS)" || echo " $COORDS"), $NODES daemons (R=$R, UCX=$UCX$([ "$GPU" -ge 0 ] && echo ", GPU $GPU, $HBM_BYTES HBM each")), state in $DIR"
 }
 
 status() {
@@ -152,5 +192,5 @@ case "$cmd" in
   mps-start) mps_start;;
   mps-stop) mps_stop;;
   mps-status) if mps_running; then echo "MPS running (control pipe $MPS_PIPE)"; else echo "MPS not running"; fi;;
-  *) sed -n '2,21p' "$0"; exit 2;;
+  *) sed -n '2,27p' "$0"; exit 2;;
 esac

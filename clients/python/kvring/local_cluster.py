@@ -8,7 +8,9 @@ Binaries come from `bin` (default: KVRING_BIN, else the build directory this
 package was built into), the script from `root` (default: KVRING_ROOT, else
 the binaries' parent). gpu=DEV makes every daemon a GPU node with hbm_bytes
 of HBM (and starts CUDA MPS first unless mps=False: see start_mps());
-chunk_blocks and write_quorum go to the coordinator.
+chunk_blocks and write_quorum go to the coordinator. etcd=True runs the
+control plane without a single point of failure: a 3-member etcd and two
+coordinators (cl.coordinator then names both; docs/CONTROL-PLANE.md).
 """
 import os
 import shutil
@@ -20,20 +22,21 @@ from pathlib import Path
 class LocalCluster:
     def __init__(self, nodes=4, port=7600, replication=2, host_bytes="512M", page_bytes="2M", directory=None, keep=False,
                  gpu=-1, hbm_bytes="0", chunk_blocks=64, write_quorum=0, bin=None, root=None, daemon_flags="",
-                 gpus=None, mps=True):
+                 gpus=None, mps=True, etcd=False):
         here = Path(__file__).resolve()
         self.bin = Path(bin or os.environ.get("KVRING_BIN", here.parents[2]))
         self.root = Path(root or os.environ.get("KVRING_ROOT", self.bin.parent))
         self.gpu, self.hbm_bytes, self.chunk_blocks, self.write_quorum = gpu, hbm_bytes, chunk_blocks, write_quorum
         self.daemon_flags = daemon_flags
         self.mps = mps
+        self.etcd = etcd
         self.gpus = gpus  # a list of devices: daemon i on gpus[i % len(gpus)] (overrides gpu)
         self.nodes, self.port, self.replication = nodes, port, replication
         self.host_bytes, self.page_bytes = host_bytes, page_bytes
         self._own_dir = directory is None
         self.dir = Path(directory or tempfile.mkdtemp(prefix="kvring-cluster-"))
         self.keep = keep
-        self.coordinator = f"127.0.0.1:{port}"
+        self.coordinator = f"127.0.0.1:{port},127.0.0.1:{port + 320}" if etcd else f"127.0.0.1:{port}"
 
     def _script(self, *args):
         return _run_script(self.root, *args, "--dir", str(self.dir), "--bin", str(self.bin),
@@ -45,7 +48,7 @@ class LocalCluster:
                      "--gpu", str(self.gpu), "--hbm-bytes", str(self.hbm_bytes), "--chunk-blocks",
                      str(self.chunk_blocks), "--write-quorum", str(self.write_quorum), "--daemon-flags",
                      self.daemon_flags, *(["--gpus", ",".join(str(g) for g in self.gpus)] if self.gpus else []),
-                     *([] if self.mps else ["--no-mps"]))
+                     *([] if self.mps else ["--no-mps"]), *(["--etcd"] if self.etcd else []))
         return self
 
     def stop(self):
@@ -54,7 +57,8 @@ class LocalCluster:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def log(self, name):
-        """The text of a process's log (name: "coordinator" or "node<i>")."""
+        """The text of a process's log (name: "coordinator" (with etcd: "coordinator0", "coordinator1",
+        "etcd<j>") or "node<i>")."""
         return (self.dir / "logs" / f"{name}.log").read_text(errors="replace")
 
     def kill9(self, node):
