@@ -211,7 +211,7 @@ absl::Status CoordinatorService::CheckAnyToken(const grpc::ServerContext& ctx) {
         if (e.token_sha256() == d) return absl::OkStatus();
       }
     }
-    if (attempt == 0) TryFollowStore();
+    if (attempt == 0) CatchUpWithStore();
   }
   return absl::UnauthenticatedError("unknown token");
 }
@@ -304,14 +304,23 @@ bool CoordinatorService::FollowStore() {
   return FollowStoreLocked();
 }
 
-void CoordinatorService::TryFollowStore() {
+void CoordinatorService::CatchUpWithStore() {
   {
     absl::MutexLock l(&mu_);
     if (leading_ || !store_readable_) return;  // (etcd away: the cache answers at once)
   }
-  if (write_mu_.TryLock()) {  // (busy: a refresh or a write is under way; the cache answers)
-    FollowStoreLocked();
-    write_mu_.Unlock();
+  // After a refresh under way (it may have read the counters before the
+  // write), but never long: a refresh stuck on an etcd that went away holds
+  // write_mu_ for its timeout, and then the cached state answers.
+  const absl::Time give_up = absl::Now() + absl::Milliseconds(500);
+  for (;;) {
+    if (write_mu_.TryLock()) {
+      FollowStoreLocked();
+      write_mu_.Unlock();
+      return;
+    }
+    if (absl::Now() > give_up) return;
+    absl::SleepFor(absl::Milliseconds(1));
   }
 }
 
@@ -388,7 +397,7 @@ grpc::Status CoordinatorService::GetTenantTable(grpc::ServerContext* ctx, const 
                                                 v1::TenantTable* resp) {
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.cluster_token, "cluster"); !s.ok()) return ToGrpc(s);
-  if (req->page_after().empty()) TryFollowStore();  // (a standby: up to what the leader wrote)
+  if (req->page_after().empty()) CatchUpWithStore();  // (a standby: up to what the leader wrote)
   absl::MutexLock l(&mu_);
   resp->set_tenants_version(tenants_version_);
   if (req->page_after().empty()) {
@@ -422,7 +431,7 @@ grpc::Status CoordinatorService::WhoAmI(grpc::ServerContext* ctx, const v1::WhoA
       }
     }
     // A tenant the leader created a moment ago: a standby reads it now.
-    if (attempt == 0) TryFollowStore();
+    if (attempt == 0) CatchUpWithStore();
   }
   return ToGrpc(absl::UnauthenticatedError("unknown tenant token"));
 }
@@ -499,7 +508,7 @@ grpc::Status CoordinatorService::ListTenants(grpc::ServerContext* ctx, const v1:
                                              v1::ListTenantsResponse* resp) {
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.admin_token, "admin"); !s.ok()) return ToGrpc(s);
-  TryFollowStore();  // a standby answers with what the leader wrote up to now
+  CatchUpWithStore();  // a standby answers with what the leader wrote up to now
   absl::MutexLock l(&mu_);
   resp->set_tenants_version(tenants_version_);
   for (const auto& [n, e] : tenants_) *resp->add_tenants() = e.tenant();

@@ -207,6 +207,22 @@ class HaTest : public ::testing::Test {
     if (!t.ok()) return t.status();
     return t->token;
   }
+  // CreateTenant on coordinator c alone, over a plain stub (no following):
+  // the gRPC status, and the leader named in the trailers ("" for none).
+  std::pair<grpc::Status, std::string> CreateTenantAt(int c, const std::string& name) {
+    auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(CoordAddress(c), grpc::InsecureChannelCredentials()));
+    auto ctx = AdminContext();
+    v1::CreateTenantRequest req;
+    req.set_version(1);
+    req.set_name(name);
+    v1::CreateTenantResponse resp;
+    grpc::Status s = stub->CreateTenant(ctx.get(), req, &resp);
+    std::string named;
+    const auto& trailers = ctx->GetServerTrailingMetadata();
+    if (auto it = trailers.find("kvring-leader"); it != trailers.end())
+      named.assign(it->second.data(), it->second.size());
+    return {s, named};
+  }
   absl::StatusOr<v1::ListTenantsResponse> ListTenants(const std::string& addresses) {
     v1::ListTenantsResponse resp;
     v1::ListTenantsRequest req;
@@ -403,6 +419,27 @@ TEST_F(HaTest, KillingTheLeaderUnderLoadLosesNothingAndEveryoneCarriesOn) {
   EXPECT_GT(m->version(), 3u);
 }
 
+TEST_F(HaTest, OneAddressInFrontOfTheCoordinatorsIsEnough) {
+  // As behind a Kubernetes Service: callers given the standby's address
+  // alone follow it to the leader it names.
+  const int leader = Leader();
+  ASSERT_GE(leader, 0);
+  const std::string standby = CoordAddress(1 - leader);
+  auto t = CreateTenant(standby, "via-standby");
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto ch = Channel(standby);
+  v1::SetTenantQuotaRequest req;
+  req.set_version(1);
+  req.set_name("via-standby");
+  req.set_max_pinned_bytes(1 << 20);
+  v1::SetTenantQuotaResponse resp;
+  ASSERT_TRUE(ch->Call(AdminContext, [&](v1::Coordinator::Stub& stub, grpc::ClientContext* c) {
+                  return stub.SetTenantQuota(c, req, &resp);
+                }).ok());
+  EXPECT_EQ(ch->current(), CoordAddress(leader));
+  EXPECT_EQ(resp.tenant().max_pinned_bytes(), 1u << 20);
+}
+
 TEST_F(HaTest, LosingEtcdsQuorumStopsWritesWithAClearErrorAndReadsGoOn) {
   ASSERT_GE(Leader(), 0);
   for (int i = 0; i < 2; ++i) ASSERT_TRUE(StartDaemon(i));
@@ -463,20 +500,26 @@ TEST_F(HaTest, APausedLeaderStepsDownAndCannotWriteWhenItWakes) {
   // Wake the old leader and write to it at once, before its election thread
   // has run: it must refuse (it knows its lease ran out), never write.
   kill(coordinators_[leader]->pid(), SIGCONT);
-  auto stale = CreateTenant(CoordAddress(leader), "from-the-old-leader");
+  auto [stale, stale_named] = CreateTenantAt(leader, "from-the-old-leader");
   EXPECT_FALSE(stale.ok());
-  EXPECT_TRUE(absl::IsUnavailable(stale.status()) || absl::IsFailedPrecondition(stale.status())) << stale.status();
-  // It stands by for the new leader, and names it.
+  EXPECT_TRUE(stale.error_code() == grpc::StatusCode::UNAVAILABLE ||
+              stale.error_code() == grpc::StatusCode::FAILED_PRECONDITION)
+      << stale.error_message();
+  // It stands by for the new leader, and names it, in the message and in
+  // the trailers a CoordinatorChannel follows.
   absl::SleepFor(absl::Seconds(1));
-  auto named = CreateTenant(CoordAddress(leader), "named");
-  ASSERT_FALSE(named.ok());
-  EXPECT_NE(named.status().message().find(CoordAddress(standby)), std::string::npos) << named.status();
+  auto [refused, named] = CreateTenantAt(leader, "refused");
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  EXPECT_NE(refused.error_message().find(CoordAddress(standby)), std::string::npos) << refused.error_message();
+  EXPECT_EQ(named, CoordAddress(standby));
+  // A client given the old leader's address alone follows it to the new one.
+  ASSERT_TRUE(CreateTenant(CoordAddress(leader), "followed").ok());
   EXPECT_EQ(Leader(), standby);
   auto listed = ListTenants(Coordinators());
   ASSERT_TRUE(listed.ok());
   std::set<std::string> names;
   for (const auto& x : listed->tenants()) names.insert(x.name());
-  EXPECT_EQ(names, (std::set<std::string>{"before", "under-new-leader"}));
+  EXPECT_EQ(names, (std::set<std::string>{"before", "followed", "under-new-leader"}));
 }
 
 TEST_F(HaTest, AfterEverythingRestartsEveryTenantTokenAndNodeIsBack) {

@@ -13,7 +13,7 @@ docs = list(yaml.safe_load_all(open(os.path.join(root, "deploy/k8s/kvring.yaml")
 kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
 for need in [("Namespace", "kvring"), ("ConfigMap", "kvring-config"), ("Secret", "kvring-tokens"),
              ("Deployment", "kvring-coordinator"), ("Service", "kvring-coordinator"), ("Service", "kvringd"),
-             ("StatefulSet", "kvringd")]:
+             ("StatefulSet", "kvringd"), ("StatefulSet", "kvring-etcd"), ("Service", "kvring-etcd")]:
     if need not in kinds:
         fail.append(f"k8s: missing {need}")
 for d in docs:
@@ -26,8 +26,36 @@ for d in docs:
             fail.append(f"k8s: {d['metadata']['name']} selector does not match its pod labels")
         for c in spec["template"]["spec"]["containers"]:
             binary = os.path.basename(c["command"][0])
-            if binary not in ("kvringd", "kvring-coordinator"):
+            if binary not in ("kvringd", "kvring-coordinator", "etcd"):
                 fail.append(f"k8s: unknown binary {binary}")
+
+# The control plane is highly available (docs/CONTROL-PLANE.md): at least two
+# coordinators in etcd mode, each advertising its own pod address, and the
+# ConfigMap's etcd members are the etcd StatefulSet's pods, which form one
+# cluster of that many members.
+by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+coord_dep = by_name.get(("Deployment", "kvring-coordinator"))
+etcd_sts = by_name.get(("StatefulSet", "kvring-etcd"))
+conf_lines = dict(l.split("=", 1) for l in next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+                  ["coordinator.conf"].splitlines() if "=" in l and not l.lstrip().startswith("#"))
+conf_lines = {k.strip(): v.strip() for k, v in conf_lines.items()}
+if coord_dep and etcd_sts:
+    if coord_dep["spec"]["replicas"] < 2:
+        fail.append("k8s: fewer than two coordinators")
+    if not any("--advertise=$(POD_IP):7000" in c["command"] for c in coord_dep["spec"]["template"]["spec"]["containers"]):
+        fail.append("k8s: the coordinators do not advertise their pod address")
+    n, svc = etcd_sts["spec"]["replicas"], etcd_sts["spec"]["serviceName"]
+    pods = [f"kvring-etcd-{i}.{svc}.kvring.svc.cluster.local" for i in range(n)]
+    if conf_lines.get("etcd", "").split(",") != [f"{p}:2379" for p in pods]:
+        fail.append(f"k8s: coordinator.conf etcd = {conf_lines.get('etcd')!r}, not the {n} etcd pods")
+    cmd = etcd_sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    initial = next((a.split("=", 1)[1] for a in cmd if a.startswith("--initial-cluster=")), "")
+    if initial.split(",") != [f"kvring-etcd-{i}=http://{p}:2380" for i, p in enumerate(pods)]:
+        fail.append(f"k8s: etcd --initial-cluster {initial!r} does not name its {n} pods")
+    if n < 3 or n % 2 == 0:
+        fail.append(f"k8s: {n} etcd members (want an odd number, at least 3)")
+    if not by_name.get(("Service", "kvring-etcd"), {}).get("spec", {}).get("publishNotReadyAddresses"):
+        fail.append("k8s: the etcd peers cannot resolve each other before they are ready")
 
 def check_conf(binary, text, what):
     with tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False) as f:
@@ -44,6 +72,8 @@ check_conf(kvringd, cm["data"]["kvringd.conf"], "ConfigMap kvringd.conf")
 check_conf(coord, cm["data"]["coordinator.conf"], "ConfigMap coordinator.conf")
 check_conf(kvringd, open(os.path.join(root, "deploy/systemd/kvringd-0.conf")).read(), "systemd kvringd-0.conf")
 check_conf(coord, open(os.path.join(root, "deploy/systemd/coordinator.conf")).read(), "systemd coordinator.conf")
+check_conf(coord, open(os.path.join(root, "deploy/systemd/coordinator-etcd.conf")).read(),
+           "systemd coordinator-etcd.conf")
 # A bad config must be rejected, or the checks above prove nothing.
 with tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False) as f:
     f.write("listen = 0.0.0.0:7100\nno_such_flag = 1\n")
@@ -83,4 +113,4 @@ if r.returncode != 0 or "MPS" not in r.stdout:
 if fail:
     print("\n".join(fail))
     sys.exit(1)
-print(f"deploy files OK: {len(docs)} Kubernetes objects, 4 config files, 3 systemd units")
+print(f"deploy files OK: {len(docs)} Kubernetes objects, 5 config files, 3 systemd units")

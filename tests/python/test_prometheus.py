@@ -52,13 +52,13 @@ class PrometheusScrapesTheCluster(unittest.TestCase):
         with urllib.request.urlopen(url, timeout=5) as r:
             return json.loads(r.read())["data"]
 
-    def until(self, what, fn, timeout=45):
+    def until(self, what, fn, ok=bool, timeout=45):
         end = time.time() + timeout
         last = None
         while time.time() < end:
             try:
                 last = fn()
-                if last:
+                if ok(last):
                     return last
             except OSError as e:  # not listening yet
                 last = e
@@ -76,11 +76,15 @@ class PrometheusScrapesTheCluster(unittest.TestCase):
             x["health"] == "up" for x in t) and t)(self.api("targets")["activeTargets"]))
         self.assertEqual(len(targets), 3, targets)
         # 10 blocks x 2 replicas went through Put on the daemons.
-        puts = self.until("the put counter", lambda: self.api(
-            "query", query='sum(kvring_put_bytes_total)')["result"])
-        self.assertEqual(float(puts[0]["value"][1]), 20 * layout.bytes)
-        up = self.until("nodes up", lambda: self.api("query", query="kvring_nodes_up")["result"])
-        self.assertEqual(float(up[0]["value"][1]), 2)
+        # A target may have been scraped before the put reached it: wait for
+        # a scrape that follows it (the failure shows the last value read).
+        def value(query):
+            result = self.api("query", query=query)["result"]
+            return float(result[0]["value"][1]) if result else None
+
+        self.until("the put counter at 20 blocks", lambda: value("sum(kvring_put_bytes_total)"),
+                   ok=lambda v: v == 20 * layout.bytes)
+        self.until("2 nodes up", lambda: value("kvring_nodes_up"), ok=lambda v: v == 2)
         reqs = self.api("query", query='sum by (op) (kvring_requests_total)')["result"]
         ops = {r["metric"]["op"]: float(r["value"][1]) for r in reqs}
         self.assertGreaterEqual(ops.get("put", 0), 2, ops)

@@ -135,9 +135,11 @@ class CoordinatorService final : public v1::Coordinator::Service {
   // leader does nothing (false).
   bool FollowStore() ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
   bool FollowStoreLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) ABSL_LOCKS_EXCLUDED(mu_);
-  // The same for a caller that waits (a read): only when the store answered
-  // the last time and no refresh is under way, else the cached state serves.
-  void TryFollowStore() ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
+  // The same for a read on a standby, so it sees every write the leader
+  // acknowledged before the read began: it waits for a refresh under way
+  // (up to 500 ms) and then checks the store itself. Only when the store
+  // answered the last time (etcd away: the cached state serves at once).
+  void CatchUpWithStore() ABSL_LOCKS_EXCLUDED(write_mu_, mu_);
   // OK while this coordinator may write; else UNAVAILABLE naming the leader
   // (and the leader in ctx's trailing metadata).
   absl::Status CheckLeadingLocked(grpc::ServerContext* ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -3,19 +3,21 @@
 // the coordinator that last answered it, and moves on to the next when one is
 // unreachable (UNAVAILABLE, DEADLINE_EXCEEDED) or is a standby refusing a
 // write (UNAVAILABLE, with the leader in its trailing metadata
-// "kvring-leader": tried next when it is on the list). So a client or daemon
+// "kvring-leader": tried next, also when it is not on the list, so one
+// address in front of every coordinator, such as a Kubernetes Service, is
+// enough). So a client or daemon
 // given every coordinator carries on through a leader's death without a
 // restart (docs/CONTROL-PLANE.md). The error of a call that no coordinator
 // answered names each one and what it said. Thread-safe.
 #pragma once
 
-#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/security/credentials.h"
 #include "kvring.grpc.pb.h"
 #include "kvring/protocol/renewable_channel.h"
@@ -35,14 +37,18 @@ class CoordinatorChannel {
 
   const std::string& addresses() const { return addresses_; }
   // The coordinator that answered last.
-  std::string current() const;
+  std::string current() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   CoordinatorChannel() = default;
+  std::shared_ptr<RenewableChannel> Learned(const std::string& leader) ABSL_LOCKS_EXCLUDED(mu_);
+
   std::string addresses_;
-  std::vector<std::string> names_;
-  std::vector<std::unique_ptr<RenewableChannel>> channels_;
-  std::atomic<size_t> preferred_{0};
+  std::shared_ptr<grpc::ChannelCredentials> creds_;
+  std::vector<std::shared_ptr<RenewableChannel>> channels_;  // the list (fixed after Create)
+  absl::Mutex mu_;
+  std::string preferred_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<RenewableChannel> learned_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvring
