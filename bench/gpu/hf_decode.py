@@ -21,6 +21,7 @@ daemons' and the engine's CPU use (cores busy) during decode and idle afterwards
 progress mode's cost.
 """
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -159,8 +160,13 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
         r["client_p50_us"] = p50([s[1] for s in steps]) * 1e6
         r["node_p50_us"] = p50([s[2] for s in steps]) * 1e6
         r["kernel_p50_us"] = p50([s[3] for s in steps]) * 1e6
+        r["call_p50_us"] = p50([s[4] for s in steps if s[4] == s[4]]) * 1e6
         r["over_kernel_us"] = r["step_p50_us"] - r["kernel_p50_us"]
+        # engine glue = Python (kvring.hf + StepPlan around the C call) + the
+        # client's device staging (its copies and waits around the routed step).
         r["breakdown_us"] = {"engine glue": r["step_p50_us"] - r["client_p50_us"],
+                             "of which python": r["step_p50_us"] - r["call_p50_us"],
+                             "of which device staging": r["call_p50_us"] - r["client_p50_us"],
                              "client + transport": r["client_p50_us"] - r["node_p50_us"],
                              "daemon": r["node_p50_us"] - r["kernel_p50_us"], "kernel": r["kernel_p50_us"]}
     r["ratio"] = r["passq_tokens_per_s"] / r["sdpa_tokens_per_s"]
@@ -243,6 +249,9 @@ def main():
                     import traceback
                     traceback.print_exc()
                     results.setdefault("errors", []).append(f"{shards}x{b}x{n}: {e!r}")
+                # (a failed configuration's tensors go before the next one's cluster wants the memory)
+                gc.collect()
+                torch.cuda.empty_cache()
                 path.write_text(json.dumps(results, indent=1))
             c.close()
     path.write_text(json.dumps(results, indent=1))

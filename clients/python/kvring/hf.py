@@ -194,7 +194,8 @@ class PassQSession:
         comparison only.
 
         decode_steps holds the latest single-token steps as (seconds at the engine, from inputs ready to output
-        ready; and the client's, the node's and the kernel's seconds from the step's report)."""
+        ready; the client's, the node's and the kernel's seconds from the step's report; the seconds in the
+        client's C call, its device staging included: NaN for prepared=False)."""
         register()
         self.client, self.model = client, model
         self.ids = list(sequence_ids)
@@ -309,7 +310,7 @@ class PassQSession:
         dt = time.perf_counter() - t0
         self.seconds += dt
         if T == 1:
-            self.decode_steps.append((dt, rep["seconds"], rep["node_seconds"], rep["kernel_seconds"]))
+            self.decode_steps.append((dt, rep["seconds"], rep["node_seconds"], rep["kernel_seconds"], float("nan")))
         return result
 
     def _attend_planned(self, layer, query, key, value, scaling):
@@ -348,7 +349,7 @@ class PassQSession:
         dt = time.perf_counter() - t0
         self.seconds += dt
         if T == 1:
-            self.decode_steps.append((dt, rep.seconds, rep.node_seconds, rep.kernel_seconds))
+            self.decode_steps.append((dt, rep.seconds, rep.node_seconds, rep.kernel_seconds, plan.call_seconds))
         return result
 
     def _account(self, tokens, n, sent, received, shards, in_place):

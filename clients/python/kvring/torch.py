@@ -13,6 +13,7 @@ get_into fills the engine's GPU memory from pinned staging with one copy
 per block (no numpy in between). CPU tensors are passed in place.
 """
 import ctypes
+import time
 
 import numpy as np
 import torch
@@ -135,6 +136,7 @@ class StepPlan:
                                       1 if causal else 0, 0, _real("softmax_scale", softmax_scale, 0, 1e6), 1)
         self._args_ref = ctypes.byref(self._args)
         self.report = _native.AttendReport()  # the last run's report
+        self.call_seconds = 0.0  # the last run's time in the client's C call (staging copies + report.seconds)
         self._report_ref = ctypes.byref(self.report)
         self._out = {}  # (rows, device) -> (out, lse, out pointer, lse pointer)
 
@@ -180,7 +182,10 @@ class StepPlan:
         a.q, a.q_dtype, a.num_rows, a.layer = q.data_ptr(), qd, n, layer
         a.new_k, a.new_v = new_k.data_ptr(), new_v.data_ptr()
         torch.cuda.current_stream(q.device).synchronize()  # inputs written; the client reads them on its own stream
-        _check(_lib.kvring_step(self._client._h, self._args_ref, buf[2], buf[3], self._report_ref))
+        t0 = time.perf_counter()
+        code = _lib.kvring_step(self._client._h, self._args_ref, buf[2], buf[3], self._report_ref)
+        self.call_seconds = time.perf_counter() - t0
+        _check(code)
         return buf[0], buf[1]
 
 
