@@ -16,6 +16,7 @@
 #include "kvring/control/etcd_metadata_store.h"
 #include "kvring/control/leader_election.h"
 #include "kvring/protocol/coordinator_channel.h"
+#include "step_test_util.h"
 
 namespace kvring::testing {
 namespace {
@@ -223,6 +224,16 @@ class HaTest : public ::testing::Test {
       named.assign(it->second.data(), it->second.size());
     return {s, named};
   }
+  absl::Status SetQuota(const std::string& addresses, const std::string& name, uint64_t bytes) {
+    v1::SetTenantQuotaRequest req;
+    req.set_version(1);
+    req.set_name(name);
+    req.set_max_pinned_bytes(bytes);
+    v1::SetTenantQuotaResponse resp;
+    return Channel(addresses)->Call(AdminContext, [&](v1::Coordinator::Stub& stub, grpc::ClientContext* c) {
+      return stub.SetTenantQuota(c, req, &resp);
+    });
+  }
   absl::StatusOr<v1::ListTenantsResponse> ListTenants(const std::string& addresses) {
     v1::ListTenantsResponse resp;
     v1::ListTenantsRequest req;
@@ -345,9 +356,20 @@ TEST_F(HaTest, KillingTheLeaderUnderLoadLosesNothingAndEveryoneCarriesOn) {
   Blocks blocks = MakeChain(**client, SmallLayout(), "m", 7, 64);
   ASSERT_TRUE((*client)->Put(blocks.data).ok());
 
-  // Load: gets and puts on the data path, a tenant created every 100 ms.
+  // An attention sequence the data path appends to and attends over.
+  testing::StepSim sim(SmallLayout(), 4, 11);
+  for (uint32_t l = 0; l < 2; ++l) {
+    auto b = sim.Build(l, {{"s", 40, 40}});
+    auto out = (*client)->Step(b.step);
+    ASSERT_TRUE(out.ok()) << out.status();
+    sim.Commit(b);
+  }
+
+  // Load: gets, puts and decode steps (append + attend, checked against the
+  // float64 reference) on the data path; a tenant created and the app's
+  // quota changed every 100 ms.
   std::atomic<bool> stop{false};
-  std::atomic<int> data_failures{0}, data_rounds{0};
+  std::atomic<int> data_failures{0}, data_rounds{0}, steps_wrong{0};
   std::thread data([&] {
     uint32_t seed = 100;
     while (!stop) {
@@ -357,12 +379,24 @@ TEST_F(HaTest, KillingTheLeaderUnderLoadLosesNothingAndEveryoneCarriesOn) {
       }
       Blocks more = MakeChain(**client, SmallLayout(), "m", seed++, 8);
       if (!(*client)->Put(more.data).ok()) ++data_failures;
+      for (uint32_t l = 0; l < 2; ++l) {
+        auto b = sim.Build(l, {{"s", 1, 1}});
+        auto out = (*client)->Step(b.step);
+        if (!out.ok()) {
+          ++data_failures;
+          continue;
+        }
+        sim.Commit(b);
+        auto [err, lse_err] = sim.Check(b, *out);
+        if (err < 0 || err > 2e-5 || lse_err > 1e-4) ++steps_wrong;
+      }
       ++data_rounds;
     }
   });
   std::mutex mu;
   std::vector<std::string> acknowledged;
   std::vector<absl::Time> ack_times;
+  uint64_t quota_acknowledged = 0, quota_tried = 0;
   std::thread admin([&] {
     for (int i = 0; !stop; ++i) {
       const std::string name = absl::StrCat("t", i);
@@ -371,6 +405,9 @@ TEST_F(HaTest, KillingTheLeaderUnderLoadLosesNothingAndEveryoneCarriesOn) {
         acknowledged.push_back(name);
         ack_times.push_back(absl::Now());
       }
+      const uint64_t quota = (uint64_t{1} << 20) * (i + 1);
+      quota_tried = quota;
+      if (SetQuota(Coordinators(), "app", quota).ok()) quota_acknowledged = quota;
       absl::SleepFor(absl::Milliseconds(100));
     }
   });
@@ -401,8 +438,26 @@ TEST_F(HaTest, KillingTheLeaderUnderLoadLosesNothingAndEveryoneCarriesOn) {
   for (const auto& t : listed->tenants()) names.insert(t.name());
   ASSERT_GT(acknowledged.size(), 20u);
   for (const auto& n : acknowledged) EXPECT_TRUE(names.count(n)) << n << " was acknowledged and is lost";
-  // The data path never noticed; no live node was declared dead.
+  // The last quota change acknowledged is there (or the one after it, tried
+  // last and not acknowledged: a write that timed out may still land).
+  uint64_t quota = 0;
+  for (const auto& t : listed->tenants())
+    if (t.name() == "app") quota = t.max_pinned_bytes();
+  EXPECT_GT(quota_acknowledged, 0u);
+  EXPECT_TRUE(quota == quota_acknowledged || quota == quota_tried)
+      << quota << " (acknowledged " << quota_acknowledged << ", tried last " << quota_tried << ")";
+  // The data path never noticed; no live node was declared dead; every step
+  // matched the reference, and the sequence is whole.
   EXPECT_EQ(data_failures.load(), 0);
+  EXPECT_EQ(steps_wrong.load(), 0);
+  {
+    auto b = sim.Build(0, {{"s", 8, 0}});
+    auto out = (*client)->Step(b.step);
+    ASSERT_TRUE(out.ok()) << out.status();
+    auto [err, lse_err] = sim.Check(b, *out);
+    EXPECT_GE(err, 0);
+    EXPECT_LT(err, 2e-5);
+  }
   EXPECT_GT(data_rounds.load(), 10);
   auto m = Map(Coordinators());
   ASSERT_TRUE(m.ok());
