@@ -94,10 +94,12 @@ struct ClientOptions {
   bool device_delivery = true;
   // A step with device tensors goes through the exchange when its queries,
   // appended K/V and partials come to at least this many bytes; smaller
-  // steps (decode) are staged: for a few KB the exchange's fixed costs (a
-  // gather and a merge on this process's GPU, each waited for, beside the
-  // node's own work) exceed the copies they save. Default: 1 MiB.
-  uint64_t device_exchange_min_bytes = uint64_t{1} << 20;
+  // steps are staged. Default: 0, every such step, decode included: under
+  // MPS (what the GPU deployments start) a decode step inside transformers'
+  // generate took 313 us through the exchange against 429 us staged
+  // (bench/RESULTS.md). Without MPS the exchange's gather and merge each pay
+  // a GPU context switch: there, 1 MiB keeps decode steps staged.
+  uint64_t device_exchange_min_bytes = 0;
   // TLS towards the coordinator and the nodes (common/tls_config.h): set
   // tls.ca_file (and cert_file/key_file for mutual TLS). With TLS on,
   // payloads go over gRPC: use_ucx is ignored (UCX is not encrypted).
