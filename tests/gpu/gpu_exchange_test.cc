@@ -210,25 +210,36 @@ TEST(GpuExchangeTest, ACpuNodeRefusesTheExchangeAndIsServedThroughStaging) {
   ASSERT_TRUE(cl.WaitForNodesUp(2));
   auto token = cl.CreateTenant("engine");
   ASSERT_TRUE(token.ok());
-  // The default threshold: the first (prefill) step goes through the
-  // exchange, the one-row decode steps are staged.
-  auto c = Client::Connect(Options(cl, *token, true));
-  ASSERT_TRUE(c.ok());
-  Engine e(11);
-  int in_place = 0, shards = 0;
-  for (int s = 0; s < 4; ++s) {
-    for (uint32_t l = 0; l < kLayout.layers; ++l) {
-      Engine::Result r = e.Step(**c, l,
-                                s == 0 ? std::vector<Engine::Part>{{"a", 64, 64}, {"b", 20, 20}}
-                                       : std::vector<Engine::Part>{{"a", 1, 1}, {"b", 1, 1}});
-      ExpectMatchesReference(r, absl::StrCat("step ", s, " layer ", l));
-      if (s > 0) EXPECT_EQ(r.report.shards_in_place, 0) << "a decode step under the threshold";
-      in_place += r.report.shards_in_place;
-      shards += r.report.shards;
+  // Two thresholds. The default (0): every step goes through the exchange
+  // on the GPU node, decode steps included. 1 MiB (what hosts without MPS
+  // set): the first (prefill) step goes through the exchange, the one-row
+  // decode steps are staged. The CPU node's share is staged either way.
+  for (int64_t threshold : {int64_t{-1}, int64_t{1} << 20}) {
+    const std::string what = absl::StrCat("threshold ", threshold);
+    auto c = Client::Connect(Options(cl, *token, true, threshold));
+    ASSERT_TRUE(c.ok());
+    Engine e(11);
+    const std::string a = absl::StrCat("a", threshold), b = absl::StrCat("b", threshold);
+    int in_place = 0, shards = 0, decode_in_place = 0;
+    for (int s = 0; s < 4; ++s) {
+      for (uint32_t l = 0; l < kLayout.layers; ++l) {
+        Engine::Result r = e.Step(**c, l,
+                                  s == 0 ? std::vector<Engine::Part>{{a, 64, 64}, {b, 20, 20}}
+                                         : std::vector<Engine::Part>{{a, 1, 1}, {b, 1, 1}});
+        ExpectMatchesReference(r, absl::StrCat(what, " step ", s, " layer ", l));
+        if (s > 0) decode_in_place += r.report.shards_in_place;
+        in_place += r.report.shards_in_place;
+        shards += r.report.shards;
+      }
+    }
+    EXPECT_GT(in_place, 0) << what;       // the GPU node's
+    EXPECT_LT(in_place, shards) << what;  // the CPU node's through staging
+    if (threshold < 0) {
+      EXPECT_GT(decode_in_place, 0) << what;
+    } else {
+      EXPECT_EQ(decode_in_place, 0) << what << ": decode steps under the threshold";
     }
   }
-  EXPECT_GT(in_place, 0);       // the GPU node's, in the prefill step
-  EXPECT_LT(in_place, shards);  // the CPU node's through staging
 }
 
 }  // namespace
