@@ -239,8 +239,8 @@ int main(int argc, char** argv) {
       etcd_store->SetFence(key, fence);
       return (*service)->BecomeLeader([&] { return election->HoldsLease(); });
     };
-    eo.on_follow = [&, key = eo.key](const std::string& leader) {
-      (*service)->BecomeStandby(leader);
+    eo.on_follow = [&, key = eo.key](const std::string& leader, const absl::Status& why) {
+      (*service)->BecomeStandby(leader, why);
       etcd_store->SetFence(key, 0);
     };
     election = std::make_unique<LeaderElection>(etcd_client.get(), eo);

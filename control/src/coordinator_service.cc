@@ -153,9 +153,18 @@ absl::Status CoordinatorService::WriteWithNewMapVersionLocked(MetadataWrite w) {
 absl::Status CoordinatorService::CheckLeadingLocked(grpc::ServerContext* ctx) {
   if (leading_ && (!holds_lease_ || holds_lease_())) return absl::OkStatus();
   if (!leader_.empty() && ctx != nullptr) ctx->AddTrailingMetadata("kvring-leader", leader_);
-  return absl::UnavailableError(
-      leader_.empty() ? std::string("this coordinator is a standby and no coordinator leads right now; retry shortly")
-                      : absl::StrCat("this coordinator is a standby; the leader is ", leader_));
+  if (!leader_.empty())
+    return absl::UnavailableError(absl::StrCat("this coordinator is a standby; the leader is ", leader_));
+  return absl::UnavailableError(absl::StrCat(
+      "this coordinator is a standby and no coordinator leads right now",
+      why_no_leader_.empty() ? std::string()
+                             : absl::StrCat(" (the election cannot reach the metadata store: ", why_no_leader_, ")"),
+      "; retry shortly"));
+}
+
+absl::Status CoordinatorService::CheckLeading(grpc::ServerContext* ctx) {
+  absl::MutexLock l(&mu_);
+  return CheckLeadingLocked(ctx);
 }
 
 absl::Status CoordinatorService::BecomeLeader(std::function<bool()> holds_lease) {
@@ -175,7 +184,7 @@ absl::Status CoordinatorService::BecomeLeader(std::function<bool()> holds_lease)
   return absl::OkStatus();
 }
 
-void CoordinatorService::BecomeStandby(const std::string& leader) {
+void CoordinatorService::BecomeStandby(const std::string& leader, const absl::Status& why_none) {
   absl::MutexLock l(&mu_);
   if (leading_) {
     KVRING_LOG(WARNING) << "standing by" << (leader.empty() ? std::string() : " for " + leader);
@@ -183,6 +192,7 @@ void CoordinatorService::BecomeStandby(const std::string& leader) {
   }
   leading_ = false;
   leader_ = leader;
+  why_no_leader_ = leader.empty() ? std::string(why_none.message()) : std::string();
 }
 
 bool CoordinatorService::leading() {
@@ -226,6 +236,7 @@ grpc::Status CoordinatorService::RegisterNode(grpc::ServerContext* ctx, const v1
   if (in.grpc_address().empty() || in.grpc_address().find(':') == std::string::npos) {
     return ToGrpc(absl::InvalidArgumentError("grpc_address must be host:port"));
   }
+  if (absl::Status s = CheckLeading(ctx); !s.ok()) return ToGrpc(s);
   absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
   if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
@@ -259,7 +270,10 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx, const v1::H
   // is written first (write_mu_, then mu_).
   for (bool writer : {false, true}) {
     std::optional<absl::MutexLock> w;
-    if (writer) w.emplace(&write_mu_);
+    if (writer) {
+      if (absl::Status s = CheckLeading(ctx); !s.ok()) return ToGrpc(s);
+      w.emplace(&write_mu_);
+    }
     absl::MutexLock l(&mu_);
     if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
     auto it = nodes_.find(req->node_id());
@@ -468,6 +482,7 @@ grpc::Status CoordinatorService::CreateTenant(grpc::ServerContext* ctx, const v1
     return ToGrpc(absl::InvalidArgumentError(absl::StrCat("a chosen token must have at least ", kMinChosenTokenBytes,
                                                           " characters (or let the coordinator generate one)")));
   }
+  if (absl::Status s = CheckLeading(ctx); !s.ok()) return ToGrpc(s);
   absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
   if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
@@ -519,6 +534,7 @@ grpc::Status CoordinatorService::DeleteTenant(grpc::ServerContext* ctx, const v1
                                               v1::DeleteTenantResponse*) {
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.admin_token, "admin"); !s.ok()) return ToGrpc(s);
+  if (absl::Status s = CheckLeading(ctx); !s.ok()) return ToGrpc(s);
   absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
   if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);
@@ -545,6 +561,7 @@ grpc::Status CoordinatorService::SetTenantQuota(grpc::ServerContext* ctx, const 
                                                 v1::SetTenantQuotaResponse* resp) {
   if (auto v = VersionCheck(req->version()); !v.ok()) return v;
   if (absl::Status s = CheckToken(*ctx, options_.admin_token, "admin"); !s.ok()) return ToGrpc(s);
+  if (absl::Status s = CheckLeading(ctx); !s.ok()) return ToGrpc(s);
   absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
   if (absl::Status s = CheckLeadingLocked(ctx); !s.ok()) return ToGrpc(s);

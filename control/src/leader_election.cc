@@ -29,16 +29,25 @@ bool LeaderElection::HoldsLease() const {
   return leading_.load() && absl::Now() < absl::FromUnixNanos(lease_deadline_ns_.load()) - options_.ttl / 6;
 }
 
-void LeaderElection::Lose(const char* why) {
+void LeaderElection::Follow(const std::string& leader, const absl::Status& why) {
+  leader_seen_ = leader;
+  cause_seen_ = leader.empty() ? std::string(why.message()) : std::string();
+  if (options_.on_follow) options_.on_follow(leader, leader.empty() ? why : absl::OkStatus());
+}
+
+void LeaderElection::Lose(const char* why, const absl::Status& cause) {
   lease_ = 0;
   if (leading_.exchange(false)) {
-    KVRING_LOG(WARNING) << "stepping down as leader: " << why;
+    KVRING_LOG(WARNING) << "stepping down as leader: " << why << (cause.ok() ? "" : ": ") << cause.message();
     leader_seen_ = "?";
   }
-  if (leader_seen_ != "") {
-    leader_seen_ = "";
-    if (options_.on_follow) options_.on_follow("");
-  }
+  if (leader_seen_ != "" || cause_seen_ != cause.message()) Follow("", cause);
+}
+
+void LeaderElection::Unanswered(const absl::Status& cause) {
+  if (!leading_ && leader_seen_ == "" && cause_seen_ != cause.message()) Follow("", cause);
+  // (A standby that knows a leader keeps naming it: etcd may be out of this
+  // one's reach only.)
 }
 
 void LeaderElection::Loop() {
@@ -53,6 +62,7 @@ void LeaderElection::Round() {
     absl::StatusOr<etcdserverpb::LeaseGrantResponse> g = etcd_->LeaseGrant(options_.ttl);
     if (!g.ok()) {
       KVRING_LOG(WARNING) << "election: no lease: " << g.status().message();
+      Unanswered(g.status());
       return;
     }
     lease_ = g->id();
@@ -64,13 +74,15 @@ void LeaderElection::Round() {
       lease_deadline_ = now + absl::Seconds(*left);
       lease_deadline_ns_ = absl::ToUnixNanos(lease_deadline_);
     } else if (left.ok()) {
-      Lose("the lease expired");
+      Lose("the lease expired", absl::OkStatus());
       return;
     } else if (absl::Now() >= lease_deadline_ - options_.ttl / 6) {
       // Not renewed, and by this clock the lease is (nearly) over: another
       // may lead soon, so this one stops first.
-      Lose("the lease could not be renewed in time");
+      Lose("the lease could not be renewed in time", left.status());
       return;
+    } else {
+      Unanswered(left.status());
     }
   }
   if (leading_) return;
@@ -89,6 +101,7 @@ void LeaderElection::Round() {
   absl::StatusOr<etcdserverpb::TxnResponse> r = etcd_->Txn(txn);
   if (!r.ok()) {
     KVRING_LOG(WARNING) << "election: " << r.status().message();
+    Unanswered(r.status());
     return;
   }
   if (r->succeeded()) {
@@ -110,10 +123,10 @@ void LeaderElection::Round() {
   std::string leader;
   if (r->responses_size() > 0 && r->responses(0).response_range().kvs_size() > 0)
     leader = r->responses(0).response_range().kvs(0).value();
-  if (leader != leader_seen_) {
-    leader_seen_ = leader;
-    KVRING_LOG(INFO) << "standing by; the leader is " << (leader.empty() ? "(none)" : leader);
-    if (options_.on_follow) options_.on_follow(leader);
+  if (leader != leader_seen_ || (leader.empty() && !cause_seen_.empty())) {
+    if (leader != leader_seen_)
+      KVRING_LOG(INFO) << "standing by; the leader is " << (leader.empty() ? "(none)" : leader);
+    Follow(leader, absl::OkStatus());
   }
 }
 

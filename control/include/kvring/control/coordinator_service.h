@@ -101,7 +101,10 @@ class CoordinatorService final : public v1::Coordinator::Service {
   // always). An error leaves it a standby.
   absl::Status BecomeLeader(std::function<bool()> holds_lease) ABSL_LOCKS_EXCLUDED(mu_);
   // Stops leading; `leader` ("" when unknown) is named to callers of writes.
-  void BecomeStandby(const std::string& leader) ABSL_LOCKS_EXCLUDED(mu_);
+  // While none is known, `why_none` (the election's error reaching the
+  // metadata store, OK if it answered) is told them too.
+  void BecomeStandby(const std::string& leader, const absl::Status& why_none = absl::OkStatus())
+      ABSL_LOCKS_EXCLUDED(mu_);
   bool leading() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -143,6 +146,9 @@ class CoordinatorService final : public v1::Coordinator::Service {
   // OK while this coordinator may write; else UNAVAILABLE naming the leader
   // (and the leader in ctx's trailing metadata).
   absl::Status CheckLeadingLocked(grpc::ServerContext* ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same, checked before a write takes write_mu_: a standby refuses at
+  // once, never behind a refresh or a write stuck on an unreachable store.
+  absl::Status CheckLeading(grpc::ServerContext* ctx) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status CheckToken(const grpc::ServerContext& ctx, const std::string& expected, const char* what);
   // Admin, cluster, or any tenant token.
   absl::Status CheckAnyToken(const grpc::ServerContext& ctx) ABSL_LOCKS_EXCLUDED(mu_);
@@ -163,6 +169,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   bool leading_ ABSL_GUARDED_BY(mu_) = true;
   std::function<bool()> holds_lease_ ABSL_GUARDED_BY(mu_);
   std::string leader_ ABSL_GUARDED_BY(mu_);
+  std::string why_no_leader_ ABSL_GUARDED_BY(mu_);
   // The state must be reloaded before it is used for a write (a standby's
   // after the leader wrote; anyone's after a failed write).
   bool stale_ ABSL_GUARDED_BY(mu_) = false;

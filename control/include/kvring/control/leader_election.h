@@ -14,8 +14,11 @@
 //
 // Callbacks run on the election's thread, one at a time: on_lead(fence) when
 // this candidate starts leading (a non-OK status resigns at once), and
-// on_follow(leader) when it stops leading or learns of another leader
-// ("" while there is none). Thread-safe.
+// on_follow(leader, why) when it stops leading or learns of another leader
+// ("" while there is none). While there is none, `why` is the error of the
+// last round that could not reach etcd (OK when etcd answered that no one
+// leads); on_follow runs again when that error changes, so callers can say
+// why no coordinator leads. Thread-safe.
 #pragma once
 
 #include <atomic>
@@ -40,7 +43,7 @@ struct LeaderElectionOptions {
   // timeout; 2 s is the shortest that is safe. Default: 5 s.
   absl::Duration ttl = absl::Seconds(5);
   std::function<absl::Status(int64_t fence)> on_lead;
-  std::function<void(const std::string& leader)> on_follow;
+  std::function<void(const std::string& leader, const absl::Status& why)> on_follow;
 };
 
 class LeaderElection {
@@ -64,7 +67,11 @@ class LeaderElection {
   void Loop();
   // One round: keep the lease alive (or get one), then campaign or watch.
   void Round();
-  void Lose(const char* why);
+  void Lose(const char* why, const absl::Status& cause);
+  // A round that could not reach etcd: while no leader is known, tells
+  // on_follow the new cause.
+  void Unanswered(const absl::Status& cause);
+  void Follow(const std::string& leader, const absl::Status& why);
 
   EtcdClient* const etcd_;
   const LeaderElectionOptions options_;
@@ -74,6 +81,7 @@ class LeaderElection {
   absl::Time lease_deadline_ = absl::InfinitePast();  // by this clock, with the send time as its start
   std::atomic<int64_t> lease_deadline_ns_{0};         // the same, for HoldsLease
   std::string leader_seen_ = "?";
+  std::string cause_seen_;  // the message last given to on_follow with leader_seen_ ""
   absl::Notification stop_;
   std::thread thread_;
 };
