@@ -8,9 +8,10 @@ Llama-3-8B shapes (32 layers, 32 q / 8 kv heads, d128; random weights). For each
 SHARDSxBATCHxCONTEXT: the decode tokens/s of model.generate with kvring.hf.PassQSession (the KV on GPU
 daemons, the engine holding none) against generate with a DynamicCache and sdpa (the KV in the engine);
 both timed between the first and the last token (no prefill). Inside the same pass-Q generate, the
-per-layer step at the engine (PassQSession.decode_steps: inputs ready -> output ready, p50) beside the
-node's kernel for that step, with the breakdown engine glue / client + transport / daemon / kernel; and
-sdpa's own attention per layer inside a local generate, timed the same way.
+per-layer step at the engine (PassQSession(timing=True).device_step_seconds(): the step's span on the
+engine's CUDA stream, inputs ready -> output ready, p50) beside the node's kernel for that step, with the
+engine thread's time in the step broken down as Python / device staging / client + transport / daemon /
+kernel; and sdpa's own attention per layer inside a local generate, timed the same way (CUDA events).
 
 --deployment default: what deploy/local-cluster.sh --gpu starts (CUDA MPS, the daemons' default UCX
 progress: adaptive spin) and the client's defaults (adaptive spin; the prepared step). before: the
@@ -93,18 +94,20 @@ def generate_timed(model, ids, n_new, cache):
 
 
 def sdpa_layer_times(model, ids, n_new):
-    """sdpa's attention per layer inside a local generate's decode steps (sync, attention, sync), seconds."""
+    """sdpa's attention per layer inside a local generate's decode steps, on the stream (CUDA events around the
+    attention call: inputs ready -> output ready, as PassQSession(timing=True) times a pass-Q step), seconds."""
     from transformers import AttentionInterface, DynamicCache
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    times = []
+    events = []
 
     def timed(module, query, *a, **k):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        if query.shape[2] != 1:
+            return sdpa_attention_forward(module, query, *a, **k)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
         out = sdpa_attention_forward(module, query, *a, **k)
-        torch.cuda.synchronize()
-        if query.shape[2] == 1:
-            times.append(time.perf_counter() - t0)
+        e1.record()
+        events.append((e0, e1))
         return out
 
     AttentionInterface.register("sdpa_timed", timed)
@@ -116,7 +119,8 @@ def sdpa_layer_times(model, ids, n_new):
         model.generate(ids, max_new_tokens=n_new, do_sample=False, past_key_values=DynamicCache(), pad_token_id=0)
     finally:
         khf._set_attention(model, "sdpa")
-    return times
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) * 1e-3 for a, b in events]
 
 
 def p50(xs):
@@ -144,7 +148,7 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
     torch.cuda.empty_cache()
 
     sess = khf.PassQSession(c, model, [f"{label}-{shards}x{batch}x{ctx}-{b}" for b in range(batch)],
-                            prepared=not before)
+                            prepared=not before, timing=not before)
     try:
         with sess:
             with CpuMeter(daemons) as dm, CpuMeter(me) as eng:
@@ -153,10 +157,16 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
             with CpuMeter(daemons) as idle:
                 time.sleep(2.0)
             steps = list(sess.decode_steps)
+            on_stream = sess.device_step_seconds()
     finally:
         khf._set_attention(model, "sdpa")
     if steps:
-        r["step_p50_us"] = p50([s[0] for s in steps]) * 1e6
+        # The step at the engine: its span on the stream where it is timed
+        # (stream-ordered steps, inputs ready -> output ready); the engine
+        # thread's time in the call otherwise (it waited for the device).
+        r["engine_thread_p50_us"] = p50([s[0] for s in steps]) * 1e6
+        r["step_p50_us"] = p50(on_stream) * 1e6 if on_stream else r["engine_thread_p50_us"]
+        r["step_timed_on"] = "stream" if on_stream else "engine thread"
         r["client_p50_us"] = p50([s[1] for s in steps]) * 1e6
         r["node_p50_us"] = p50([s[2] for s in steps]) * 1e6
         r["kernel_p50_us"] = p50([s[3] for s in steps]) * 1e6
@@ -164,8 +174,14 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
         r["over_kernel_us"] = r["step_p50_us"] - r["kernel_p50_us"]
         # engine glue = Python (kvring.hf + StepPlan around the C call) + the
         # client's device staging (its copies and waits around the routed step).
-        r["breakdown_us"] = {"engine glue": r["step_p50_us"] - r["client_p50_us"],
-                             "of which python": r["step_p50_us"] - r["call_p50_us"],
+        # The engine thread's time in the step: Python (kvring.hf + StepPlan
+        # around the C call), the client's device work around the routed
+        # step (its gather, event, merge: queued, not waited for, when the
+        # step is on the stream), the client + transport, the daemon, the
+        # kernel (the node's, on its own stream).
+        t = r["engine_thread_p50_us"]
+        r["breakdown_us"] = {"engine glue": t - r["client_p50_us"],
+                             "of which python": t - r["call_p50_us"],
                              "of which device staging": r["call_p50_us"] - r["client_p50_us"],
                              "client + transport": r["client_p50_us"] - r["node_p50_us"],
                              "daemon": r["node_p50_us"] - r["kernel_p50_us"], "kernel": r["kernel_p50_us"]}
@@ -175,6 +191,7 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
     torch.cuda.empty_cache()
     log(f"  {shards} shard(s), batch {batch}, {ctx // 1024}K: pass-Q {r['passq_tokens_per_s']:.1f} tok/s vs sdpa "
         f"{r['sdpa_tokens_per_s']:.1f} = {r['ratio']:.2f}x; step p50 {r.get('step_p50_us', float('nan')):.0f} us "
+        f"on the {r.get('step_timed_on', '?')} (engine thread {r.get('engine_thread_p50_us', float('nan')):.0f}) "
         f"(kernel {r.get('kernel_p50_us', float('nan')):.0f}, +{r.get('over_kernel_us', float('nan')):.0f}; "
         f"sdpa's attention {r['sdpa_layer_p50_us']:.0f} us); breakdown "
         + ", ".join(f"{k} {v:.0f}" for k, v in r.get("breakdown_us", {}).items())

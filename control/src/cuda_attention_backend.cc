@@ -874,7 +874,14 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
 
   // Phase 5: the device work, enqueued without a host synchronization until
   // the end.
-  absl::Status s = Check(cudaEventRecord(lane->start, st), "event");
+  absl::Status s = absl::OkStatus();
+  if (dx != nullptr && dx->inputs_ready != nullptr) {
+    // The caller did not wait for its inputs: this stream does (before the
+    // step's clock starts).
+    s = Check(cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(dx->inputs_ready), 0),
+              "waiting for the caller's inputs");
+  }
+  if (s.ok()) s = Check(cudaEventRecord(lane->start, st), "event");
   for (const Missing& m : missing) {
     if (!s.ok()) break;
     s = Check(cudaMemcpyAsync(PageAddress(m.page), m.host.payload().data(), m.host.payload().size(),

@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <list>
 
 #include "absl/container/flat_hash_map.h"
@@ -25,6 +26,18 @@ struct Mapping {
     if (base == nullptr) return;
     (void)cudaSetDevice(device);
     (void)cudaIpcCloseMemHandle(base);  // the caller's memory is the caller's: nothing to report here
+  }
+};
+
+// A caller's event opened in this process; destroyed when the last user
+// lets go of it.
+struct OpenEvent {
+  int device = 0;
+  cudaEvent_t event = nullptr;
+  ~OpenEvent() {
+    if (event == nullptr) return;
+    (void)cudaSetDevice(device);
+    (void)cudaEventDestroy(event);
   }
 };
 
@@ -69,6 +82,35 @@ class CudaDeviceDelivery final : public DeviceDelivery {
     return m;
   }
 
+  // Opens the caller's event `handle`, or finds it open.
+  absl::StatusOr<std::shared_ptr<OpenEvent>> OpenInputsEvent(const std::string& handle) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    if (auto it = events_.find(handle); it != events_.end()) {
+      event_lru_.splice(event_lru_.begin(), event_lru_, it->second.second);
+      return it->second.first;
+    }
+    if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
+      return absl::InvalidArgumentError(absl::StrCat("an event handle of ", handle.size(), " bytes"));
+    }
+    cudaIpcEventHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    auto ev = std::make_shared<OpenEvent>();
+    ev->device = o_.device;
+    if (cudaError_t e = cudaIpcOpenEventHandle(&ev->event, h); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      ev->event = nullptr;
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot open the caller's CUDA IPC event (cudaIpcOpenEventHandle: ", cudaGetErrorName(e), ")"));
+    }
+    event_lru_.push_front(handle);
+    events_.emplace(handle, std::make_pair(ev, event_lru_.begin()));
+    while (events_.size() > std::max<size_t>(1, o_.max_events)) {
+      events_.erase(event_lru_.back());  // users still holding it keep it until they finish
+      event_lru_.pop_back();
+    }
+    return ev;
+  }
+
   absl::Status Check(cudaError_t e, absl::string_view what) {
     if (e == cudaSuccess) return absl::OkStatus();
     absl::Status s = CudaStatus(e, what);
@@ -81,6 +123,9 @@ class CudaDeviceDelivery final : public DeviceDelivery {
   absl::Mutex mu_;
   std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::pair<std::shared_ptr<Mapping>, std::list<std::string>::iterator>> mapped_
+      ABSL_GUARDED_BY(mu_);
+  std::list<std::string> event_lru_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::pair<std::shared_ptr<OpenEvent>, std::list<std::string>::iterator>> events_
       ABSL_GUARDED_BY(mu_);
 };
 
@@ -110,8 +155,15 @@ class CudaBatch final : public DeviceDelivery::Batch {
     return m.base + offset;
   }
   absl::Status Read(const uint8_t* device_src, absl::Span<uint8_t> dst) override {
+    if (inputs_ != nullptr) {
+      KVRING_RETURN_IF_ERROR(owner_->Check(cudaEventSynchronize(inputs_->event), "waiting for the caller's inputs"));
+    }
     return owner_->Check(cudaMemcpy(dst.data(), device_src, dst.size(), cudaMemcpyDeviceToHost),
                          "reading the caller's GPU memory");
+  }
+  absl::StatusOr<void*> InputsReady(const std::string& event_handle) override {
+    KVRING_ASSIGN_OR_RETURN(inputs_, owner_->OpenInputsEvent(event_handle));
+    return static_cast<void*>(inputs_->event);
   }
   absl::Status Finish() override {
     pending_ = false;
@@ -121,6 +173,7 @@ class CudaBatch final : public DeviceDelivery::Batch {
  private:
   CudaDeviceDelivery* owner_;
   std::vector<std::shared_ptr<Mapping>> maps_;
+  std::shared_ptr<OpenEvent> inputs_;
   bool pending_ = false;
 };
 

@@ -311,6 +311,12 @@ absl::Status NodeCore::AttendOnDevice(const v1::Tenant& t, const std::string& re
   io.new_v = v;
   io.out = reinterpret_cast<float*>(o);
   io.lse = reinterpret_cast<float*>(l);
+  if (!x.inputs_ready_event.empty()) {
+    absl::StatusOr<void*> ev = m.InputsReady(x.inputs_ready_event);
+    if (absl::IsFailedPrecondition(ev.status())) return RefuseDeviceIo(std::string(ev.status().message()), stats);
+    if (!ev.ok()) return ev.status();
+    io.inputs_ready = *ev;
+  }
   io.read = [&m](const uint8_t* src, absl::Span<uint8_t> dst) { return m.Read(src, dst); };
   batch.device = &io;
   absl::Status s = Attend(t, requested_ns, batch, PartialOutput{nullptr, nullptr}, stats);

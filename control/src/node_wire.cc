@@ -222,7 +222,7 @@ absl::Status WireAttend(NodeCore& core, const v1::Tenant& t, const v1::AttendReq
     const v1::DeviceExchange& d = req.device();
     s = core.AttendOnDevice(t, req.header().namespace_(), batch,
                             DeviceExchangeIn{d.host_id(), d.ipc_handle(), d.queries_offset(), d.new_k_offset(),
-                                             d.new_v_offset(), d.out_offset(), d.lse_offset()},
+                                             d.new_v_offset(), d.out_offset(), d.lse_offset(), d.inputs_ready_event()},
                             &st);
   } else {
     s = core.Attend(t, req.header().namespace_(), batch, out, &st);

@@ -268,6 +268,10 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
       return absl::InvalidArgumentError(
           absl::StrCat("device exchange: the IPC handle has ", d.ipc_handle().size(), " bytes, not ", kIpcHandleBytes));
     }
+    if (!d.inputs_ready_event().empty() && d.inputs_ready_event().size() != kIpcHandleBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("device exchange: the inputs-ready event handle has ",
+                                                     d.inputs_ready_event().size(), " bytes, not ", kIpcHandleBytes));
+    }
     for (uint64_t off : {d.queries_offset(), d.new_k_offset(), d.new_v_offset(), d.out_offset(), d.lse_offset()}) {
       if (off % kDeviceExchangeAlign != 0) {
         return absl::InvalidArgumentError(

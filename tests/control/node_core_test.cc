@@ -47,6 +47,10 @@ class FakeDelivery : public DeviceDelivery {
   absl::Status begin_status = absl::OkStatus();
   int finished = 0;
   int reads = 0;
+  // Events by handle ("opened" as the address of their entry); a handle
+  // not listed cannot be opened.
+  std::map<std::string, int> events;
+  int reads_after_event = 0;
 
   absl::StatusOr<std::unique_ptr<Batch>> Begin(absl::Span<const std::string> handles) override {
     if (!begin_status.ok()) return begin_status;
@@ -80,13 +84,21 @@ class FakeDelivery : public DeviceDelivery {
     }
     absl::Status Read(const uint8_t* src, absl::Span<uint8_t> dst) override {
       ++o_->reads;
+      if (event_ != nullptr) ++o_->reads_after_event;
       std::memcpy(dst.data(), src, dst.size());
       return absl::OkStatus();
+    }
+    absl::StatusOr<void*> InputsReady(const std::string& handle) override {
+      auto it = o_->events.find(handle);
+      if (it == o_->events.end()) return absl::FailedPreconditionError("cannot open the caller's CUDA IPC event");
+      event_ = &it->second;
+      return static_cast<void*>(event_);
     }
 
    private:
     FakeDelivery* o_;
     std::vector<Alloc*> m_;
+    int* event_ = nullptr;
   };
 };
 
@@ -99,6 +111,7 @@ class HostIoBackend : public AttentionBackend {
   explicit HostIoBackend(BlockStore* store) : cpu_(store, nullptr) {}
   std::string refusal;  // DeviceIoRefusal's answer
   int device_steps = 0;
+  void* last_inputs_ready = nullptr;  // the last device step's AttendDeviceIo::inputs_ready
 
   std::string name() const override { return "host-io"; }
   absl::Status AdmitBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key, const BlockMeta& meta,
@@ -114,6 +127,7 @@ class HostIoBackend : public AttentionBackend {
     const AttendDeviceIo* dx = plan.device;
     if (dx == nullptr) return cpu_.Step(plan, out, times);
     ++device_steps;
+    last_inputs_ready = dx->inputs_ready;
     StepPlan p = plan;
     p.device = nullptr;
     const size_t qrow = size_t{plan.q_heads} * plan.head_dim * DTypeSize(plan.q_dtype);
@@ -914,6 +928,48 @@ TEST_F(NodeCoreExchangeTest, ARetriedAppendIsComparedWithTheBytesInTheCallersMem
   for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 2, 3}}).ok());  // nothing changed
 }
 
+TEST_F(NodeCoreExchangeTest, TheCallersInputsEventReachesTheBackendAndOneThatCannotOpenIsRefused) {
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 5}}).ok());
+  EXPECT_EQ(backend().last_inputs_ready, nullptr);  // none given: none waited on
+  const std::string ev(kIpcHandleBytes, 'e');
+  fake_.events[ev] = 0;
+  AttendBatch b = Batch(0);
+  b.layout.reset();
+  b.num_rows = 1;
+  b.positions = {4};
+  b.sequences = {Row("s", 2, 5)};
+  std::vector<float> q(size_t{kQHeads} * L_.head_dim, 0.5f);
+  std::vector<uint8_t>& x = fake_.allocs[kExchangeHandle].bytes;
+  std::memcpy(x.data() + kQ, q.data(), q.size() * 4);
+  AttendStats st;
+  ASSERT_TRUE(
+      core_->AttendOnDevice(tenant_, "", b, DeviceExchangeIn{host_, kExchangeHandle, kQ, kK, kV, kO, kL, ev}, &st)
+          .ok());
+  EXPECT_TRUE(st.device_refusal.empty()) << st.device_refusal;
+  EXPECT_EQ(backend().last_inputs_ready, static_cast<void*>(&fake_.events[ev]));
+  // A retried append compares with the caller's bytes only after the event.
+  AttendBatch r = Batch(0);
+  r.sequences = {AttendSequenceSpec{"s", {}, 3, 0, 1, 2}};
+  const size_t n = size_t{L_.kv_heads} * L_.head_dim, e = 2 * n;
+  std::memcpy(x.data() + kK, kv_["s"].k[0].data() + e, n * 4);
+  std::memcpy(x.data() + kV, kv_["s"].v[0].data() + e, n * 4);
+  ASSERT_TRUE(
+      core_->AttendOnDevice(tenant_, "", r, DeviceExchangeIn{host_, kExchangeHandle, kQ, kK, kV, kO, kL, ev}, &st)
+          .ok());
+  EXPECT_GE(fake_.reads_after_event, 2);
+  // An event this node cannot open: refused, nothing done, and it says so.
+  const int steps = backend().device_steps;
+  AttendStats refused;
+  ASSERT_TRUE(core_
+                  ->AttendOnDevice(
+                      tenant_, "", b,
+                      DeviceExchangeIn{host_, kExchangeHandle, kQ, kK, kV, kO, kL, std::string(kIpcHandleBytes, 'z')},
+                      &refused)
+                  .ok());
+  EXPECT_NE(refused.device_refusal.find("event"), std::string::npos) << refused.device_refusal;
+  EXPECT_EQ(backend().device_steps, steps);
+}
+
 TEST_F(NodeCoreExchangeTest, ARefusedExchangeDoesNothingAndSaysWhy) {
   for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 5}}).ok());
   std::vector<float> kv(L_.kv_heads * L_.head_dim, 1.f);
@@ -989,6 +1045,7 @@ TEST(AttendRequestValidation, MalformedDeviceExchangesAreInvalidArguments) {
       {"carries no query", [](v1::AttendRequest& r) { r.set_queries(std::string(256, 'q')); }},
       {"IPC handle has", [](v1::AttendRequest& r) { r.mutable_device()->set_ipc_handle("short"); }},
       {"not a multiple of 256", [](v1::AttendRequest& r) { r.mutable_device()->set_lse_offset(100); }},
+      {"inputs-ready event handle has", [](v1::AttendRequest& r) { r.mutable_device()->set_inputs_ready_event("e"); }},
   };
   for (auto& [why, mutate] : cases) {
     v1::AttendRequest m = r;

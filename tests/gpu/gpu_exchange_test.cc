@@ -9,7 +9,10 @@
 // is served through staging from the same buffer. Skips without a GPU.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iostream>
+#include <memory>
 #include <random>
 
 #include "../control/cluster_fixture.h"
@@ -43,9 +46,12 @@ class Engine {
     std::vector<float> out, lse;
     std::vector<double> ref_out, ref_lse;
   };
-  // One step on `layer` through `client`, with device tensors; the same
-  // inputs again through `staged` (if given) must give the same rows.
-  Result Step(Client& client, uint32_t layer, const std::vector<Part>& parts) {
+  // One step on `layer` through `client`, with device tensors. `stream`
+  // set: the step is ordered on it, and its inputs are written there only
+  // after a 30 ms host function (a step that read them before the stream
+  // got there would read zeros); the output is read through a copy queued
+  // there after the step.
+  Result Step(Client& client, uint32_t layer, const std::vector<Part>& parts, cudaStream_t stream = nullptr) {
     AttendStep st;
     st.layout = kLayout;
     st.options.layer = layer;
@@ -76,14 +82,48 @@ class Engine {
     Dev<uint16_t> dq(q), dk(nk), dv(nv);
     Dev<float> dout(rows * qrow), dlse(size_t{rows} * kQHeads);
     dout.Poison();  // NaN: every row must be written
+    // (the delayed copies' sources: pinned, so the copies are queued, not done at once)
+    std::unique_ptr<uint16_t, decltype(&cudaFreeHost)> pinned(nullptr, &cudaFreeHost);
+    if (stream != nullptr) {
+      dq.Zero();
+      dk.Zero();
+      dv.Zero();
+      void* h = nullptr;
+      cudaMallocHost(&h, std::max<size_t>(1, (q.size() + nk.size() + nv.size()) * 2));
+      pinned.reset(static_cast<uint16_t*>(h));
+      uint16_t* hq = pinned.get();
+      uint16_t* hk = hq + q.size();
+      uint16_t* hv = hk + nk.size();
+      std::copy(q.begin(), q.end(), hq);
+      std::copy(nk.begin(), nk.end(), hk);
+      std::copy(nv.begin(), nv.end(), hv);
+      cudaDeviceSynchronize();  // (the zeros and the poison are in place)
+      cudaLaunchHostFunc(
+          stream, [](void*) { absl::SleepFor(absl::Milliseconds(30)); }, nullptr);
+      cudaMemcpyAsync(dq.p, hq, q.size() * 2, cudaMemcpyHostToDevice, stream);
+      cudaMemcpyAsync(dk.p, hk, nk.size() * 2, cudaMemcpyHostToDevice, stream);
+      cudaMemcpyAsync(dv.p, hv, nv.size() * 2, cudaMemcpyHostToDevice, stream);
+      st.stream_ordered = true;
+      st.stream = stream;
+    }
     st.q = QueryTensor{dq.p, DType::kBF16, rows, kQHeads, kLayout.head_dim, pos.data(), nullptr};
     st.new_k = dk.p;
     st.new_v = dv.p;
     Result r;
     r.status = client.StepInto(st, PartialOutput{dout.p, dlse.p}, &r.report);
     if (!r.status.ok()) return r;
-    r.out = dout.Host();
-    r.lse = dlse.Host();
+    if (stream != nullptr) {
+      // Read through work queued after the step: it sees the output.
+      Dev<float> cout(dout.n), clse(dlse.n);
+      cudaMemcpyAsync(cout.p, dout.p, dout.n * 4, cudaMemcpyDeviceToDevice, stream);
+      cudaMemcpyAsync(clse.p, dlse.p, dlse.n * 4, cudaMemcpyDeviceToDevice, stream);
+      cudaStreamSynchronize(stream);
+      r.out = cout.Host();
+      r.lse = clse.Host();
+    } else {
+      r.out = dout.Host();
+      r.lse = dlse.Host();
+    }
     // The reference, row by row, over each sequence's tokens on the layer.
     for (uint32_t i = 0, row = 0; i < parts.size(); ++i) {
       const auto& e = kv_[{parts[i].id, layer}];
@@ -197,6 +237,49 @@ TEST(GpuExchangeTest, StepsWithDeviceTensorsRunInTheClientsMemoryAndMatchTheRefe
   }
   EXPECT_GT(shards, 0);
   EXPECT_EQ(in_place, shards);
+}
+
+TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice) {
+  KVRING_REQUIRE_GPU();
+  ClusterOptions o{.nodes = 2, .replication = 1, .page_bytes = "1M"};
+  o.extra_daemon_flags = GpuFlags();
+  o.extra_coordinator_flags = {"--sequence_chunk_blocks=2"};
+  Cluster cl(o);
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("engine");
+  ASSERT_TRUE(token.ok()) << token.status();
+  auto c = Client::Connect(Options(cl, *token, true));
+  ASSERT_TRUE(c.ok());
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  int ipc_events = 0;
+  cudaDeviceGetAttribute(&ipc_events, cudaDevAttrIpcEventSupport, 0);
+  Engine e(21);
+  const std::vector<std::vector<Engine::Part>> steps = {
+      {{"a", 40, 40}, {"b", 9, 9}},
+      {{"a", 1, 1}, {"b", 1, 1}},
+      {{"a", 1, 1}, {"b", 0, 1}},
+      {{"a", 2, 2}, {"b", 1, 1}},
+  };
+  int waited_on_device = 0, calls = 0;
+  for (size_t s = 0; s < steps.size(); ++s) {
+    for (uint32_t l = 0; l < kLayout.layers; ++l) {
+      Engine::Result r = e.Step(**c, l, steps[s], stream);
+      ExpectMatchesReference(r, absl::StrCat("stream-ordered step ", s, " layer ", l));
+      EXPECT_EQ(r.report.shards_in_place, r.report.shards);
+      waited_on_device += r.report.inputs_waited_on_device ? 1 : 0;
+      ++calls;
+    }
+  }
+  // Where the device has IPC events, the nodes waited on them every time.
+  if (ipc_events) EXPECT_EQ(waited_on_device, calls);
+  std::cout << "IPC events: " << ipc_events << "; steps whose nodes waited on the device: " << waited_on_device
+            << " of " << calls << "\n";
+  // The legacy default stream works the same way.
+  Engine e2(22);
+  Engine::Result r = e2.Step(**c, 0, {{"z", 5, 5}}, cudaStreamLegacy);
+  ExpectMatchesReference(r, "on the legacy default stream");
+  cudaStreamDestroy(stream);
 }
 
 TEST(GpuExchangeTest, ACpuNodeRefusesTheExchangeAndIsServedThroughStaging) {

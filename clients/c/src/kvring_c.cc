@@ -271,13 +271,25 @@ int kvring_step(kvring_client* c, const kvring_step_args* a, float* out, float* 
   st.options.window = a->window;
   st.options.softmax_scale = a->softmax_scale;
   st.device_buffers = a->device_buffers != 0;
+  st.stream_ordered = a->stream_ordered != 0;
+  st.stream = a->stream;
   AttendReport rep;
   absl::Status s = c->c->StepInto(st, PartialOutput{out, lse}, &rep);
   if (!s.ok()) return Code(s);
   if (report != nullptr) {
-    *report = kvring_attend_report{rep.shards,         rep.retries,         rep.blocks,        rep.bytes_sent,
-                                   rep.bytes_received, rep.appended_tokens, rep.seconds,       rep.node_seconds,
-                                   rep.kernel_seconds, rep.copy_seconds,    rep.merge_seconds, rep.shards_in_place};
+    *report = kvring_attend_report{rep.shards,
+                                   rep.retries,
+                                   rep.blocks,
+                                   rep.bytes_sent,
+                                   rep.bytes_received,
+                                   rep.appended_tokens,
+                                   rep.seconds,
+                                   rep.node_seconds,
+                                   rep.kernel_seconds,
+                                   rep.copy_seconds,
+                                   rep.merge_seconds,
+                                   rep.shards_in_place,
+                                   rep.inputs_waited_on_device ? 1 : 0};
   }
   return Code(absl::OkStatus());
 }

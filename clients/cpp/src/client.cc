@@ -809,12 +809,15 @@ class ClientImpl {
   // through pinned staging.
   struct DeviceStep {
     DeviceMemory* dev = nullptr;
-    bool initialized = false;  // the output holds a first merge (every row written)
+    void* stream = nullptr;       // where the step's device work is queued
+    bool stream_ordered = false;  // the caller's stream: no wait for the device at the end
+    bool initialized = false;     // the output holds a first merge (every row written)
   };
 
   absl::Status StepInto(const AttendStep& in, PartialOutput out, AttendReport* report) {
     if (!in.device_buffers) return StepOnHost(in, out, report);
     KVRING_ASSIGN_OR_RETURN(DeviceMemory * dev, Dev());
+    void* const stream = in.stream_ordered ? in.stream : DeviceMemory::ThreadStream();
     uint64_t app = 0;
     for (const auto& s : in.sequences) app += s.append_tokens;
     const uint64_t step_bytes =
@@ -822,19 +825,19 @@ class ClientImpl {
         2 * app * in.layout.kv_heads * in.layout.head_dim * DTypeSize(in.layout.dtype);
     if (o_.device_delivery && !host_id_.empty() && in.q.dtype == in.layout.dtype &&
         step_bytes >= o_.device_exchange_min_bytes) {
-      DeviceStep dx{dev};
+      DeviceStep dx{dev, stream, in.stream_ordered};
       KVRING_RETURN_IF_ERROR(StepOnHost(in, out, report, &dx));
       if (!dx.initialized && in.q.num_rows > 0) {
         // No round had rows to attend (sequences without tokens): O = 0, LSE = -inf.
         const size_t n = (size_t{in.q.num_rows} + 1) * sizeof(int32_t);
         KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging zeros, dev->Pinned(n));
         std::memset(zeros.data(), 0, n);
-        KVRING_ASSIGN_OR_RETURN(DeviceMemory::Exchange xb, dev->ExchangeBuffer(n));
-        KVRING_RETURN_IF_ERROR(dev->CopyAsync(xb.data(), zeros.data(), n));
+        KVRING_ASSIGN_OR_RETURN(DeviceMemory::Exchange xb, dev->ExchangeBuffer(n, stream));
+        KVRING_RETURN_IF_ERROR(dev->CopyAsync(xb.data(), zeros.data(), n, stream));
         const int32_t* begin = reinterpret_cast<const int32_t*>(xb.data());
         KVRING_RETURN_IF_ERROR(dev->MergeRows(out.out, out.lse, in.q.num_rows, nullptr, nullptr, begin, begin,
-                                              in.q.q_heads, in.q.head_dim, /*init=*/true));
-        return dev->Wait();
+                                              in.q.q_heads, in.q.head_dim, /*init=*/true, stream));
+        return dev->Wait(stream);
       }
       return absl::OkStatus();
     }
@@ -850,12 +853,12 @@ class ClientImpl {
     uint8_t* p = stage.data();
     // Queued on one stream and waited for once (a decode step's three small
     // copies each paid a synchronous cudaMemcpy's round trip before).
-    if (qb > 0) KVRING_RETURN_IF_ERROR(dev->CopyAsync(p, in.q.data, qb));
+    if (qb > 0) KVRING_RETURN_IF_ERROR(dev->CopyAsync(p, in.q.data, qb, stream));
     if (kvb > 0) {
-      KVRING_RETURN_IF_ERROR(dev->CopyAsync(p + qb, in.new_k, kvb));
-      KVRING_RETURN_IF_ERROR(dev->CopyAsync(p + qb + kvb, in.new_v, kvb));
+      KVRING_RETURN_IF_ERROR(dev->CopyAsync(p + qb, in.new_k, kvb, stream));
+      KVRING_RETURN_IF_ERROR(dev->CopyAsync(p + qb + kvb, in.new_v, kvb, stream));
     }
-    if (qb + kvb > 0) KVRING_RETURN_IF_ERROR(dev->Wait());
+    if (qb + kvb > 0) KVRING_RETURN_IF_ERROR(dev->Wait(stream));
     st.q.data = p;
     st.new_k = p + qb;
     st.new_v = p + qb + kvb;
@@ -863,9 +866,13 @@ class ClientImpl {
     float* hl = ho + ob / 4;
     KVRING_RETURN_IF_ERROR(StepOnHost(st, PartialOutput{ho, hl}, report));
     if (ob == 0) return absl::OkStatus();  // an append-only step
-    KVRING_RETURN_IF_ERROR(dev->CopyAsync(out.out, ho, ob));
-    KVRING_RETURN_IF_ERROR(dev->CopyAsync(out.lse, hl, lb));
-    return dev->Wait();  // (the staging goes back to the pool on return)
+    KVRING_RETURN_IF_ERROR(dev->CopyAsync(out.out, ho, ob, stream));
+    KVRING_RETURN_IF_ERROR(dev->CopyAsync(out.lse, hl, lb, stream));
+    if (in.stream_ordered) {
+      stage.UseOn(stream);  // (not reused before the copies out of it are done)
+      return absl::OkStatus();
+    }
+    return dev->Wait(stream);  // (the staging goes back to the pool on return)
   }
 
   // A step, routed once more when a node says a sequence of it is a fork
@@ -1199,6 +1206,7 @@ class ClientImpl {
     };
     std::vector<JobPlace> place(jobs.size());
     DeviceMemory::Exchange xb;
+    std::string inputs_event;  // the inputs' event (cudaIpcEventHandle_t bytes), or empty: waited for
     uint64_t l_base = 0, csr_off = 0;
     if (dx != nullptr) {
       auto align = [](uint64_t n) {
@@ -1225,31 +1233,48 @@ class ClientImpl {
       }
       csr_off = off;
       off += (uint64_t{q.num_rows} + 1 + part_rows) * sizeof(int32_t);
-      KVRING_ASSIGN_OR_RETURN(xb, dx->dev->ExchangeBuffer(off));
+      KVRING_ASSIGN_OR_RETURN(xb, dx->dev->ExchangeBuffer(off, dx->stream));
+      // On the caller's stream, work on xb may still be queued when it goes.
+      if (dx->stream_ordered) xb.UseOn(dx->stream);
       // Each job's rows, in the order its request lists them.
       for (size_t j = 0; j < jobs.size(); ++j) {
         uint64_t qo = place[j].q, ko = place[j].k, vo = place[j].v;
         for (const SeqPart& p : jobs[j].parts) {
           const auto& s = st.sequences[p.seq];
           if (!p.chunks.empty()) {
-            KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(
-                xb.data() + qo, static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, s.rows * qrow));
+            KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(xb.data() + qo,
+                                                      static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow,
+                                                      s.rows * qrow, dx->stream));
             qo += s.rows * qrow;
           }
           if (p.append_end > p.append_begin) {
             const uint64_t n = p.append_end - p.append_begin;
             const uint64_t src = app_begin[p.seq] + (p.append_begin - s.context_tokens);
-            KVRING_RETURN_IF_ERROR(
-                dx->dev->CopyAsync(xb.data() + ko, static_cast<const uint8_t*>(st.new_k) + src * kvrow, n * kvrow));
-            KVRING_RETURN_IF_ERROR(
-                dx->dev->CopyAsync(xb.data() + vo, static_cast<const uint8_t*>(st.new_v) + src * kvrow, n * kvrow));
+            KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(
+                xb.data() + ko, static_cast<const uint8_t*>(st.new_k) + src * kvrow, n * kvrow, dx->stream));
+            KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(
+                xb.data() + vo, static_cast<const uint8_t*>(st.new_v) + src * kvrow, n * kvrow, dx->stream));
             ko += n * kvrow;
             vo += n * kvrow;
           }
         }
       }
-      KVRING_RETURN_IF_ERROR(dx->dev->Wait());  // in place before any node reads them
+      // In place before any node reads them: on the caller's stream, the
+      // nodes wait on an event recorded after the copies; else this waits.
+      if (dx->stream_ordered && events_ok_.load()) {
+        absl::StatusOr<std::string> ev = dx->dev->RecordInputsEvent(dx->stream);
+        if (ev.ok()) {
+          inputs_event = std::move(*ev);
+        } else {
+          KVRING_LOG(INFO) << "steps on the caller's stream wait for their inputs here: " << ev.status().message();
+          events_ok_ = false;
+        }
+      }
+      if (inputs_event.empty()) KVRING_RETURN_IF_ERROR(dx->dev->Wait(dx->stream));
     }
+    // Whether the inputs in xb are complete now (not only on the stream).
+    bool inputs_waited = inputs_event.empty();
+    absl::Mutex waited_mu;
     // A job's request through the exchange buffer: the node reads and writes
     // it in place, or (a node that cannot) is sent the job's rows from it
     // and its partial goes back into it.
@@ -1258,6 +1283,15 @@ class ClientImpl {
       out.rows = jp.rows;
       const uint64_t o_off = uint64_t{jp.part_row} * hq * sizeof(float);
       const uint64_t l_off = l_base + uint64_t{jp.part_row} * q.q_heads * sizeof(float);
+      // (the inputs complete before the host reads them or a node that
+      // cannot wait on the event is asked)
+      auto wait_inputs = [&]() -> absl::Status {
+        absl::MutexLock l(&waited_mu);
+        if (inputs_waited) return absl::OkStatus();
+        KVRING_RETURN_IF_ERROR(dx->dev->Wait(dx->stream));
+        inputs_waited = true;
+        return absl::OkStatus();
+      };
       if (!node.attend_device_refused.load()) {
         v1::DeviceExchange* d = req.mutable_device();
         d->set_host_id(host_id_);
@@ -1267,8 +1301,22 @@ class ClientImpl {
         d->set_new_v_offset(jp.v);
         d->set_out_offset(o_off);
         d->set_lse_offset(l_off);
+        if (!inputs_event.empty()) d->set_inputs_ready_event(inputs_event);
         out.sent = req.ByteSizeLong();
         out.resp = AttendOn(node, req, {}, {}, {}, {});
+        if (out.resp.ok() && !out.resp->device_refusal().empty() && !d->inputs_ready_event().empty()) {
+          // It may refuse the event only: asked again, the inputs waited for.
+          if (events_ok_.exchange(false)) {
+            KVRING_LOG(INFO) << "node " << node.id() << " refused the inputs' event (" << out.resp->device_refusal()
+                             << "); steps on the caller's stream wait for their inputs here";
+          }
+          if (absl::Status w = wait_inputs(); !w.ok()) {
+            out.resp = w;
+            return out;
+          }
+          d->clear_inputs_ready_event();
+          out.resp = AttendOn(node, req, {}, {}, {}, {});
+        }
         if (!out.resp.ok() || out.resp->device_refusal().empty()) {
           out.in_place = out.resp.ok();
           return out;
@@ -1278,6 +1326,10 @@ class ClientImpl {
                            << out.resp->device_refusal() << "); its steps go through pinned staging";
         }
         req.clear_device();
+      }
+      if (absl::Status w = wait_inputs(); !w.ok()) {
+        out.resp = w;
+        return out;
       }
       const size_t qb = size_t{jp.rows} * qrow, kb = size_t{jp.app} * kvrow;
       const size_t ob = size_t{jp.rows} * hq * sizeof(float), lb = size_t{jp.rows} * q.q_heads * sizeof(float);
@@ -1489,16 +1541,21 @@ class ClientImpl {
       for (const auto& c : contrib) csr.insert(csr.end(), c.begin(), c.end());
       const size_t n = csr.size() * sizeof(int32_t);
       KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging stage, dx->dev->Pinned(n));
+      if (dx->stream_ordered) stage.UseOn(dx->stream);
       std::memcpy(stage.data(), csr.data(), n);
-      KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(xb.data() + csr_off, stage.data(), n));
+      KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(xb.data() + csr_off, stage.data(), n, dx->stream));
       const int32_t* begin = reinterpret_cast<const int32_t*>(xb.data() + csr_off);
       KVRING_RETURN_IF_ERROR(dx->dev->MergeRows(out.out, out.lse, q.num_rows, reinterpret_cast<const float*>(xb.data()),
                                                 reinterpret_cast<const float*>(xb.data() + l_base), begin,
-                                                begin + q.num_rows + 1, q.q_heads, q.head_dim, !dx->initialized));
-      KVRING_RETURN_IF_ERROR(dx->dev->Wait());
+                                                begin + q.num_rows + 1, q.q_heads, q.head_dim, !dx->initialized,
+                                                dx->stream));
+      // (On the caller's stream, the buffers go back to their pools marked in
+      // use until the stream has passed the merge.)
+      if (!dx->stream_ordered) KVRING_RETURN_IF_ERROR(dx->dev->Wait(dx->stream));
       dx->initialized = true;
     }
     rep->merge_seconds += Since(tm);
+    rep->inputs_waited_on_device = !inputs_event.empty() && !inputs_waited;
     return absl::OkStatus();
   }
 
@@ -1784,6 +1841,9 @@ class ClientImpl {
 
   std::atomic<size_t> last_block_bytes_{0};
   const std::string host_id_ = HostBootId().value_or("");  // for same-host delivery ("": never asked)
+  // Steps on the caller's stream hand nodes an event to wait on (false once
+  // this device or a node cannot: then the client waits for the inputs).
+  std::atomic<bool> events_ok_{true};
   absl::Mutex dev_mu_;
   std::unique_ptr<DeviceMemory> dev_ ABSL_GUARDED_BY(dev_mu_);
   ClientOptions o_;

@@ -3,6 +3,7 @@
 #include <map>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "kvring/attention/cuda/merge_cuda.h"
 #include "kvring/client/device_memory.h"
@@ -13,24 +14,39 @@
 namespace kvring {
 namespace {
 
+cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
+
 class CudaDeviceMemory final : public DeviceMemory {
  public:
   ~CudaDeviceMemory() override {
     absl::MutexLock l(&mu_);
-    for (auto& [n, p] : free_) (void)cudaFreeHost(p);  // nothing to report to at teardown
+    (void)cudaDeviceSynchronize();                       // queued work may still use the buffers below
+    for (auto& [n, e] : free_) (void)cudaFreeHost(e.p);  // nothing to report to at teardown
     // Nodes may still hold these mapped; none writes into them once this
     // client's calls are over.
-    for (auto& [n, e] : free_exchange_) (void)cudaFree(e.first);
+    for (auto& [n, e] : free_exchange_) (void)cudaFree(e.p);
     for (uint8_t* p : retired_) (void)cudaFree(p);
+    for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
+    for (auto& [e, h] : ipc_events_) (void)cudaEventDestroy(e);
   }
-  absl::StatusOr<Exchange> ExchangeBuffer(size_t bytes) override {
+  absl::StatusOr<Exchange> ExchangeBuffer(size_t bytes, void* stream) override {
     {
       absl::MutexLock l(&mu_);
       auto it = free_exchange_.lower_bound(bytes);
       if (it != free_exchange_.end()) {
-        Exchange e = MakeExchange(it->second.first, it->first, std::move(it->second.second));
+        ExchangeEntry x = std::move(it->second);
+        const size_t n = it->first;
         free_exchange_.erase(it);
-        return e;
+        if (x.after != nullptr) {
+          // The last user's stream may still be using it: this one waits.
+          cudaError_t e = cudaStreamWaitEvent(S(stream), x.after, 0);
+          free_events_.push_back(x.after);
+          if (e != cudaSuccess) {
+            free_exchange_.emplace(n, ExchangeEntry{x.p, std::move(x.handle), nullptr});
+            return CudaStatus(e, "ordering an exchange buffer after its last use");
+          }
+        }
+        return MakeExchange(x.p, n, std::move(x.handle));
       }
     }
     // Powers of two from 16 MiB: few distinct buffers, each mapped once by
@@ -46,28 +62,65 @@ class CudaDeviceMemory final : public DeviceMemory {
     }
     return MakeExchange(static_cast<uint8_t*>(p), n, IpcHandleBytes(h));
   }
-  absl::Status CopyAsync(void* dst, const void* src, size_t bytes) override {
+  absl::Status CopyAsync(void* dst, const void* src, size_t bytes, void* stream) override {
     if (bytes == 0) return absl::OkStatus();
-    return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cudaStreamPerThread), "an async copy");
+    return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, S(stream)), "an async copy");
   }
   absl::Status MergeRows(float* acc_out, float* acc_lse, uint32_t rows, const float* parts_out, const float* parts_lse,
                          const int32_t* contrib_begin, const int32_t* contrib, uint32_t q_heads, uint32_t head_dim,
-                         bool init) override {
+                         bool init, void* stream) override {
     return CudaStatus(
         cuda::MergeRows(cuda::OutputView{acc_out, acc_lse}, static_cast<int>(rows), parts_out, parts_lse, contrib_begin,
-                        contrib, static_cast<int>(q_heads), static_cast<int>(head_dim), init, cudaStreamPerThread),
+                        contrib, static_cast<int>(q_heads), static_cast<int>(head_dim), init, S(stream)),
         "merging the shards' partials on the device");
   }
-  absl::Status Wait() override {
-    return CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), "waiting for the device copies and merges");
+  absl::Status Wait(void* stream) override {
+    return CudaStatus(cudaStreamSynchronize(S(stream)), "waiting for the device copies and merges");
+  }
+  absl::StatusOr<std::string> RecordInputsEvent(void* stream) override {
+    absl::MutexLock l(&mu_);
+    if (ipc_events_supported_ < 0) {
+      int dev = 0, v = 0;
+      ipc_events_supported_ = cudaGetDevice(&dev) == cudaSuccess &&
+                                      cudaDeviceGetAttribute(&v, cudaDevAttrIpcEventSupport, dev) == cudaSuccess && v
+                                  ? 1
+                                  : 0;
+      (void)cudaGetLastError();
+    }
+    if (ipc_events_supported_ == 0) return absl::UnimplementedError("this device has no CUDA IPC events");
+    // A ring of events: one is recorded again kIpcEvents calls later, long
+    // after the node that waited on it answered.
+    if (ipc_events_.size() < kIpcEvents) {
+      cudaEvent_t e = nullptr;
+      KVRING_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess),
+                                        "an interprocess event"));
+      cudaIpcEventHandle_t h;
+      if (cudaError_t err = cudaIpcGetEventHandle(&h, e); err != cudaSuccess) {
+        (void)cudaEventDestroy(e);
+        ipc_events_supported_ = 0;
+        return absl::UnimplementedError(
+            absl::StrCat("cannot export an event (cudaIpcGetEventHandle: ", cudaGetErrorName(err), ")"));
+      }
+      ipc_events_.emplace_back(e, std::string(reinterpret_cast<const char*>(&h), sizeof(h)));
+    }
+    const auto& [e, handle] = ipc_events_[next_ipc_event_++ % ipc_events_.size()];
+    KVRING_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(e, S(stream)), "recording the inputs' event"));
+    return handle;
   }
   absl::StatusOr<Staging> Pinned(size_t bytes) override {
     const size_t n = std::max<size_t>(size_t{1} << 20, (bytes + (1 << 20) - 1) >> 20 << 20);
     {
       absl::MutexLock l(&mu_);
-      auto it = free_.lower_bound(n);
-      if (it != free_.end() && it->first <= 4 * n) {
-        Staging s = Make(it->second, it->first);
+      for (auto it = free_.lower_bound(n); it != free_.end() && it->first <= 4 * n; ++it) {
+        if (it->second.after != nullptr) {
+          // Queued work may still read it: taken only once that is done.
+          if (cudaEventQuery(it->second.after) != cudaSuccess) {
+            (void)cudaGetLastError();
+            continue;
+          }
+          free_events_.push_back(it->second.after);
+        }
+        Staging s = Make(it->second.p, it->first);
         free_.erase(it);
         return s;
       }
@@ -100,10 +153,10 @@ class CudaDeviceMemory final : public DeviceMemory {
   // sizes are powers of two, so few exist. A dropped one (a node did not
   // answer and may still write) is set aside, never reused; past 8 such, the
   // oldest is freed.
-  void ReturnExchange(uint8_t* p, size_t n, std::string handle, bool drop) override {
+  void ReturnExchange(uint8_t* p, size_t n, std::string handle, bool drop, void* after, bool after_set) override {
     absl::MutexLock l(&mu_);
     if (!drop) {
-      free_exchange_.emplace(n, std::make_pair(p, std::move(handle)));
+      free_exchange_.emplace(n, ExchangeEntry{p, std::move(handle), after_set ? RecordLocked(after) : nullptr});
       return;
     }
     retired_.push_back(p);
@@ -112,33 +165,75 @@ class CudaDeviceMemory final : public DeviceMemory {
       retired_.erase(retired_.begin());
     }
   }
-  void Return(uint8_t* p, size_t n) override {
+  void Return(uint8_t* p, size_t n, void* after, bool after_set) override {
     absl::MutexLock l(&mu_);
-    free_.emplace(n, p);
+    free_.emplace(n, StagingEntry{p, after_set ? RecordLocked(after) : nullptr});
     while (free_.size() > 16) {  // keep a bounded pool
-      (void)cudaFreeHost(free_.begin()->second);
+      StagingEntry& e = free_.begin()->second;
+      if (e.after != nullptr) {
+        (void)cudaEventSynchronize(e.after);  // (its copy lands before the buffer goes)
+        free_events_.push_back(e.after);
+      }
+      (void)cudaFreeHost(e.p);
       free_.erase(free_.begin());
     }
   }
 
  private:
+  static constexpr size_t kIpcEvents = 64;
+  struct StagingEntry {
+    uint8_t* p;
+    cudaEvent_t after;  // null: free now
+  };
+  struct ExchangeEntry {
+    uint8_t* p;
+    std::string handle;
+    cudaEvent_t after;  // null: free now
+  };
+  // An event recorded on `stream` now (null if that fails: then the stream
+  // is waited for, so the buffer is free).
+  cudaEvent_t RecordLocked(void* stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    cudaEvent_t e = nullptr;
+    if (!free_events_.empty()) {
+      e = free_events_.back();
+      free_events_.pop_back();
+    } else if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+      (void)cudaGetLastError();
+      (void)cudaStreamSynchronize(S(stream));
+      return nullptr;
+    }
+    if (cudaEventRecord(e, S(stream)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      free_events_.push_back(e);
+      (void)cudaStreamSynchronize(S(stream));
+      return nullptr;
+    }
+    return e;
+  }
+
   absl::Mutex mu_;
-  std::multimap<size_t, uint8_t*> free_ ABSL_GUARDED_BY(mu_);
-  std::multimap<size_t, std::pair<uint8_t*, std::string>> free_exchange_ ABSL_GUARDED_BY(mu_);
+  std::multimap<size_t, StagingEntry> free_ ABSL_GUARDED_BY(mu_);
+  std::multimap<size_t, ExchangeEntry> free_exchange_ ABSL_GUARDED_BY(mu_);
   std::vector<uint8_t*> retired_ ABSL_GUARDED_BY(mu_);
+  std::vector<cudaEvent_t> free_events_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<cudaEvent_t, std::string>> ipc_events_ ABSL_GUARDED_BY(mu_);
+  size_t next_ipc_event_ ABSL_GUARDED_BY(mu_) = 0;
+  int ipc_events_supported_ ABSL_GUARDED_BY(mu_) = -1;
 };
 
 }  // namespace
 
 void DeviceMemory::Staging::Release() {
-  if (owner_ != nullptr) owner_->Return(p_, n_);
+  if (owner_ != nullptr) owner_->Return(p_, n_, after_, after_set_);
   owner_ = nullptr;
 }
 
 void DeviceMemory::Exchange::Release() {
-  if (owner_ != nullptr) owner_->ReturnExchange(p_, n_, std::move(handle_), drop_);
+  if (owner_ != nullptr) owner_->ReturnExchange(p_, n_, std::move(handle_), drop_, after_, after_set_);
   owner_ = nullptr;
 }
+
+void* DeviceMemory::ThreadStream() { return static_cast<void*>(cudaStreamPerThread); }
 
 absl::StatusOr<std::unique_ptr<DeviceMemory>> DeviceMemory::Create() {
   int n = 0;

@@ -11,5 +11,6 @@ absl::StatusOr<std::unique_ptr<DeviceMemory>> DeviceMemory::Create() {
 }
 
 bool DeviceMemory::IsDevicePointer(const void*) { return false; }
+void* DeviceMemory::ThreadStream() { return nullptr; }
 
 }  // namespace kvring

@@ -38,14 +38,16 @@ class StepArgs(ctypes.Structure):
     _fields_ = [("layout", Layout_), ("seqs", P(Seq)), ("num_seqs", c_u32), ("q", c_void_p), ("q_dtype", c_u32),
                 ("num_rows", c_u32), ("q_heads", c_u32), ("head_dim", c_u32), ("positions", P(c_i64)),
                 ("new_k", c_void_p), ("new_v", c_void_p), ("layer", c_u32), ("causal", c_int), ("window", c_i64),
-                ("softmax_scale", c_float), ("device_buffers", c_int)]
+                ("softmax_scale", c_float), ("device_buffers", c_int), ("stream_ordered", c_int),
+                ("stream", c_void_p)]
 
 
 class AttendReport(ctypes.Structure):
     _fields_ = [("shards", ctypes.c_int32), ("retries", ctypes.c_int32), ("blocks", c_u64), ("bytes_sent", c_u64),
                 ("bytes_received", c_u64), ("appended_tokens", c_u32), ("seconds", c_double),
                 ("node_seconds", c_double), ("kernel_seconds", c_double), ("copy_seconds", c_double),
-                ("merge_seconds", c_double), ("shards_in_place", ctypes.c_int32)]
+                ("merge_seconds", c_double), ("shards_in_place", ctypes.c_int32),
+                ("inputs_waited_on_device", ctypes.c_int32)]
 
     def as_dict(self):
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -132,8 +134,8 @@ def _load():
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
-    if lib.kvring_api_version() != 6:
-        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 6" % lib.kvring_api_version())
+    if lib.kvring_api_version() != 7:
+        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 7" % lib.kvring_api_version())
     return lib
 
 

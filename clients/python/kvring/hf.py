@@ -184,7 +184,7 @@ class PassQSession:
     """Pass-Q attention for one batch of sequences (one per batch row) of `model` over `client`."""
 
     def __init__(self, client, model, sequence_ids, block_tokens=16, max_rows_per_step=2048, keep=False,
-                 start_tokens=0, fork_of=None, prepared=True):
+                 start_tokens=0, fork_of=None, prepared=True, timing=False):
         """keep=False: end() (and leaving a `with` block) deletes the session's sequences from kvring; keep=True
         leaves them for a later session over the same ids, which passes start_tokens (an int, or one per sequence:
         the tokens each already holds). fork_of=(source_id, tokens) (or one pair per sequence) starts each sequence
@@ -193,9 +193,12 @@ class PassQSession:
         kvring.torch.step (built from scratch per call) instead of a kvring.torch.StepPlan made once: slower, for
         comparison only.
 
-        decode_steps holds the latest single-token steps as (seconds at the engine, from inputs ready to output
-        ready; the client's, the node's and the kernel's seconds from the step's report; the seconds in the
-        client's C call, its device staging included: NaN for prepared=False)."""
+        Steps on CUDA tensors are ordered on the current stream (kvring.torch.StepPlan): the engine's thread does not
+        wait for the GPU before or after a step. decode_steps holds the latest single-token steps as (seconds of the
+        engine's thread in the step; the client's, the node's and the kernel's seconds from the step's report; the
+        seconds in the client's C call: NaN for prepared=False). timing=True also records CUDA events around each
+        decode step: device_step_seconds() gives each one's span on the stream, from its inputs ready to its output
+        ready (what the engine's GPU waits for a step)."""
         register()
         self.client, self.model = client, model
         self.ids = list(sequence_ids)
@@ -223,6 +226,8 @@ class PassQSession:
         self.prepared = prepared
         self._plan = None
         self.decode_steps = collections.deque(maxlen=1 << 16)
+        self.timing = timing
+        self._step_events = collections.deque(maxlen=1 << 16)
         self.previous_attention = getattr(model.config, "_attn_implementation", None) or "sdpa"
         if self.previous_attention == ATTENTION_NAME:
             self.previous_attention = "sdpa"
@@ -327,10 +332,13 @@ class PassQSession:
         v = value.transpose(1, 2)
         if T > 1:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        timed = self.timing and T == 1
+        if timed:
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+        t0 = time.perf_counter()
         if k.dtype != torch.bfloat16:
             k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
-        torch.cuda.current_stream(query.device).synchronize()  # the step starts once its inputs are computed
-        t0 = time.perf_counter()
         tokens = self.tokens[layer]
         rep = plan.report
         if T <= self.max_rows:
@@ -350,7 +358,18 @@ class PassQSession:
         self.seconds += dt
         if T == 1:
             self.decode_steps.append((dt, rep.seconds, rep.node_seconds, rep.kernel_seconds, plan.call_seconds))
+        if timed:
+            e1 = torch.cuda.Event(enable_timing=True)
+            e1.record()
+            self._step_events.append((e0, e1))
         return result
+
+    def device_step_seconds(self):
+        """With timing=True: each recorded decode step's span on its CUDA stream (inputs ready -> output ready),
+        seconds. Waits for the device."""
+        if self._step_events:
+            self._step_events[-1][1].synchronize()
+        return [a.elapsed_time(b) * 1e-3 for a, b in self._step_events]
 
     def _account(self, tokens, n, sent, received, shards, in_place):
         """One step done: each sequence of `tokens` (one layer's counts) is n longer; the step's traffic counted."""

@@ -115,10 +115,17 @@ class StepPlan:
     and checks only what can change from call to call (the tensors' shapes, dtypes, device, contiguity); the
     client checks the rest at its boundary as for step().
 
-    Not thread-safe: one engine thread drives a plan. The returned (out, lse) are the plan's own buffers: they
-    hold the result until the next run() (copy them to keep them longer)."""
+    A run is ordered on the current CUDA stream of q's device, like a kernel launched there: it reads its inputs
+    after the stream's earlier work (no synchronize is needed before it) and returns once its output's last work
+    is queued there (later work on the stream sees it; synchronize before reading it on the host). GPU nodes on
+    this host wait on an event recorded on the stream rather than the engine's thread waiting.
+    stream_ordered=False: the client synchronizes the stream first and waits for the output (as step() does).
 
-    def __init__(self, client, layout, sequence_ids, q_heads, max_rows=1, causal=True, softmax_scale=0.0):
+    Not thread-safe: one engine thread drives a plan. The returned (out, lse) are the plan's own buffers: they
+    hold the result until the next run() on the same stream (copy them to keep them longer)."""
+
+    def __init__(self, client, layout, sequence_ids, q_heads, max_rows=1, causal=True, softmax_scale=0.0,
+                 stream_ordered=True):
         ids = list(sequence_ids)
         if not ids:
             _invalid("a StepPlan needs at least one sequence")
@@ -134,9 +141,11 @@ class StepPlan:
         self._args = _native.StepArgs(layout._c(), self._seqs, self.batch, None, 2, 0, self.q_heads, layout.head_dim,
                                       self._pos.ctypes.data_as(_native.P(ctypes.c_int64)), None, None, 0,
                                       1 if causal else 0, 0, _real("softmax_scale", softmax_scale, 0, 1e6), 1)
+        self.stream_ordered = bool(stream_ordered)
+        self._args.stream_ordered = 1 if self.stream_ordered else 0
         self._args_ref = ctypes.byref(self._args)
         self.report = _native.AttendReport()  # the last run's report
-        self.call_seconds = 0.0  # the last run's time in the client's C call (staging copies + report.seconds)
+        self.call_seconds = 0.0  # the last run's time in the client's C call (its device work queued, not done)
         self._report_ref = ctypes.byref(self.report)
         self._out = {}  # (rows, device) -> (out, lse, out pointer, lse pointer)
 
@@ -181,7 +190,11 @@ class StepPlan:
         a = self._args
         a.q, a.q_dtype, a.num_rows, a.layer = q.data_ptr(), qd, n, layer
         a.new_k, a.new_v = new_k.data_ptr(), new_v.data_ptr()
-        torch.cuda.current_stream(q.device).synchronize()  # inputs written; the client reads them on its own stream
+        stream = torch.cuda.current_stream(q.device)
+        if self.stream_ordered:
+            a.stream = stream.cuda_stream
+        else:
+            stream.synchronize()  # inputs written; the client reads them on its own stream
         t0 = time.perf_counter()
         code = _lib.kvring_step(self._client._h, self._args_ref, buf[2], buf[3], self._report_ref)
         self.call_seconds = time.perf_counter() - t0

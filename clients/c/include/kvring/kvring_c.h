@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KVRING_C_API_VERSION 6
+#define KVRING_C_API_VERSION 7
 
 typedef struct kvring_client kvring_client;
 
@@ -78,6 +78,13 @@ typedef struct {
   int64_t window;
   float softmax_scale; /* 0: 1/sqrt(head_dim) */
   int device_buffers;  /* q, new_k, new_v and out/lse are device memory */
+  /* With device_buffers (version 7): stream_ordered != 0 orders the step on
+   * `stream` (a cudaStream_t; NULL is the legacy default stream) and returns
+   * once its last device work is queued there (AttendStep::stream_ordered):
+   * no synchronize before the call, and synchronize the stream before the
+   * host reads out/lse. */
+  int stream_ordered;
+  void* stream;
 } kvring_step_args;
 
 typedef struct {
@@ -85,7 +92,8 @@ typedef struct {
   uint64_t blocks, bytes_sent, bytes_received;
   uint32_t appended_tokens;
   double seconds, node_seconds, kernel_seconds, copy_seconds, merge_seconds;
-  int32_t shards_in_place; /* shards that attended in this process's GPU memory (CUDA IPC; version 3) */
+  int32_t shards_in_place;         /* shards that attended in this process's GPU memory (CUDA IPC; version 3) */
+  int32_t inputs_waited_on_device; /* AttendReport::inputs_waited_on_device (version 7) */
 } kvring_attend_report;
 
 typedef struct {

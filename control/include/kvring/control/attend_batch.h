@@ -49,6 +49,10 @@ struct AttendDeviceIo {
   const uint8_t* new_v = nullptr;
   float* out = nullptr;  // [num_rows, q_heads, head_dim]
   float* lse = nullptr;  // [num_rows, q_heads]
+  // A cudaEvent_t (opened here) that completes once the caller's inputs are
+  // written, or null (they were when the request came). Device work that
+  // reads them waits for it on its stream; `read` waits for it.
+  void* inputs_ready = nullptr;
   std::function<absl::Status(const uint8_t* device_src, absl::Span<uint8_t> dst)> read;
 };
 

@@ -12,7 +12,9 @@
 // added and run while the caller goes on; Finish waits for all of them, so a
 // reply sent after it means "the bytes are there". A Get only writes the
 // caller's memory; an Attend reads the regions the caller named as its
-// inputs (Region), never anything outside the allocation it mapped.
+// inputs (Region), never anything outside the allocation it mapped, and
+// where the caller did not wait for its inputs, waits for the event it names
+// (InputsReady; opened events are kept, at most max_events, LRU).
 //
 // Errors: a handle that does not open is FAILED_PRECONDITION (the caller
 // falls back to payloads); a copy outside its allocation is INVALID_ARGUMENT
@@ -44,6 +46,8 @@ struct DeviceDeliveryOptions {
   int device = 0;
   // Most caller allocations kept mapped at once. Default: 32.
   size_t max_mapped = 32;
+  // Most caller events (CUDA IPC) kept open at once. Default: 256.
+  size_t max_events = 256;
   // Called once with the error when a copy leaves the context unusable.
   std::function<void(const absl::Status&)> on_fatal;
 };
@@ -67,8 +71,13 @@ class DeviceDelivery {
     // `allocation`, for the node's own kernels and copies; valid while the
     // batch lives. INVALID_ARGUMENT outside the mapped range.
     virtual absl::StatusOr<uint8_t*> Region(uint32_t allocation, uint64_t offset, uint64_t bytes) = 0;
-    // Copies device bytes (this process's or mapped) into host memory, now.
+    // Copies device bytes (this process's or mapped) into host memory, now
+    // (after the InputsReady event, if one was opened).
     virtual absl::Status Read(const uint8_t* device_src, absl::Span<uint8_t> dst) = 0;
+    // Opens (or finds open) the caller's event (cudaIpcEventHandle_t bytes)
+    // that completes once the inputs are written: a cudaEvent_t valid while
+    // the batch lives. FAILED_PRECONDITION if it cannot be opened here.
+    virtual absl::StatusOr<void*> InputsReady(const std::string& event_handle) = 0;
   };
   // Maps (or finds mapped) every handle (cudaIpcMemHandle_t bytes).
   virtual absl::StatusOr<std::unique_ptr<Batch>> Begin(absl::Span<const std::string> handles) = 0;

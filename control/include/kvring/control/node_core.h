@@ -101,6 +101,7 @@ struct DeviceExchangeIn {
   std::string host_id;
   std::string ipc_handle;  // cudaIpcMemHandle_t bytes
   uint64_t queries = 0, new_k = 0, new_v = 0, out = 0, lse = 0;
+  std::string inputs_ready_event;  // cudaIpcEventHandle_t bytes, or empty
 };
 struct GetBlockOut {
   absl::Status status;

@@ -158,6 +158,10 @@ struct AttendReport {
   // attention computation and the host<->device copies (GPU nodes).
   double node_seconds = 0, kernel_seconds = 0, copy_seconds = 0;
   double merge_seconds = 0;  // merging the shards' partials here
+  // A stream-ordered step (AttendStep::stream_ordered) whose nodes waited
+  // for the inputs on the device (an event on the caller's stream), not the
+  // client on the host.
+  bool inputs_waited_on_device = false;
 };
 
 // One sequence of an attention step.
@@ -190,6 +194,17 @@ struct AttendStep {
   // otherwise the inputs cross to the host once and the merged output back
   // once.
   bool device_buffers = false;
+  // With device_buffers: the step is ordered on the caller's CUDA stream
+  // `stream` (a cudaStream_t; null is the legacy default stream), as a
+  // kernel launched there would be. The inputs are read once the stream's
+  // earlier work is done (no need to synchronize before the call), and the
+  // call returns once the nodes have answered and the output's last work is
+  // queued on the stream: later work there sees the output, the host must
+  // synchronize the stream before reading it. Nodes on this host wait on an
+  // event recorded on the stream instead of the client waiting for it.
+  // Unset: the client orders the step on its own stream and waits for it.
+  bool stream_ordered = false;
+  void* stream = nullptr;
 };
 
 struct NodeStats {

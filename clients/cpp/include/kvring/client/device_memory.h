@@ -7,6 +7,16 @@
 // the object owns and exports (CUDA IPC) so the nodes read the queries and
 // write their partials there, and the partials are merged on the device.
 //
+// Streams: every asynchronous call takes `stream`, a cudaStream_t of this
+// process (nullptr is the legacy default stream; ThreadStream() the calling
+// thread's own).
+// A caller that orders a step on its own stream (an engine's current
+// stream) neither waits for its inputs nor for the output: its inputs are
+// read after the stream's earlier work, nodes on this host wait on an event
+// recorded there (RecordInputsEvent), and buffers that queued work uses are
+// marked (UseOn(stream)), so nothing reuses them before the stream has
+// passed that point.
+//
 // Thread-safe. In a build without CUDA, Create() returns UNIMPLEMENTED and
 // IsDevicePointer() is false.
 #pragma once
@@ -44,6 +54,12 @@ class DeviceMemory {
     ~Staging() { Release(); }
     uint8_t* data() const { return p_; }
     size_t size() const { return n_; }
+    // Work queued on `stream` uses it: when it goes back to the pool, it is
+    // handed out again only once the work queued there by then is done.
+    void UseOn(void* stream) {
+      after_ = stream;
+      after_set_ = true;
+    }
 
    private:
     friend class DeviceMemory;
@@ -51,6 +67,8 @@ class DeviceMemory {
     DeviceMemory* owner_ = nullptr;
     uint8_t* p_ = nullptr;
     size_t n_ = 0;
+    void* after_ = nullptr;
+    bool after_set_ = false;
   };
   virtual absl::StatusOr<Staging> Pinned(size_t bytes) = 0;
   // Device memory owned by this object and exported for nodes on this host
@@ -69,6 +87,8 @@ class DeviceMemory {
         n_ = o.n_;
         handle_ = std::move(o.handle_);
         drop_ = o.drop_;
+        after_ = o.after_;
+        after_set_ = o.after_set_;
         o.owner_ = nullptr;
       }
       return *this;
@@ -81,6 +101,12 @@ class DeviceMemory {
     // Not reused once the handle goes: a node that did not answer may still
     // write into it.
     void Drop() { drop_ = true; }
+    // Work queued on `stream` uses it: when it goes back to the pool, the
+    // next user's stream first waits for the work queued there by then.
+    void UseOn(void* stream) {
+      after_ = stream;
+      after_set_ = true;
+    }
 
    private:
     friend class DeviceMemory;
@@ -90,23 +116,33 @@ class DeviceMemory {
     size_t n_ = 0;
     std::string handle_;
     bool drop_ = false;
+    void* after_ = nullptr;
+    bool after_set_ = false;
   };
-  virtual absl::StatusOr<Exchange> ExchangeBuffer(size_t bytes) = 0;
+  // An exchange buffer for work on `stream`.
+  virtual absl::StatusOr<Exchange> ExchangeBuffer(size_t bytes, void* stream) = 0;
   // Asynchronous copies (any direction; host memory pinned) and merges, in
-  // order on the calling thread's stream; Wait() waits for all of them.
-  virtual absl::Status CopyAsync(void* dst, const void* src, size_t bytes) = 0;
+  // order on `stream`; Wait(stream) waits for all of them.
+  virtual absl::Status CopyAsync(void* dst, const void* src, size_t bytes, void* stream) = 0;
   // kvring::cuda::MergeRows (attention/cuda merge_cuda.h) over device
   // arrays: acc rows <- their own partial (unless `init`) merged with the
   // partial rows each one lists.
   virtual absl::Status MergeRows(float* acc_out, float* acc_lse, uint32_t rows, const float* parts_out,
                                  const float* parts_lse, const int32_t* contrib_begin, const int32_t* contrib,
-                                 uint32_t q_heads, uint32_t head_dim, bool init) = 0;
-  virtual absl::Status Wait() = 0;
+                                 uint32_t q_heads, uint32_t head_dim, bool init, void* stream) = 0;
+  virtual absl::Status Wait(void* stream) = 0;
+  // Records an event on `stream` that a node on this host can wait on (CUDA
+  // IPC): its cudaIpcEventHandle_t bytes. The events are pooled and
+  // recorded again by later calls; a node waits on one before it answers.
+  // UNIMPLEMENTED where the device has no IPC events (then: Wait).
+  virtual absl::StatusOr<std::string> RecordInputsEvent(void* stream) = 0;
   // Synchronous copies (complete on return).
   virtual absl::Status ToDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status ToHost(void* dst, const void* src, size_t bytes) = 0;
   // Whether `p` is device (or managed) memory of this process's CUDA context.
   static bool IsDevicePointer(const void* p);
+  // The calling thread's own stream (cudaStreamPerThread).
+  static void* ThreadStream();
 
   // The allocation `p` lies in, exported for a node on this host to write
   // into (CUDA IPC): its handle's bytes, base and size. FAILED_PRECONDITION
@@ -120,9 +156,10 @@ class DeviceMemory {
   virtual absl::StatusOr<ExportedAllocation> Export(const void* p) = 0;
 
  protected:
-  virtual void Return(uint8_t* p, size_t n) = 0;
+  // (after_set: in use by the work queued on stream `after` so far)
+  virtual void Return(uint8_t* p, size_t n, void* after, bool after_set) = 0;
   // (drop: never hand it out again)
-  virtual void ReturnExchange(uint8_t* p, size_t n, std::string handle, bool drop) = 0;
+  virtual void ReturnExchange(uint8_t* p, size_t n, std::string handle, bool drop, void* after, bool after_set) = 0;
   Exchange MakeExchange(uint8_t* p, size_t n, std::string handle) {
     Exchange e;
     e.owner_ = this;
