@@ -171,6 +171,9 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
         r["node_p50_us"] = p50([s[2] for s in steps]) * 1e6
         r["kernel_p50_us"] = p50([s[3] for s in steps]) * 1e6
         r["call_p50_us"] = p50([s[4] for s in steps if s[4] == s[4]]) * 1e6
+        # The client's split (AttendReport): plan, stage, round trip, transport (of the round trip), merge.
+        for i, name in enumerate(("plan", "stage", "round_trip", "transport", "merge")):
+            r[f"{name}_p50_us"] = p50([s[5 + i] for s in steps]) * 1e6
         r["over_kernel_us"] = r["step_p50_us"] - r["kernel_p50_us"]
         # engine glue = Python (kvring.hf + StepPlan around the C call) + the
         # client's device staging (its copies and waits around the routed step).
@@ -184,6 +187,8 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
                              "of which python": t - r["call_p50_us"],
                              "of which device staging": r["call_p50_us"] - r["client_p50_us"],
                              "client + transport": r["client_p50_us"] - r["node_p50_us"],
+                             "of which plan": r["plan_p50_us"], "of which stage": r["stage_p50_us"],
+                             "of which transport": r["transport_p50_us"], "of which merge": r["merge_p50_us"],
                              "daemon": r["node_p50_us"] - r["kernel_p50_us"], "kernel": r["kernel_p50_us"]}
     r["ratio"] = r["passq_tokens_per_s"] / r["sdpa_tokens_per_s"]
     r["cores_busy"] = {"daemons_decode": dm.cores, "daemons_idle": idle.cores, "engine_decode_passq": eng.cores,

@@ -1,5 +1,6 @@
 #include "kvring/control/node_service.h"
 
+#include <chrono>
 #include <cstring>
 
 #include "kvring/control/node_wire.h"
@@ -27,6 +28,7 @@ KVRING_NODE_RPC(ReadSequence, ReadSequenceRequest, ReadSequenceResponse, WireRea
 #undef KVRING_NODE_RPC
 
 grpc::Status NodeService::Attend(grpc::ServerContext* ctx, const v1::AttendRequest* req, v1::AttendResponse* resp) {
+  const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<v1::Tenant> t = core_->tenants()->Authenticate(*ctx);
   if (!t.ok()) return ToGrpc(t.status());
   absl::StatusOr<AttendBatch> batch = ParseAttendRequest(*req, core_->limits());
@@ -46,6 +48,7 @@ grpc::Status NodeService::Attend(grpc::ServerContext* ctx, const v1::AttendReque
     resp->clear_out();
     resp->clear_lse();
   }
+  resp->set_handler_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return ToGrpc(s);
 }
 

@@ -1,5 +1,7 @@
 #include "kvring/control/ucx_data_plane.h"
 
+#include <chrono>
+
 #include "absl/strings/str_cat.h"
 #include "kvring/control/node_wire.h"
 
@@ -79,6 +81,10 @@ void UcxDataPlane::ServeAttend(const v1::Tenant& tenant, const v1::AttendRequest
                                UcxReplier& reply) {
   // Queries and appended K/V stay in the received payload; the output is
   // written once, into the buffer the reply is sent from.
+  const auto t0 = std::chrono::steady_clock::now();
+  auto handled = [&t0](v1::AttendResponse& head) {
+    head.set_handler_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  };
   absl::StatusOr<AttendBatch> batch = ParseAttendRequest(r, core_->limits(), req.payload);
   if (!batch.ok()) {
     reply.Send(batch.status(), "");
@@ -87,6 +93,7 @@ void UcxDataPlane::ServeAttend(const v1::Tenant& tenant, const v1::AttendRequest
   v1::AttendResponse head;
   if (r.has_device()) {  // the output lands in the caller's GPU memory: only the header goes back
     absl::Status s = WireAttend(*core_, tenant, r, *batch, &head, PartialOutput{nullptr, nullptr});
+    handled(head);
     reply.Send(s, s.ok() ? head.SerializeAsString() : "");
     return;
   }
@@ -98,6 +105,7 @@ void UcxDataPlane::ServeAttend(const v1::Tenant& tenant, const v1::AttendRequest
     reply.Send(s, "");
     return;
   }
+  handled(head);
   std::vector<absl::Span<const uint8_t>> parts{
       absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(buf->data()), buf->size() * sizeof(float))};
   reply.Send(absl::OkStatus(), head.SerializeAsString(), std::move(parts), buf);

@@ -127,6 +127,14 @@ TEST(ClusterTest, PassQAttendAcrossFourDaemonsEqualsTheCpuReference) {
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_GE(rep.shards, 2);
   EXPECT_EQ(rep.blocks, nblocks);
+  // The report's split of the call: routing, then the slowest shard's round
+  // trip, which holds every node's own time, and the transport within it.
+  EXPECT_GT(rep.plan_seconds, 0);
+  EXPECT_GT(rep.round_trip_seconds, 0);
+  EXPECT_GE(rep.round_trip_seconds, rep.node_seconds);
+  EXPECT_LE(rep.plan_seconds + rep.round_trip_seconds, rep.seconds);
+  EXPECT_GT(rep.transport_seconds, 0);
+  EXPECT_LT(rep.transport_seconds, rep.round_trip_seconds);
   std::vector<KvBlockRef> refs;
   for (size_t i = 0; i < nblocks; ++i)
     refs.push_back(KvBlockRef{b.payloads[i].data(), static_cast<int64_t>(i * 16), 16});

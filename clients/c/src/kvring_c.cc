@@ -289,7 +289,11 @@ int kvring_step(kvring_client* c, const kvring_step_args* a, float* out, float* 
                                    rep.copy_seconds,
                                    rep.merge_seconds,
                                    rep.shards_in_place,
-                                   rep.inputs_waited_on_device ? 1 : 0};
+                                   rep.inputs_waited_on_device ? 1 : 0,
+                                   rep.plan_seconds,
+                                   rep.stage_seconds,
+                                   rep.round_trip_seconds,
+                                   rep.transport_seconds};
   }
   return Code(absl::OkStatus());
 }

@@ -1079,6 +1079,7 @@ class ClientImpl {
       }
     }
     AttendReport rep;
+    rep.plan_seconds = Since(t0);
     absl::Status last_error = absl::OkStatus();
     std::map<std::pair<size_t, uint64_t>, std::vector<std::string>> tried;  // why each replica did not serve a chunk
     std::map<std::pair<size_t, uint64_t>, std::vector<absl::StatusCode>> tried_codes;
@@ -1183,6 +1184,7 @@ class ClientImpl {
                        const std::vector<uint64_t>& total, const std::vector<uint64_t>& digest,
                        std::vector<AppendUnit>& units, PartialOutput out, DeviceStep* dx, AttendReport* rep,
                        absl::Status* last_error, std::vector<FailedChunk>* failed = nullptr) {
+    const auto t_stage = Clock::now();
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
     const uint64_t chunk = ring.chunk_blocks(), bt = L.block_tokens;
@@ -1195,6 +1197,16 @@ class ClientImpl {
       uint32_t rows = 0;
       uint64_t sent = 0, received = 0;  // bulk bytes
       bool in_place = false;            // served through the exchange buffer
+      double round_trip = 0;            // seconds in the node's requests, at this end
+    };
+    // A request to a node, its round trip timed into `r`.
+    auto timed_attend = [this](Result& r, Node& node, v1::AttendRequest req,
+                               const std::vector<absl::Span<const uint8_t>>& qp,
+                               const std::vector<absl::Span<const uint8_t>>& kp,
+                               const std::vector<absl::Span<const uint8_t>>& vp, absl::Span<uint8_t> reply) {
+      const auto t = Clock::now();
+      r.resp = AttendOn(node, std::move(req), qp, kp, vp, reply);
+      r.round_trip += Since(t);
     };
     // With device tensors: the round's exchange buffer. Partial rows of
     // every job (each job's from a multiple of 64 rows, so every region is
@@ -1271,6 +1283,7 @@ class ClientImpl {
         }
       }
       if (inputs_event.empty()) KVRING_RETURN_IF_ERROR(dx->dev->Wait(dx->stream));
+      rep->stage_seconds += Since(t_stage);
     }
     // Whether the inputs in xb are complete now (not only on the stream).
     bool inputs_waited = inputs_event.empty();
@@ -1303,7 +1316,7 @@ class ClientImpl {
         d->set_lse_offset(l_off);
         if (!inputs_event.empty()) d->set_inputs_ready_event(inputs_event);
         out.sent = req.ByteSizeLong();
-        out.resp = AttendOn(node, req, {}, {}, {}, {});
+        timed_attend(out, node, req, {}, {}, {}, {});
         if (out.resp.ok() && !out.resp->device_refusal().empty() && !d->inputs_ready_event().empty()) {
           // It may refuse the event only: asked again, the inputs waited for.
           if (events_ok_.exchange(false)) {
@@ -1315,7 +1328,7 @@ class ClientImpl {
             return out;
           }
           d->clear_inputs_ready_event();
-          out.resp = AttendOn(node, req, {}, {}, {}, {});
+          timed_attend(out, node, req, {}, {}, {}, {});
         }
         if (!out.resp.ok() || out.resp->device_refusal().empty()) {
           out.in_place = out.resp.ok();
@@ -1351,7 +1364,7 @@ class ClientImpl {
       }
       out.sent = qb + 2 * kb + req.ByteSizeLong();
       out.received = ob + lb;
-      out.resp = AttendOn(node, std::move(req), qp, kp, vp, absl::MakeSpan(h + qb + 2 * kb, ob + lb));
+      timed_attend(out, node, std::move(req), qp, kp, vp, absl::MakeSpan(h + qb + 2 * kb, ob + lb));
       if (out.resp.ok() && ob > 0) {
         s = dx->dev->ToDevice(xb.data() + o_off, h + qb + 2 * kb, ob);
         if (s.ok()) s = dx->dev->ToDevice(xb.data() + l_off, h + qb + 2 * kb + ob, lb);
@@ -1419,7 +1432,7 @@ class ClientImpl {
           out.sent = bytes + req.ByteSizeLong();
           out.reply.resize(size_t{rows} * (hq + q.q_heads) * sizeof(float));
           out.received = out.reply.size();
-          out.resp = AttendOn(node, std::move(req), qp, kp, vp, absl::MakeSpan(out.reply));
+          timed_attend(out, node, std::move(req), qp, kp, vp, absl::MakeSpan(out.reply));
           return out;
         },
         [](size_t) { return Result{absl::UnavailableError("unknown node")}; },
@@ -1528,6 +1541,12 @@ class ClientImpl {
       rep->bytes_sent += res[j].sent;
       rep->bytes_received += r.ByteSizeLong() + res[j].received;
       rep->node_seconds = std::max(rep->node_seconds, r.compute_seconds());
+      if (res[j].round_trip > rep->round_trip_seconds) {  // the slowest shard's
+        rep->round_trip_seconds = res[j].round_trip;
+        // (the node's handling where it says, else its compute time)
+        const double node_s = r.handler_seconds() > 0 ? r.handler_seconds() : r.compute_seconds();
+        rep->transport_seconds = std::max(0.0, res[j].round_trip - node_s);
+      }
       rep->kernel_seconds = std::max(rep->kernel_seconds, r.kernel_seconds());
       rep->copy_seconds = std::max(rep->copy_seconds, r.copy_seconds());
     }

@@ -47,7 +47,8 @@ class AttendReport(ctypes.Structure):
                 ("bytes_received", c_u64), ("appended_tokens", c_u32), ("seconds", c_double),
                 ("node_seconds", c_double), ("kernel_seconds", c_double), ("copy_seconds", c_double),
                 ("merge_seconds", c_double), ("shards_in_place", ctypes.c_int32),
-                ("inputs_waited_on_device", ctypes.c_int32)]
+                ("inputs_waited_on_device", ctypes.c_int32), ("plan_seconds", c_double),
+                ("stage_seconds", c_double), ("round_trip_seconds", c_double), ("transport_seconds", c_double)]
 
     def as_dict(self):
         return {name: getattr(self, name) for name, _ in self._fields_}

@@ -196,7 +196,8 @@ class PassQSession:
         Steps on CUDA tensors are ordered on the current stream (kvring.torch.StepPlan): the engine's thread does not
         wait for the GPU before or after a step. decode_steps holds the latest single-token steps as (seconds of the
         engine's thread in the step; the client's, the node's and the kernel's seconds from the step's report; the
-        seconds in the client's C call: NaN for prepared=False). timing=True also records CUDA events around each
+        seconds in the client's C call: NaN for prepared=False; then the report's split of the client's seconds:
+        plan, stage, round trip, transport (of the round trip), merge). timing=True also records CUDA events around each
         decode step: device_step_seconds() gives each one's span on the stream, from its inputs ready to its output
         ready (what the engine's GPU waits for a step)."""
         register()
@@ -315,7 +316,9 @@ class PassQSession:
         dt = time.perf_counter() - t0
         self.seconds += dt
         if T == 1:
-            self.decode_steps.append((dt, rep["seconds"], rep["node_seconds"], rep["kernel_seconds"], float("nan")))
+            self.decode_steps.append((dt, rep["seconds"], rep["node_seconds"], rep["kernel_seconds"], float("nan"),
+                                      rep["plan_seconds"], rep["stage_seconds"], rep["round_trip_seconds"],
+                                      rep["transport_seconds"], rep["merge_seconds"]))
         return result
 
     def _attend_planned(self, layer, query, key, value, scaling):
@@ -357,7 +360,9 @@ class PassQSession:
         dt = time.perf_counter() - t0
         self.seconds += dt
         if T == 1:
-            self.decode_steps.append((dt, rep.seconds, rep.node_seconds, rep.kernel_seconds, plan.call_seconds))
+            self.decode_steps.append((dt, rep.seconds, rep.node_seconds, rep.kernel_seconds, plan.call_seconds,
+                                      rep.plan_seconds, rep.stage_seconds, rep.round_trip_seconds,
+                                      rep.transport_seconds, rep.merge_seconds))
         if timed:
             e1 = torch.cuda.Event(enable_timing=True)
             e1.record()

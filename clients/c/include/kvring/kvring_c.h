@@ -94,6 +94,8 @@ typedef struct {
   double seconds, node_seconds, kernel_seconds, copy_seconds, merge_seconds;
   int32_t shards_in_place;         /* shards that attended in this process's GPU memory (CUDA IPC; version 3) */
   int32_t inputs_waited_on_device; /* AttendReport::inputs_waited_on_device (version 7) */
+  /* AttendReport's split of `seconds` (version 7). */
+  double plan_seconds, stage_seconds, round_trip_seconds, transport_seconds;
 } kvring_attend_report;
 
 typedef struct {

@@ -158,6 +158,13 @@ struct AttendReport {
   // attention computation and the host<->device copies (GPU nodes).
   double node_seconds = 0, kernel_seconds = 0, copy_seconds = 0;
   double merge_seconds = 0;  // merging the shards' partials here
+  // Where the rest of `seconds` went, at this end: checking and routing the
+  // step (before the first request), the device-tensor copies into the
+  // exchange buffer (and waiting for them where not stream-ordered), and the
+  // slowest shard's requests (send to reply) with, of that, the part outside
+  // its node's own time (`transport`: messages, wake-ups, this end's
+  // serialization).
+  double plan_seconds = 0, stage_seconds = 0, round_trip_seconds = 0, transport_seconds = 0;
   // A stream-ordered step (AttendStep::stream_ordered) whose nodes waited
   // for the inputs on the device (an event on the caller's stream), not the
   // client on the host.
