@@ -5,7 +5,7 @@
 # then on the default deployment (MPS, adaptive spin, the prepared step),
 # then the teacher-forced pass-Q check on the final code.
 #   here:          bash bench/gpu/pack.sh
-#   on the host:   bash bench/gpu/decode_targets.sh [--configs=1x1x32K,...] [--no-before] [--no-check] [--tests]
+#   on the host:   bash bench/gpu/decode_targets.sh [--configs=1x1x32K,...] [--no-before] [--no-check] [--tests] [--profile]
 #                  (results in $OUT or ./gpu-out; --tests runs the GPU gtests first, without MPS)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,7 +16,7 @@ export LD_LIBRARY_PATH=$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export UCX_MODULE_DIR=$PWD/.gpu/lib/ucx PYTHONPATH=$PWD/.gpu/python:${PYTHONPATH:-} KVRING_BIN=$PWD/.gpu KVRING_ROOT=$PWD
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 CONFIGS=1x1x32K,4x1x32K,1x8x32K,4x8x32K,1x1x128K,4x1x128K
-BEFORE=1; CHECK=1; TESTS=0; BUDGET=250
+BEFORE=1; CHECK=1; TESTS=0; BUDGET=250; PROFILE=
 for a in "$@"; do
   case "$a" in
     --configs=*) CONFIGS=${a#--configs=};;
@@ -24,6 +24,7 @@ for a in "$@"; do
     --no-before) BEFORE=0;;
     --no-check) CHECK=0;;
     --tests) TESTS=1;;
+    --profile) PROFILE=--profile;;
     *) echo "unknown option $a" >&2; exit 2;;
   esac
 done
@@ -42,7 +43,7 @@ if [ $BEFORE = 1 ]; then
 fi
 echo "== default deployment"
 bash deploy/local-cluster.sh mps-start
-timeout $((BUDGET + 90)) python3 bench/gpu/hf_decode.py --bin .gpu --out "$OUT" --configs "$CONFIGS" --budget "$BUDGET" 2>&1 \
+timeout $((BUDGET + 90)) python3 bench/gpu/hf_decode.py --bin .gpu --out "$OUT" --configs "$CONFIGS" --budget "$BUDGET" $PROFILE 2>&1 \
   | tee "$OUT/hf_decode_default.log" | quiet
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 if [ $CHECK = 1 ]; then

@@ -205,6 +205,37 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
     return r
 
 
+def profile_decode(c, model, shards, out):
+    """Where the engine thread's time in a decode step goes: cProfile (Python functions) and torch.profiler (aten
+    ops and launches, CPU side) over a short generate on pass-Q; tables to the log and $OUT."""
+    import cProfile
+    import io
+    import pstats
+    import kvring.hf as khf
+    from torch.profiler import ProfilerActivity, profile
+    ids = torch.randint(1, 1000, (1, 1024)).cuda()
+    text = ""
+    for tool in ("cProfile", "torch.profiler"):
+        with khf.PassQSession(c, model, [f"profile-{shards}-{tool}"]) as sess:
+            # (the prompt's prefill and the first token outside the profile: 8 decode tokens inside)
+            gen = dict(max_new_tokens=9, do_sample=False, past_key_values=sess.cache(), pad_token_id=0)
+            if tool == "cProfile":
+                pr = cProfile.Profile()
+                pr.enable()
+                model.generate(ids, **gen)
+                pr.disable()
+                buf = io.StringIO()
+                pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+                text += buf.getvalue()
+            else:
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    model.generate(ids, **gen)
+                text += "\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    khf._set_attention(model, "sdpa")
+    (Path(out) / f"hf_decode_profile_{shards}.txt").write_text(text)
+    log(f"== profile, {shards} shard(s) (a 1024-token prompt, 8 decode tokens, 32 layers)\n" + text)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bin", default=str(ROOT / ".gpu"))
@@ -217,6 +248,8 @@ def main():
     p.add_argument("--exchange-min-bytes", type=int, default=-1,
                    help="the client's device_exchange_min_bytes (-1: its default; 0: every step through the "
                         "device exchange, for comparison)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the engine thread's decode step (cProfile, torch.profiler) per shard count")
     args = p.parse_args()
     t_start = time.time()
     from kvring.local_cluster import LocalCluster, start_mps, stop_mps
@@ -275,6 +308,11 @@ def main():
                 gc.collect()
                 torch.cuda.empty_cache()
                 path.write_text(json.dumps(results, indent=1))
+            if args.profile:
+                try:
+                    profile_decode(c, model, shards, out)
+                except Exception as e:  # noqa: BLE001  (a diagnostic: the figures stand without it)
+                    log(f"  profile failed: {e!r}")
             c.close()
     path.write_text(json.dumps(results, indent=1))
     log(f"hf_decode: {len(results['configs'])} configuration(s) measured in {time.time() - t_start:.0f} s -> {path}")
