@@ -157,6 +157,11 @@ absl::StatusOr<std::vector<PutOutcome>> NodeCore::Put(const v1::Tenant& t, const
     BlockMeta meta = b.meta;
     absl::Span<const uint8_t> payload = b.payload;
     PutOutcome* r = &out[i];
+    if (b.by_reference) {
+      r->status = b.sequence_id == nullptr ? absl::InvalidArgumentError("a block by reference belongs to a sequence")
+                                           : RecordByReference(t.id(), *ns, b);
+      continue;
+    }
     if (payload.size() != meta.payload_bytes) {
       r->status = absl::InvalidArgumentError(
           absl::StrCat("payload has ", payload.size(), " bytes; the header says ", meta.payload_bytes));
@@ -227,6 +232,41 @@ absl::StatusOr<std::vector<PutOutcome>> NodeCore::Put(const v1::Tenant& t, const
   }
   op.Record(absl::OkStatus());
   return out;
+}
+
+absl::Status NodeCore::RecordByReference(TenantId tenant, NamespaceId ns, const PutBlockIn& b) {
+  SequenceTable::Handle h = sequences_->Lock(ns, *b.sequence_id);
+  const uint64_t index = b.block_index;
+  SequenceState& st = h.state();
+  st.last_use = Now();
+  if (st.open.count(index)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", index, " of sequence '", h.id(), "' is being filled by appends on this node"));
+  }
+  absl::StatusOr<PinnedBlock> held = store_->Acquire(ns, b.key);
+  if (absl::IsNotFound(held.status())) {
+    return absl::NotFoundError(absl::StrCat("block ", b.key.ToHex(), " is not on this node"));
+  }
+  KVRING_RETURN_IF_ERROR(held.status());
+  const BlockMeta& meta = held->meta();
+  if (!(meta.layout == b.meta.layout)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", b.key.ToHex(), " on this node has another layout than the one named"));
+  }
+  if (st.layout.has_value() && !(*st.layout == meta.layout)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", index, " of sequence '", h.id(), "' has another layout than the sequence's blocks"));
+  }
+  if (!st.blocks.empty() && st.layout.has_value() && !(st.encoding == meta.encoding)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", index, " of sequence '", h.id(), "' has another encoding than the sequence's blocks"));
+  }
+  KVRING_RETURN_IF_ERROR(h.Record(index, b.key, /*owned=*/false));
+  st.layout = meta.layout;
+  st.encoding = meta.encoding;
+  absl::Status adm = backend_->AdmitBlock(SequenceRef{ns, h.id(), tenant}, index, b.key, meta, held->payload());
+  if (!adm.ok()) KVRING_LOG(DEBUG) << "sequence block not admitted to the backend: " << adm;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<GetOut> NodeCore::Get(const v1::Tenant& t, const std::string& requested, absl::Span<const BlockKey> keys,

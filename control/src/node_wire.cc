@@ -52,6 +52,7 @@ absl::Status WirePut(NodeCore& core, const v1::Tenant& t, const v1::PutRequest& 
     in.payload = ext ? external[i]
                      : absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.payload().data()), b.payload().size());
     in.pin = b.pin();
+    in.by_reference = b.by_reference();
     if (b.has_sequence()) {
       in.sequence_id = &b.sequence().sequence_id();
       in.block_index = b.sequence().block_index();

@@ -77,6 +77,20 @@ absl::Status ValidatePutBlock(const v1::PutBlock& b, const RequestLimits& limits
   if (!h.has_key() || (h.key().lo() == 0 && h.key().hi() == 0))
     return absl::InvalidArgumentError("block key missing or zero");
   KVRING_ASSIGN_OR_RETURN(BlockLayout layout, LayoutFromProto(h.layout()));
+  if (b.by_reference()) {
+    if (!b.has_sequence()) return absl::InvalidArgumentError("a block by reference belongs to a sequence");
+    if (h.encoding() != 0 || h.payload_bytes() != 0 || h.checksum() != 0 || !b.payload().empty()) {
+      return absl::InvalidArgumentError(
+          "a block by reference carries no bytes: encoding, payload_bytes and checksum 0, no payload");
+    }
+    if (b.pin()) return absl::InvalidArgumentError("a block by reference cannot be pinned by the Put");
+    KVRING_RETURN_IF_ERROR(ValidateSequenceId(b.sequence().sequence_id(), limits.max_sequence_id_bytes));
+    meta->layout = layout;
+    meta->encoding = KvEncoding();
+    meta->payload_bytes = 0;
+    meta->checksum = 0;
+    return absl::OkStatus();
+  }
   KvEncoding enc;
   if (h.encoding() > 0xff || !KvEncoding::Unpack(static_cast<uint8_t>(h.encoding()), &enc)) {
     return absl::InvalidArgumentError(absl::StrCat("unknown KV encoding ", h.encoding()));

@@ -155,6 +155,89 @@ TEST(ClusterTest, PassQAttendAcrossFourDaemonsEqualsTheCpuReference) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();  // what every replica said
 }
 
+// A prompt stored once by the prefix cache (hash-placed blocks) starts a
+// pass-Q sequence: a replica of the sequence's chunk that holds a block
+// records it by key, the others are sent its bytes; the sequence attends
+// exactly like the chain, and its delete leaves the prefix cache whole.
+TEST(ClusterTest, ASequenceStartedFromAPrefixChainAttendsLikeTheChainAndSharesWhatANodeHolds) {
+  Cluster cl(ClusterOptions{.nodes = 4, .replication = 2});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("prefix");
+  auto other = cl.CreateTenant("other");
+  ASSERT_TRUE(token.ok() && other.ok());
+  auto c = cl.Connect(*token);
+  auto o2 = cl.Connect(*other);
+  ASSERT_TRUE(c.ok() && o2.ok());
+  const BlockLayout L{16, 2, 8, 64, DType::kBF16};
+  const size_t nblocks = 300;  // 5 chunks of 64 blocks
+  Blocks b = MakeChain(**c, L, "prefix-model", 11, nblocks);
+  ASSERT_TRUE((*c)->Put(b.data).ok());
+  auto rep = (*c)->StartSequenceFromPrefix("from-prompt", L, b.keys);
+  ASSERT_TRUE(rep.ok()) << rep.status();
+  EXPECT_EQ(rep->blocks, nblocks);
+  EXPECT_EQ(rep->tokens, nblocks * 16);
+  EXPECT_EQ(rep->blocks_shared + rep->blocks_copied, 2 * nblocks);  // every replica of every block
+  EXPECT_GT(rep->blocks_shared, 0u);
+  EXPECT_GT(rep->blocks_copied, 0u);
+  EXPECT_EQ(rep->bytes_copied, rep->blocks_copied * L.bytes());
+
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  const uint32_t rows = 2, q_heads = 16;
+  std::vector<uint16_t> q(size_t{rows} * q_heads * 64);
+  std::vector<double> qd(q.size());
+  for (size_t i = 0; i < q.size(); ++i) {
+    q[i] = FloatToBf16(nd(rng));
+    qd[i] = Bf16ToFloat(q[i]);
+  }
+  std::vector<int64_t> pos = {static_cast<int64_t>(nblocks * 16 - 1), 1234};
+  QueryTensor qt{q.data(), DType::kBF16, rows, q_heads, 64, pos.data(), nullptr};
+  AttentionOptions opt;
+  opt.layer = 1;
+  auto out = (*c)->Attend("from-prompt", L, nblocks * 16, qt, opt);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::vector<KvBlockRef> refs;
+  for (size_t i = 0; i < nblocks; ++i)
+    refs.push_back(KvBlockRef{b.payloads[i].data(), static_cast<int64_t>(i * 16), 16});
+  std::vector<uint32_t> begin{0, static_cast<uint32_t>(nblocks)};
+  auto ref = reference::Attention(qd, pos, q_heads, reference::FromBlocks(PagedKv{L, {}, refs, begin}, 0, 1), opt);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.out.size(); ++i) {
+    num += (out->out[i] - ref.out[i]) * (out->out[i] - ref.out[i]);
+    den += ref.out[i] * ref.out[i];
+  }
+  ASSERT_GT(den, 0);
+  EXPECT_LT(std::sqrt(num / den), 2e-5);
+
+  // Started once: a second start of the same id is refused, nothing changed.
+  EXPECT_EQ((*c)->StartSequenceFromPrefix("from-prompt", L, b.keys).status().code(), absl::StatusCode::kAlreadyExists);
+  // A chain the cache holds only the start of: the sequence starts with what it holds.
+  Blocks part = MakeChain(**c, L, "prefix-model", 12, 40);
+  ASSERT_TRUE((*c)->Put(absl::MakeConstSpan(part.data).subspan(0, 25)).ok());
+  auto partial = (*c)->StartSequenceFromPrefix("from-part", L, part.keys);
+  ASSERT_TRUE(partial.ok()) << partial.status();
+  EXPECT_EQ(partial->blocks, 25u);
+  EXPECT_EQ(partial->tokens, 25u * 16);
+  // Another tenant with the same keys finds nothing: its sequence does not start.
+  auto theirs = (*o2)->StartSequenceFromPrefix("stolen", L, b.keys);
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  EXPECT_EQ(theirs->blocks, 0u);
+  auto listed = (*o2)->ListSequences({"stolen"});
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty() || listed->front().tokens == 0);
+  // Bad input.
+  EXPECT_EQ((*c)->StartSequenceFromPrefix("empty", L, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*c)->StartSequenceFromPrefix("", L, b.keys).status().code(), absl::StatusCode::kInvalidArgument);
+  // Deleting the sequence leaves the prefix cache's blocks, bytes intact.
+  ASSERT_TRUE((*c)->DeleteSequence("from-prompt").ok());
+  EXPECT_EQ(*(*c)->LookupPrefix(b.keys), nblocks);
+  std::vector<GetResult> back = (*c)->Get(b.keys);
+  for (size_t i = 0; i < nblocks; ++i) {
+    ASSERT_TRUE(back[i].status.ok()) << i << ": " << back[i].status;
+    EXPECT_EQ(back[i].payload, b.payloads[i]) << i;
+  }
+}
+
 // Decode in place across shards: a batch of three sequences is prefilled
 // by appended chunks and then decoded token by token through the client;
 // the engine keeps no KV. Chunks of 4 blocks make the appends cross chunk

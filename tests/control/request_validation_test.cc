@@ -40,6 +40,32 @@ TEST(RequestValidationTest, QuantizedBlocksNeedCodesPlusScales) {
   EXPECT_FALSE(ValidatePutBlock(b, RequestLimits{}, false, &m).ok());
 }
 
+TEST(RequestValidationTest, ABlockByReferenceNamesASequenceAndCarriesNoBytes) {
+  v1::PutBlock b;
+  b.mutable_block()->mutable_key()->set_hi(9);
+  LayoutToProto(BlockLayout{16, 1, 2, 64, DType::kF16}, b.mutable_block()->mutable_layout());
+  b.set_by_reference(true);
+  BlockMeta m;
+  absl::Status s = ValidatePutBlock(b, RequestLimits{}, false, &m);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("belongs to a sequence"), std::string::npos) << s;
+  b.mutable_sequence()->set_sequence_id("seq-1");
+  b.mutable_sequence()->set_block_index(3);
+  ASSERT_TRUE(ValidatePutBlock(b, RequestLimits{}, false, &m).ok());
+  EXPECT_EQ(m.payload_bytes, 0u);
+  EXPECT_EQ(m.layout.head_dim, 64u);
+  for (int bad = 0; bad < 4; ++bad) {
+    v1::PutBlock x = b;
+    if (bad == 0) x.set_payload("bytes");
+    if (bad == 1) x.mutable_block()->set_payload_bytes(8192);
+    if (bad == 2) x.mutable_block()->set_checksum(7);
+    if (bad == 3) x.set_pin(true);
+    EXPECT_EQ(ValidatePutBlock(x, RequestLimits{}, false, &m).code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  b.mutable_sequence()->set_sequence_id("");
+  EXPECT_EQ(ValidatePutBlock(b, RequestLimits{}, false, &m).code(), absl::StatusCode::kInvalidArgument);
+}
+
 v1::AttendRequest GoodAttend() {
   v1::AttendRequest a;
   a.mutable_header()->set_version(1);

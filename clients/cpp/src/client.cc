@@ -488,8 +488,13 @@ class ClientImpl {
   }
 
   // ---- public operations ----
-  absl::StatusOr<PutReport> PutBlocks(absl::Span<const BlockData> blocks, const std::string* seq,
-                                      uint64_t first_block) {
+  // With `missing_on` (a sequence's blocks): by reference, no bytes sent
+  // (PutBlock.by_reference); the nodes that do not hold block i go to
+  // (*missing_on)[i] and count toward its write quorum (the caller sends
+  // them the bytes).
+  absl::StatusOr<PutReport> PutBlocks(absl::Span<const BlockData> blocks, const std::string* seq, uint64_t first_block,
+                                      std::vector<std::vector<int>>* missing_on = nullptr) {
+    if (missing_on != nullptr) missing_on->assign(blocks.size(), {});
     // Payloads in GPU memory: one copy each into pinned staging, sent from there.
     std::vector<BlockData> staged;
     DeviceMemory::Staging staging;
@@ -590,10 +595,14 @@ class ClientImpl {
               KeyToProto(b.key, pb->mutable_block()->mutable_key());
               if (!b.parent.is_zero()) KeyToProto(b.parent, pb->mutable_block()->mutable_parent());
               LayoutToProto(b.layout, pb->mutable_block()->mutable_layout());
-              pb->mutable_block()->set_encoding(b.encoding.Pack());
-              pb->mutable_block()->set_payload_bytes(static_cast<uint32_t>(b.payload.size()));
-              pb->mutable_block()->set_checksum(PayloadChecksum(b.payload.data(), b.payload.size()));
-              pb->set_pin(b.pin);
+              if (missing_on != nullptr) {
+                pb->set_by_reference(true);
+              } else {
+                pb->mutable_block()->set_encoding(b.encoding.Pack());
+                pb->mutable_block()->set_payload_bytes(static_cast<uint32_t>(b.payload.size()));
+                pb->mutable_block()->set_checksum(PayloadChecksum(b.payload.data(), b.payload.size()));
+                pb->set_pin(b.pin);
+              }
               if (seq) {
                 pb->mutable_sequence()->set_sequence_id(*seq);
                 pb->mutable_sequence()->set_block_index(first_block + i);
@@ -628,6 +637,8 @@ class ClientImpl {
           } else if (IsNodeFailure(s)) {
             last_err[i] = s;
             ++want[i];  // try the next candidate
+          } else if (missing_on != nullptr && absl::IsNotFound(s)) {
+            (*missing_on)[i].push_back(jobs[j].first);
           } else {
             last_err[i] = s;  // the node refused the block (bad input, quota...): no retry elsewhere
           }
@@ -638,7 +649,8 @@ class ClientImpl {
     for (size_t i = 0; i < n; ++i) {
       rep.inserted += inserted[i];
       rep.bytes += blocks[i].payload.size();
-      if (acks[i] < W && first_error.ok()) {
+      const size_t missing = missing_on != nullptr ? (*missing_on)[i].size() : 0;
+      if (acks[i] + static_cast<int>(missing) < W && first_error.ok()) {
         first_error = absl::Status(
             last_err[i].ok() ? absl::StatusCode::kUnavailable : last_err[i].code(),
             absl::StrCat("block ", i, " (", blocks[i].key.ToHex(), ") stored on ", acks[i], " of ", W,
@@ -1699,6 +1711,99 @@ class ClientImpl {
     return out;
   }
 
+  absl::StatusOr<PrefixStartReport> StartFromPrefix(const std::string& id, const BlockLayout& L,
+                                                    absl::Span<const BlockKey> chain) {
+    KVRING_RETURN_IF_ERROR(ValidateSequenceId(id));
+    const char* why = nullptr;
+    if (!L.IsValid(&why)) return absl::InvalidArgumentError(absl::StrCat("layout: ", why));
+    if (chain.empty()) return absl::InvalidArgumentError("a start from the prefix cache names a chain's blocks");
+    if (chain.size() * L.block_tokens > kMaxSequenceTokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a chain of ", chain.size(), " blocks exceeds ", kMaxSequenceTokens, " tokens"));
+    }
+    KVRING_ASSIGN_OR_RETURN(std::vector<SequenceListing> listed, ListSequences({id}));
+    if (!listed.empty() && listed[0].tokens > 0) {
+      return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' holds ", listed[0].tokens,
+                                                   " tokens: a start from the prefix cache makes a new one"));
+    }
+    KVRING_ASSIGN_OR_RETURN(size_t hit, Lookup(chain));
+    PrefixStartReport rep;
+    rep.blocks = hit;
+    rep.tokens = uint64_t{hit} * L.block_tokens;
+    if (hit == 0) return rep;
+    auto undo = [&](const absl::Status& s) {
+      (void)ChangeSequence(id, /*truncate=*/false, 0);
+      return s;
+    };
+    // By reference first: each replica of each chunk records the blocks it holds.
+    const auto ring = Ring();
+    std::vector<BlockData> refs(hit);
+    for (size_t i = 0; i < hit; ++i) {
+      refs[i].key = chain[i];
+      if (i > 0) refs[i].parent = chain[i - 1];
+      refs[i].layout = L;
+    }
+    std::vector<std::vector<int>> missing;
+    absl::StatusOr<PutReport> shared = PutBlocks(refs, &id, 0, &missing);
+    if (!shared.ok()) return undo(shared.status());
+    rep.blocks_shared = shared->replicas_written;
+    // Then the bytes, from the prefix cache's copy, to the replicas that lack a block.
+    std::vector<size_t> need;
+    for (size_t i = 0; i < hit; ++i) {
+      if (!missing[i].empty()) need.push_back(i);
+    }
+    if (need.empty()) return rep;
+    if (Ring()->version() != ring->version()) {
+      return undo(absl::UnavailableError("the shard map changed while the sequence started: start it again"));
+    }
+    std::vector<BlockKey> keys;
+    for (size_t i : need) keys.push_back(chain[i]);
+    std::vector<GetResult> got = GetBlocks(keys, {});
+    std::map<int, std::vector<size_t>> per_node;  // node -> indices into need
+    for (size_t k = 0; k < need.size(); ++k) {
+      if (!got[k].status.ok()) {
+        return undo(absl::Status(
+            got[k].status.code(),
+            absl::StrCat("block ", need[k], " of the chain (", chain[need[k]].ToHex(),
+                         ") left the prefix cache while the sequence started: ", got[k].status.message())));
+      }
+      for (int n : missing[need[k]]) per_node[n].push_back(k);
+    }
+    for (const auto& [n, ks] : per_node) {
+      std::shared_ptr<Node> node = NodeFor(ring->node(n).node_id());
+      if (!node) return undo(absl::UnavailableError(absl::StrCat("node ", ring->node(n).node_id(), " is gone")));
+      v1::PutRequest req;
+      *req.mutable_header() = Header();
+      std::vector<absl::Span<const uint8_t>> payloads;
+      for (size_t k : ks) {
+        const GetResult& g = got[k];
+        v1::PutBlock* pb = req.add_blocks();
+        KeyToProto(chain[need[k]], pb->mutable_block()->mutable_key());
+        if (need[k] > 0) KeyToProto(chain[need[k] - 1], pb->mutable_block()->mutable_parent());
+        LayoutToProto(g.meta.layout, pb->mutable_block()->mutable_layout());
+        pb->mutable_block()->set_encoding(g.meta.encoding.Pack());
+        pb->mutable_block()->set_payload_bytes(static_cast<uint32_t>(g.payload.size()));
+        pb->mutable_block()->set_checksum(PayloadChecksum(g.payload.data(), g.payload.size()));
+        pb->mutable_sequence()->set_sequence_id(id);
+        pb->mutable_sequence()->set_block_index(need[k]);
+        payloads.push_back(g.payload);
+      }
+      absl::StatusOr<v1::PutResponse> resp = PutOn(*node, std::move(req), payloads);
+      absl::Status s = resp.status();
+      if (s.ok() && resp->results_size() != static_cast<int>(ks.size())) {
+        s = absl::DataLossError("Put reply has the wrong number of results");
+      }
+      for (int r = 0; s.ok() && r < resp->results_size(); ++r) s = StatusOf(resp->results(r).status());
+      if (!s.ok()) {
+        return undo(
+            absl::Status(s.code(), absl::StrCat("copying the chain's blocks to ", node->id(), ": ", s.message())));
+      }
+      rep.blocks_copied += ks.size();
+      for (size_t k : ks) rep.bytes_copied += got[k].payload.size();
+    }
+    return rep;
+  }
+
   absl::StatusOr<ForkReport> ForkSequence(const std::string& source, const std::string& id, uint64_t tokens) {
     KVRING_RETURN_IF_ERROR(ValidateSequenceId(source));
     KVRING_RETURN_IF_ERROR(ValidateSequenceId(id));
@@ -1964,6 +2069,11 @@ absl::StatusOr<std::vector<SequenceListing>> Client::ListSequences(absl::Span<co
 absl::StatusOr<ForkReport> Client::ForkSequence(const std::string& source_id, const std::string& sequence_id,
                                                 uint64_t tokens) {
   return impl_->ForkSequence(source_id, sequence_id, tokens);
+}
+absl::StatusOr<PrefixStartReport> Client::StartSequenceFromPrefix(const std::string& sequence_id,
+                                                                  const BlockLayout& layout,
+                                                                  absl::Span<const BlockKey> chain) {
+  return impl_->StartFromPrefix(sequence_id, layout, chain);
 }
 uint64_t Client::map_version() const {
   absl::MutexLock l(&impl_->mu_);

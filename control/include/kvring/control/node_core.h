@@ -78,6 +78,10 @@ struct PutBlockIn {
   bool pin = false;                          // leave it pinned by the tenant
   const std::string* sequence_id = nullptr;  // a block of an attention sequence (PutSequence)
   uint64_t block_index = 0;
+  // With sequence_id: no payload; the block this node holds under `key` (a
+  // prefix-cache chain's, of meta.layout) becomes the sequence's block
+  // `block_index`, shared (NOT_FOUND when the node does not hold it).
+  bool by_reference = false;
 };
 struct PutOutcome {
   absl::Status status;
@@ -336,6 +340,8 @@ class NodeCore {
   // another layout, `cut` naming the operation in the message).
   absl::StatusOr<std::vector<KeptBlock>> KeptBlocks(SequenceTable::Handle& h, TenantId tenant, const BlockLayout& L,
                                                     uint64_t tokens, absl::string_view cut);
+  // Put's work on a block by reference (PutBlockIn::by_reference).
+  absl::Status RecordByReference(TenantId tenant, NamespaceId ns, const PutBlockIn& b);
   // ForkSequence's work on the locked source and fork.
   absl::StatusOr<ForkChange> ForkLocked(SequenceTable::Handle& src, SequenceTable::Handle& dst, TenantId tenant,
                                         uint64_t tokens);

@@ -322,6 +322,19 @@ class Client {
   // the fork is deleted again. Sequences of one namespace (the caller's).
   absl::StatusOr<ForkReport> ForkSequence(const std::string& source_id, const std::string& sequence_id,
                                           uint64_t tokens);
+  // Starts `sequence_id` from a prefix-cache chain (blocks Put by hash
+  // placement, e.g. an engine's stored prompt), so that one stored prompt
+  // serves pass-Q sessions: the sequence's blocks [0, h) are the chain's
+  // first h blocks, h the prefix cache's hit (LookupPrefix), in `layout`
+  // (the chain's; its encoding stays the stored one). A replica of the
+  // sequence's chunk that holds a block already records it by key (shared,
+  // no bytes moved: the block stays the prefix cache's too, never erased
+  // with the sequence); the others are sent its bytes from the prefix
+  // cache's copy. The result says h (0: nothing started); the engine appends
+  // or prefills from token h * block_tokens. ALREADY_EXISTS when
+  // `sequence_id` holds tokens; on an error nothing of the sequence stays.
+  absl::StatusOr<PrefixStartReport> StartSequenceFromPrefix(const std::string& sequence_id, const BlockLayout& layout,
+                                                            absl::Span<const BlockKey> chain);
   // The caller's sequences on every UP node, merged by id (sorted); only
   // `ids` when it is not empty. An error when a node does not answer.
   absl::StatusOr<std::vector<SequenceListing>> ListSequences(absl::Span<const std::string> ids = {});

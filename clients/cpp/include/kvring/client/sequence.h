@@ -37,6 +37,18 @@ struct ForkReport {
   uint64_t shared_chunks = 0;  // chunks of the fork placed with the source's
 };
 
+// What StartSequenceFromPrefix did, over every node.
+struct PrefixStartReport {
+  uint64_t blocks = 0;  // the chain's blocks the sequence starts with: the prefix cache's hit
+  uint64_t tokens = 0;  // blocks * block_tokens: where the engine's prefill goes on
+  // Replicas (of the sequence's chunks) that recorded a block they already
+  // held, by its key: no bytes moved.
+  uint64_t blocks_shared = 0;
+  // Replicas sent a block's bytes (its prefix-cache copy is on other nodes),
+  // and those bytes.
+  uint64_t blocks_copied = 0, bytes_copied = 0;
+};
+
 // One of the caller's attention sequences, over every node that answered.
 struct SequenceListing {
   std::string sequence_id;
