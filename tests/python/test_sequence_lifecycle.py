@@ -123,6 +123,34 @@ class SequenceLifecycle(unittest.TestCase):
         with self.assertRaises(kvring.NotFoundError):
             self.c.attend("spec", self.L, 16, np.zeros((1, 4, D), np.float32), [15])
 
+    def test_a_sequence_starts_from_the_prefix_cache_and_attends_like_the_chain(self):
+        n = 7  # blocks of the stored prompt: over several chunks (2 blocks) and nodes
+        tokens = self.rng.integers(1, 50000, n * 16).tolist()
+        keys = self.c.chain("prefix-model", self.L, tokens)
+        k = self.rng.standard_normal((n * 16, 2, D)).astype(np.float32)
+        v = self.rng.standard_normal((n * 16, 2, D)).astype(np.float32)
+        blocks = np.zeros((n,) + self.L.block_shape, np.float32)
+        for layer in range(self.L.layers):  # every layer the same K/V (check() compares each with one reference)
+            blocks[:, layer, 0] = k.reshape(n, 16, 2, D).transpose(0, 2, 1, 3)
+            blocks[:, layer, 1] = v.reshape(n, 16, 2, D).transpose(0, 2, 1, 3)
+        self.c.put(keys, self.wire(blocks), self.L)
+        r = self.c.start_sequence_from_prefix("pfx", keys, self.L)
+        self.assertEqual((r["blocks"], r["tokens"]), (n, n * 16))
+        self.assertEqual(r["blocks_shared"] + r["blocks_copied"], 2 * n)  # R=2 replicas of each block
+        self.check("pfx", k, v)
+        # It goes on like any sequence: appends after the prompt, then attends over both.
+        ak, av = (self.rng.standard_normal((5, 2, D)).astype(np.float32) for _ in range(2))
+        self.append("pfx", n * 16, ak, av)
+        self.check("pfx", np.concatenate([k, ak]), np.concatenate([v, av]))
+        with self.assertRaises(kvring.AlreadyExistsError):
+            self.c.start_sequence_from_prefix("pfx", keys, self.L)
+        # A chain the cache does not hold starts nothing.
+        other = self.c.chain("another-model", self.L, tokens)
+        self.assertEqual(self.c.start_sequence_from_prefix("none", other, self.L)["tokens"], 0)
+        # Its end leaves the prefix cache whole.
+        self.c.delete_sequence("pfx")
+        self.assertEqual(self.c.lookup(keys), n)
+
     def test_forks_share_blocks_attend_exactly_and_outlive_their_source(self):
         base = self.counts()
         rnd = lambda n: self.rng.standard_normal((n, 2, D)).astype(np.float32)  # noqa: E731

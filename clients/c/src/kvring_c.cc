@@ -222,6 +222,22 @@ int kvring_fork_sequence(kvring_client* c, const char* source_id, size_t source_
   return Code(absl::OkStatus());
 }
 
+int kvring_start_sequence_from_prefix(kvring_client* c, const char* sequence_id, size_t id_len,
+                                      const kvring_layout* layout, const uint64_t* keys, uint64_t n,
+                                      kvring_prefix_start_report* report) {
+  if (c == nullptr || sequence_id == nullptr || (n > 0 && keys == nullptr)) {
+    return Code(absl::InvalidArgumentError("client, sequence_id and keys are required"));
+  }
+  auto l = LayoutOf(layout);
+  if (!l.ok()) return Code(l.status());
+  auto r = c->c->StartSequenceFromPrefix(std::string(sequence_id, id_len), *l, Keys(keys, n));
+  if (!r.ok()) return Code(r.status());
+  if (report != nullptr) {
+    *report = kvring_prefix_start_report{r->blocks, r->tokens, r->blocks_shared, r->blocks_copied, r->bytes_copied};
+  }
+  return Code(absl::OkStatus());
+}
+
 int kvring_list_sequences(kvring_client* c, kvring_sequence_info* out, uint32_t cap, uint32_t* n) {
   if (c == nullptr || n == nullptr || (cap > 0 && out == nullptr)) {
     return Code(absl::InvalidArgumentError("client, n (and out when cap > 0) are required"));

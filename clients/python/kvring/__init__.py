@@ -537,6 +537,20 @@ class Client:
                                          ctypes.byref(rep)))
         return rep.as_dict()
 
+    def start_sequence_from_prefix(self, sequence_id, keys, layout):
+        """Starts `sequence_id` from a prefix-cache chain (`keys`, e.g. client.chain(model, layout, tokens), of
+        blocks put by hash placement): the sequence's first blocks are the chain's blocks the cache holds (its
+        hit). A node that holds a block records it by key (no bytes move; the block stays the prefix cache's);
+        the others get its bytes. Returns {blocks, tokens, blocks_shared, blocks_copied, bytes_copied}: the
+        engine appends or prefills from `tokens` on. AlreadyExistsError when the sequence holds tokens."""
+        h = self._h
+        sid = _text("sequence_id", sequence_id, 256, empty=False)
+        k = _keys(keys)
+        rep = _native.PrefixStartReport()
+        _check(_lib.kvring_start_sequence_from_prefix(h, sid, len(sid), ctypes.byref(_layout(layout)._c()),
+                                                      _ptr(k), k.shape[0], ctypes.byref(rep)))
+        return rep.as_dict()
+
     def list_sequences(self):
         """The caller's attention sequences over every node, by id: a list of dicts {sequence_id, nodes,
         full_blocks, open_blocks, bytes, shared_blocks, tokens, block_tokens, forked, host_blocks, cold_blocks}

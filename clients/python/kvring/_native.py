@@ -61,6 +61,14 @@ class SequenceReport(ctypes.Structure):
         return {name: getattr(self, name) for name, _ in self._fields_}
 
 
+class PrefixStartReport(ctypes.Structure):
+    _fields_ = [("blocks", c_u64), ("tokens", c_u64), ("blocks_shared", c_u64), ("blocks_copied", c_u64),
+                ("bytes_copied", c_u64)]
+
+    def as_dict(self):
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
 class ForkReport(ctypes.Structure):
     _fields_ = [("nodes_holding", ctypes.c_int32), ("blocks_shared", c_u64), ("blocks_copied", c_u64),
                 ("shared_chunks", c_u64)]
@@ -125,6 +133,8 @@ def _load():
         "kvring_stats": (c_int, [c_void_p, P(NodeStats), c_u32, P(c_u32)]),
         "kvring_delete_sequence": (c_int, [c_void_p, c_char_p, c_size_t, P(SequenceReport)]),
         "kvring_truncate_sequence": (c_int, [c_void_p, c_char_p, c_size_t, c_u64, P(SequenceReport)]),
+        "kvring_start_sequence_from_prefix": (c_int, [c_void_p, c_char_p, c_size_t, P(Layout_), c_void_p, c_u64,
+                                                      P(PrefixStartReport)]),
         "kvring_fork_sequence": (c_int, [c_void_p, c_char_p, c_size_t, c_char_p, c_size_t, c_u64, P(ForkReport)]),
         "kvring_list_sequences": (c_int, [c_void_p, P(SequenceInfo), c_u32, P(c_u32)]),
         "kvring_merge": (c_int, [P(c_void_p), P(c_void_p), c_u32, c_u32, c_u32, c_u32, c_void_p, c_void_p]),

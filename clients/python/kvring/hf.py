@@ -184,12 +184,16 @@ class PassQSession:
     """Pass-Q attention for one batch of sequences (one per batch row) of `model` over `client`."""
 
     def __init__(self, client, model, sequence_ids, block_tokens=16, max_rows_per_step=2048, keep=False,
-                 start_tokens=0, fork_of=None, prepared=True, timing=False):
+                 start_tokens=0, fork_of=None, prefix_of=None, prepared=True, timing=False):
         """keep=False: end() (and leaving a `with` block) deletes the session's sequences from kvring; keep=True
         leaves them for a later session over the same ids, which passes start_tokens (an int, or one per sequence:
         the tokens each already holds). fork_of=(source_id, tokens) (or one pair per sequence) starts each sequence
         as a fork of the first `tokens` tokens of a sequence kvring holds (a shared context stored once: no copy of
-        its full blocks); the session then starts at that length. prepared=False sends each step through
+        its full blocks); the session then starts at that length. prefix_of=(model_name, token_ids) starts each
+        sequence from the prefix cache: the chain of token_ids' full blocks (client.chain(model_name, ...), in this
+        session's layout) as far as kvring holds it (Client.start_sequence_from_prefix: blocks a node holds are
+        shared, not copied); the session then starts at the hit's length (prefix_tokens), and generate computes
+        only the rest of the prompt. prepared=False sends each step through
         kvring.torch.step (built from scratch per call) instead of a kvring.torch.StepPlan made once: slower, for
         comparison only.
 
@@ -211,6 +215,19 @@ class PassQSession:
                 client.fork_sequence(src, sid, n)
             start_tokens = [int(n) for _, n in forks]
         self.layout = layout_for(model.config, block_tokens)
+        self.prefix_tokens = 0
+        if prefix_of is not None:
+            if fork_of is not None or not isinstance(prefix_of, tuple) or len(prefix_of) != 2:
+                raise InvalidArgumentError("prefix_of: a (model_name, token_ids) pair, and no fork_of beside it")
+            name, ids = prefix_of
+            ids = [int(t) for t in (ids.flatten().tolist() if hasattr(ids, "flatten") else ids)]
+            # (the prompt's last token stays for generate to compute: it needs one)
+            full = (len(ids) - 1) // block_tokens * block_tokens
+            keys = client.chain(name, self.layout, ids[:full]) if full else []
+            hits = [client.start_sequence_from_prefix(sid, keys, self.layout)["tokens"] if full else 0
+                    for sid in self.ids]
+            self.prefix_tokens = min(hits)
+            start_tokens = hits
         # Rows a sequence sends per step: a node takes at most 4096 query rows a request (the whole batch's).
         self.max_rows = max(1, min(max_rows_per_step, 4096 // max(1, len(self.ids))))
         self.keep = keep

@@ -162,6 +162,16 @@ typedef struct {
 } kvring_fork_report;
 int kvring_fork_sequence(kvring_client* c, const char* source_id, size_t source_len, const char* sequence_id,
                          size_t id_len, uint64_t tokens, kvring_fork_report* report);
+/* A sequence started from a prefix-cache chain (version 7;
+ * Client::StartSequenceFromPrefix): `keys` are n (lo, hi) pairs of a chain in
+ * `layout`; the sequence starts with the cache's hit (report->tokens).
+ * report may be NULL. */
+typedef struct {
+  uint64_t blocks, tokens, blocks_shared, blocks_copied, bytes_copied;
+} kvring_prefix_start_report;
+int kvring_start_sequence_from_prefix(kvring_client* c, const char* sequence_id, size_t id_len,
+                                      const kvring_layout* layout, const uint64_t* keys, uint64_t n,
+                                      kvring_prefix_start_report* report);
 /* The caller's sequences (version 5; Client::ListSequences): up to `cap`
  * into `out`; *n is how many there are. */
 typedef struct {
