@@ -9,6 +9,7 @@
 #include <random>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include "absl/synchronization/mutex.h"
 
 #include "absl/strings/str_cat.h"
@@ -845,28 +846,38 @@ bool UcxRpcClient::connected() const {
 absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& token, const std::string& meta,
                                             absl::Span<const absl::Span<const uint8_t>> payload,
                                             absl::Span<uint8_t> reply_buffer, absl::Duration timeout) {
+  absl::StatusOr<UcxPendingCall> call = Start(method, token, meta, payload, reply_buffer);
+  if (!call.ok()) return call.status();
+  return Finish(std::move(*call), timeout);
+}
+
+absl::StatusOr<UcxPendingCall> UcxRpcClient::Start(uint32_t method, const std::string& token, const std::string& meta,
+                                                   absl::Span<const absl::Span<const uint8_t>> payload,
+                                                   absl::Span<uint8_t> reply_buffer) {
   ClientState* st = state_.get();
   auto pending = std::make_shared<ClientState::Pending>();
   pending->buffer = reply_buffer;
-  std::future<UcxReply> fut = pending->promise.get_future();
-  uint64_t id;
+  UcxPendingCall call;
+  call.reply_ = pending->promise.get_future();
   {
     absl::MutexLock g(&st->mu);
     if (!st->connected) return absl::UnavailableError(absl::StrCat("UCX connection to ", address_, " is down"));
-    id = st->next_id++;
-    st->pending[id] = pending;
+    call.id_ = st->next_id++;
+    st->pending[call.id_] = pending;
   }
+  call.state_ = state_;
+  const uint64_t id = call.id_;
   ReqHeader h{id, st->client_id, method, static_cast<uint32_t>(token.size()), static_cast<uint32_t>(meta.size()), 0};
   // The message owns its payload (staged, in pooled buffers when large), so
   // a send that stalls or outlives the call never reads the caller's memory
-  // and Call always returns by its deadline: a connection is abandoned,
+  // and Finish always returns by its deadline: a connection is abandoned,
   // never closed under a send (SayBye says why).
   SendCtx* c = BuildMessage(h, {token, meta}, std::vector<absl::Span<const uint8_t>>(payload.begin(), payload.end()),
                             loop_->max_am_header(), /*stage=*/true, st->staging.get());
-  auto send_done = std::make_shared<std::promise<ucs_status_t>>();
-  std::shared_future<ucs_status_t> sent = send_done->get_future().share();
+  auto send_done = std::make_shared<std::promise<int>>();
+  call.sent_ = send_done->get_future().share();
   // A failed send also completes the call (the reply will never come), so
-  // the caller below sleeps once, on the reply, not first on the send.
+  // the caller sleeps once, on the reply, not first on the send.
   std::shared_ptr<ClientState> state = state_;
   c->done = [send_done, state, id](ucs_status_t s) {
     send_done->set_value(s);
@@ -881,6 +892,16 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
     }
     ClientSend(st, kRequestAm, c);
   });
+  return call;
+}
+
+absl::StatusOr<UcxReply> UcxRpcClient::Finish(UcxPendingCall call, absl::Duration timeout) {
+  if (call.state_ != state_) return absl::InvalidArgumentError("UcxRpcClient::Finish: a call of another client");
+  ClientState* st = state_.get();
+  const uint64_t id = call.id_;
+  call.state_ = nullptr;  // finished here, whatever happens
+  std::future<UcxReply>& fut = call.reply_;
+  std::shared_future<int>& sent = call.sent_;
   // One wait, for the reply (or the send's failure): a reply means the
   // request was taken, so the send's completion is in or about to be.
   if (!WaitFor(fut, timeout)) {
@@ -904,12 +925,31 @@ absl::StatusOr<UcxReply> UcxRpcClient::Call(uint32_t method, const std::string& 
     fut.wait();
   }
   if (sent.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
-    if (const ucs_status_t ss = sent.get(); ss != UCS_OK) {
+    if (const ucs_status_t ss = static_cast<ucs_status_t>(sent.get()); ss != UCS_OK) {
       st->Take(id);
       return UcsError(ss, absl::StrCat("UCX send to ", address_));
     }
   }
   return fut.get();
+}
+
+UcxPendingCall& UcxPendingCall::operator=(UcxPendingCall&& o) noexcept {
+  if (this != &o) {
+    Abandon();
+    state_ = std::exchange(o.state_, nullptr);
+    id_ = o.id_;
+    reply_ = std::move(o.reply_);
+    sent_ = std::move(o.sent_);
+  }
+  return *this;
+}
+
+void UcxPendingCall::Abandon() {
+  if (state_ == nullptr) return;
+  // Taken out, no reply lands in the caller's buffer later; already taken,
+  // the reply (or the send's failure) is landing now: wait for it.
+  if (state_->Take(id_) == nullptr && reply_.valid()) reply_.wait();
+  state_ = nullptr;
 }
 
 }  // namespace kvring

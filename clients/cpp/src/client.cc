@@ -41,6 +41,12 @@ bool IsNodeFailure(const absl::Status& s) {
 
 absl::Status StatusOf(const v1::Status& s) { return StatusFromProto(s); }
 double Since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// An Attend whose payload (queries and appended K/V in host memory) is
+// larger than this is sent from a pool thread, so that the fan-out's
+// staging copies run in parallel; smaller ones (decode steps) are all sent
+// from the caller's thread.
+constexpr uint64_t kStartedAttendMaxBytes = 256 << 10;
 }  // namespace
 
 class ClientImpl {
@@ -177,12 +183,18 @@ class ClientImpl {
       std::shared_ptr<Node> node = NodeFor(ring.node(nodes[j]).node_id());
       res[j] = node ? call(j, *node) : unknown_node(j);
     });
+    SuspectFailed(ring, nodes, res, failed);
+    return res;
+  }
+  // Every node whose result failed(result) says did not answer is suspected, once.
+  template <typename R>
+  void SuspectFailed(const ShardRing& ring, absl::Span<const int> nodes, const std::vector<R>& res,
+                     absl::FunctionRef<bool(const R&)> failed) {
     std::set<int> down;
     for (size_t j = 0; j < nodes.size(); ++j) {
       if (failed(res[j])) down.insert(nodes[j]);
     }
     for (int i : down) Suspect(ring.node(i).node_id());
-    return res;
   }
   // The same for calls with one status: a node failure status is a node that
   // did not answer.
@@ -1303,6 +1315,20 @@ class ClientImpl {
     // A job's request through the exchange buffer: the node reads and writes
     // it in place, or (a node that cannot) is sent the job's rows from it
     // and its partial goes back into it.
+    // A job's request reads its inputs from, and writes its partial into,
+    // the exchange buffer.
+    auto set_device = [&](v1::AttendRequest& req, const JobPlace& jp) {
+      v1::DeviceExchange* d = req.mutable_device();
+      d->set_host_id(host_id_);
+      d->set_ipc_handle(xb.ipc_handle());
+      d->set_queries_offset(jp.q);
+      d->set_new_k_offset(jp.k);
+      d->set_new_v_offset(jp.v);
+      d->set_out_offset(uint64_t{jp.part_row} * hq * sizeof(float));
+      d->set_lse_offset(l_base + uint64_t{jp.part_row} * q.q_heads * sizeof(float));
+      if (!inputs_event.empty()) d->set_inputs_ready_event(inputs_event);
+      return d;
+    };
     auto through_exchange = [&](Node& node, v1::AttendRequest req, const JobPlace& jp) {
       Result out;
       out.rows = jp.rows;
@@ -1318,15 +1344,7 @@ class ClientImpl {
         return absl::OkStatus();
       };
       if (!node.attend_device_refused.load()) {
-        v1::DeviceExchange* d = req.mutable_device();
-        d->set_host_id(host_id_);
-        d->set_ipc_handle(xb.ipc_handle());
-        d->set_queries_offset(jp.q);
-        d->set_new_k_offset(jp.k);
-        d->set_new_v_offset(jp.v);
-        d->set_out_offset(o_off);
-        d->set_lse_offset(l_off);
-        if (!inputs_event.empty()) d->set_inputs_ready_event(inputs_event);
+        v1::DeviceExchange* d = set_device(req, jp);
         out.sent = req.ByteSizeLong();
         timed_attend(out, node, req, {}, {}, {}, {});
         if (out.resp.ok() && !out.resp->device_refusal().empty() && !d->inputs_ready_event().empty()) {
@@ -1384,71 +1402,139 @@ class ClientImpl {
       }
       return out;
     };
-    std::vector<Result> res = FanOut<Result>(
-        ring, NodesOf(jobs),
-        [&](size_t j, Node& node) {
-          Result out;
-          v1::AttendRequest req;
-          *req.mutable_header() = Header();
-          req.set_layer(st.options.layer);
-          req.set_q_heads(q.q_heads);
-          req.set_head_dim(q.head_dim);
-          req.set_q_dtype(static_cast<uint32_t>(q.dtype));
-          req.set_causal(st.options.causal);
-          req.set_window(st.options.window);
-          req.set_softmax_scale(st.options.softmax_scale);
-          LayoutToProto(L, req.mutable_layout());
-          std::vector<absl::Span<const uint8_t>> qp, kp, vp;
-          uint32_t rows = 0;
-          uint64_t bytes = 0;
-          for (const SeqPart& p : jobs[j].parts) {
-            const auto& s = st.sequences[p.seq];
-            v1::AttendSequence* as = req.add_sequences();
-            as->set_sequence_id(s.sequence_id);
-            as->set_tokens(total[p.seq]);
-            as->set_placement_digest(digest[p.seq]);
-            const uint64_t nblocks = (total[p.seq] + bt - 1) / bt;
-            std::vector<uint64_t> chunks = p.chunks;
-            std::sort(chunks.begin(), chunks.end());
-            for (uint64_t c : chunks) {
-              const uint64_t b0 = c * chunk, b1 = std::min(nblocks, (c + 1) * chunk);
-              if (as->ranges_size() > 0 && as->ranges(as->ranges_size() - 1).end() == b0) {
-                as->mutable_ranges(as->ranges_size() - 1)->set_end(b1);
-              } else {
-                v1::BlockRange* r = as->add_ranges();
-                r->set_begin(b0);
-                r->set_end(b1);
-              }
-            }
-            if (!p.chunks.empty()) {
-              as->set_rows(s.rows);
-              rows += s.rows;
-              for (uint32_t r = 0; r < s.rows; ++r) req.add_positions(q.positions[row_begin[p.seq] + r]);
-              qp.push_back(
-                  absl::MakeConstSpan(static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, s.rows * qrow));
-              bytes += s.rows * qrow;
-            }
-            if (p.append_end > p.append_begin) {
-              const uint64_t n = p.append_end - p.append_begin;
-              const uint64_t src = app_begin[p.seq] + (p.append_begin - s.context_tokens);
-              as->set_append_position(p.append_begin);
-              as->set_append_tokens(static_cast<uint32_t>(n));
-              kp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_k) + src * kvrow, n * kvrow));
-              vp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_v) + src * kvrow, n * kvrow));
-              bytes += 2 * n * kvrow;
-            }
+    // Job j's request and its payload (spans of the caller's q, new_k, new_v).
+    struct Prepared {
+      v1::AttendRequest req;
+      std::vector<absl::Span<const uint8_t>> qp, kp, vp;
+      uint32_t rows = 0;
+      uint64_t bytes = 0;
+    };
+    auto prepare = [&](size_t j) {
+      Prepared pr;
+      v1::AttendRequest& req = pr.req;
+      *req.mutable_header() = Header();
+      req.set_layer(st.options.layer);
+      req.set_q_heads(q.q_heads);
+      req.set_head_dim(q.head_dim);
+      req.set_q_dtype(static_cast<uint32_t>(q.dtype));
+      req.set_causal(st.options.causal);
+      req.set_window(st.options.window);
+      req.set_softmax_scale(st.options.softmax_scale);
+      LayoutToProto(L, req.mutable_layout());
+      for (const SeqPart& p : jobs[j].parts) {
+        const auto& s = st.sequences[p.seq];
+        v1::AttendSequence* as = req.add_sequences();
+        as->set_sequence_id(s.sequence_id);
+        as->set_tokens(total[p.seq]);
+        as->set_placement_digest(digest[p.seq]);
+        const uint64_t nblocks = (total[p.seq] + bt - 1) / bt;
+        std::vector<uint64_t> chunks = p.chunks;
+        std::sort(chunks.begin(), chunks.end());
+        for (uint64_t c : chunks) {
+          const uint64_t b0 = c * chunk, b1 = std::min(nblocks, (c + 1) * chunk);
+          if (as->ranges_size() > 0 && as->ranges(as->ranges_size() - 1).end() == b0) {
+            as->mutable_ranges(as->ranges_size() - 1)->set_end(b1);
+          } else {
+            v1::BlockRange* r = as->add_ranges();
+            r->set_begin(b0);
+            r->set_end(b1);
           }
-          req.set_num_rows(rows);
-          out.rows = rows;
-          if (dx != nullptr) return through_exchange(node, std::move(req), place[j]);
-          out.sent = bytes + req.ByteSizeLong();
-          out.reply.resize(size_t{rows} * (hq + q.q_heads) * sizeof(float));
-          out.received = out.reply.size();
-          timed_attend(out, node, std::move(req), qp, kp, vp, absl::MakeSpan(out.reply));
-          return out;
-        },
-        [](size_t) { return Result{absl::UnavailableError("unknown node")}; },
-        [](const Result& r) { return !r.resp.ok() && IsNodeFailure(r.resp.status()); });
+        }
+        if (!p.chunks.empty()) {
+          as->set_rows(s.rows);
+          pr.rows += s.rows;
+          for (uint32_t r = 0; r < s.rows; ++r) req.add_positions(q.positions[row_begin[p.seq] + r]);
+          pr.qp.push_back(
+              absl::MakeConstSpan(static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, s.rows * qrow));
+          pr.bytes += s.rows * qrow;
+        }
+        if (p.append_end > p.append_begin) {
+          const uint64_t n = p.append_end - p.append_begin;
+          const uint64_t src = app_begin[p.seq] + (p.append_begin - s.context_tokens);
+          as->set_append_position(p.append_begin);
+          as->set_append_tokens(static_cast<uint32_t>(n));
+          pr.kp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_k) + src * kvrow, n * kvrow));
+          pr.vp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_v) + src * kvrow, n * kvrow));
+          pr.bytes += 2 * n * kvrow;
+        }
+      }
+      req.set_num_rows(pr.rows);
+      return pr;
+    };
+    // Job j on `node`, waited for on this thread.
+    auto call = [&](size_t j, Node& node) {
+      Prepared pr = prepare(j);
+      if (dx != nullptr) {
+        Result out = through_exchange(node, std::move(pr.req), place[j]);
+        out.rows = pr.rows;
+        return out;
+      }
+      Result out;
+      out.rows = pr.rows;
+      out.sent = pr.bytes + pr.req.ByteSizeLong();
+      out.reply.resize(size_t{pr.rows} * (hq + q.q_heads) * sizeof(float));
+      out.received = out.reply.size();
+      timed_attend(out, node, std::move(pr.req), pr.qp, pr.kp, pr.vp, absl::MakeSpan(out.reply));
+      return out;
+    };
+    // Every request is sent from this thread before any reply is waited for,
+    // where the carrier allows it (UCX): a fan-out to N nodes then wakes no
+    // pool thread and hands each call to a progress thread once. The rest
+    // (gRPC; a node that refused the exchange buffer; payloads large enough
+    // that staging them is worth spreading over threads) run on the pool.
+    std::vector<Result> res(jobs.size());
+    std::vector<std::shared_ptr<Node>> nodes(jobs.size());
+    std::vector<std::shared_ptr<NodeChannel>> channels(jobs.size());  // held for their calls
+    std::vector<std::unique_ptr<PendingAttend>> pending(jobs.size());
+    std::vector<Clock::time_point> sent_at(jobs.size());
+    std::vector<size_t> waited_jobs;
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      nodes[j] = NodeFor(ring.node(jobs[j].node).node_id());
+      if (nodes[j] == nullptr || (dx != nullptr && nodes[j]->attend_device_refused.load())) {
+        waited_jobs.push_back(j);
+        continue;
+      }
+      Prepared pr = prepare(j);
+      Result& r = res[j];
+      r.rows = pr.rows;
+      if (dx == nullptr && pr.bytes > kStartedAttendMaxBytes) {
+        waited_jobs.push_back(j);
+        continue;
+      }
+      channels[j] = nodes[j]->Channel();
+      sent_at[j] = Clock::now();
+      if (dx != nullptr) {
+        set_device(pr.req, place[j]);
+        r.sent = pr.req.ByteSizeLong();
+        pending[j] = channels[j]->StartAttend(pr.req, {}, {}, {}, {});
+      } else {
+        r.sent = pr.bytes + pr.req.ByteSizeLong();
+        r.reply.resize(size_t{pr.rows} * (hq + q.q_heads) * sizeof(float));
+        r.received = r.reply.size();
+        pending[j] = channels[j]->StartAttend(pr.req, pr.qp, pr.kp, pr.vp, absl::MakeSpan(r.reply));
+      }
+      if (pending[j] == nullptr) waited_jobs.push_back(j);
+    }
+    pool_.ParallelFor(waited_jobs.size(), [&](size_t i) {
+      const size_t j = waited_jobs[i];
+      res[j] = nodes[j] ? call(j, *nodes[j]) : Result{absl::UnavailableError("unknown node")};
+    });
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      if (pending[j] == nullptr) continue;
+      Result& r = res[j];
+      r.resp = pending[j]->Wait();
+      r.round_trip += Since(sent_at[j]);
+      pending[j].reset();
+      if (dx != nullptr && r.resp.ok() && !r.resp->device_refusal().empty()) {
+        // The exchange buffer (or only the inputs' event) refused: the
+        // waited path asks again the way this node can be served.
+        res[j] = call(j, *nodes[j]);
+        continue;
+      }
+      r.in_place = dx != nullptr && r.resp.ok();
+    }
+    SuspectFailed<Result>(ring, NodesOf(jobs), res,
+                          [](const Result& r) { return !r.resp.ok() && IsNodeFailure(r.resp.status()); });
     const auto tm = Clock::now();
     // A node that did not answer may still write into the exchange buffer
     // later: it is not reused.

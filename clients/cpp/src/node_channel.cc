@@ -154,17 +154,34 @@ class UcxNodeChannel final : public NodeChannel {
 
   absl::StatusOr<v1::AttendResponse> Attend(v1::AttendRequest req, ByteSpans queries, ByteSpans new_k, ByteSpans new_v,
                                             absl::Span<uint8_t> reply) override {
-    std::vector<absl::Span<const uint8_t>> all;
-    all.reserve(queries.size() + new_k.size() + new_v.size());
-    all.insert(all.end(), queries.begin(), queries.end());
-    all.insert(all.end(), new_k.begin(), new_k.end());
-    all.insert(all.end(), new_v.begin(), new_v.end());
-    KVRING_ASSIGN_OR_RETURN(UcxReply r, Call(kUcxMethodAttend, req.SerializeAsString(), all, reply));
-    v1::AttendResponse resp;
-    if (!resp.ParseFromString(r.meta)) return absl::DataLossError("bad UCX Attend reply");
-    if (r.payload_size != reply.size()) return absl::DataLossError("UCX Attend reply has the wrong size");
-    if (!r.payload_in_buffer) std::memcpy(reply.data(), r.payload.data(), reply.size());
-    return resp;
+    KVRING_ASSIGN_OR_RETURN(UcxReply r,
+                            Call(kUcxMethodAttend, req.SerializeAsString(), Concat(queries, new_k, new_v), reply));
+    return AttendReply(std::move(r), reply);
+  }
+
+  std::unique_ptr<PendingAttend> StartAttend(const v1::AttendRequest& req, ByteSpans queries, ByteSpans new_k,
+                                             ByteSpans new_v, absl::Span<uint8_t> reply) override {
+    class Pending final : public PendingAttend {
+     public:
+      Pending(UcxNodeChannel* ch, absl::StatusOr<UcxPendingCall> call, absl::Span<uint8_t> reply)
+          : ch_(ch), call_(std::move(call)), reply_(reply) {}
+      absl::StatusOr<v1::AttendResponse> Wait() override {
+        if (!call_.ok()) return call_.status();
+        absl::StatusOr<UcxReply> r = ch_->ucx_->Finish(std::move(*call_), ch_->o_.timeout);
+        call_ = absl::FailedPreconditionError("PendingAttend::Wait called twice");
+        if (!r.ok()) return r.status();
+        if (!r->status.ok()) return r->status;
+        return AttendReply(std::move(*r), reply_);
+      }
+
+     private:
+      UcxNodeChannel* ch_;  // outlives this: the caller holds the channel for the call
+      absl::StatusOr<UcxPendingCall> call_;
+      absl::Span<uint8_t> reply_;
+    };
+    return std::make_unique<Pending>(
+        this, ucx_->Start(kUcxMethodAttend, o_.token, req.SerializeAsString(), Concat(queries, new_k, new_v), reply),
+        reply);
   }
 
   absl::StatusOr<v1::LookupResponse> Lookup(const v1::LookupRequest& req) override { return control_->Lookup(req); }
@@ -192,6 +209,22 @@ class UcxNodeChannel final : public NodeChannel {
     if (!r.ok()) return r.status();
     if (!r->status.ok()) return r->status;
     return r;
+  }
+
+  static std::vector<absl::Span<const uint8_t>> Concat(ByteSpans queries, ByteSpans new_k, ByteSpans new_v) {
+    std::vector<absl::Span<const uint8_t>> all;
+    all.reserve(queries.size() + new_k.size() + new_v.size());
+    all.insert(all.end(), queries.begin(), queries.end());
+    all.insert(all.end(), new_k.begin(), new_k.end());
+    all.insert(all.end(), new_v.begin(), new_v.end());
+    return all;
+  }
+  static absl::StatusOr<v1::AttendResponse> AttendReply(UcxReply r, absl::Span<uint8_t> reply) {
+    v1::AttendResponse resp;
+    if (!resp.ParseFromString(r.meta)) return absl::DataLossError("bad UCX Attend reply");
+    if (r.payload_size != reply.size()) return absl::DataLossError("UCX Attend reply has the wrong size");
+    if (!r.payload_in_buffer) std::memcpy(reply.data(), r.payload.data(), reply.size());
+    return resp;
   }
 
   std::unique_ptr<UcxRpcClient> ucx_;

@@ -44,6 +44,15 @@ struct GetReply {
   std::vector<uint8_t> bulk;
 };
 
+// An Attend sent without waiting for it (NodeChannel::StartAttend): Wait
+// returns what NodeChannel::Attend would have. Dropped without a Wait, its
+// reply is discarded. One thread at a time.
+class PendingAttend {
+ public:
+  virtual ~PendingAttend() = default;
+  virtual absl::StatusOr<v1::AttendResponse> Wait() = 0;
+};
+
 class NodeChannel {
  public:
   virtual ~NodeChannel() = default;
@@ -58,6 +67,14 @@ class NodeChannel {
   // `reply`, which has exactly its size.
   virtual absl::StatusOr<v1::AttendResponse> Attend(v1::AttendRequest req, ByteSpans queries, ByteSpans new_k,
                                                     ByteSpans new_v, absl::Span<uint8_t> reply) = 0;
+  // Attend in two halves, for a fan-out from one thread: sends the request
+  // and returns at once (the spans may go then; `reply` must live until the
+  // Wait or the drop). nullptr: this carrier waits for each call (gRPC): use
+  // Attend.
+  virtual std::unique_ptr<PendingAttend> StartAttend(const v1::AttendRequest& req, ByteSpans queries, ByteSpans new_k,
+                                                     ByteSpans new_v, absl::Span<uint8_t> reply) {
+    return nullptr;
+  }
   virtual absl::StatusOr<v1::LookupResponse> Lookup(const v1::LookupRequest& req) = 0;
   virtual absl::StatusOr<v1::PinResponse> Pin(const v1::PinRequest& req) = 0;
   virtual absl::StatusOr<v1::StatsResponse> Stats(const v1::StatsRequest& req, absl::Duration timeout) = 0;

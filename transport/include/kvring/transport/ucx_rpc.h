@@ -43,6 +43,7 @@
 #pragma once
 
 #include <functional>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -164,6 +165,26 @@ struct UcxReply {
   bool payload_in_buffer = false;
 };
 
+// A call in flight (UcxRpcClient::Start): finish it with
+// UcxRpcClient::Finish. Dropped unfinished, its reply is discarded when it
+// comes (a reply landing at that moment is waited for), so the reply buffer
+// it was given may go once the handle has. Move-only; one thread at a time.
+class UcxPendingCall {
+ public:
+  UcxPendingCall() = default;
+  UcxPendingCall(UcxPendingCall&& o) noexcept { *this = std::move(o); }
+  UcxPendingCall& operator=(UcxPendingCall&& o) noexcept;
+  ~UcxPendingCall() { Abandon(); }
+
+ private:
+  friend class UcxRpcClient;
+  void Abandon();
+  std::shared_ptr<ucx_internal::ClientState> state_;  // null: nothing in flight
+  uint64_t id_ = 0;
+  std::future<UcxReply> reply_;
+  std::shared_future<int> sent_;  // the send's ucs_status_t
+};
+
 class UcxRpcClient {
  public:
   // `peer_alive` (optional) is polled while a call waits; when it says the
@@ -181,6 +202,16 @@ class UcxRpcClient {
   absl::StatusOr<UcxReply> Call(uint32_t method, const std::string& token, const std::string& meta,
                                 absl::Span<const absl::Span<const uint8_t>> payload, absl::Span<uint8_t> reply_buffer,
                                 absl::Duration timeout);
+  // Call in two halves, for a caller with several calls to make at once (a
+  // fan-out to many servers, from one thread: no thread per call). Start
+  // sends the request and returns at once (the payload is staged: the
+  // caller's spans may go); Finish waits for the reply as Call does, the
+  // timeout counted from Finish. `reply_buffer` must stay valid until Finish
+  // returns or the handle is dropped.
+  absl::StatusOr<UcxPendingCall> Start(uint32_t method, const std::string& token, const std::string& meta,
+                                       absl::Span<const absl::Span<const uint8_t>> payload,
+                                       absl::Span<uint8_t> reply_buffer);
+  absl::StatusOr<UcxReply> Finish(UcxPendingCall call, absl::Duration timeout);
   bool connected() const;
   const std::string& address() const { return address_; }
   // True when the server is on this host (shared-memory / CMA lanes).
