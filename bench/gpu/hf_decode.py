@@ -248,6 +248,9 @@ def main():
     p.add_argument("--exchange-min-bytes", type=int, default=-1,
                    help="the client's device_exchange_min_bytes (-1: its default; 0: every step through the "
                         "device exchange, for comparison)")
+    p.add_argument("--tag", default="",
+                   help="a name for this run's binaries (e.g. base: an earlier build beside the current one, same "
+                        "call); it names the output file and moves the cluster to its own ports")
     p.add_argument("--profile", action="store_true",
                    help="also profile the engine thread's decode step (cProfile, torch.profiler) per shard count")
     args = p.parse_args()
@@ -261,7 +264,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
-               "deployment": args.deployment, "configs": []}
+               "deployment": args.deployment, "tag": args.tag, "configs": []}
     import transformers
     results["transformers"], results["torch"] = transformers.__version__, torch.__version__
     log(f"== pass-Q decode in generate, {args.deployment} deployment, Llama-3-8B shapes (random weights)")
@@ -276,7 +279,8 @@ def main():
     copts = {"ucx_spin_max_us": 0} if before else {}
     copts["device_exchange_min_bytes"] = args.exchange_min_bytes
     results["device_exchange_min_bytes"] = args.exchange_min_bytes
-    path = out / f"hf_decode_{args.deployment}{'' if args.exchange_min_bytes < 0 else '_x%d' % args.exchange_min_bytes}.json"
+    path = out / (f"hf_decode_{args.deployment}{'' if args.exchange_min_bytes < 0 else '_x%d' % args.exchange_min_bytes}"
+                  f"{'_' + args.tag if args.tag else ''}.json")
     for shards in sorted({s for s, _, _ in configs}):
         mine = [(b, n) for s, b, n in configs if s == shards]
         need = max(b * n for b, n in mine) * 32 * 8 * 128 * 2 * 2  # the largest configuration's KV, all layers
@@ -285,7 +289,7 @@ def main():
             log(f"  (budget spent: {shards}-shard configurations skipped)")
             break
         # (Each deployment on its own ports: run one after the other, the second never meets the first's sockets.)
-        with LocalCluster(nodes=shards, port=(8900 if before else 8600) + 10 * shards, replication=1, host_bytes="4G", page_bytes=page,
+        with LocalCluster(nodes=shards, port=(8900 if before else 9200 if args.tag else 8600) + 10 * shards, replication=1, host_bytes="4G", page_bytes=page,
                           gpu=0, hbm_bytes=hbm, chunk_blocks=256, bin=args.bin, root=ROOT, daemon_flags=dflags,
                           mps=not before) as cl:
             c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=120, **copts)

@@ -7,6 +7,7 @@
 // catches any use of a freed request, reply or payload.
 #include "kvring/transport/ucx_rpc.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -76,6 +77,64 @@ TEST(UcxRpcTest, AnExactRoundTripSmallAndLarge) {
   auto c = UcxRpcClient::Connect(e.address());
   ASSERT_TRUE(c.ok()) << c.status();
   for (size_t n : {size_t{0}, size_t{100}, size_t{64} << 10, size_t{4} << 20}) ExpectExactCall(**c, n, 3);
+}
+
+// Start/Finish: calls to several servers in flight from one thread (a
+// fan-out with no thread per call), finished in another order than they
+// were started, each exact; a call dropped unfinished leaves its reply
+// buffer alone (its reply is discarded), and the client goes on.
+TEST(UcxRpcTest, CallsStartedTogetherFromOneThreadFinishInAnyOrderAndDroppedOnesWriteNothing) {
+  Echo a, b;
+  auto ca = UcxRpcClient::Connect(a.address());
+  auto cb = UcxRpcClient::Connect(b.address());
+  ASSERT_TRUE(ca.ok() && cb.ok());
+  constexpr int kCalls = 8;
+  std::vector<std::vector<uint8_t>> in, buf;
+  for (int i = 0; i < kCalls; ++i) {
+    in.push_back(Pattern(1000 + 4096 * i, static_cast<uint8_t>(i)));
+    buf.emplace_back(in.back().size());
+  }
+  std::vector<UcxPendingCall> calls;
+  for (int i = 0; i < kCalls; ++i) {
+    UcxRpcClient& c = i % 2 ? **cb : **ca;
+    const absl::Span<const uint8_t> part = absl::MakeConstSpan(in[i]);
+    // (the servers answer later calls sooner: replies arrive out of order)
+    auto started = c.Start(7, "token", std::to_string((kCalls - i) * 300), {&part, 1}, absl::MakeSpan(buf[i]));
+    ASSERT_TRUE(started.ok()) << started.status();
+    calls.push_back(std::move(*started));
+    in[i].push_back(0);  // the payload was staged: the caller's memory may change at once
+    in[i].pop_back();
+  }
+  for (int i = kCalls - 1; i >= 0; --i) {
+    UcxRpcClient& c = i % 2 ? **cb : **ca;
+    absl::StatusOr<UcxReply> r = c.Finish(std::move(calls[i]), absl::Seconds(10));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(r->status.ok()) << r->status;
+    ASSERT_TRUE(r->payload_in_buffer);
+    EXPECT_TRUE(std::equal(in[i].rbegin(), in[i].rend(), buf[i].begin())) << "call " << i;
+  }
+  // A finished handle of one client is refused by another.
+  {
+    const absl::Span<const uint8_t> part = absl::MakeConstSpan(in[0]);
+    auto started = (*ca)->Start(7, "token", "0", {&part, 1}, absl::MakeSpan(buf[0]));
+    ASSERT_TRUE(started.ok());
+    EXPECT_TRUE(absl::IsInvalidArgument((*cb)->Finish(std::move(*started), absl::Seconds(1)).status()));
+  }
+  // Dropped while the server still works on them: their buffers stay as
+  // they were after the reply would have come.
+  for (int i = 0; i < 4; ++i) {
+    std::vector<uint8_t> mine(512, 0xAB);
+    const std::vector<uint8_t> payload = Pattern(512, 9);
+    const absl::Span<const uint8_t> part = absl::MakeConstSpan(payload);
+    {
+      auto started = (*ca)->Start(7, "token", "20000", {&part, 1}, absl::MakeSpan(mine));
+      ASSERT_TRUE(started.ok());
+    }  // dropped here
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    EXPECT_TRUE(std::all_of(mine.begin(), mine.end(), [](uint8_t v) { return v == 0xAB; }));
+  }
+  ExpectExactCall(**ca, 4096, 5);
+  ExpectExactCall(**cb, 4096, 6);
 }
 
 // Calls a step apart (a decode loop: the engine computes between them): with
