@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <optional>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -52,6 +54,8 @@ struct Buffer {
 };
 
 // One request at a time on the GPU: a stream and the buffers a step needs.
+struct DevSeq;
+
 struct Lane {
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, kernel_begin = nullptr, kernel_end = nullptr, done = nullptr;
@@ -59,9 +63,30 @@ struct Lane {
   // Bytes at the start of d_workspace known to be zero (the decode merge's
   // counters must be; earlier calls leave partials after their own).
   size_t counters_clean = 0;
+  // Interprocess events a caller's stream waits on when the reply went
+  // before the step's work was done (DeviceExchange.reply_when_queued),
+  // used in turn: a caller slow to wait meets its own step's record, not a
+  // later step's. Null where the device has no IPC events.
+  static constexpr int kDoneEvents = 4;
+  cudaEvent_t done_ipc[kDoneEvents] = {};
+  std::string done_ipc_handle[kDoneEvents];
+  int next_done = 0;
+  // A step replied to while its work is still on the device: what it holds
+  // until the work completes (CudaAttentionBackend::Reap). The lane is not
+  // reused before then (its staging is still being read).
+  struct InFlight {
+    std::vector<DevSeq*> seqs;                        // busy (never dropped) until then
+    std::vector<std::pair<BlockKey, int32_t>> keyed;  // promoted pages: shared once their bytes landed
+    std::vector<PinnedBlock> sources;                 // the promotions' host copies
+    std::shared_ptr<void> keepalive;                  // the caller's mapped memory and event
+  };
+  std::optional<InFlight> in_flight;
   ~Lane() {
     for (Buffer* b : {&h_in, &d_in, &h_out, &d_out, &d_tables, &d_workspace}) b->Free();
     for (cudaEvent_t e : {start, kernel_begin, kernel_end, done}) {
+      if (e != nullptr) (void)cudaEventDestroy(e);
+    }
+    for (cudaEvent_t e : done_ipc) {
       if (e != nullptr) (void)cudaEventDestroy(e);
     }
     if (stream != nullptr) (void)cudaStreamDestroy(stream);
@@ -109,6 +134,7 @@ struct DevSeq {
   size_t synced = 0;  // device entries [0, synced) are current
   uint64_t last_use = 0;
   int busy = 0;
+  Lane* flying = nullptr;  // the lane of its last step still on the device (replied when queued), if any
   size_t Find(uint64_t i) const {
     return static_cast<size_t>(std::lower_bound(idx.begin(), idx.end(), i) - idx.begin());
   }
@@ -186,6 +212,22 @@ class CudaAttentionBackend final : public AttentionBackend {
       for (cudaEvent_t* e : {&l->start, &l->kernel_begin, &l->kernel_end, &l->done}) {
         KVRING_RETURN_IF_ERROR(CudaStatus(cudaEventCreate(e), "lane event"));
       }
+      int ipc_events = 0;
+      (void)cudaDeviceGetAttribute(&ipc_events, cudaDevAttrIpcEventSupport, o_.device);
+      for (int k = 0; ipc_events && k < Lane::kDoneEvents; ++k) {
+        cudaIpcEventHandle_t h;
+        if (cudaEventCreateWithFlags(&l->done_ipc[k], cudaEventDisableTiming | cudaEventInterprocess) != cudaSuccess ||
+            cudaIpcGetEventHandle(&h, l->done_ipc[k]) != cudaSuccess) {
+          (void)cudaGetLastError();
+          KVRING_LOG(INFO) << "no interprocess events on this device: every Attend replies once its work is done";
+          for (cudaEvent_t& e : l->done_ipc) {
+            if (e != nullptr) (void)cudaEventDestroy(e);
+            e = nullptr;
+          }
+          break;
+        }
+        l->done_ipc_handle[k].assign(reinterpret_cast<const char*>(&h), sizeof(h));
+      }
       absl::MutexLock lk(&lanes_mu_);
       free_lanes_.push_back(l.get());
       lanes_.push_back(std::move(l));
@@ -198,6 +240,7 @@ class CudaAttentionBackend final : public AttentionBackend {
   }
 
   ~CudaAttentionBackend() override {
+    Reap(ReapMode::kAll);
     if (healthy_) (void)cudaDeviceSynchronize();  // nothing may still read the pool or tables
     absl::MutexLock l(&mu_);
     for (auto& [id, d] : seqs_) FreeTables(*d);
@@ -214,6 +257,7 @@ class CudaAttentionBackend final : public AttentionBackend {
       return cpu_.AdmitBlock(seq, index, key, meta, payload);
     }
     KVRING_RETURN_IF_ERROR(Healthy());
+    Reap(ReapMode::kDone);  // (their sequences' pages may be evicted again)
     if (payload.size() > o_.page_bytes) return absl::InvalidArgumentError("block larger than an HBM page");
     const SeqId id{seq.ns, seq.id};
     int32_t page;
@@ -258,6 +302,7 @@ class CudaAttentionBackend final : public AttentionBackend {
       return cpu_.OpenBlock(seq, index, layout);
     }
     KVRING_RETURN_IF_ERROR(Healthy());
+    Reap(ReapMode::kDone);
     if (layout.bytes() > o_.page_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
           "a block of ", layout.bytes(), " bytes is larger than this node's ", o_.page_bytes, "-byte HBM pages"));
@@ -287,6 +332,7 @@ class CudaAttentionBackend final : public AttentionBackend {
 
   void DiscardOpenBlock(const SequenceRef& seq, uint64_t index) override {
     if (OnCpu(seq)) return cpu_.DiscardOpenBlock(seq, index);
+    Reap(ReapMode::kAll);  // nothing on the device may still write the page
     absl::MutexLock l(&mu_);
     DevSeq* dp = FindLocked(SeqId{seq.ns, seq.id});
     if (dp == nullptr) return;
@@ -300,6 +346,7 @@ class CudaAttentionBackend final : public AttentionBackend {
 
   void ForgetSequence(const SequenceRef& seq) override {
     const SeqId id{seq.ns, seq.id};
+    Reap(ReapMode::kAll);  // no step still on the device holds it
     {
       absl::MutexLock l(&mu_);
       auto cpu = on_cpu_.find(id);
@@ -318,8 +365,9 @@ class CudaAttentionBackend final : public AttentionBackend {
           store_->RefundOpenBytes(d.tenant, d.open_bytes_each);
         }
       }
-      // No step of this sequence is in flight (the core holds its lock), so
-      // nothing reads its tables; cudaFree waits for the device anyway.
+      // No step of this sequence is in flight (the core holds its lock, and
+      // the steps replied to early completed above), so nothing reads its
+      // tables; cudaFree waits for the device anyway.
       FreeTables(d);
       seqs_.erase(it);
     }
@@ -328,6 +376,7 @@ class CudaAttentionBackend final : public AttentionBackend {
   absl::Status ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) override {
     if (OnCpu(seq)) return cpu_.ReadOpenBlock(seq, index, dst);
     KVRING_RETURN_IF_ERROR(Healthy());
+    Reap(ReapMode::kAll);  // the appends still on the device land first
     int32_t page;
     {
       absl::MutexLock l(&mu_);
@@ -517,17 +566,79 @@ class CudaAttentionBackend final : public AttentionBackend {
     d.cap = 0;
   }
 
-  Lane* AcquireLane() {
-    absl::MutexLock l(&lanes_mu_);
-    lanes_mu_.Await(absl::Condition(
-        +[](std::vector<Lane*>* v) { return !v->empty(); }, &free_lanes_));
-    Lane* lane = free_lanes_.back();
-    free_lanes_.pop_back();
-    return lane;
+  // A free lane; lanes whose steps completed on the device are freed first,
+  // and with none free the oldest still on the device is waited for.
+  Lane* AcquireLane() ABSL_LOCKS_EXCLUDED(mu_, lanes_mu_) {
+    Reap(ReapMode::kDone);
+    for (;;) {
+      {
+        absl::MutexLock l(&lanes_mu_);
+        lanes_mu_.Await(absl::Condition(this, &CudaAttentionBackend::LaneOrFlyingLocked));
+        if (!free_lanes_.empty()) {
+          Lane* lane = free_lanes_.back();
+          free_lanes_.pop_back();
+          return lane;
+        }
+      }
+      Reap(ReapMode::kOldest);
+    }
+  }
+  bool LaneOrFlyingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(lanes_mu_) {
+    return !free_lanes_.empty() || !flying_.empty();
   }
   void ReleaseLane(Lane* lane) {
     absl::MutexLock l(&lanes_mu_);
     free_lanes_.push_back(lane);
+  }
+  // Completes steps replied to early whose work is done on the device
+  // (kDone), the oldest after waiting for it and any others done (kOldest),
+  // or all, waiting for each (kAll): their sequences are no longer busy,
+  // their promoted pages shared, their host copies and the caller's mapped
+  // memory let go, their lanes free.
+  enum class ReapMode { kDone, kOldest, kAll };
+  void Reap(ReapMode mode) ABSL_LOCKS_EXCLUDED(mu_, lanes_mu_) {
+    std::vector<Lane*> done;
+    {
+      absl::MutexLock l(&lanes_mu_);
+      for (auto it = flying_.begin(); it != flying_.end();) {
+        const bool take = mode == ReapMode::kAll || (mode == ReapMode::kOldest && it == flying_.begin()) ||
+                          cudaEventQuery((*it)->done) == cudaSuccess;
+        if (take) {
+          done.push_back(*it);
+          it = flying_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    if (done.empty()) return;
+    std::vector<Lane::InFlight> released;
+    for (Lane* lane : done) {
+      // (a failure here poisoned the context: Check reports it; the step's
+      // caller met it on its own stream)
+      (void)Check(cudaEventSynchronize(lane->done), "a step replied to before its work was done");
+      float total_ms = 0, kernel_ms = 0;
+      (void)cudaEventElapsedTime(&total_ms, lane->start, lane->done);
+      (void)cudaEventElapsedTime(&kernel_ms, lane->kernel_begin, lane->kernel_end);
+      last_kernel_seconds_ = kernel_ms * 1e-3;
+      last_copy_seconds_ = std::max(0.f, total_ms - kernel_ms) * 1e-3;
+    }
+    {
+      absl::MutexLock l(&mu_);
+      for (Lane* lane : done) {
+        Lane::InFlight& f = *lane->in_flight;
+        for (DevSeq* d : f.seqs) {
+          --d->busy;
+          if (d->flying == lane) d->flying = nullptr;
+        }
+        for (const auto& [key, page] : f.keyed) KeyPageLocked(key, page);
+        released.push_back(std::move(f));
+        lane->in_flight.reset();
+      }
+    }
+    released.clear();  // the host copies' holds go without mu_ held
+    absl::MutexLock l(&lanes_mu_);
+    for (Lane* lane : done) free_lanes_.push_back(lane);
   }
 
   const CudaBackendOptions o_;
@@ -542,9 +653,14 @@ class CudaAttentionBackend final : public AttentionBackend {
   absl::Mutex admin_mu_;  // the admin stream (block copies in and out of HBM)
   cudaStream_t admin_stream_ = nullptr;
 
+  // Lock order: mu_ before lanes_mu_ (never the other way).
   absl::Mutex lanes_mu_;
   std::vector<std::unique_ptr<Lane>> lanes_;
   std::vector<Lane*> free_lanes_ ABSL_GUARDED_BY(lanes_mu_);
+  std::deque<Lane*> flying_ ABSL_GUARDED_BY(lanes_mu_);  // steps replied to early, oldest first
+  // The device times of the last step completed after its reply (what an
+  // early reply reports: its own are not known yet).
+  std::atomic<double> last_kernel_seconds_{0}, last_copy_seconds_{0};
 
   absl::Mutex mu_;
   absl::flat_hash_map<SeqId, std::unique_ptr<DevSeq>> seqs_ ABSL_GUARDED_BY(mu_);  // stable addresses
@@ -610,8 +726,10 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   Lane* lane = AcquireLane();
   struct LaneGuard {
     CudaAttentionBackend* self;
-    Lane* lane;
-    ~LaneGuard() { self->ReleaseLane(lane); }
+    Lane* lane;  // null: handed on (in flight)
+    ~LaneGuard() {
+      if (lane != nullptr) self->ReleaseLane(lane);
+    }
   } lane_guard{this, lane};
   const cudaStream_t st = lane->stream;
 
@@ -626,6 +744,10 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   };
   std::vector<Missing> missing;
   std::vector<DevSeq*> dseq(plan.sequences.size());
+  // Steps of these sequences still on the device (replied to early): this
+  // one's work follows theirs. (A lane that completed and was reused since
+  // only makes the wait longer.)
+  std::vector<cudaEvent_t> after;
   {
     absl::MutexLock l(&mu_);
     const uint64_t now = ++clock_;
@@ -637,6 +759,7 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
       d.last_use = now;
       ++d.busy;
       dseq[i] = &d;
+      if (d.flying != nullptr) after.push_back(d.flying->done);
     }
     for (size_t i = 0; i < plan.sequences.size(); ++i) {
       const StepSequence& s = plan.sequences[i];
@@ -678,7 +801,8 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   };
 
   // Phase 2: the missing blocks' host copies (store I/O, no lock), then
-  // their pages.
+  // their pages (steps done on the device let go of theirs first).
+  if (!missing.empty()) Reap(ReapMode::kDone);
   for (Missing& m : missing) {
     const StepSequence& s = plan.sequences[m.seq];
     absl::StatusOr<PinnedBlock> pb = store_->Acquire(s.seq.ns, m.key);
@@ -881,6 +1005,9 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
     s = Check(cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(dx->inputs_ready), 0),
               "waiting for the caller's inputs");
   }
+  for (cudaEvent_t e : after) {
+    if (s.ok()) s = Check(cudaStreamWaitEvent(st, e, 0), "ordering after a step still on the device");
+  }
   if (s.ok()) s = Check(cudaEventRecord(lane->start, st), "event");
   for (const Missing& m : missing) {
     if (!s.ok()) break;
@@ -1008,6 +1135,38 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
     }
   }
   if (s.ok()) s = Check(cudaEventRecord(lane->done, st), "event");
+  // The caller's stream can wait for the work (its inputs were on it too):
+  // the reply goes now, with an event for that stream, and the step's holds
+  // stay until the work completes (Reap).
+  if (s.ok() && dx != nullptr && dx->reply_when_queued && dx->inputs_ready != nullptr && times != nullptr &&
+      lane->done_ipc[0] != nullptr) {
+    const int k = lane->next_done++ % Lane::kDoneEvents;
+    s = Check(cudaEventRecord(lane->done_ipc[k], st), "event");
+    if (s.ok()) {
+      Lane::InFlight f;
+      f.seqs = dseq;
+      f.keepalive = dx->keepalive;
+      for (Missing& m : missing) {
+        f.keyed.emplace_back(m.key, m.page);
+        f.sources.push_back(std::move(m.host));
+      }
+      {
+        absl::MutexLock l(&mu_);
+        for (DevSeq* d : dseq) {
+          d->synced = d->idx.size();  // (the table writes are queued before any later step's)
+          d->flying = lane;
+        }
+      }
+      lane->in_flight = std::move(f);
+      times->done_event = lane->done_ipc_handle[k];
+      times->kernel_seconds = last_kernel_seconds_.load();
+      times->copy_seconds = last_copy_seconds_.load();
+      lane_guard.lane = nullptr;
+      absl::MutexLock l(&lanes_mu_);
+      flying_.push_back(lane);
+      return absl::OkStatus();
+    }
+  }
   if (s.ok()) s = Check(cudaEventSynchronize(lane->done), "the step on the GPU");
   if (!s.ok()) {
     lane->counters_clean = 0;  // unknown after a failed step: cleared before the next decode

@@ -335,7 +335,10 @@ absl::Status NodeCore::AttendOnDevice(const v1::Tenant& t, const std::string& re
     return RefuseDeviceIo(std::string(mapped.status().message()), stats);
   }
   if (!mapped.ok()) return mapped.status();
-  DeviceDelivery::Batch& m = **mapped;
+  // (shared: a backend that returns with the step's work queued holds it
+  // until the work completes)
+  std::shared_ptr<DeviceDelivery::Batch> held = std::move(*mapped);
+  DeviceDelivery::Batch& m = *held;
   const uint64_t rows = batch.num_rows, hq = uint64_t{batch.q_heads} * batch.head_dim;
   const uint64_t kv_bytes = batch.layout.has_value() ? uint64_t{batch.append_rows()} * batch.layout->kv_heads *
                                                            batch.layout->head_dim * DTypeSize(batch.layout->dtype)
@@ -358,6 +361,8 @@ absl::Status NodeCore::AttendOnDevice(const v1::Tenant& t, const std::string& re
     io.inputs_ready = *ev;
   }
   io.read = [&m](const uint8_t* src, absl::Span<uint8_t> dst) { return m.Read(src, dst); };
+  io.reply_when_queued = x.reply_when_queued && io.inputs_ready != nullptr;
+  io.keepalive = held;
   batch.device = &io;
   absl::Status s = Attend(t, requested_ns, batch, PartialOutput{nullptr, nullptr}, stats);
   if (s.ok() && (stats == nullptr || stats->device_refusal.empty())) device_exchanges_->Add(1);
@@ -658,6 +663,7 @@ absl::Status NodeCore::Finish(OpScope& op, std::chrono::steady_clock::time_point
     stats->completed_blocks = sealed;
     stats->kernel_seconds = times.kernel_seconds;
     stats->copy_seconds = times.copy_seconds;
+    stats->done_event = times.done_event;
     stats->compute_seconds = Since(t0);
     stats->backend = backend_->name();
     stats->sequence_status = seq_status;

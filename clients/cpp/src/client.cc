@@ -1326,7 +1326,11 @@ class ClientImpl {
       d->set_new_v_offset(jp.v);
       d->set_out_offset(uint64_t{jp.part_row} * hq * sizeof(float));
       d->set_lse_offset(l_base + uint64_t{jp.part_row} * q.q_heads * sizeof(float));
-      if (!inputs_event.empty()) d->set_inputs_ready_event(inputs_event);
+      if (!inputs_event.empty()) {
+        d->set_inputs_ready_event(inputs_event);
+        // (the merge below waits for the node's work on the same stream)
+        if (node_events_ok_.load()) d->set_reply_when_queued(true);
+      }
       return d;
     };
     auto through_exchange = [&](Node& node, v1::AttendRequest req, const JobPlace& jp) {
@@ -1542,6 +1546,22 @@ class ClientImpl {
       if (dx != nullptr && !r.resp.ok() && IsNodeFailure(r.resp.status())) xb.Drop();
     }
     std::vector<std::vector<int32_t>> contrib(dx != nullptr ? q.num_rows : 0);  // per output row: partial rows
+    // Nodes that answered once their work was queued on their GPU: the
+    // stream waits for it now, before anything later on it (the merge, the
+    // caller's next kernels, the exchange buffer's next user) and whatever
+    // this round returns.
+    for (const Result& r : res) {
+      if (!r.in_place || !r.resp.ok() || r.resp->done_event().empty()) continue;
+      ++rep->shards_replied_queued;
+      if (absl::Status w = dx->dev->WaitNodeEvent(r.resp->done_event(), dx->stream); !w.ok()) {
+        node_events_ok_ = false;  // not asked for again
+        xb.Drop();                // its node may still write into it
+        return absl::InternalError(
+            absl::StrCat("a node answered before its work was done and its event cannot be "
+                         "waited for here (",
+                         w.message(), "); later steps wait for the nodes' work"));
+      }
+    }
     for (size_t j = 0; j < jobs.size(); ++j) {
       const absl::Status& s = res[j].resp.status();
       auto unit_of = [&](size_t seq, uint64_t begin, uint64_t end, auto f) {
@@ -1635,6 +1655,7 @@ class ClientImpl {
       }
       ++rep->shards;
       if (res[j].in_place) ++rep->shards_in_place;
+
       rep->blocks += r.blocks_used();
       rep->bytes_sent += res[j].sent;
       rep->bytes_received += r.ByteSizeLong() + res[j].received;
@@ -2054,6 +2075,10 @@ class ClientImpl {
   // Steps on the caller's stream hand nodes an event to wait on (false once
   // this device or a node cannot: then the client waits for the inputs).
   std::atomic<bool> events_ok_{true};
+  // Nodes may answer steps on the caller's stream once their work is queued
+  // (DeviceExchange.reply_when_queued); false once a node's event could not
+  // be waited for here.
+  std::atomic<bool> node_events_ok_{true};
   absl::Mutex dev_mu_;
   std::unique_ptr<DeviceMemory> dev_ ABSL_GUARDED_BY(dev_mu_);
   ClientOptions o_;

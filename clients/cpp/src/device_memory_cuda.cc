@@ -1,5 +1,6 @@
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <map>
 #include <vector>
 
@@ -28,6 +29,7 @@ class CudaDeviceMemory final : public DeviceMemory {
     for (uint8_t* p : retired_) (void)cudaFree(p);
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     for (auto& [e, h] : ipc_events_) (void)cudaEventDestroy(e);
+    for (auto& [h, e] : node_events_) (void)cudaEventDestroy(e);
   }
   absl::StatusOr<Exchange> ExchangeBuffer(size_t bytes, void* stream) override {
     {
@@ -107,6 +109,35 @@ class CudaDeviceMemory final : public DeviceMemory {
     KVRING_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(e, S(stream)), "recording the inputs' event"));
     return handle;
   }
+  absl::Status WaitNodeEvent(const std::string& ipc_event, void* stream) override {
+    cudaEvent_t e = nullptr;
+    {
+      absl::MutexLock l(&mu_);
+      auto it = node_events_.find(ipc_event);
+      if (it != node_events_.end()) {
+        e = it->second;
+      } else {
+        if (ipc_event.size() != sizeof(cudaIpcEventHandle_t)) {
+          return absl::FailedPreconditionError(absl::StrCat("a node's event handle has ", ipc_event.size(),
+                                                            " bytes, not ", sizeof(cudaIpcEventHandle_t)));
+        }
+        if (node_events_.size() >= kMaxNodeEvents) {
+          // (a pending wait keeps its event alive past cudaEventDestroy)
+          for (auto& [h, ev] : node_events_) (void)cudaEventDestroy(ev);
+          node_events_.clear();
+        }
+        cudaIpcEventHandle_t h;
+        std::memcpy(&h, ipc_event.data(), sizeof(h));
+        if (cudaError_t err = cudaIpcOpenEventHandle(&e, h); err != cudaSuccess) {
+          (void)cudaGetLastError();
+          return absl::FailedPreconditionError(
+              absl::StrCat("cannot open a node's event (cudaIpcOpenEventHandle: ", cudaGetErrorName(err), ")"));
+        }
+        node_events_.emplace(ipc_event, e);
+      }
+    }
+    return CudaStatus(cudaStreamWaitEvent(S(stream), e, 0), "waiting for a node's work on the device");
+  }
   absl::StatusOr<Staging> Pinned(size_t bytes) override {
     const size_t n = std::max<size_t>(size_t{1} << 20, (bytes + (1 << 20) - 1) >> 20 << 20);
     {
@@ -181,6 +212,7 @@ class CudaDeviceMemory final : public DeviceMemory {
 
  private:
   static constexpr size_t kIpcEvents = 64;
+  static constexpr size_t kMaxNodeEvents = 256;  // nodes' events kept open (each node has a few per lane)
   struct StagingEntry {
     uint8_t* p;
     cudaEvent_t after;  // null: free now
@@ -217,6 +249,7 @@ class CudaDeviceMemory final : public DeviceMemory {
   std::vector<uint8_t*> retired_ ABSL_GUARDED_BY(mu_);
   std::vector<cudaEvent_t> free_events_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<cudaEvent_t, std::string>> ipc_events_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, cudaEvent_t> node_events_ ABSL_GUARDED_BY(mu_);
   size_t next_ipc_event_ ABSL_GUARDED_BY(mu_) = 0;
   int ipc_events_supported_ ABSL_GUARDED_BY(mu_) = -1;
 };

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -54,6 +55,11 @@ struct AttendDeviceIo {
   // reads them waits for it on its stream; `read` waits for it.
   void* inputs_ready = nullptr;
   std::function<absl::Status(const uint8_t* device_src, absl::Span<uint8_t> dst)> read;
+  // The caller's stream waits for the step's work (inputs_ready set): a
+  // backend may return once the work is queued (StepTimes::done_event),
+  // holding `keepalive` (the mapped memory and event) until it completes.
+  bool reply_when_queued = false;
+  std::shared_ptr<void> keepalive;
 };
 
 struct AttendBatch {
@@ -89,6 +95,9 @@ struct AttendStats {
   std::vector<absl::Status> sequence_status;
   // A device batch this node will not run (it did nothing): why.
   std::string device_refusal;
+  // The step's device work was still queued when the node answered: a
+  // cudaIpcEventHandle_t that completes with it (AttendResponse.done_event).
+  std::string done_event;
 };
 
 }  // namespace kvring

@@ -103,6 +103,10 @@ struct StepPlan {
 struct StepTimes {
   double kernel_seconds = 0;
   double copy_seconds = 0;
+  // Set when Step returned with its device work still queued (a device plan
+  // with reply_when_queued, on a backend that can): a cudaIpcEventHandle_t
+  // that completes with the work. The times are then an earlier step's.
+  std::string done_event;
 };
 
 struct BackendStats {

@@ -106,6 +106,7 @@ struct DeviceExchangeIn {
   std::string ipc_handle;  // cudaIpcMemHandle_t bytes
   uint64_t queries = 0, new_k = 0, new_v = 0, out = 0, lse = 0;
   std::string inputs_ready_event;  // cudaIpcEventHandle_t bytes, or empty
+  bool reply_when_queued = false;  // with inputs_ready_event: AttendStats::done_event may answer
 };
 struct GetBlockOut {
   absl::Status status;

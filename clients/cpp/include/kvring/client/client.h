@@ -169,6 +169,11 @@ struct AttendReport {
   // for the inputs on the device (an event on the caller's stream), not the
   // client on the host.
   bool inputs_waited_on_device = false;
+  // Shards (of shards_in_place) that answered once the step's work was
+  // queued on their GPU, not done: the merge waits for it on the caller's
+  // stream (an event each), so the caller's thread never waits for a node's
+  // kernel.
+  uint32_t shards_replied_queued = 0;
 };
 
 // One sequence of an attention step.

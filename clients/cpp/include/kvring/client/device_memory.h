@@ -136,6 +136,10 @@ class DeviceMemory {
   // recorded again by later calls; a node waits on one before it answers.
   // UNIMPLEMENTED where the device has no IPC events (then: Wait).
   virtual absl::StatusOr<std::string> RecordInputsEvent(void* stream) = 0;
+  // Work queued on `stream` from now on waits for a node's event (its
+  // cudaIpcEventHandle_t bytes: AttendResponse.done_event), opened here once
+  // and kept. FAILED_PRECONDITION when it cannot be opened.
+  virtual absl::Status WaitNodeEvent(const std::string& ipc_event, void* stream) = 0;
   // Synchronous copies (complete on return).
   virtual absl::Status ToDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status ToHost(void* dst, const void* src, size_t bytes) = 0;
