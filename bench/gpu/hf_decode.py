@@ -175,6 +175,9 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
         for i, name in enumerate(("plan", "stage", "round_trip", "transport", "merge")):
             r[f"{name}_p50_us"] = p50([s[5 + i] for s in steps]) * 1e6
         r["over_kernel_us"] = r["step_p50_us"] - r["kernel_p50_us"]
+        # Shards that answered with their work still queued (the node's time
+        # then holds no kernel, and kernel_p50 is of earlier steps).
+        r["replied_queued"] = sum(s[10] for s in steps if len(s) > 10) / len(steps)
         # engine glue = Python (kvring.hf + StepPlan around the C call) + the
         # client's device staging (its copies and waits around the routed step).
         # The engine thread's time in the step: Python (kvring.hf + StepPlan
@@ -198,7 +201,8 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
         f"{r['sdpa_tokens_per_s']:.1f} = {r['ratio']:.2f}x; step p50 {r.get('step_p50_us', float('nan')):.0f} us "
         f"on the {r.get('step_timed_on', '?')} (engine thread {r.get('engine_thread_p50_us', float('nan')):.0f}) "
         f"(kernel {r.get('kernel_p50_us', float('nan')):.0f}, +{r.get('over_kernel_us', float('nan')):.0f}; "
-        f"sdpa's attention {r['sdpa_layer_p50_us']:.0f} us); breakdown "
+        f"sdpa's attention {r['sdpa_layer_p50_us']:.0f} us; replied queued {r.get('replied_queued', 0):.2f}); "
+        f"breakdown "
         + ", ".join(f"{k} {v:.0f}" for k, v in r.get("breakdown_us", {}).items())
         + f"; cores busy: daemons {dm.cores:.2f} decoding, {idle.cores:.2f} idle; engine {eng.cores:.2f} "
           f"(sdpa {eng_local.cores:.2f})")

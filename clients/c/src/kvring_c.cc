@@ -309,7 +309,8 @@ int kvring_step(kvring_client* c, const kvring_step_args* a, float* out, float* 
                                    rep.plan_seconds,
                                    rep.stage_seconds,
                                    rep.round_trip_seconds,
-                                   rep.transport_seconds};
+                                   rep.transport_seconds,
+                                   static_cast<int32_t>(rep.shards_replied_queued)};
   }
   return Code(absl::OkStatus());
 }

@@ -48,7 +48,8 @@ class AttendReport(ctypes.Structure):
                 ("node_seconds", c_double), ("kernel_seconds", c_double), ("copy_seconds", c_double),
                 ("merge_seconds", c_double), ("shards_in_place", ctypes.c_int32),
                 ("inputs_waited_on_device", ctypes.c_int32), ("plan_seconds", c_double),
-                ("stage_seconds", c_double), ("round_trip_seconds", c_double), ("transport_seconds", c_double)]
+                ("stage_seconds", c_double), ("round_trip_seconds", c_double), ("transport_seconds", c_double),
+                ("shards_replied_queued", ctypes.c_int32)]
 
     def as_dict(self):
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -145,8 +146,8 @@ def _load():
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
-    if lib.kvring_api_version() != 7:
-        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 7" % lib.kvring_api_version())
+    if lib.kvring_api_version() != 8:
+        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 8" % lib.kvring_api_version())
     return lib
 
 

@@ -201,7 +201,8 @@ class PassQSession:
         wait for the GPU before or after a step. decode_steps holds the latest single-token steps as (seconds of the
         engine's thread in the step; the client's, the node's and the kernel's seconds from the step's report; the
         seconds in the client's C call: NaN for prepared=False; then the report's split of the client's seconds:
-        plan, stage, round trip, transport (of the round trip), merge). timing=True also records CUDA events around each
+        plan, stage, round trip, transport (of the round trip), merge; and the fraction of shards that answered
+        with their work still queued on their GPU, the stream waiting for it). timing=True also records CUDA events around each
         decode step: device_step_seconds() gives each one's span on the stream, from its inputs ready to its output
         ready (what the engine's GPU waits for a step)."""
         register()
@@ -335,7 +336,8 @@ class PassQSession:
         if T == 1:
             self.decode_steps.append((dt, rep["seconds"], rep["node_seconds"], rep["kernel_seconds"], float("nan"),
                                       rep["plan_seconds"], rep["stage_seconds"], rep["round_trip_seconds"],
-                                      rep["transport_seconds"], rep["merge_seconds"]))
+                                      rep["transport_seconds"], rep["merge_seconds"],
+                                      rep["shards_replied_queued"] / max(1, rep["shards"])))
         return result
 
     def _attend_planned(self, layer, query, key, value, scaling):
@@ -379,7 +381,8 @@ class PassQSession:
         if T == 1:
             self.decode_steps.append((dt, rep.seconds, rep.node_seconds, rep.kernel_seconds, plan.call_seconds,
                                       rep.plan_seconds, rep.stage_seconds, rep.round_trip_seconds,
-                                      rep.transport_seconds, rep.merge_seconds))
+                                      rep.transport_seconds, rep.merge_seconds,
+                                      rep.shards_replied_queued / max(1, rep.shards)))
         if timed:
             e1 = torch.cuda.Event(enable_timing=True)
             e1.record()

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KVRING_C_API_VERSION 7
+#define KVRING_C_API_VERSION 8
 
 typedef struct kvring_client kvring_client;
 
@@ -96,6 +96,9 @@ typedef struct {
   int32_t inputs_waited_on_device; /* AttendReport::inputs_waited_on_device (version 7) */
   /* AttendReport's split of `seconds` (version 7). */
   double plan_seconds, stage_seconds, round_trip_seconds, transport_seconds;
+  /* Shards that answered once the step's work was queued on their GPU
+   * (AttendReport::shards_replied_queued; version 8). */
+  int32_t shards_replied_queued;
 } kvring_attend_report;
 
 typedef struct {
