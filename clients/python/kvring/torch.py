@@ -170,8 +170,33 @@ class StepPlan:
                          (what, self._dtype, kv, tuple(t.shape), t.dtype))
         if len(contexts) != B:
             _invalid("contexts: one token count per sequence (%d), got %d" % (B, len(contexts)))
+        return self._launch(layer, contexts, rows, n, qd, q.data_ptr(), new_k.data_ptr(), new_v.data_ptr(), q.device)
+
+    def decode(self, layer, contexts, query, key, value):
+        """run() for one token a sequence, in the attention layout of transformers' models: query
+        [batch, q_heads, 1, head_dim], key / value [batch, kv_heads, 1, head_dim] (the layout's dtype), CUDA
+        tensors on one device, each contiguous (then their memory is exactly run()'s q, new_k, new_v: no copy).
+        Returns run()'s (out [batch, q_heads, head_dim] f32, lse)."""
+        B, L = self.batch, self._layout
+        qd = _DT.get(query.dtype)
+        kv = (B, L.kv_heads, 1, L.head_dim)
+        if (qd is None or query.shape != (B, self.q_heads, 1, L.head_dim) or key.shape != kv or value.shape != kv
+                or key.dtype != self._dtype or value.dtype != self._dtype or not query.is_cuda
+                or not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous())
+                or key.device != query.device or value.device != query.device):
+            _invalid("decode: query (%d, %d, 1, %d) of float32/16 or bfloat16 and key, value %s of %s, contiguous "
+                     "CUDA tensors on one device; got %s %s, %s %s, %s %s" %
+                     (B, self.q_heads, L.head_dim, kv, self._dtype, tuple(query.shape), query.dtype,
+                      tuple(key.shape), key.dtype, tuple(value.shape), value.dtype))
+        if len(contexts) != B:
+            _invalid("contexts: one token count per sequence (%d), got %d" % (B, len(contexts)))
+        return self._launch(layer, contexts, 1, B, qd, query.data_ptr(), key.data_ptr(), value.data_ptr(),
+                            query.device)
+
+    def _launch(self, layer, contexts, rows, n, qd, q_ptr, k_ptr, v_ptr, device):
+        L = self._layout
         seqs, pos = self._seqs, self._pos
-        for b in range(B):
+        for b in range(self.batch):
             c = contexts[b]
             s = seqs[b]
             s.context_tokens, s.rows, s.append_tokens = c, rows, rows
@@ -179,27 +204,38 @@ class StepPlan:
                 pos[b] = c
             else:
                 np.add(self._arange[:rows], c, out=pos[b * rows:(b + 1) * rows])
-        key = (rows, q.device)
+        key = (rows, device)
         buf = self._out.get(key)
         if buf is None:
-            o = torch.empty((n, self.q_heads, L.head_dim), dtype=torch.float32, device=q.device)
-            lo = torch.empty((n, self.q_heads), dtype=torch.float32, device=q.device)
+            o = torch.empty((n, self.q_heads, L.head_dim), dtype=torch.float32, device=device)
+            lo = torch.empty((n, self.q_heads), dtype=torch.float32, device=device)
             buf = (o, lo, ctypes.c_void_p(o.data_ptr()), ctypes.c_void_p(lo.data_ptr()))
             if rows <= 16:  # decode and draft steps reuse their buffers; prefill chunks of every size do not stay
                 self._out[key] = buf
         a = self._args
-        a.q, a.q_dtype, a.num_rows, a.layer = q.data_ptr(), qd, n, layer
-        a.new_k, a.new_v = new_k.data_ptr(), new_v.data_ptr()
-        stream = torch.cuda.current_stream(q.device)
+        a.q, a.q_dtype, a.num_rows, a.layer = q_ptr, qd, n, layer
+        a.new_k, a.new_v = k_ptr, v_ptr
         if self.stream_ordered:
-            a.stream = stream.cuda_stream
+            a.stream = _current_stream(device)
         else:
-            stream.synchronize()  # inputs written; the client reads them on its own stream
+            torch.cuda.current_stream(device).synchronize()  # inputs written; the client reads them on its own stream
         t0 = time.perf_counter()
         code = _lib.kvring_step(self._client._h, self._args_ref, buf[2], buf[3], self._report_ref)
         self.call_seconds = time.perf_counter() - t0
         _check(code)
         return buf[0], buf[1]
+
+
+def _current_stream(device):
+    """The current CUDA stream of `device` (a cudaStream_t as an int): torch's raw accessor where it has one (no
+    Stream object per call), else through torch.cuda.current_stream."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 __all__ = ["put", "put_sequence", "get_into", "step", "StepPlan", "layout_dtype", "Layout"]
