@@ -42,6 +42,22 @@ bool IsNodeFailure(const absl::Status& s) {
 absl::Status StatusOf(const v1::Status& s) { return StatusFromProto(s); }
 double Since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+// A PutBlock's block header: key, parent (none when zero), layout, and the
+// payload's encoding, size and checksum; by reference (PutBlock.by_reference:
+// no bytes travel), none of those three.
+void PutBlockToProto(const BlockKey& key, const BlockKey& parent, const BlockLayout& layout, const KvEncoding& encoding,
+                     absl::Span<const uint8_t> payload, bool by_reference, v1::PutBlock* pb) {
+  v1::BlockHeader* h = pb->mutable_block();
+  KeyToProto(key, h->mutable_key());
+  if (!parent.is_zero()) KeyToProto(parent, h->mutable_parent());
+  LayoutToProto(layout, h->mutable_layout());
+  pb->set_by_reference(by_reference);
+  if (by_reference) return;
+  h->set_encoding(encoding.Pack());
+  h->set_payload_bytes(static_cast<uint32_t>(payload.size()));
+  h->set_checksum(PayloadChecksum(payload.data(), payload.size()));
+}
+
 // An Attend whose payload (queries and appended K/V in host memory) is
 // larger than this is sent from a pool thread, so that the fan-out's
 // staging copies run in parallel; smaller ones (decode steps) are all sent
@@ -604,15 +620,10 @@ class ClientImpl {
             for (size_t i : idx) {
               const BlockData& b = blocks[i];
               v1::PutBlock* pb = req.add_blocks();
-              KeyToProto(b.key, pb->mutable_block()->mutable_key());
-              if (!b.parent.is_zero()) KeyToProto(b.parent, pb->mutable_block()->mutable_parent());
-              LayoutToProto(b.layout, pb->mutable_block()->mutable_layout());
               if (missing_on != nullptr) {
-                pb->set_by_reference(true);
+                PutBlockToProto(b.key, b.parent, b.layout, b.encoding, {}, /*by_reference=*/true, pb);
               } else {
-                pb->mutable_block()->set_encoding(b.encoding.Pack());
-                pb->mutable_block()->set_payload_bytes(static_cast<uint32_t>(b.payload.size()));
-                pb->mutable_block()->set_checksum(PayloadChecksum(b.payload.data(), b.payload.size()));
+                PutBlockToProto(b.key, b.parent, b.layout, b.encoding, b.payload, /*by_reference=*/false, pb);
                 pb->set_pin(b.pin);
               }
               if (seq) {
@@ -1885,12 +1896,8 @@ class ClientImpl {
       for (size_t k : ks) {
         const GetResult& g = got[k];
         v1::PutBlock* pb = req.add_blocks();
-        KeyToProto(chain[need[k]], pb->mutable_block()->mutable_key());
-        if (need[k] > 0) KeyToProto(chain[need[k] - 1], pb->mutable_block()->mutable_parent());
-        LayoutToProto(g.meta.layout, pb->mutable_block()->mutable_layout());
-        pb->mutable_block()->set_encoding(g.meta.encoding.Pack());
-        pb->mutable_block()->set_payload_bytes(static_cast<uint32_t>(g.payload.size()));
-        pb->mutable_block()->set_checksum(PayloadChecksum(g.payload.data(), g.payload.size()));
+        PutBlockToProto(chain[need[k]], need[k] > 0 ? chain[need[k] - 1] : BlockKey{}, g.meta.layout, g.meta.encoding,
+                        g.payload, /*by_reference=*/false, pb);
         pb->mutable_sequence()->set_sequence_id(id);
         pb->mutable_sequence()->set_block_index(need[k]);
         payloads.push_back(g.payload);
