@@ -74,7 +74,9 @@ class ClientImpl {
         quantize_wire_(!o.quantize               ? ""
                        : o.quantize->quantized() ? KvEncodingName(*o.quantize)
                                                  : "none"),
-        pool_(o.threads ? o.threads : 16) {}
+        pool_(o.threads ? o.threads : 16) {
+    node_events_ok_ = o.node_reply_when_queued;
+  }
 
   absl::Status Init() {
     KVRING_ASSIGN_OR_RETURN(creds_, MakeChannelCredentials(o_.tls));

@@ -100,6 +100,12 @@ struct ClientOptions {
   // (bench/RESULTS.md). Without MPS the exchange's gather and merge each pay
   // a GPU context switch: there, 1 MiB keeps decode steps staged.
   uint64_t device_exchange_min_bytes = 0;
+  // A step on the caller's stream (AttendStep::stream_ordered) lets a GPU
+  // node on this host answer once its work is queued: the stream waits on
+  // the node's event, not this thread on the node's kernel
+  // (DeviceExchange.reply_when_queued; docs/MPS.md). false: every node
+  // answers when its work is done. Default: true.
+  bool node_reply_when_queued = true;
   // TLS towards the coordinator and the nodes (common/tls_config.h): set
   // tls.ca_file (and cert_file/key_file for mutual TLS). With TLS on,
   // payloads go over gRPC: use_ucx is ignored (UCX is not encrypted).
