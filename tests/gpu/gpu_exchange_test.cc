@@ -252,60 +252,74 @@ TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice)
   ASSERT_TRUE(cl.Start());
   auto token = cl.CreateTenant("engine");
   ASSERT_TRUE(token.ok()) << token.status();
-  auto c = Client::Connect(Options(cl, *token, true));
-  ASSERT_TRUE(c.ok());
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   int ipc_events = 0;
   cudaDeviceGetAttribute(&ipc_events, cudaDevAttrIpcEventSupport, 0);
-  Engine e(21);
-  const std::vector<std::vector<Engine::Part>> steps = {
-      {{"a", 40, 40}, {"b", 9, 9}},
-      {{"a", 1, 1}, {"b", 1, 1}},
-      {{"a", 1, 1}, {"b", 0, 1}},
-      {{"a", 2, 2}, {"b", 1, 1}},
-  };
-  int waited_on_device = 0, calls = 0, replied_queued = 0, decode_calls = 0, returned_early = 0;
-  for (size_t s = 0; s < steps.size() + 4; ++s) {
-    // (then 4 more decode steps, once every lane's buffers have grown)
-    const bool decode = s >= steps.size();
-    for (uint32_t l = 0; l < kLayout.layers; ++l) {
-      Engine::Result r =
-          e.Step(**c, l, decode ? std::vector<Engine::Part>{{"a", 1, 1}, {"b", 1, 1}} : steps[s], stream);
-      ExpectMatchesReference(r, absl::StrCat("stream-ordered step ", s, " layer ", l));
-      EXPECT_EQ(r.report.shards_in_place, r.report.shards);
-      waited_on_device += r.report.inputs_waited_on_device ? 1 : 0;
-      // (a round refused before the sequences existed on a node counts as
-      // a shard that did not answer with its work queued)
-      if (r.report.shards_replied_queued > 0) ++replied_queued;
-      if (decode) {
-        ++decode_calls;
-        // Every node answered with its work still queued behind the 30 ms
-        // host function: the call did not wait for it.
-        EXPECT_EQ(r.report.shards_replied_queued, r.report.shards) << "step " << s << " layer " << l;
-        returned_early += r.call_seconds < 0.025 ? 1 : 0;
+  // The nodes answer once their work is done (the default), or once it is
+  // queued (ClientOptions::node_reply_when_queued).
+  for (bool early : {false, true}) {
+    ClientOptions co = Options(cl, *token, true);
+    co.node_reply_when_queued = early;
+    auto c = Client::Connect(co);
+    ASSERT_TRUE(c.ok());
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    Engine e(early ? 21 : 31);
+    const std::string a = early ? "a" : "a0", b = early ? "b" : "b0";
+    const std::vector<std::vector<Engine::Part>> steps = {
+        {{a, 40, 40}, {b, 9, 9}},
+        {{a, 1, 1}, {b, 1, 1}},
+        {{a, 1, 1}, {b, 0, 1}},
+        {{a, 2, 2}, {b, 1, 1}},
+    };
+    int waited_on_device = 0, calls = 0, replied_queued = 0, decode_calls = 0, returned_early = 0;
+    for (size_t s = 0; s < steps.size() + 4; ++s) {
+      // (then 4 more decode steps, once every lane's buffers have grown)
+      const bool decode = s >= steps.size();
+      for (uint32_t l = 0; l < kLayout.layers; ++l) {
+        const std::string what =
+            absl::StrCat(early ? "replied when queued" : "replied when done", ", step ", s, " layer ", l);
+        Engine::Result r = e.Step(**c, l, decode ? std::vector<Engine::Part>{{a, 1, 1}, {b, 1, 1}} : steps[s], stream);
+        ExpectMatchesReference(r, what);
+        EXPECT_EQ(r.report.shards_in_place, r.report.shards) << what;
+        waited_on_device += r.report.inputs_waited_on_device ? 1 : 0;
+        // (a round refused before the sequences existed on a node counts as
+        // a shard that did not answer with its work queued)
+        if (r.report.shards_replied_queued > 0) ++replied_queued;
+        if (decode) {
+          ++decode_calls;
+          // Every node answered with its work still queued behind the 30 ms
+          // host function: the call did not wait for it.
+          if (early) EXPECT_EQ(r.report.shards_replied_queued, r.report.shards) << what;
+          returned_early += r.call_seconds < 0.025 ? 1 : 0;
+        }
+        ++calls;
       }
-      ++calls;
     }
+    // Where the device has IPC events, the nodes waited on them every time;
+    // asked to, they answered before their work was done (the output above
+    // was read through the stream: exact) and, once the lanes' buffers have
+    // grown (a growth frees device memory, which waits for the device), the
+    // calls returned before the stream reached the inputs. Else the calls
+    // waited for the work.
+    if (ipc_events) {
+      EXPECT_EQ(waited_on_device, calls);
+      EXPECT_EQ(replied_queued, early ? calls : 0);
+      if (early) {
+        EXPECT_GE(returned_early, decode_calls * 3 / 4);
+      } else {
+        EXPECT_EQ(returned_early, 0);
+      }
+    }
+    std::cout << (early ? "replied when queued" : "replied when done") << ": IPC events: " << ipc_events
+              << "; steps whose nodes waited on the device: " << waited_on_device << " of " << calls
+              << "; answered with their work queued: " << replied_queued << "; decode steps that returned before "
+              << "the stream reached the inputs: " << returned_early << " of " << decode_calls << "\n";
+    // The legacy default stream works the same way.
+    Engine e2(early ? 22 : 32);
+    Engine::Result r = e2.Step(**c, 0, {{early ? "z" : "z0", 5, 5}}, cudaStreamLegacy);
+    ExpectMatchesReference(r, "on the legacy default stream");
+    cudaStreamDestroy(stream);
   }
-  // Where the device has IPC events, the nodes waited on them every time
-  // and answered before their work was done (the output above was read
-  // through the stream: exact); once the lanes' buffers have grown (a
-  // growth frees device memory, which waits for the device), the calls
-  // return before the stream reaches the inputs.
-  if (ipc_events) {
-    EXPECT_EQ(waited_on_device, calls);
-    EXPECT_EQ(replied_queued, calls);
-    EXPECT_GE(returned_early, decode_calls * 3 / 4);
-  }
-  std::cout << "IPC events: " << ipc_events << "; steps whose nodes waited on the device: " << waited_on_device
-            << " of " << calls << "; answered with their work queued: " << replied_queued << "; decode steps that "
-            << "returned before the stream reached the inputs: " << returned_early << " of " << decode_calls << "\n";
-  // The legacy default stream works the same way.
-  Engine e2(22);
-  Engine::Result r = e2.Step(**c, 0, {{"z", 5, 5}}, cudaStreamLegacy);
-  ExpectMatchesReference(r, "on the legacy default stream");
-  cudaStreamDestroy(stream);
 }
 
 TEST(GpuExchangeTest, ACpuNodeRefusesTheExchangeAndIsServedThroughStaging) {

@@ -23,7 +23,7 @@ class Options(ctypes.Structure):
                 ("quantize", c_char_p), ("rpc_timeout_s", c_double), ("tls_ca", c_char_p), ("tls_cert", c_char_p),
                 ("tls_key", c_char_p), ("threads", c_u32), ("ucx_spin_us", ctypes.c_int32), ("ucx_busy_poll", ctypes.c_int32),
                 ("no_device_delivery", ctypes.c_int32), ("device_exchange_min_bytes", ctypes.c_int64),
-                ("ucx_spin_max_us", ctypes.c_int32), ("no_node_reply_when_queued", ctypes.c_int32)]
+                ("ucx_spin_max_us", ctypes.c_int32), ("node_reply_when_queued", ctypes.c_int32)]
 
 
 class PutReport(ctypes.Structure):

@@ -50,7 +50,7 @@ typedef struct {
   int64_t device_exchange_min_bytes; /* ClientOptions::device_exchange_min_bytes; < 0: its default (version 3) */
   int32_t ucx_spin_max_us; /* UCX adaptive spin window (UcxLoopOptions::spin_max_us; -1: by core count, 0: off; version
                               6) */
-  int32_t no_node_reply_when_queued; /* ClientOptions::node_reply_when_queued = false (version 8) */
+  int32_t node_reply_when_queued; /* ClientOptions::node_reply_when_queued (version 8) */
 } kvring_options;
 
 typedef struct {

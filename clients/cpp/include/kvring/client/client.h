@@ -103,9 +103,12 @@ struct ClientOptions {
   // A step on the caller's stream (AttendStep::stream_ordered) lets a GPU
   // node on this host answer once its work is queued: the stream waits on
   // the node's event, not this thread on the node's kernel
-  // (DeviceExchange.reply_when_queued; docs/MPS.md). false: every node
-  // answers when its work is done. Default: true.
-  bool node_reply_when_queued = true;
+  // (DeviceExchange.reply_when_queued). It shortens the step on the stream
+  // (H100, 4 shards: 400 us against 434) but transformers decoded fewer
+  // tokens/s with it (22.4 against 25.2; 1 shard: 24-28 against 30-31;
+  // bench/RESULTS.md, docs/MPS.md), so it is not the default yet.
+  // Default: false.
+  bool node_reply_when_queued = false;
   // TLS towards the coordinator and the nodes (common/tls_config.h): set
   // tls.ca_file (and cert_file/key_file for mutual TLS). With TLS on,
   // payloads go over gRPC: use_ucx is ignored (UCX is not encrypted).
