@@ -1272,9 +1272,29 @@ class ClientImpl {
       }
       l_base = uint64_t{part_rows} * hq * sizeof(float);
       uint64_t off = align(l_base + uint64_t{part_rows} * q.q_heads * sizeof(float));
-      for (JobPlace& jp : place) {
-        jp.q = off;
-        off = align(off + uint64_t{jp.rows} * qrow);
+      // Jobs that attend the same sequences read one copy of their rows (a
+      // sequence spread over N nodes: N requests, one copy of its queries).
+      std::vector<std::vector<size_t>> attends(jobs.size());
+      std::vector<int> same_rows_as(jobs.size(), -1);
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        for (const SeqPart& p : jobs[j].parts) {
+          if (!p.chunks.empty()) attends[j].push_back(p.seq);
+        }
+        for (size_t e = 0; e < j && !attends[j].empty(); ++e) {
+          if (same_rows_as[e] < 0 && attends[e] == attends[j]) {
+            same_rows_as[j] = static_cast<int>(e);
+            break;
+          }
+        }
+      }
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        JobPlace& jp = place[j];
+        if (same_rows_as[j] >= 0) {
+          jp.q = place[same_rows_as[j]].q;
+        } else {
+          jp.q = off;
+          off = align(off + uint64_t{jp.rows} * qrow);
+        }
         jp.k = off;
         off = align(off + uint64_t{jp.app} * kvrow);
         jp.v = off;
@@ -1285,29 +1305,44 @@ class ClientImpl {
       KVRING_ASSIGN_OR_RETURN(xb, dx->dev->ExchangeBuffer(off, dx->stream));
       // On the caller's stream, work on xb may still be queued when it goes.
       if (dx->stream_ordered) xb.UseOn(dx->stream);
-      // Each job's rows, in the order its request lists them.
+      // Each job's rows, in the order its request lists them; copies whose
+      // sources and destinations follow each other go as one.
+      struct Run {
+        uint8_t* dst = nullptr;
+        const uint8_t* src = nullptr;
+        uint64_t n = 0;
+      };
+      std::vector<Run> runs;
+      auto copy = [&](uint64_t dst_off, const void* src, uint64_t n) {
+        uint8_t* dst = xb.data() + dst_off;
+        const auto* from = static_cast<const uint8_t*>(src);
+        if (!runs.empty() && runs.back().dst + runs.back().n == dst && runs.back().src + runs.back().n == from) {
+          runs.back().n += n;
+        } else {
+          runs.push_back(Run{dst, from, n});
+        }
+      };
       for (size_t j = 0; j < jobs.size(); ++j) {
         uint64_t qo = place[j].q, ko = place[j].k, vo = place[j].v;
         for (const SeqPart& p : jobs[j].parts) {
-          const auto& s = st.sequences[p.seq];
-          if (!p.chunks.empty()) {
-            KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(xb.data() + qo,
-                                                      static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow,
-                                                      s.rows * qrow, dx->stream));
-            qo += s.rows * qrow;
-          }
-          if (p.append_end > p.append_begin) {
+          if (p.chunks.empty() || same_rows_as[j] >= 0) continue;
+          const uint64_t n = uint64_t{st.sequences[p.seq].rows} * qrow;
+          copy(qo, static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, n);
+          qo += n;
+        }
+        for (int kv = 0; kv < 2; ++kv) {
+          const void* from = kv == 0 ? st.new_k : st.new_v;
+          uint64_t& o = kv == 0 ? ko : vo;
+          for (const SeqPart& p : jobs[j].parts) {
+            if (p.append_end == p.append_begin) continue;
             const uint64_t n = p.append_end - p.append_begin;
-            const uint64_t src = app_begin[p.seq] + (p.append_begin - s.context_tokens);
-            KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(
-                xb.data() + ko, static_cast<const uint8_t*>(st.new_k) + src * kvrow, n * kvrow, dx->stream));
-            KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(
-                xb.data() + vo, static_cast<const uint8_t*>(st.new_v) + src * kvrow, n * kvrow, dx->stream));
-            ko += n * kvrow;
-            vo += n * kvrow;
+            const uint64_t src = app_begin[p.seq] + (p.append_begin - st.sequences[p.seq].context_tokens);
+            copy(o, static_cast<const uint8_t*>(from) + src * kvrow, n * kvrow);
+            o += n * kvrow;
           }
         }
       }
+      for (const Run& r : runs) KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(r.dst, r.src, r.n, dx->stream));
       // In place before any node reads them: on the caller's stream, the
       // nodes wait on an event recorded after the copies; else this waits.
       if (dx->stream_ordered && events_ok_.load()) {
