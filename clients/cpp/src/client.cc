@@ -1305,21 +1305,25 @@ class ClientImpl {
       KVRING_ASSIGN_OR_RETURN(xb, dx->dev->ExchangeBuffer(off, dx->stream));
       // On the caller's stream, work on xb may still be queued when it goes.
       if (dx->stream_ordered) xb.UseOn(dx->stream);
-      // Each job's rows, in the order its request lists them; copies whose
-      // sources and destinations follow each other go as one.
+      // Each job's rows, in the order its request lists them; copies from
+      // one of the caller's tensors whose sources and destinations follow
+      // each other go as one. (Only within a tensor: two tensors may lie
+      // back to back in memory, but one copy may not span two allocations.)
       struct Run {
+        int tensor = 0;  // 0 q, 1 new_k, 2 new_v
         uint8_t* dst = nullptr;
         const uint8_t* src = nullptr;
         uint64_t n = 0;
       };
       std::vector<Run> runs;
-      auto copy = [&](uint64_t dst_off, const void* src, uint64_t n) {
+      auto copy = [&](int tensor, uint64_t dst_off, const void* src, uint64_t n) {
         uint8_t* dst = xb.data() + dst_off;
         const auto* from = static_cast<const uint8_t*>(src);
-        if (!runs.empty() && runs.back().dst + runs.back().n == dst && runs.back().src + runs.back().n == from) {
+        const Run* last = runs.empty() ? nullptr : &runs.back();
+        if (last != nullptr && last->tensor == tensor && last->dst + last->n == dst && last->src + last->n == from) {
           runs.back().n += n;
         } else {
-          runs.push_back(Run{dst, from, n});
+          runs.push_back(Run{tensor, dst, from, n});
         }
       };
       for (size_t j = 0; j < jobs.size(); ++j) {
@@ -1327,7 +1331,7 @@ class ClientImpl {
         for (const SeqPart& p : jobs[j].parts) {
           if (p.chunks.empty() || same_rows_as[j] >= 0) continue;
           const uint64_t n = uint64_t{st.sequences[p.seq].rows} * qrow;
-          copy(qo, static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, n);
+          copy(0, qo, static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, n);
           qo += n;
         }
         for (int kv = 0; kv < 2; ++kv) {
@@ -1337,7 +1341,7 @@ class ClientImpl {
             if (p.append_end == p.append_begin) continue;
             const uint64_t n = p.append_end - p.append_begin;
             const uint64_t src = app_begin[p.seq] + (p.append_begin - st.sequences[p.seq].context_tokens);
-            copy(o, static_cast<const uint8_t*>(from) + src * kvrow, n * kvrow);
+            copy(1 + kv, o, static_cast<const uint8_t*>(from) + src * kvrow, n * kvrow);
             o += n * kvrow;
           }
         }
