@@ -53,9 +53,9 @@ struct Buffer {
   }
 };
 
-// One request at a time on the GPU: a stream and the buffers a step needs.
 struct DevSeq;
 
+// One request at a time on the GPU: a stream and the buffers a step needs.
 struct Lane {
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, kernel_begin = nullptr, kernel_end = nullptr, done = nullptr;

@@ -1364,9 +1364,9 @@ class ClientImpl {
     // Whether the inputs in xb are complete now (not only on the stream).
     bool inputs_waited = inputs_event.empty();
     absl::Mutex waited_mu;
-    // A job's request through the exchange buffer: the node reads and writes
-    // it in place, or (a node that cannot) is sent the job's rows from it
-    // and its partial goes back into it.
+    // Where a job's partial O and LSE go in the exchange buffer.
+    auto out_offset = [&](const JobPlace& jp) { return uint64_t{jp.part_row} * hq * sizeof(float); };
+    auto lse_offset = [&](const JobPlace& jp) { return l_base + uint64_t{jp.part_row} * q.q_heads * sizeof(float); };
     // A job's request reads its inputs from, and writes its partial into,
     // the exchange buffer.
     auto set_device = [&](v1::AttendRequest& req, const JobPlace& jp) {
@@ -1376,8 +1376,8 @@ class ClientImpl {
       d->set_queries_offset(jp.q);
       d->set_new_k_offset(jp.k);
       d->set_new_v_offset(jp.v);
-      d->set_out_offset(uint64_t{jp.part_row} * hq * sizeof(float));
-      d->set_lse_offset(l_base + uint64_t{jp.part_row} * q.q_heads * sizeof(float));
+      d->set_out_offset(out_offset(jp));
+      d->set_lse_offset(lse_offset(jp));
       if (!inputs_event.empty()) {
         d->set_inputs_ready_event(inputs_event);
         // (the merge below waits for the node's work on the same stream)
@@ -1385,11 +1385,13 @@ class ClientImpl {
       }
       return d;
     };
+    // A job's request through the exchange buffer: the node reads and writes
+    // it in place, or (a node that cannot) is sent the job's rows from it
+    // and its partial goes back into it.
     auto through_exchange = [&](Node& node, v1::AttendRequest req, const JobPlace& jp) {
       Result out;
       out.rows = jp.rows;
-      const uint64_t o_off = uint64_t{jp.part_row} * hq * sizeof(float);
-      const uint64_t l_off = l_base + uint64_t{jp.part_row} * q.q_heads * sizeof(float);
+      const uint64_t o_off = out_offset(jp), l_off = lse_offset(jp);
       // (the inputs complete before the host reads them or a node that
       // cannot wait on the event is asked)
       auto wait_inputs = [&]() -> absl::Status {
@@ -1517,9 +1519,13 @@ class ClientImpl {
       req.set_num_rows(pr.rows);
       return pr;
     };
+    // Each job's request, built once (a job sent again on this thread after
+    // an asynchronous try reuses it).
+    std::vector<Prepared> prepared(jobs.size());
+    for (size_t j = 0; j < jobs.size(); ++j) prepared[j] = prepare(j);
     // Job j on `node`, waited for on this thread.
     auto call = [&](size_t j, Node& node) {
-      Prepared pr = prepare(j);
+      Prepared& pr = prepared[j];
       if (dx != nullptr) {
         Result out = through_exchange(node, std::move(pr.req), place[j]);
         out.rows = pr.rows;
@@ -1550,7 +1556,7 @@ class ClientImpl {
         waited_jobs.push_back(j);
         continue;
       }
-      Prepared pr = prepare(j);
+      Prepared& pr = prepared[j];
       Result& r = res[j];
       r.rows = pr.rows;
       if (dx == nullptr && pr.bytes > kStartedAttendMaxBytes) {
@@ -1707,7 +1713,6 @@ class ClientImpl {
       }
       ++rep->shards;
       if (res[j].in_place) ++rep->shards_in_place;
-
       rep->blocks += r.blocks_used();
       rep->bytes_sent += res[j].sent;
       rep->bytes_received += r.ByteSizeLong() + res[j].received;
