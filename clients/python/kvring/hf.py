@@ -341,64 +341,49 @@ class PassQSession:
         return result
 
     def _attend_planned(self, layer, query, key, value, scaling):
-        """attend() through the session's StepPlan: for a decode step (T = 1) the transposes below are views
-        (no copy), and nothing is allocated but the bf16 result."""
+        """attend() through the session's StepPlan: a decode step (T = 1) in the model's contiguous tensors goes
+        to StepPlan.decode as it is (no transpose, no copy), and nothing is allocated but the result in the
+        model's dtype."""
         B, Hq, T, D = query.shape
         scale = float(scaling or 0.0)
         if self._plan is None or self._plan[0] != (Hq, scale):
             self._plan = ((Hq, scale), kt.StepPlan(self.client, self.layout, self.ids, Hq, max_rows=self.max_rows,
                                                    softmax_scale=scale))
         plan = self._plan[1]
-        if T == 1 and key.dtype == torch.bfloat16 and query.is_contiguous() and key.is_contiguous() \
-                and value.is_contiguous():
-            # A decode step as the model hands it over: its memory is the step's rows as they are.
-            tokens = self.tokens[layer]
-            if self.timing:
-                e0 = torch.cuda.Event(enable_timing=True)
-                e0.record()
-            t0 = time.perf_counter()
-            o, _ = plan.decode(layer, tokens, query, key, value)
-            result = o.view(B, 1, Hq, D).to(query.dtype)
-            dt = time.perf_counter() - t0
-            if self.timing:
-                e1 = torch.cuda.Event(enable_timing=True)
-                e1.record()
-                self._step_events.append((e0, e1))
-            self.seconds += dt
-            rep = plan.report
-            self._account(tokens, 1, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
-            self.decode_steps.append((dt, rep.seconds, rep.node_seconds, rep.kernel_seconds, plan.call_seconds,
-                                      rep.plan_seconds, rep.stage_seconds, rep.round_trip_seconds,
-                                      rep.transport_seconds, rep.merge_seconds,
-                                      rep.shards_replied_queued / max(1, rep.shards)))
-            return result
-        q = query.transpose(1, 2)  # [B, T, Hq, D]
-        k = key.transpose(1, 2)
-        v = value.transpose(1, 2)
-        if T > 1:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         timed = self.timing and T == 1
         if timed:
             e0 = torch.cuda.Event(enable_timing=True)
             e0.record()
         t0 = time.perf_counter()
-        if k.dtype != torch.bfloat16:
-            k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
         tokens = self.tokens[layer]
         rep = plan.report
-        if T <= self.max_rows:
-            o, _ = plan.run(layer, tokens, T, q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D),
-                            v.reshape(B * T, -1, D))
-            result = o.view(B, T, Hq, D).to(query.dtype)
-            self._account(tokens, T, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
-        else:  # a long prompt: a chunked prefill
-            result = torch.empty((B, T, Hq, D), dtype=query.dtype, device=query.device)
-            for c0 in range(0, T, self.max_rows):
-                n = min(T, c0 + self.max_rows) - c0
-                o, _ = plan.run(layer, tokens, n, q[:, c0:c0 + n].reshape(B * n, Hq, D),
-                                k[:, c0:c0 + n].reshape(B * n, -1, D), v[:, c0:c0 + n].reshape(B * n, -1, D))
-                result[:, c0:c0 + n] = o.view(B, n, Hq, D)
-                self._account(tokens, n, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
+        if T == 1 and key.dtype == torch.bfloat16 and query.is_contiguous() and key.is_contiguous() \
+                and value.is_contiguous():
+            # A decode step as the model hands it over: its memory is the step's rows as they are.
+            o, _ = plan.decode(layer, tokens, query, key, value)
+            result = o.view(B, 1, Hq, D).to(query.dtype)
+            self._account(tokens, 1, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
+        else:
+            q = query.transpose(1, 2)  # [B, T, Hq, D]
+            k = key.transpose(1, 2)
+            v = value.transpose(1, 2)
+            if T > 1:
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            if k.dtype != torch.bfloat16:
+                k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+            if T <= self.max_rows:
+                o, _ = plan.run(layer, tokens, T, q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D),
+                                v.reshape(B * T, -1, D))
+                result = o.view(B, T, Hq, D).to(query.dtype)
+                self._account(tokens, T, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
+            else:  # a long prompt: a chunked prefill
+                result = torch.empty((B, T, Hq, D), dtype=query.dtype, device=query.device)
+                for c0 in range(0, T, self.max_rows):
+                    n = min(T, c0 + self.max_rows) - c0
+                    o, _ = plan.run(layer, tokens, n, q[:, c0:c0 + n].reshape(B * n, Hq, D),
+                                    k[:, c0:c0 + n].reshape(B * n, -1, D), v[:, c0:c0 + n].reshape(B * n, -1, D))
+                    result[:, c0:c0 + n] = o.view(B, n, Hq, D)
+                    self._account(tokens, n, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
         dt = time.perf_counter() - t0
         self.seconds += dt
         if T == 1:
