@@ -141,31 +141,13 @@ __device__ __forceinline__ bool DecodeMaskMayHide(const AttnParams& p, int tok_l
   return tok_hi > tok_lo && ((p.causal && e.last > qmin) || (p.window > 0 && e.first <= qmax - p.window));
 }
 
-// S = Q K^T of one 16-token stage of a decode consumer warp (qa: the warp's
-// Q fragments, 16 vectors; kt: the stage's K tile, [D/64][16][128 B] 128-byte
-// swizzled), as m16n8k16 fragments (rows g and g + 8 of the lane, tokens
-// tile_first + j * 8 + tig * 2 + {0, 1}), scaled to the log2 domain (with
-// kKScale, also by the tokens' K scales ks[j * 2 + {0, 1}]) and -inf where
-// not visible: past tok_hi, for rows without a vector (position INT32_MIN),
-// and where the causal or window mask hides the token from the row's query
-// position (qpos0 / qpos1). cta_pos_mask: whether any of the CTA's tokens
-// can be hidden by position (else no page position is read); qmin / qmax:
-// the CTA's query positions' range.
-template <int D, typename T, bool kKScale>
-__device__ __forceinline__ void DecodeScores(const uint32_t (&qa)[D / 16][4], const uint8_t* kt, const AttnParams& p,
-                                             const PagedKvView& kv, int pb, int tile_first, int tok_hi, int qpos0,
-                                             int qpos1, int qmin, int qmax, bool cta_pos_mask, float scale,
-                                             const float* ks, float (&sc)[2][4]) {
-  const int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7, tig = lane & 3;
-#pragma unroll
-  for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    uint32_t b0, b1, b2, b3;
-    LdMatrixX4(SmemAddr(kt + Sw128(16, (mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
-    Mma<T>(sc[0], qa[kk], b0, b1);
-    Mma<T>(sc[1], qa[kk], b2, b3);
-  }
+// The scaling and masking half of DecodeScores, over raw Q K^T fragments
+// `sc` (any MMA that leaves the m16n8k16 accumulator layout).
+template <bool kKScale>
+__device__ __forceinline__ void DecodeMaskScores(const AttnParams& p, const PagedKvView& kv, int pb, int tile_first,
+                                                 int tok_hi, int qpos0, int qpos1, int qmin, int qmax,
+                                                 bool cta_pos_mask, float scale, const float* ks, float (&sc)[2][4]) {
+  const int tig = threadIdx.x & 3;
   const int tile_last = min(tile_first + 16, tok_hi) - 1;
   const bool tail = tile_first + 16 > tok_hi;
   const bool pos_mask = cta_pos_mask && ((p.causal && TokenPos(kv, pb, tile_last) > qmin) ||
@@ -189,18 +171,40 @@ __device__ __forceinline__ void DecodeScores(const uint32_t (&qa)[D / 16][4], co
   }
 }
 
-// One 16-token stage of a decode consumer warp, after S: the online softmax
-// over the m16n8k16 score fragments sc (masked, scaled to the log2 domain,
-// -inf where not visible; rows g and g + 8 of the lane: maxima m0 / m1,
-// sums l0 / l1, per lane), then O += P V with V the stage's [D/64][16][128 B]
-// swizzled 16-bit tile at `vt`. kPScale: P is multiplied by pscale (the
-// tokens' V scales of quantized pages: columns tig * 2 + {0, 1} and 8 + those)
-// for P V only, not for the sums.
-template <int D, typename T, bool kPScale>
-__device__ __forceinline__ void DecodeSoftmaxPV(float (&sc)[2][4], const float* pscale, float& m0, float& m1, float& l0,
-                                                float& l1, float (&o)[D / 8][4], const uint8_t* vt) {
-  constexpr int kDTiles = D / 8;
+// S = Q K^T of one 16-token stage of a decode consumer warp (qa: the warp's
+// Q fragments, 16 vectors; kt: the stage's K tile, [D/64][16][128 B] 128-byte
+// swizzled), as m16n8k16 fragments (rows g and g + 8 of the lane, tokens
+// tile_first + j * 8 + tig * 2 + {0, 1}), scaled to the log2 domain (with
+// kKScale, also by the tokens' K scales ks[j * 2 + {0, 1}]) and -inf where
+// not visible: past tok_hi, for rows without a vector (position INT32_MIN),
+// and where the causal or window mask hides the token from the row's query
+// position (qpos0 / qpos1). cta_pos_mask: whether any of the CTA's tokens
+// can be hidden by position (else no page position is read); qmin / qmax:
+// the CTA's query positions' range.
+template <int D, typename T, bool kKScale>
+__device__ __forceinline__ void DecodeScores(const uint32_t (&qa)[D / 16][4], const uint8_t* kt, const AttnParams& p,
+                                             const PagedKvView& kv, int pb, int tile_first, int tok_hi, int qpos0,
+                                             int qpos1, int qmin, int qmax, bool cta_pos_mask, float scale,
+                                             const float* ks, float (&sc)[2][4]) {
   const int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t b0, b1, b2, b3;
+    LdMatrixX4(SmemAddr(kt + Sw128(16, (mi >> 1) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
+    Mma<T>(sc[0], qa[kk], b0, b1);
+    Mma<T>(sc[1], qa[kk], b2, b3);
+  }
+  DecodeMaskScores<kKScale>(p, kv, pb, tile_first, tok_hi, qpos0, qpos1, qmin, qmax, cta_pos_mask, scale, ks, sc);
+}
+
+// The online-softmax half of DecodeSoftmaxPV: the maxima, sums and O's
+// rescale, and P (times pscale with kPScale) as the A operand `pa` of P V.
+template <int D, typename T, bool kPScale>
+__device__ __forceinline__ void DecodeSoftmax(float (&sc)[2][4], const float* pscale, float& m0, float& m1, float& l0,
+                                              float& l1, float (&o)[D / 8][4], uint32_t (&pa)[4]) {
+  constexpr int kDTiles = D / 8;
   float mx0 = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
   float mx1 = fmaxf(fmaxf(sc[0][2], sc[0][3]), fmaxf(sc[1][2], sc[1][3]));
   mx0 = QuadMax(mx0);
@@ -229,8 +233,10 @@ __device__ __forceinline__ void DecodeSoftmaxPV(float (&sc)[2][4], const float* 
       sc[j][3] *= pscale[j * 2 + 1];
     }
   }
-  uint32_t pa[4] = {Pack<T>(sc[0][0], sc[0][1]), Pack<T>(sc[0][2], sc[0][3]), Pack<T>(sc[1][0], sc[1][1]),
-                    Pack<T>(sc[1][2], sc[1][3])};
+  pa[0] = Pack<T>(sc[0][0], sc[0][1]);
+  pa[1] = Pack<T>(sc[0][2], sc[0][3]);
+  pa[2] = Pack<T>(sc[1][0], sc[1][1]);
+  pa[3] = Pack<T>(sc[1][2], sc[1][3]);
   // O's rescale, skipped when no row's maximum moved (the usual case once a
   // long stream's first stages are in).
   if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
@@ -242,6 +248,22 @@ __device__ __forceinline__ void DecodeSoftmaxPV(float (&sc)[2][4], const float* 
       o[dn][3] *= c1;
     }
   }
+}
+
+// One 16-token stage of a decode consumer warp, after S: the online softmax
+// over the m16n8k16 score fragments sc (masked, scaled to the log2 domain,
+// -inf where not visible; rows g and g + 8 of the lane: maxima m0 / m1,
+// sums l0 / l1, per lane), then O += P V with V the stage's [D/64][16][128 B]
+// swizzled 16-bit tile at `vt`. kPScale: P is multiplied by pscale (the
+// tokens' V scales of quantized pages: columns tig * 2 + {0, 1} and 8 + those)
+// for P V only, not for the sums.
+template <int D, typename T, bool kPScale>
+__device__ __forceinline__ void DecodeSoftmaxPV(float (&sc)[2][4], const float* pscale, float& m0, float& m1, float& l0,
+                                                float& l1, float (&o)[D / 8][4], const uint8_t* vt) {
+  constexpr int kDTiles = D / 8;
+  const int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
+  uint32_t pa[4];
+  DecodeSoftmax<D, T, kPScale>(sc, pscale, m0, m1, l0, l1, o, pa);
 #pragma unroll
   for (int dn = 0; dn < kDTiles; dn += 2) {
     uint32_t b0, b1, b2, b3;

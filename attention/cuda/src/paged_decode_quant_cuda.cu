@@ -1,8 +1,8 @@
 // Paged decode attention over quantized pages (int8 or fp8-e4m3 codes with
 // fp32 scales, cache/layout kv_encoding.h). Two kernels: on sm_90 with pages
 // of a multiple of 16 tokens, a pipelined one on the tensor cores (below,
-// "Pipelined variant"; 0.36-0.41 of copy in bytes of codes on the H200);
-// otherwise this one, on the CUDA cores (0.06-0.11):
+// "Pipelined variant"); otherwise this one, on the CUDA cores (0.06-0.11 of
+// copy in bytes of codes):
 //
 // The codes are read straight from the page pool and dequantized in
 // registers; there is never a full-precision copy of the KV in memory.
@@ -231,24 +231,40 @@ __global__ void __launch_bounds__(kThreads, 4)
                                 part_lse, out, lse);
 }
 
-// ---- Pipelined variant (sm_90, pages of a multiple of 16 tokens): the bf16
-// decode kernel's structure (paged_decode_cuda.cu) over codes. A producer
-// warp streams 16-token stages through a 12-deep mbarrier ring: K and V
-// codes ([16][D] each) by TMA boxes of a 5-d code map, the scales the stage
-// needs by 1-d bulk copies of 16-byte-aligned runs of the page's scale words
-// (a 2-d UINT32 tensor map of the scale words stopped the kernel with an
-// illegal instruction on the H200, compute-sanitizer: at that map's first
-// load). Each of four consumer warps takes a stage, converts its
-// codes to 16-bit values in a private swizzled buffer (K times its
-// per-channel scales in mode 2; rows past the end zeroed), releases the
-// stage, and runs the tensor-core math of the bf16 kernel on the buffer: S =
-// Q K^T times the per-token or per-page K scales, the online softmax, P
-// times the V scales, O += P V.
+// ---- Pipelined variant (sm_90, pages of a multiple of 16 tokens). A
+// producer warp streams 16-token stages through a 12-deep mbarrier ring: K
+// and V codes ([16][D] each, 128-byte swizzled for D = 128, 64-byte for
+// D = 64) by TMA boxes of a 5-d code map, the scales the stage needs by 1-d
+// bulk copies of 16-byte-aligned runs of the page's scale words (a 2-d
+// UINT32 tensor map of the scale words stopped the kernel with an illegal
+// instruction on the H200, compute-sanitizer: at that map's first load).
+// Four consumer warps take the stages in turn and feed the codes from the
+// stage straight into fp16 m16n8k16 fragments: no 16-bit copy of K or V is
+// written anywhere (docs/QUANTIZED-DECODE.md).
+//   Conversion, exact: int8 by the exponent trick (0x6400 | (c ^ 0x80) is
+//     1024 + c + 128 in fp16: one byte permute and one fp16x2 subtract per
+//     two codes, on the integer and FMA pipes); fp8-e4m3 by the hardware's
+//     e4m3x2 -> f16x2 convert (one per two codes). The kernel before this
+//     one converted through fp32 and bf16 (1.5-2 conversion instructions a
+//     code, at 16 a clock per SM), which held it to ~0.4 of copy.
+//   S = Q K^T: the head dims of a dot product may be taken in any order, so
+//     lane (g, tig) reads one contiguous run of its tokens' rows: dims
+//     [tig D/4, (tig + 1) D/4) of tokens g and g + 8, k-step s taking bytes
+//     4s .. 4s + 3 of it (k index 2 tig + {0, 1} is dim tig D/4 + 4s + {0, 1},
+//     2 tig + 8 + {0, 1} is + {2, 3}); the Q fragments are permuted alike.
+//   O += P V: O's columns may be permuted too: lane (g, tig) feeds dims
+//     [g D/8, (g + 1) D/8) of tokens 2 tig + {0, 1} and 8 + 2 tig + {0, 1},
+//     and column n of dim tile j is dim n D/8 + j.
+//   Range: the MMAs run on fp16, so Q is scaled by the power of two that
+//     keeps it within 2^14 (usually 1), and P's factors (the V scales) and
+//     the per-channel K scales are divided by the largest of the warp's
+//     first stage; the score scale and O take the factors back in fp32.
 constexpr int kPRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16n8k16 tile
 constexpr int kQPStage = 16, kQPConsumers = 4, kQPThreads = (kQPConsumers + 1) * 32, kQPStages = 12;
 
 template <int D, int kMode>
 struct QPipeCfg {
+  static_assert(D == 64 || D == 128, "the swizzled code tiles are for head_dim 64 or 128");
   static constexpr int kCodeBytes = kQPStage * D;  // K (or V) codes of a stage
   // A stage's scales, by 1-d bulk copies of 16-byte-aligned runs of the
   // page's scale words: K's at word 0 (per channel: D words; per token: the
@@ -257,42 +273,94 @@ struct QPipeCfg {
   static constexpr int kKWords = kMode == 2 ? D : kMode == 1 ? 16 : 4, kVWords = kMode == 0 ? 4 : 16;
   static constexpr int kVWord = (kKWords + 31) / 32 * 32;
   static constexpr int kScaleBytes = 4 * (kVWord + 32);
-  static constexpr int kStageBytes = 2 * kCodeBytes + kScaleBytes;
-  static constexpr int kRing = (kQPStages * kStageBytes + 1023) / 1024 * 1024;
-  static constexpr int kPrivBytes = 2 * kQPStage * D * 2;  // a consumer's 16-bit K and V: [D/64][16][128 B] each
-  static constexpr int kPrivOff = kRing;
-  static constexpr int kQOff = kPrivOff + kQPConsumers * kPrivBytes;
+  // Stages start at multiples of 1024 bytes (the swizzle's period).
+  static constexpr int kStageBytes = (2 * kCodeBytes + kScaleBytes + 1023) / 1024 * 1024;
+  static constexpr int kRing = kQPStages * kStageBytes;
+  static constexpr int kQOff = kRing;
   static constexpr int kBarOff = kQOff + kPRows * D * 2;
   static constexpr int kBytes = kBarOff + 2 * kQPStages * 8;
   static constexpr int kDynamic = kBytes + 1024;
   static constexpr uint32_t kTxBytes = 2 * kCodeBytes + (kKWords + kVWords) * 4;
-  static_assert(kQPConsumers * kPRows * D * 4 <= kQPConsumers * kPrivBytes, "merge buffer reuses the private buffers");
-  static_assert(kQPStages % kQPConsumers == 0, "each stage belongs to one consumer warp");
+  static_assert(kQPConsumers * kPRows * D * 4 <= kRing, "the warps' merge buffer reuses the ring");
 };
 
-// Eight codes (8 bytes) to eight 16-bit values, each times sc[i] (or 1).
-template <int kCodec, typename T, bool kScaled>
-__device__ __forceinline__ uint4 Dequant8(uint2 raw, const float* sc) {
-  float f[8];
-  const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
+// Byte offset of byte `b` (of a 16-byte-aligned piece) of row r in a stage's
+// [16][D] code tile as the code map's swizzle lays it: 16-byte chunk c of a
+// 128-byte row at c ^ (r % 8) (D = 128), of a 64-byte row at c ^ (r / 2 % 4)
+// (D = 64).
+template <int D>
+__device__ __forceinline__ uint32_t CodeAt(int r, int b) {
+  if constexpr (D == 128) return (uint32_t)(r * 128 + ((((b >> 4) ^ r) & 7) << 4) + (b & 15));
+  return (uint32_t)(r * 64 + ((((b >> 4) ^ (r >> 1)) & 3) << 4) + (b & 15));
+}
+
+__device__ __forceinline__ uint32_t HSub2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t HMul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Four codes (bytes 0..3 of w) as two fp16 pairs, (b0, b1) and (b2, b3),
+// lower byte in the lower half; exact.
+template <int kCodec>
+__device__ __forceinline__ void CodesToHalf2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  if constexpr (kCodec == 1) {
+    const uint32_t x = w ^ 0x80808080u;  // c + 128, as unsigned bytes
+    constexpr uint32_t kMagic = 0x64646464u, k1152 = 0x64806480u;
+    lo = HSub2(__byte_perm(x, kMagic, 0x4140), k1152);  // (1024 + c + 128) - 1152
+    hi = HSub2(__byte_perm(x, kMagic, 0x4342), k1152);
+  } else {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    lo = (uint32_t)a.x | ((uint32_t)a.y << 16);
+    hi = (uint32_t)b.x | ((uint32_t)b.y << 16);
+  }
+}
+
+__device__ __forceinline__ float WarpMax(float x) {
 #pragma unroll
-  for (int i = 0; i < 8; i += 2) {
-    if constexpr (kCodec == 1) {
-      f[i] = static_cast<float>(static_cast<int8_t>(b[i]));
-      f[i + 1] = static_cast<float>(static_cast<int8_t>(b[i + 1]));
-    } else {
-      const __half2_raw hr =
-          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(b[i] | (b[i + 1] << 8)), __NV_E4M3);
-      const float2 v = __half22float2(__half2(hr));
-      f[i] = v.x;
-      f[i + 1] = v.y;
-    }
-    if constexpr (kScaled) {
-      f[i] *= sc[i];
-      f[i + 1] *= sc[i + 1];
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// A consumer warp's Q fragments over the permuted head dims (k-step s,
+// registers 0 / 1: rows g / g + 8, dims tig D/4 + 4s + {0, 1}; 2 / 3: the
+// same rows, + {2, 3}) in fp16, times the power of two *q_mul that keeps
+// them within 2^14 (the same for every warp: each reads all 16 x D values).
+template <int D, typename T>
+__device__ __forceinline__ void LoadPermutedQ(const uint8_t* sq, uint32_t (&qa)[D / 16][4], float* q_mul) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  float f[D / 16][2][4];
+  float mx = 0.f;
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = g + 8 * r, d = tig * (D / 4) + 4 * s;
+      const T* at = reinterpret_cast<const T*>(sq + Swz<D>(row, d >> 3)) + (d & 7);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        f[s][r][i] = ToF<T>(at[i]);
+        mx = fmaxf(mx, fabsf(f[s][r][i]));
+      }
     }
   }
-  return make_uint4(Pack<T>(f[0], f[1]), Pack<T>(f[2], f[3]), Pack<T>(f[4], f[5]), Pack<T>(f[6], f[7]));
+  mx = WarpMax(mx);
+  const float m = mx > 16384.f ? exp2f(-ceilf(log2f(mx / 16384.f))) : 1.f;
+  *q_mul = m;
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      qa[s][r] = Pack<__half>(f[s][r][0] * m, f[s][r][1] * m);
+      qa[s][2 + r] = Pack<__half>(f[s][r][2] * m, f[s][r][3] * m);
+    }
+  }
 }
 
 template <int D, typename T, int kCodec, int kMode>
@@ -300,7 +368,8 @@ __global__ void __launch_bounds__(kQPThreads, 2)
     QDecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                            float* part_lse, float* out, float* lse, const __grid_constant__ CUtensorMap code_map) {
   using C = QPipeCfg<D, kMode>;
-  constexpr int kChunks = D / 8, kKSteps = D / 16, kDTiles = D / 8;
+  constexpr int kKSteps = D / 16, kDTiles = D / 8;
+  constexpr int kKWordsLane = D / 16, kVWordsLane = D / 32;  // a lane's words of a K / V row
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + (SmemBase1024(smem_raw) - SmemAddr(smem_raw));
   uint8_t* sq = smem + C::kQOff;
@@ -329,14 +398,14 @@ __global__ void __launch_bounds__(kQPThreads, 2)
 
   float o[kDTiles][4];
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  float vref = 1.f;  // O's factor back (the V scales' reference)
   const int L = kv.layer, H = kv.kv_heads;
   // Per-head scales: their word within the aligned run of 4 that is copied
   // (a page's scales start at a multiple of 4 words).
   const int k_sub = ((L * 2) * H + h) & 3, v_sub = ((L * 2 + 1) * H + h) & 3;
   if (warp == kQPConsumers) {
     // ---- producer: the page ids from a window of 64 in registers, as in
-    // the bf16 kernel (what bounds this kernel is the consumers' conversion
-    // of the codes, not the stream).
+    // the bf16 kernel.
     const int E = (int)(((uint64_t)2 * kv.layers * H * bt * D) / 4);  // first scale word of a page
     const int kplane = (L * 2) * H + h, vplane = kplane + H;
     // The codes are read once: their lines leave L2 first.
@@ -382,12 +451,12 @@ __global__ void __launch_bounds__(kQPThreads, 2)
   } else {
     // ---- consumers
     uint32_t qa[kKSteps][4];
-    LoadDecodeQFragments<D>(sq, qa);
+    float q_mul;
+    LoadPermutedQ<D, T>(sq, qa, &q_mul);
+    float sscale = scale / q_mul, inv_vref = 1.f, inv_kref = 1.f;
     const int qpos0 = s_qpos[g], qpos1 = s_qpos[g + 8], qmin = s_qmin, qmax = s_qmax;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    uint8_t* kt = smem + C::kPrivOff + warp * C::kPrivBytes;
-    uint8_t* vt = kt + C::kPrivBytes / 2;
     const bool cta_pos_mask =
         DecodeMaskMayHide(p, tok_lo, tok_hi, DecodeStreamEnds(p, kv, pb, tok_lo, tok_hi), qmin, qmax);
     for (int t = warp; t < ntiles; t += kQPConsumers) {
@@ -398,19 +467,34 @@ __global__ void __launch_bounds__(kQPThreads, 2)
       const float* scl = reinterpret_cast<const float*>(vc + C::kCodeBytes);
       const int tile_first = tok_lo + t * kQPStage;
       const int valid_rows = min(kQPStage, tok_hi - tile_first);
-      // Codes to 16-bit values in this warp's buffers (rows past the end: 0).
+      // The lane's codes and scales into registers, then the stage goes back.
+      uint32_t kw[2][kKWordsLane], vw[4][kVWordsLane];
 #pragma unroll
-      for (int i = 0; i < kQPStage * kChunks / 32; ++i) {
-        const int c = lane + 32 * i, r = c / kChunks, ch = c % kChunks;
-        uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
-        if (r < valid_rows) {
-          const uint2 kr = *reinterpret_cast<const uint2*>(kc + r * D + ch * 8);
-          const uint2 vr = *reinterpret_cast<const uint2*>(vc + r * D + ch * 8);
-          kv4 = Dequant8<kCodec, T, kMode == 2>(kr, scl + ch * 8);  // (per channel: dims 8 ch ..)
-          vv4 = Dequant8<kCodec, T, false>(vr, nullptr);
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int c = 0; c < kKWordsLane / 4; ++c) {
+          const uint4 v = *reinterpret_cast<const uint4*>(kc + CodeAt<D>(g + 8 * r, tig * (D / 4) + 16 * c));
+          kw[r][4 * c] = v.x;
+          kw[r][4 * c + 1] = v.y;
+          kw[r][4 * c + 2] = v.z;
+          kw[r][4 * c + 3] = v.w;
         }
-        *reinterpret_cast<uint4*>(kt + Sw128(kQPStage, r, ch)) = kv4;
-        *reinterpret_cast<uint4*>(vt + Sw128(kQPStage, r, ch)) = vv4;
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int tok = (i >> 1) * 8 + 2 * tig + (i & 1);
+        const bool ok = tok < valid_rows;  // (rows past the end: zeros, never a junk NaN times P = 0)
+        if constexpr (kVWordsLane == 4) {
+          const uint4 v = ok ? *reinterpret_cast<const uint4*>(vc + CodeAt<D>(tok, g * 16)) : make_uint4(0, 0, 0, 0);
+          vw[i][0] = v.x;
+          vw[i][1] = v.y;
+          vw[i][2] = v.z;
+          vw[i][3] = v.w;
+        } else {
+          const uint2 v = ok ? *reinterpret_cast<const uint2*>(vc + CodeAt<D>(tok, g * 8)) : make_uint2(0, 0);
+          vw[i][0] = v.x;
+          vw[i][1] = v.y;
+        }
       }
       // This lane's tokens' scales: S columns (K per token / page) and P (V).
       float ks[4], vs[4];
@@ -421,19 +505,75 @@ __global__ void __launch_bounds__(kQPThreads, 2)
         // (0 past the end: P is 0 there, but 0 x a junk slot's NaN scale is not)
         vs[e] = tok < valid_rows ? (kMode == 0 ? scl[C::kVWord + v_sub] : scl[C::kVWord + tok]) : 0.f;
       }
+      float kch[kMode == 2 ? D / 4 : 1];  // per channel: the lane's dims' K scales
+      if constexpr (kMode == 2) {
+#pragma unroll
+        for (int i = 0; i < D / 4; ++i) kch[i] = scl[tig * (D / 4) + i];
+      }
       __syncwarp();
-      if (lane == 0) MbarArrive(empty0 + 8 * st);  // the codes are in registers / the private buffers
+      if (lane == 0) MbarArrive(empty0 + 8 * st);
+      if (t == warp) {
+        // The warp's first stage sets the references (uniform in the warp).
+        const float vmax = WarpMax(fmaxf(fmaxf(vs[0], vs[1]), fmaxf(vs[2], vs[3])));
+        vref = vmax > 0.f && vmax < INFINITY ? vmax : 1.f;
+        inv_vref = 1.f / vref;
+        if constexpr (kMode == 2) {
+          float kmax = 0.f;
+#pragma unroll
+          for (int i = 0; i < D / 4; ++i) kmax = fmaxf(kmax, fabsf(kch[i]));
+          kmax = WarpMax(kmax);
+          const float kref = kmax > 0.f && kmax < INFINITY ? kmax : 1.f;
+          inv_kref = 1.f / kref;
+          sscale *= kref;
+        }
+      }
+      // S = Q K^T over the permuted dims.
       float sc[2][4];
-      DecodeScores<D, T, kMode != 2>(qa, kt, p, kv, pb, tile_first, tok_hi, qpos0, qpos1, qmin, qmax, cta_pos_mask,
-                                     scale, ks, sc);
-      DecodeSoftmaxPV<D, T, true>(sc, vs, m0, m1, l0, l1, o, vt);  // (P times the V scales of its tokens)
-      __syncwarp();  // (the buffers are rewritten by the next stage's conversion)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+      for (int s = 0; s < kKSteps; ++s) {
+        uint32_t kf0 = 0, kf1 = 0;
+        if constexpr (kMode == 2) {
+          kf0 = Pack<__half>(kch[4 * s] * inv_kref, kch[4 * s + 1] * inv_kref);
+          kf1 = Pack<__half>(kch[4 * s + 2] * inv_kref, kch[4 * s + 3] * inv_kref);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          uint32_t b0, b1;
+          CodesToHalf2<kCodec>(kw[r][s], b0, b1);
+          if constexpr (kMode == 2) {
+            b0 = HMul2(b0, kf0);
+            b1 = HMul2(b1, kf1);
+          }
+          Mma<__half>(sc[r], qa[s], b0, b1);
+        }
+      }
+      DecodeMaskScores<kMode != 2>(p, kv, pb, tile_first, tok_hi, qpos0, qpos1, qmin, qmax, cta_pos_mask, sscale, ks,
+                                   sc);
+      float ps[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ps[e] = vs[e] * inv_vref;
+      uint32_t pa[4];
+      DecodeSoftmax<D, __half, true>(sc, ps, m0, m1, l0, l1, o, pa);
+      // O += P V: per word of the lane's V run, tokens (2 tig, 2 tig + 1)
+      // interleaved byte by byte, and (8 + those).
+#pragma unroll
+      for (int wd = 0; wd < kVWordsLane; ++wd) {
+        uint32_t b0[4], b1[4];
+        CodesToHalf2<kCodec>(__byte_perm(vw[0][wd], vw[1][wd], 0x5140), b0[0], b0[1]);
+        CodesToHalf2<kCodec>(__byte_perm(vw[0][wd], vw[1][wd], 0x7362), b0[2], b0[3]);
+        CodesToHalf2<kCodec>(__byte_perm(vw[2][wd], vw[3][wd], 0x5140), b1[0], b1[1]);
+        CodesToHalf2<kCodec>(__byte_perm(vw[2][wd], vw[3][wd], 0x7362), b1[2], b1[3]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) Mma<__half>(o[4 * wd + i], pa, b0[i], b1[i]);
+      }
     }
     l0 = QuadSum(l0);
     l1 = QuadSum(l1);
   }
-  __syncthreads();  // every stage consumed: the private buffers are free for the consumers' (m, l, O)
-  float* so = reinterpret_cast<float*>(smem + C::kPrivOff);  // kQPConsumers x kPRows x D
+  __syncthreads();                             // every stage consumed: the ring is free for the consumers' (m, l, O)
+  float* so = reinterpret_cast<float*>(smem);  // kQPConsumers x kPRows x D
   if (warp < kQPConsumers) {
     if (tig == 0) {
       s_m[warp][g] = m0;
@@ -441,14 +581,16 @@ __global__ void __launch_bounds__(kQPThreads, 2)
       s_l[warp][g] = l0;
       s_l[warp][g + 8] = l1;
     }
+    // Column n of dim tile j is dim n D/8 + j.
+    float* r0p = so + ((size_t)warp * kPRows + g) * D;
+    float* r1p = so + ((size_t)warp * kPRows + g + 8) * D;
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) {
-      float* r0p = so + ((size_t)warp * kPRows + g) * D + j * 8 + tig * 2;
-      float* r1p = so + ((size_t)warp * kPRows + g + 8) * D + j * 8 + tig * 2;
-      r0p[0] = o[j][0];
-      r0p[1] = o[j][1];
-      r1p[0] = o[j][2];
-      r1p[1] = o[j][3];
+      const int d0 = (2 * tig) * (D / 8) + j, d1 = d0 + D / 8;
+      r0p[d0] = o[j][0] * vref;
+      r0p[d1] = o[j][1] * vref;
+      r1p[d0] = o[j][2] * vref;
+      r1p[d1] = o[j][3] * vref;
     }
   }
   __syncthreads();

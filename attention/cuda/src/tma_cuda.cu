@@ -61,7 +61,7 @@ bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool a
 
 bool MakeQuantCodeMap(const PagedKvView& kv, int box_tokens, CUtensorMap* codes) {
   if (box_tokens <= 0 || kv.block_tokens % box_tokens != 0 || kv.codec == 0 || kv.page_stride % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(kv.pool) % 16 != 0 || !Sm90OrLater()) {
+      reinterpret_cast<uintptr_t>(kv.pool) % 16 != 0 || (kv.head_dim != 64 && kv.head_dim != 128) || !Sm90OrLater()) {
     return false;
   }
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
@@ -72,8 +72,8 @@ bool MakeQuantCodeMap(const PagedKvView& kv, int box_tokens, CUtensorMap* codes)
   const cuuint64_t cstrides[4] = {(cuuint64_t)D, plane_bytes, planes * plane_bytes, kv.page_stride};
   const cuuint32_t cbox[5] = {(cuuint32_t)D, (cuuint32_t)box_tokens, 1, 1, 1}, est5[5] = {1, 1, 1, 1, 1};
   return encode(codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, const_cast<void*>(kv.pool), cdims, cstrides, cbox, est5,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+                CU_TENSOR_MAP_INTERLEAVE_NONE, D == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 bool MakeQueryMap(const QueryView& q, int head_dim, int box_rows, CUtensorMap* map) {

@@ -33,10 +33,13 @@ bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool a
 // aligned). Host only; thread-safe.
 bool MakeQueryMap(const QueryView& q, int head_dim, int box_rows, CUtensorMap* map);
 
-// Quantized pages (kv.codec != 0): a 5-d map of the pool's 1-byte codes (D
-// bytes, token of the page, plane, 1, page) with boxes of D bytes x
-// `box_tokens` tokens (no swizzle: a box lands as [box_tokens][D]). False
-// where TMA cannot serve the view (as MakePoolMap). Host only. (The scales
+// Quantized pages (kv.codec != 0, head_dim 64 or 128): a 5-d map of the
+// pool's 1-byte codes (D bytes, token of the page, plane, 1, page) with boxes
+// of D bytes x `box_tokens` tokens, landing as [box_tokens][D] swizzled:
+// 16-byte chunk c of row r at chunk c ^ (r % 8) (D = 128, 128-byte swizzle)
+// or c ^ (r / 2 % 4) (D = 64, 64-byte swizzle); the destination must be
+// 1024-byte aligned. False where TMA cannot serve the view (as MakePoolMap).
+// Host only. (The scales
 // are read by 1-d bulk copies: a 2-d UINT32 tensor map of each page's words
 // stopped the kernel with an illegal instruction on the H200 at its first
 // load, compute-sanitizer: the 2-d TMA load.)
