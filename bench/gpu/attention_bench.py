@@ -29,6 +29,7 @@ p.add_argument("--profile-decode", default="", help="B:L[,...]: per shape one kv
 p.add_argument("--prefill-only", default="", help="only prefill, these shapes: B:L[:nc][,...] (nc: not causal)")
 p.add_argument("--decode-only", default="", help="only bf16 decode, these shapes: B:L[,...]")
 p.add_argument("--quant-only", action="store_true", help="only the int8/fp8 decode shapes")
+p.add_argument("--quant-shapes", default="", help="the int8/fp8 decode shapes: B:L[,...]")
 p.add_argument("--no-sweep", action="store_true", help="decode: time the default split count only (no split sweep)")
 p.add_argument("--block-tokens", type=int, default=16, help="tokens a page (kvring's pages; the peers read dense K/V)")
 args = p.parse_args()
@@ -229,6 +230,8 @@ for B, L in decode_shapes:
 qshapes = [] if args.prefill_only or args.decode_only else [(1, 131072), (8, 32768), (64, 32768), (16, 131072)]
 if args.quick:
     qshapes = [(8, 32768)]
+if args.quant_shapes:
+    qshapes = [tuple(int(x) for x in sh.split(":")) for sh in args.quant_shapes.split(",")]
 if args.profile_one or args.profile_decode:
     qshapes = []
 results["decode_quant"] = []
