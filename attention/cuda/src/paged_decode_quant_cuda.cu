@@ -260,10 +260,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 //     the per-channel K scales are divided by the largest of the warp's
 //     first stage; the score scale and O take the factors back in fp32.
 constexpr int kPRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16n8k16 tile
-#ifndef KVRING_QSTAGES
-#define KVRING_QSTAGES 20
-#endif
-constexpr int kQPStage = 16, kQPConsumers = 4, kQPThreads = (kQPConsumers + 1) * 32, kQPStages = KVRING_QSTAGES;
+constexpr int kQPStage = 16, kQPConsumers = 4, kQPThreads = (kQPConsumers + 1) * 32, kQPStages = 20;
 
 template <int D, int kMode>
 struct QPipeCfg {
@@ -312,23 +309,18 @@ __device__ __forceinline__ uint32_t HMul2(uint32_t a, uint32_t b) {
   return d;
 }
 
-// A word of four codes as CodesToHalf2 takes them: int8 codes c flipped to
-// c + 128 (unsigned bytes); fp8 codes as they are.
+// Four codes (bytes 0..3 of w) as two fp16 pairs, (b0, b1) and (b2, b3),
+// lower byte in the lower half; exact.
 template <int kCodec>
-__device__ __forceinline__ uint32_t Excess(uint32_t w) {
-  return kCodec == 1 ? w ^ 0x80808080u : w;
-}
-// Four codes (bytes 0..3 of x, as Excess leaves them) as two fp16 pairs,
-// (b0, b1) and (b2, b3), lower byte in the lower half; exact.
-template <int kCodec>
-__device__ __forceinline__ void CodesToHalf2(uint32_t x, uint32_t& lo, uint32_t& hi) {
+__device__ __forceinline__ void CodesToHalf2(uint32_t w, uint32_t& lo, uint32_t& hi) {
   if constexpr (kCodec == 1) {
+    const uint32_t x = w ^ 0x80808080u;  // c + 128, as unsigned bytes
     constexpr uint32_t kMagic = 0x64646464u, k1152 = 0x64806480u;
     lo = HSub2(__byte_perm(x, kMagic, 0x4140), k1152);  // (1024 + c + 128) - 1152
     hi = HSub2(__byte_perm(x, kMagic, 0x4342), k1152);
   } else {
-    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xffffu), __NV_E4M3);
-    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x >> 16), __NV_E4M3);
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
     lo = (uint32_t)a.x | ((uint32_t)a.y << 16);
     hi = (uint32_t)b.x | ((uint32_t)b.y << 16);
   }
@@ -480,18 +472,33 @@ __global__ void __launch_bounds__(kQPThreads, 2)
       const float* scl = reinterpret_cast<const float*>(smem + C::kScaleOff + st * C::kScaleBytes);
       const int tile_first = tok_lo + t * kQPStage;
       const int valid_rows = min(kQPStage, tok_hi - tile_first);
-      // The lane's K codes and the stage's scales into registers (int8:
-      // already flipped to excess-128, what CodesToHalf2 takes).
-      uint32_t kw[2][kKWordsLane];
+      // The lane's codes and scales into registers, then the stage goes back.
+      uint32_t kw[2][kKWordsLane], vw[4][kVWordsLane];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
 #pragma unroll
         for (int c = 0; c < kKWordsLane / 4; ++c) {
           const uint4 v = *reinterpret_cast<const uint4*>(kc + CodeAt<D>(g + 8 * r, tig * (D / 4) + 16 * c));
-          kw[r][4 * c] = Excess<kCodec>(v.x);
-          kw[r][4 * c + 1] = Excess<kCodec>(v.y);
-          kw[r][4 * c + 2] = Excess<kCodec>(v.z);
-          kw[r][4 * c + 3] = Excess<kCodec>(v.w);
+          kw[r][4 * c] = v.x;
+          kw[r][4 * c + 1] = v.y;
+          kw[r][4 * c + 2] = v.z;
+          kw[r][4 * c + 3] = v.w;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int tok = (i >> 1) * 8 + 2 * tig + (i & 1);
+        const bool ok = tok < valid_rows;  // (rows past the end: zeros, never a junk NaN times P = 0)
+        if constexpr (kVWordsLane == 4) {
+          const uint4 v = ok ? *reinterpret_cast<const uint4*>(vc + CodeAt<D>(tok, g * 16)) : make_uint4(0, 0, 0, 0);
+          vw[i][0] = v.x;
+          vw[i][1] = v.y;
+          vw[i][2] = v.z;
+          vw[i][3] = v.w;
+        } else {
+          const uint2 v = ok ? *reinterpret_cast<const uint2*>(vc + CodeAt<D>(tok, g * 8)) : make_uint2(0, 0);
+          vw[i][0] = v.x;
+          vw[i][1] = v.y;
         }
       }
       // This lane's tokens' scales: S columns (K per token / page) and P (V).
@@ -503,6 +510,13 @@ __global__ void __launch_bounds__(kQPThreads, 2)
         // (0 past the end: P is 0 there, but 0 x a junk slot's NaN scale is not)
         vs[e] = tok < valid_rows ? (kMode == 0 ? scl[C::kVWord + v_sub] : scl[C::kVWord + tok]) : 0.f;
       }
+      float kch[kMode == 2 ? D / 4 : 1];  // per channel: the lane's dims' K scales
+      if constexpr (kMode == 2) {
+#pragma unroll
+        for (int i = 0; i < D / 4; ++i) kch[i] = scl[tig * (D / 4) + i];
+      }
+      __syncwarp();
+      if (lane == 0) MbarArrive(empty0 + 8 * st);
       if (t == warp) {
         // The warp's first stage sets the references (uniform in the warp).
         const float vmax = WarpMax(fmaxf(fmaxf(vs[0], vs[1]), fmaxf(vs[2], vs[3])));
@@ -511,7 +525,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
         if constexpr (kMode == 2) {
           float kmax = 0.f;
 #pragma unroll
-          for (int i = 0; i < D / 4; ++i) kmax = fmaxf(kmax, fabsf(scl[tig * (D / 4) + i]));
+          for (int i = 0; i < D / 4; ++i) kmax = fmaxf(kmax, fabsf(kch[i]));
           kmax = WarpMax(kmax);
           const float kref = kmax > 0.f && kmax < INFINITY ? kmax : 1.f;
           inv_kref = 1.f / kref;
@@ -525,10 +539,9 @@ __global__ void __launch_bounds__(kQPThreads, 2)
 #pragma unroll
       for (int s = 0; s < kKSteps; ++s) {
         uint32_t kf0 = 0, kf1 = 0;
-        if constexpr (kMode == 2) {  // (per channel: the lane's dims' K scales)
-          const float4 c4 = *reinterpret_cast<const float4*>(scl + tig * (D / 4) + 4 * s);
-          kf0 = Pack<__half>(c4.x * inv_kref, c4.y * inv_kref);
-          kf1 = Pack<__half>(c4.z * inv_kref, c4.w * inv_kref);
+        if constexpr (kMode == 2) {
+          kf0 = Pack<__half>(kch[4 * s] * inv_kref, kch[4 * s + 1] * inv_kref);
+          kf1 = Pack<__half>(kch[4 * s + 2] * inv_kref, kch[4 * s + 3] * inv_kref);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -548,28 +561,8 @@ __global__ void __launch_bounds__(kQPThreads, 2)
       for (int e = 0; e < 4; ++e) ps[e] = vs[e] * inv_vref;
       uint32_t pa[4];
       DecodeSoftmax<D, __half, true>(sc, ps, m0, m1, l0, l1, o, pa);
-      // O += P V: the lane's V codes of tokens 2 tig + {0, 1} and 8 + those
-      // (rows past the end: zeros, never a junk NaN times P = 0), then per
-      // word the two tokens of a pair interleaved byte by byte.
-      uint32_t vw[4][kVWordsLane];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int tok = (i >> 1) * 8 + 2 * tig + (i & 1);
-        const bool ok = tok < valid_rows;
-        if constexpr (kVWordsLane == 4) {
-          const uint4 v = ok ? *reinterpret_cast<const uint4*>(vc + CodeAt<D>(tok, g * 16)) : make_uint4(0, 0, 0, 0);
-          vw[i][0] = Excess<kCodec>(v.x);
-          vw[i][1] = Excess<kCodec>(v.y);
-          vw[i][2] = Excess<kCodec>(v.z);
-          vw[i][3] = Excess<kCodec>(v.w);
-        } else {
-          const uint2 v = ok ? *reinterpret_cast<const uint2*>(vc + CodeAt<D>(tok, g * 8)) : make_uint2(0, 0);
-          vw[i][0] = Excess<kCodec>(v.x);
-          vw[i][1] = Excess<kCodec>(v.y);
-        }
-      }
-      __syncwarp();
-      if (lane == 0) MbarArrive(empty0 + 8 * st);  // the stage is in registers
+      // O += P V: per word of the lane's V run, tokens (2 tig, 2 tig + 1)
+      // interleaved byte by byte, and (8 + those).
 #pragma unroll
       for (int wd = 0; wd < kVWordsLane; ++wd) {
         uint32_t b0[4], b1[4];
