@@ -330,6 +330,49 @@ for B, L in qshapes:
         print(f"decode {codec_name} B={B:3d} L={L:6d}: {ms:.3f} ms, {row['GBps']:.0f} GB/s = {row['frac_copy']:.2f} of copy, "
               f"err {err:.1e}; kvring bf16 {t_bf16:.3f} ms (x{t_bf16 / ms:.2f}, err {err_bf16:.1e}); "
               f"SDPA cuDNN on bf16 {t_cudnn}", flush=True)
+        # A chunked-prefill step over the same pages: the last R positions of
+        # each sequence as query rows (causal) over its whole context, against
+        # kvring's bf16 prefill over the dequantized pages (its default kernel,
+        # wgmma on sm_90, and the mma.sync kernel the quantized one is built on).
+        if B * L <= 262144:
+            R = 2048
+            qp = torch.randn(B * R, HQ, D, dtype=torch.bfloat16, device=dev)
+            ppos = torch.arange(L - R, L, dtype=torch.int32, device=dev).repeat(B).contiguous()
+            prow = (torch.arange(B + 1, dtype=torch.int32, device=dev) * R).contiguous()
+            pout = torch.empty(B * R, HQ, D, dtype=torch.float32, device=dev)
+            plse = torch.empty(B * R, HQ, dtype=torch.float32, device=dev)
+
+            def pre(pool_ptr, stride_, dt, kern):
+                e = lib.kvring_cuda_prefill(pool_ptr, stride_, BT, 1, HKV, D, dt, 0, perm.data_ptr(),
+                                            page_pos.data_ptr(), spb.data_ptr(), stok.data_ptr(), B, qp.data_ptr(),
+                                            ppos.data_ptr(), prow.data_ptr(), B * R, HQ, R, 0.0, 1, 0,
+                                            pout.data_ptr(), plse.data_ptr(), stream(), kern)
+                assert e == 0, f"prefill error {e}"
+
+            pre(pool.data_ptr(), stride, dtype_arg, 0)
+            # Reference: sequence 0's last 64 rows, float32 over the dequantized values.
+            k0, v0 = seq_kv(0, torch.float32)
+            kk, vv = k0.repeat_interleave(HQ // HKV, 0), v0.repeat_interleave(HQ // HKV, 0)
+            qr = qp[R - 64:R].float().permute(1, 0, 2)
+            sc = (qr @ kk.transpose(1, 2)) / math.sqrt(D)
+            keyp = torch.arange(L, device=dev)[None, None, :]
+            sc = sc.masked_fill(keyp > ppos[R - 64:R].long()[None, :, None], float("-inf"))
+            pref = (torch.softmax(sc, -1) @ vv).permute(1, 0, 2)
+            perr = rel(pout[R - 64:R], pref)
+            del k0, v0, kk, vv, qr, sc, pref
+            t_qp = timed(lambda: pre(pool.data_ptr(), stride, dtype_arg, 0), reps=10)
+            t_bp = timed(lambda: pre(bpool.data_ptr(), bstride, 0, 0), reps=10)
+            t_bm = timed(lambda: pre(bpool.data_ptr(), bstride, 0, PREFILL_KERNELS["mma.sync"]), reps=10)
+            flops = 4 * B * HQ * D * R * (L - R / 2)
+            prow_ = {"codec": codec_name, "batch": B, "kv_len": L, "rows": R, "ms": t_qp,
+                     "TFLOPs": flops / (t_qp * 1e-3) / 1e12, "rel_err": perr, "kvring_bf16_ms": t_bp,
+                     "kvring_bf16_mma_sync_ms": t_bm, "vs_kvring_bf16": t_bp / t_qp,
+                     "vs_kvring_bf16_mma_sync": t_bm / t_qp}
+            results.setdefault("prefill_quant", []).append(prow_)
+            print(f"prefill {codec_name} B={B} L={L} rows={R}: {t_qp:.3f} ms ({prow_['TFLOPs']:.0f} TFLOP/s, err "
+                  f"{perr:.1e}); kvring bf16 {t_bp:.3f} ms (x{t_bp / t_qp:.2f}), bf16 mma.sync {t_bm:.3f} ms "
+                  f"(x{t_bm / t_qp:.2f})", flush=True)
+            del qp, pout, plse
         del pool, codes, scales, bpool, ws, refs
         torch.cuda.empty_cache()
 
@@ -434,6 +477,13 @@ with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
         f.write(f"| {r['codec']} | {r['batch']} | {r['kv_len']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['frac_copy']:.2f} | "
                 f"{r['kvring_bf16_ms']:.3f} | {r['speedup_vs_kvring_bf16']:.2f}x | {c} | {sp} | "
                 f"{r['rel_err']:.1e} ({r['kvring_bf16_rel_err']:.1e}) |\n")
+    if results.get("prefill_quant"):
+        f.write("\n| quantized prefill chunk | batch | kv len | rows | kvring ms | TFLOP/s | kvring bf16 ms (same pages) | vs kvring bf16 | vs bf16 mma.sync | rel err |\n")
+        f.write("|---|---|---|---|---|---|---|---|---|---|\n")
+        for r in results["prefill_quant"]:
+            f.write(f"| {r['codec']} | {r['batch']} | {r['kv_len']} | {r['rows']} | {r['ms']:.3f} | {r['TFLOPs']:.0f} | "
+                    f"{r['kvring_bf16_ms']:.3f} | {r['vs_kvring_bf16']:.2f}x | {r['vs_kvring_bf16_mma_sync']:.2f}x | "
+                    f"{r['rel_err']:.1e} |\n")
     f.write("\n| prefill batch | len | kvring ms | kvring TFLOP/s | of GEMM | mma.sync kernel TFLOP/s | SDPA flash TFLOP/s | kvring/flash | SDPA cuDNN TFLOP/s | kvring/cuDNN | rel err |\n")
     f.write("|---|---|---|---|---|---|---|---|---|---|---|\n")
     for r in results["prefill"]:

@@ -717,12 +717,9 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   const bool quantized = plan.encoding.quantized();
   uint32_t max_rows = 0;
   for (const StepSequence& s : plan.sequences) max_rows = std::max(max_rows, s.rows);
-  // Few rows a sequence (decode) or quantized pages: the split-KV decode
-  // kernel; many rows (a prefill chunk): the prefill kernel.
-  const bool decode = quantized || max_rows * G <= 64;
-  if (quantized && max_rows > 64) {
-    return absl::UnimplementedError("attention over int8/fp8 pages takes at most 64 query rows a sequence");
-  }
+  // Few rows a sequence (decode): the split-KV decode kernel; many rows (a
+  // prefill chunk): the prefill kernel. Both read plain and quantized pages.
+  const bool decode = max_rows * G <= 64;
   Lane* lane = AcquireLane();
   struct LaneGuard {
     CudaAttentionBackend* self;

@@ -280,6 +280,46 @@ TEST(GpuDecodeTest, StableTablesOverlapTheKernelThatWritesTheKv) {
   cudaStreamDestroy(stream);
 }
 
+// The pages of `kvb` quantized with `enc` (QuantizeBlock) into a pool of
+// 16-byte aligned pages on the device (*pool), and the view of `layer` over
+// them; each sequence's reference becomes exactly the dequantized values
+// (code * scale, through the CPU path's FromBlocks).
+void QuantizePages(PagedBatch& kvb, const std::vector<int>& toks, KvEncoding enc, int layer, Dev<uint8_t>* pool,
+                   cuda::PagedKvView* view) {
+  const int bt = kvb.bt;
+  const BlockLayout L{static_cast<uint32_t>(bt), static_cast<uint32_t>(kvb.layers), static_cast<uint32_t>(kvb.kv_heads),
+                      static_cast<uint32_t>(kvb.D), kvb.bf16 ? DType::kBF16 : DType::kF16};
+  const uint64_t stride = (EncodedBytes(L, enc) + 15) / 16 * 16;
+  const size_t capacity = kvb.pool_host.size() / kvb.page_elems();
+  std::vector<uint8_t> qpool(capacity * stride, 0);
+  for (size_t pg = 0; pg < capacity; ++pg) {
+    std::vector<uint8_t> codes;
+    const auto* plain = reinterpret_cast<const uint8_t*>(kvb.pool_host.data() + pg * kvb.page_elems());
+    ASSERT_TRUE(QuantizeBlock(L, absl::MakeConstSpan(plain, L.bytes()), enc, &codes).ok());
+    std::memcpy(qpool.data() + pg * stride, codes.data(), codes.size());
+  }
+  for (size_t s = 0, at = 0; s < toks.size(); ++s) {
+    const int np = (toks[s] + bt - 1) / bt;
+    std::vector<int32_t> hid(np), hpos(np);
+    CUDA_OK(cudaMemcpy(hid.data(), kvb.page_ids.p + at, np * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(hpos.data(), kvb.page_pos.p + at, np * 4, cudaMemcpyDeviceToHost));
+    std::vector<KvBlockRef> refs;
+    for (int i = 0; i < np; ++i) {
+      refs.push_back(KvBlockRef{qpool.data() + (size_t)hid[i] * stride, hpos[i],
+                                static_cast<uint32_t>(std::min(bt, toks[s] - i * bt))});
+    }
+    std::vector<uint32_t> begin{0, static_cast<uint32_t>(np)};
+    kvb.seqs[s].dense = reference::FromBlocks(PagedKv{L, enc, refs, begin}, 0, static_cast<uint32_t>(layer));
+    at += np;
+  }
+  *pool = Dev<uint8_t>(qpool);
+  *view = kvb.View(layer);
+  view->pool = pool->p;
+  view->page_stride = stride;
+  view->codec = static_cast<int32_t>(enc.codec);
+  view->scales = static_cast<int32_t>(enc.scales);
+}
+
 // Decode over int8 / fp8 pages (every scale mode), made by QuantizeBlock
 // from random bf16/f16 blocks: both kernels (the pipelined TMA one for pages
 // of a multiple of 16 tokens, the CUDA-core one otherwise) read the codes and
@@ -304,40 +344,9 @@ TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
           // (QuantizeBlock refuses NaN: finite junk past the ends here.)
           auto kvb =
               MakeBatch(rng, bt, layers, kv_heads, D, bf16, toks, starts, /*gap=*/false, /*layer=*/1, /*junk=*/7.0);
-          // The same pages, quantized, in a pool of 16-byte aligned pages.
-          const BlockLayout L{static_cast<uint32_t>(bt), static_cast<uint32_t>(layers), static_cast<uint32_t>(kv_heads),
-                              static_cast<uint32_t>(D), bf16 ? DType::kBF16 : DType::kF16};
-          const uint64_t stride = (EncodedBytes(L, enc) + 15) / 16 * 16;
-          const size_t capacity = kvb.pool_host.size() / kvb.page_elems();
-          std::vector<uint8_t> qpool(capacity * stride, 0);
-          for (size_t pg = 0; pg < capacity; ++pg) {
-            std::vector<uint8_t> codes;
-            const auto* plain = reinterpret_cast<const uint8_t*>(kvb.pool_host.data() + pg * kvb.page_elems());
-            ASSERT_TRUE(QuantizeBlock(L, absl::MakeConstSpan(plain, L.bytes()), enc, &codes).ok());
-            std::memcpy(qpool.data() + pg * stride, codes.data(), codes.size());
-          }
-          // The reference reads the codes through the CPU path's dequantization.
-          std::vector<int32_t> ids, poss;
-          for (size_t s = 0, at = 0; s < toks.size(); ++s) {
-            const int np = (toks[s] + bt - 1) / bt;
-            std::vector<int32_t> hid(np), hpos(np);
-            CUDA_OK(cudaMemcpy(hid.data(), kvb.page_ids.p + at, np * 4, cudaMemcpyDeviceToHost));
-            CUDA_OK(cudaMemcpy(hpos.data(), kvb.page_pos.p + at, np * 4, cudaMemcpyDeviceToHost));
-            std::vector<KvBlockRef> refs;
-            for (int i = 0; i < np; ++i) {
-              refs.push_back(KvBlockRef{qpool.data() + (size_t)hid[i] * stride, hpos[i],
-                                        static_cast<uint32_t>(std::min(bt, toks[s] - i * bt))});
-            }
-            std::vector<uint32_t> begin{0, static_cast<uint32_t>(np)};
-            kvb.seqs[s].dense = reference::FromBlocks(PagedKv{L, enc, refs, begin}, 0, 1);
-            at += np;
-          }
-          Dev<uint8_t> dq(qpool);
-          cuda::PagedKvView view = kvb.View(1);
-          view.pool = dq.p;
-          view.page_stride = stride;
-          view.codec = static_cast<int32_t>(enc.codec);
-          view.scales = static_cast<int32_t>(enc.scales);
+          Dev<uint8_t> dq;
+          cuda::PagedKvView view;
+          ASSERT_NO_FATAL_FAILURE(QuantizePages(kvb, toks, enc, /*layer=*/1, &dq, &view));
           std::vector<std::vector<int32_t>> qpos;
           for (size_t s = 0; s < toks.size(); ++s) {
             const auto& kp = kvb.seqs[s].dense.positions;
@@ -462,6 +471,53 @@ TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
                 {}, {}, qb, kvb, kernel, bf16 ? 1e-2 : 3e-3,
                 absl::StrCat("prefill ", KernelName(kernel), " D=", D, " ratio=", ratio, " bt=", bt, " gap=", gap)));
           }
+}
+
+// Prefill over int8 / fp8 pages, every scale mode: causal chunks over a
+// cached prefix, rows that see nothing, several row tiles, pages of 16 and
+// of 24 tokens (the mma.sync kernel reads any page size), GQA 1 and 4,
+// against the float64 reference over exactly the dequantized values; kWgmma
+// refuses quantized pages and kAuto serves them.
+TEST(GpuPrefillTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
+  KVRING_REQUIRE_GPU();
+  uint64_t seed = 900;
+  for (int bt : {16, 24})
+    for (int D : {64, 128})
+      for (const char* name :
+           {"int8/per-head", "int8/per-token", "int8/kivi", "fp8/per-head", "fp8/per-token", "fp8/kivi"}) {
+        std::mt19937_64 rng(seed++);
+        const int kv_heads = 2, q_heads = kv_heads * (seed % 2 ? 4 : 1), layers = 2;
+        const bool bf16 = (seed / 2) % 2;
+        KvEncoding enc;
+        ASSERT_TRUE(ParseKvEncoding(name, &enc).ok());
+        std::vector<int> toks = {300 + (int)(rng() % 200), 129};
+        auto kvb = MakeBatch(rng, bt, layers, kv_heads, D, bf16, toks, {0, 40}, /*gap=*/false, /*layer=*/1,
+                             /*junk=*/7.0);
+        Dev<uint8_t> dq;
+        cuda::PagedKvView view;
+        ASSERT_NO_FATAL_FAILURE(QuantizePages(kvb, toks, enc, /*layer=*/1, &dq, &view));
+        std::vector<std::vector<int32_t>> qpos(2);
+        const auto& kp0 = kvb.seqs[0].dense.positions;
+        for (size_t i = kp0.size() - 200; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);
+        for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);
+        qpos[1].push_back(3);
+        qpos[1].push_back(39);
+        auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+        const std::string what = absl::StrCat("quantized prefill ", name, " bt=", bt, " D=", D, " G=", q_heads / 2);
+        Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
+        EXPECT_EQ(cuda::PagedPrefill({}, qb.View(), view, {out.p, lse.p}, nullptr, cuda::PrefillKernel::kWgmma),
+                  cudaErrorNotSupported)
+            << what;
+        (void)cudaGetLastError();
+        out.Poison();
+        lse.Poison();
+        CUDA_OK(cuda::PagedPrefill({}, qb.View(), view, {out.p, lse.p}, nullptr, cuda::PrefillKernel::kAuto));
+        CUDA_OK(cudaDeviceSynchronize());
+        AttentionOptions o;
+        o.layer = 1;
+        // The dequantized values and P are rounded to 16 bits for the MMAs.
+        ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, bf16 ? 1e-2 : 3e-3, what);
+      }
 }
 
 // Long chunks: many 128-row tiles and KV streams that go round the wgmma

@@ -364,7 +364,7 @@ TEST(GpuNodeTest, ForksShareTheirSourcesHbmPages) {
   EXPECT_TRUE(node.stats().healthy);
 }
 
-TEST(GpuNodeTest, QuantizedPagesAreAttendedInHbm) {
+TEST(GpuNodeTest, QuantizedPagesAreAttendedInHbmByDecodeAndPrefill) {
   KVRING_REQUIRE_GPU();
   for (const char* enc : {"int8", "fp8"}) {
     GpuNode node(BlockLayout{16, 2, 2, 128, DType::kBF16}, 8, 32);
@@ -373,6 +373,10 @@ TEST(GpuNodeTest, QuantizedPagesAreAttendedInHbm) {
     // Against the plain blocks: within the codec's error.
     absl::Status s = node.Step(1, {{"q", 4, 0}}, 6e-2);
     EXPECT_TRUE(s.ok()) << enc << ": " << s;
+    // A prefill chunk (150 rows x 4 q heads a kv head): the prefill kernel
+    // over the same quantized pages.
+    s = node.Step(1, {{"q", 150, 0}}, 6e-2);
+    EXPECT_TRUE(s.ok()) << enc << " prefill: " << s;
     // Appends to a quantized sequence are refused, clearly.
     s = node.Step(0, {{"q", 1, 1}});
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;

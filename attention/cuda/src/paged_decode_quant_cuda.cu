@@ -24,6 +24,7 @@
 #include <cfloat>
 
 #include "cuda_common.cuh"
+#include "quant_access.cuh"
 #include "tma_cuda.h"
 
 namespace kvring::cuda {
@@ -31,27 +32,6 @@ namespace internal {
 namespace {
 
 constexpr int kWarps = 4, kThreads = 128, kRows = 8;  // 8 vectors a CTA keeps registers low
-
-template <int kCodec>
-__device__ __forceinline__ float Code(uint8_t c) {
-  if constexpr (kCodec == 1) {
-    return static_cast<float>(static_cast<int8_t>(c));
-  } else {
-    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(c), __NV_E4M3);
-    return __half2float(__half(h));
-  }
-}
-
-// Index of the scale of (kv, token, dim) of kv head h in the page's scale
-// region (kv_encoding.h ScaleIndex; `layer` is kv.layer).
-template <int kMode>
-__device__ __forceinline__ int ScaleAt(const PagedKvView& kv, int which, int h, int token, int dim) {
-  const int L = kv.layer, H = kv.kv_heads, T = kv.block_tokens, D = kv.head_dim;
-  if constexpr (kMode == 0) return (L * 2 + which) * H + h;
-  if constexpr (kMode == 1) return ((L * 2 + which) * H + h) * T + token;
-  const int base = L * H * (D + T);
-  return which == 0 ? base + h * D + dim : base + H * D + h * T + token;
-}
 
 template <typename T>
 __device__ __forceinline__ float ToF(T x);
@@ -94,7 +74,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   __syncthreads();
 
   const char* pool = static_cast<const char*>(kv.pool);
-  const uint64_t elems = 2ull * kv.layers * kv.kv_heads * bt * D;  // codes of a page, bytes
+  const uint64_t elems = CodeBytes(kv);  // the scales follow the codes
   const uint64_t koff = PlaneOffset(kv, 0, h), voff = PlaneOffset(kv, 1, h);
   float m[kRows], l[kRows], acc[kRows][kDpl];
 #pragma unroll

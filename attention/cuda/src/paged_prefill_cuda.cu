@@ -13,10 +13,12 @@
 // fragments are re-read from shared memory per tile (registers hold the two
 // 32 x D accumulators instead). Causal and window masks
 // use absolute positions; tiles wholly outside the visible range are never
-// loaded.
+// loaded. Quantized pages (int8 / fp8 codes): the same kernel, the tile's
+// codes copied a tile ahead and dequantized into the 16-bit tiles.
 #include <cfloat>
 
 #include "cuda_common.cuh"
+#include "quant_access.cuh"
 
 namespace kvring::cuda {
 namespace internal {
@@ -50,15 +52,148 @@ __device__ __forceinline__ void StoreRowTile(const QueryView& q, OutputView& out
   }
 }
 
+// One 64-token KV tile of a CTA's row tile, from 16-bit K and V tiles in
+// shared memory (swizzled rows): S = Q K^T, the masks where `edge` (the tile
+// straddles the causal diagonal, the window edge or the end), the online
+// softmax, O += P V.
 template <int D, typename T>
+__device__ __forceinline__ void TileStep(const AttnParams& p, const PagedKvView& kv, const uint8_t* sq,
+                                         const uint8_t* kt, const uint8_t* vt, int n0, int n_end, int pb, bool edge,
+                                         const int (&qpos)[kMT][2], float scale, int warp, int lane,
+                                         float (&o)[kMT][D / 8][4], float (&m)[kMT][2], float (&l)[kMT][2]) {
+  constexpr int kKChunks = D / 16, kDTiles = D / 8;
+  const int tig = lane & 3;
+  const int mi = lane >> 3, rr = lane & 7;
+  // S = Q K^T : 32 x 64 per warp.
+  float sc[kMT][8][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sc[mt][j][0] = sc[mt][j][1] = sc[mt][j][2] = sc[mt][j][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < kKChunks; ++kk) {
+    uint32_t qa[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      LdMatrixX4(SmemAddr(sq + Swz<D>(warp * 32 + mt * 16 + (mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[mt][0],
+                 qa[mt][1], qa[mt][2], qa[mt][3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      uint32_t b0, b1, b2, b3;
+      LdMatrixX4(SmemAddr(kt + Swz<D>((j + (mi >> 1)) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        Mma<T>(sc[mt][j], qa[mt], b0, b1);
+        Mma<T>(sc[mt][j + 1], qa[mt], b2, b3);
+      }
+    }
+  }
+  // Masks: only tiles that straddle the causal diagonal / window edge / end
+  // (positions increase along the stream).
+  float pa_c[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = sc[mt][j][e] * scale;
+        if (edge) {
+          const int i = n0 + j * 8 + tig * 2 + (e & 1);
+          const int qp = qpos[mt][e >> 1];
+          bool vis = i < n_end;
+          if (vis && (p.causal || p.window > 0)) {
+            const int kp = TokenPos(kv, pb, i);
+            if (p.causal) vis = kp <= qp;
+            if (p.window > 0) vis = vis && kp > qp - p.window;
+          }
+          if (!vis) v = -INFINITY;
+        }
+        sc[mt][j][e] = v;
+      }
+      mx0 = fmaxf(mx0, fmaxf(sc[mt][j][0], sc[mt][j][1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[mt][j][2], sc[mt][j][3]));
+    }
+    mx0 = QuadMax(mx0);
+    mx1 = QuadMax(mx1);
+    const float nm0 = fmaxf(m[mt][0], mx0), nm1 = fmaxf(m[mt][1], mx1);
+    pa_c[mt][0] = nm0 == -INFINITY ? 1.f : exp2f(m[mt][0] - nm0);
+    pa_c[mt][1] = nm1 == -INFINITY ? 1.f : exp2f(m[mt][1] - nm1);
+    const float base0 = nm0 == -INFINITY ? 0.f : nm0, base1 = nm1 == -INFINITY ? 0.f : nm1;
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      sc[mt][j][0] = exp2f(sc[mt][j][0] - base0);
+      sc[mt][j][1] = exp2f(sc[mt][j][1] - base0);
+      sc[mt][j][2] = exp2f(sc[mt][j][2] - base1);
+      sc[mt][j][3] = exp2f(sc[mt][j][3] - base1);
+      rs0 += sc[mt][j][0] + sc[mt][j][1];
+      rs1 += sc[mt][j][2] + sc[mt][j][3];
+    }
+    l[mt][0] = l[mt][0] * pa_c[mt][0] + rs0;
+    l[mt][1] = l[mt][1] * pa_c[mt][1] + rs1;
+    m[mt][0] = nm0;
+    m[mt][1] = nm1;
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) {
+      o[mt][j][0] *= pa_c[mt][0];
+      o[mt][j][1] *= pa_c[mt][0];
+      o[mt][j][2] *= pa_c[mt][1];
+      o[mt][j][3] *= pa_c[mt][1];
+    }
+  }
+  // O += P V over the 4 k16 token chunks of the tile.
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    uint32_t pa[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      pa[mt][0] = Pack<T>(sc[mt][2 * t][0], sc[mt][2 * t][1]);
+      pa[mt][1] = Pack<T>(sc[mt][2 * t][2], sc[mt][2 * t][3]);
+      pa[mt][2] = Pack<T>(sc[mt][2 * t + 1][0], sc[mt][2 * t + 1][1]);
+      pa[mt][3] = Pack<T>(sc[mt][2 * t + 1][2], sc[mt][2 * t + 1][3]);
+    }
+#pragma unroll
+    for (int dn = 0; dn < kDTiles; dn += 2) {
+      uint32_t b0, b1, b2, b3;
+      LdMatrixX4T(SmemAddr(vt + Swz<D>(16 * t + (mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        Mma<T>(o[mt][dn], pa[mt], b0, b1);
+        Mma<T>(o[mt][dn + 1], pa[mt], b2, b3);
+      }
+    }
+  }
+}
+
+// Shared memory of a CTA: the Q tile and the 16-bit K and V tiles (two of
+// each, double-buffered, for plain pages; one of each for quantized pages,
+// whose codes are double-buffered instead, 1 byte each).
+template <int D, int kCodec>
+constexpr size_t SmemBytes() {
+  return kCodec == 0 ? (size_t)(kBM + 4 * kBN) * D * 2 : (size_t)(kBM + 2 * kBN) * D * 2 + 4 * (size_t)kBN * D;
+}
+
+// kCodec 0: plain pages of T. kCodec 1 (int8) / 2 (fp8-e4m3), kMode (the
+// scale mode, quant_access.cuh): quantized pages. A tile's codes are copied
+// (cp.async, a tile ahead) into shared memory, then every thread dequantizes
+// its chunks (code x scale, rounded to T) into the 16-bit tiles the MMAs read;
+// the rest is the plain kernel's. The prefill is compute-bound: one pass over
+// the tile's codes per 128 query rows.
+template <int D, typename T, int kCodec = 0, int kMode = 0>
 __global__ void __launch_bounds__(kThreads, 2)
     PrefillKernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out) {
-  constexpr int kKChunks = D / 16;  // k16 steps over the head dim
-  constexpr int kDTiles = D / 8;    // n8 tiles of the output
+  constexpr int kDTiles = D / 8;  // n8 tiles of the output
+  constexpr bool kQuant = kCodec != 0;
+  constexpr int kKvBufs = kQuant ? 1 : 2;
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* sq = smem;                  // kBM x D
-  uint8_t* sk = smem + kBM * D * 2;    // 2 x kBN x D
-  uint8_t* sv = sk + 2 * kBN * D * 2;  // 2 x kBN x D
+  uint8_t* sq = smem;                        // kBM x D
+  uint8_t* sk = smem + kBM * D * 2;          // kKvBufs x kBN x D
+  uint8_t* sv = sk + kKvBufs * kBN * D * 2;  // kKvBufs x kBN x D
+  uint8_t* ck = sv + kKvBufs * kBN * D * 2;  // quantized: 2 x kBN x D codes of K
+  uint8_t* cv = ck + 2 * kBN * D;            // and of V
   __shared__ int s_qmin, s_qmax;
 
   const int tile = blockIdx.x, hq = blockIdx.y, s = blockIdx.z;
@@ -143,8 +278,68 @@ __global__ void __launch_bounds__(kThreads, 2)
     return n0 + kBN > n_end || (p.causal && TokenPos(kv, pb, last) > qmin) ||
            (p.window > 0 && TokenPos(kv, pb, n0) <= qmax - p.window);
   };
-  if (n_begin < n_end) load_kv(row_bases(n_begin), 0);
-  Bases next_bases = row_bases(n_begin + kBN);
+  // Quantized pages: each thread copies and converts chunks of 16 codes,
+  // kCLoads rows a plane.
+  constexpr int kCChunks = D / 16, kCLoads = kBN * kCChunks / kThreads, kCRowsPerPass = kThreads / kCChunks;
+  const int cch = tid % kCChunks, crow0 = tid / kCChunks;
+  const uint64_t kcoff = PlaneOffset(kv, 0, hk), vcoff = PlaneOffset(kv, 1, hk);
+  auto code_page = [&](int i, int* off) {
+    const int pg = i / kv.block_tokens;
+    *off = i - pg * kv.block_tokens;
+    return pool + (uint64_t)kv.page_ids[pb + pg] * kv.page_stride;
+  };
+  auto load_codes = [&](int n0, int cb) {
+#pragma unroll
+    for (int k = 0; k < kCLoads; ++k) {
+      const int r = k * kCRowsPerPass + crow0, i = n0 + r;
+      const bool valid = i < n_end;
+      int off = 0;
+      const char* row = valid ? code_page(i, &off) + (uint64_t)off * D + cch * 16 : pool;
+      const uint32_t o = cb * kBN * D + r * D + cch * 16;
+      CpAsync16(SmemAddr(ck + o), valid ? row + kcoff : pool, valid);
+      CpAsync16(SmemAddr(cv + o), valid ? row + vcoff : pool, valid);
+    }
+    CpAsyncCommit();
+  };
+  auto convert = [&](int n0, int cb) {
+    const uint64_t code_bytes = CodeBytes(kv);
+#pragma unroll
+    for (int k = 0; k < kCLoads; ++k) {
+      const int r = k * kCRowsPerPass + crow0, i = n0 + r;
+      const uint32_t o = cb * kBN * D + r * D + cch * 16;
+      const uint4 kc = *reinterpret_cast<const uint4*>(ck + o), vc = *reinterpret_cast<const uint4*>(cv + o);
+      uint32_t kw[8] = {}, vw[8] = {};
+      if (i < n_end) {
+        int off = 0;
+        const float* scales = reinterpret_cast<const float*>(code_page(i, &off) + code_bytes);
+        const float vs = scales[ScaleAt<kMode>(kv, 1, hk, off, 0)];
+        const float ks_tok = kMode == 2 ? 1.f : scales[ScaleAt<kMode>(kv, 0, hk, off, 0)];
+        const uint8_t* kb = reinterpret_cast<const uint8_t*>(&kc);
+        const uint8_t* vb = reinterpret_cast<const uint8_t*>(&vc);
+#pragma unroll
+        for (int e = 0; e < 16; e += 2) {
+          float ks0 = ks_tok, ks1 = ks_tok;
+          if constexpr (kMode == 2) {
+            ks0 = scales[ScaleAt<kMode>(kv, 0, hk, off, cch * 16 + e)];
+            ks1 = scales[ScaleAt<kMode>(kv, 0, hk, off, cch * 16 + e + 1)];
+          }
+          kw[e / 2] = Pack<T>(Code<kCodec>(kb[e]) * ks0, Code<kCodec>(kb[e + 1]) * ks1);
+          vw[e / 2] = Pack<T>(Code<kCodec>(vb[e]) * vs, Code<kCodec>(vb[e + 1]) * vs);
+        }
+      }
+      *reinterpret_cast<uint4*>(sk + Swz<D>(r, 2 * cch)) = make_uint4(kw[0], kw[1], kw[2], kw[3]);
+      *reinterpret_cast<uint4*>(sk + Swz<D>(r, 2 * cch + 1)) = make_uint4(kw[4], kw[5], kw[6], kw[7]);
+      *reinterpret_cast<uint4*>(sv + Swz<D>(r, 2 * cch)) = make_uint4(vw[0], vw[1], vw[2], vw[3]);
+      *reinterpret_cast<uint4*>(sv + Swz<D>(r, 2 * cch + 1)) = make_uint4(vw[4], vw[5], vw[6], vw[7]);
+    }
+  };
+  Bases next_bases{};
+  if constexpr (kQuant) {
+    if (n_begin < n_end) load_codes(n_begin, 0);
+  } else {
+    if (n_begin < n_end) load_kv(row_bases(n_begin), 0);
+    next_bases = row_bases(n_begin + kBN);
+  }
   bool edge_cur = tile_edge(n_begin);
   CpAsyncWait<0>();  // Q and the first KV tile
   __syncthreads();
@@ -161,134 +356,59 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int n0 = n_begin; n0 < n_end; n0 += kBN, buf ^= 1) {
     const bool edge_next = tile_edge(n0 + kBN);
     if (n0 + kBN < n_end) {
-      load_kv(next_bases, buf ^ 1);
-      next_bases = row_bases(n0 + 2 * kBN);
+      if constexpr (kQuant) {
+        load_codes(n0 + kBN, buf ^ 1);
+      } else {
+        load_kv(next_bases, buf ^ 1);
+        next_bases = row_bases(n0 + 2 * kBN);
+      }
       CpAsyncWait<1>();
     } else {
       CpAsyncWait<0>();
     }
     __syncthreads();
-    const uint8_t* kt = sk + buf * kBN * D * 2;
-    const uint8_t* vt = sv + buf * kBN * D * 2;
-    const int mi = lane >> 3, rr = lane & 7;
-    // S = Q K^T : 32 x 64 per warp.
-    float sc[kMT][8][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sc[mt][j][0] = sc[mt][j][1] = sc[mt][j][2] = sc[mt][j][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kKChunks; ++kk) {
-      uint32_t qa[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        LdMatrixX4(SmemAddr(sq + Swz<D>(warp * 32 + mt * 16 + (mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[mt][0],
-                   qa[mt][1], qa[mt][2], qa[mt][3]);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; j += 2) {
-        uint32_t b0, b1, b2, b3;
-        LdMatrixX4(SmemAddr(kt + Swz<D>((j + (mi >> 1)) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          Mma<T>(sc[mt][j], qa[mt], b0, b1);
-          Mma<T>(sc[mt][j + 1], qa[mt], b2, b3);
-        }
-      }
+    if constexpr (kQuant) {
+      convert(n0, buf);
+      __syncthreads();
     }
-    // Masks: only tiles that straddle the causal diagonal / window edge / end
-    // (positions increase along the stream).
-    const bool edge = edge_cur;
+    const int kb = kQuant ? 0 : buf;
+    TileStep<D, T>(p, kv, sq, sk + kb * kBN * D * 2, sv + kb * kBN * D * 2, n0, n_end, pb, edge_cur, qpos, scale, warp,
+                   lane, o, m, l);
     edge_cur = edge_next;
-    float pa_c[kMT][2];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = sc[mt][j][e] * scale;
-          if (edge) {
-            const int i = n0 + j * 8 + tig * 2 + (e & 1);
-            const int qp = qpos[mt][e >> 1];
-            bool vis = i < n_end;
-            if (vis && (p.causal || p.window > 0)) {
-              const int kp = TokenPos(kv, pb, i);
-              if (p.causal) vis = kp <= qp;
-              if (p.window > 0) vis = vis && kp > qp - p.window;
-            }
-            if (!vis) v = -INFINITY;
-          }
-          sc[mt][j][e] = v;
-        }
-        mx0 = fmaxf(mx0, fmaxf(sc[mt][j][0], sc[mt][j][1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[mt][j][2], sc[mt][j][3]));
-      }
-      mx0 = QuadMax(mx0);
-      mx1 = QuadMax(mx1);
-      const float nm0 = fmaxf(m[mt][0], mx0), nm1 = fmaxf(m[mt][1], mx1);
-      pa_c[mt][0] = nm0 == -INFINITY ? 1.f : exp2f(m[mt][0] - nm0);
-      pa_c[mt][1] = nm1 == -INFINITY ? 1.f : exp2f(m[mt][1] - nm1);
-      const float base0 = nm0 == -INFINITY ? 0.f : nm0, base1 = nm1 == -INFINITY ? 0.f : nm1;
-      float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        sc[mt][j][0] = exp2f(sc[mt][j][0] - base0);
-        sc[mt][j][1] = exp2f(sc[mt][j][1] - base0);
-        sc[mt][j][2] = exp2f(sc[mt][j][2] - base1);
-        sc[mt][j][3] = exp2f(sc[mt][j][3] - base1);
-        rs0 += sc[mt][j][0] + sc[mt][j][1];
-        rs1 += sc[mt][j][2] + sc[mt][j][3];
-      }
-      l[mt][0] = l[mt][0] * pa_c[mt][0] + rs0;
-      l[mt][1] = l[mt][1] * pa_c[mt][1] + rs1;
-      m[mt][0] = nm0;
-      m[mt][1] = nm1;
-#pragma unroll
-      for (int j = 0; j < kDTiles; ++j) {
-        o[mt][j][0] *= pa_c[mt][0];
-        o[mt][j][1] *= pa_c[mt][0];
-        o[mt][j][2] *= pa_c[mt][1];
-        o[mt][j][3] *= pa_c[mt][1];
-      }
-    }
-    // O += P V over the 4 k16 token chunks of the tile.
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      uint32_t pa[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        pa[mt][0] = Pack<T>(sc[mt][2 * t][0], sc[mt][2 * t][1]);
-        pa[mt][1] = Pack<T>(sc[mt][2 * t][2], sc[mt][2 * t][3]);
-        pa[mt][2] = Pack<T>(sc[mt][2 * t + 1][0], sc[mt][2 * t + 1][1]);
-        pa[mt][3] = Pack<T>(sc[mt][2 * t + 1][2], sc[mt][2 * t + 1][3]);
-      }
-#pragma unroll
-      for (int dn = 0; dn < kDTiles; dn += 2) {
-        uint32_t b0, b1, b2, b3;
-        LdMatrixX4T(SmemAddr(vt + Swz<D>(16 * t + (mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          Mma<T>(o[mt][dn], pa[mt], b0, b1);
-          Mma<T>(o[mt][dn + 1], pa[mt], b2, b3);
-        }
-      }
-    }
-    __syncthreads();  // the buffer is reloaded two iterations on
+    __syncthreads();  // the buffer is reloaded two iterations on (quantized: converted into next iteration)
   }
   StoreRowTile<D>(q, out, hq, r0, nrows, warp, g, tig, o, m, l);
 }
 
-template <int D, typename T>
+template <int D, typename T, int kCodec = 0, int kMode = 0>
 cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                    cudaStream_t stream) {
-  const size_t smem = (size_t)(kBM + 4 * kBN) * D * 2;
-  cudaError_t e = cudaFuncSetAttribute(PrefillKernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  constexpr size_t smem = SmemBytes<D, kCodec>();
+  auto* kernel = PrefillKernel<D, T, kCodec, kMode>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;
   dim3 grid((q.max_rows_per_seq + kBM - 1) / kBM, q.q_heads, kv.num_seqs);
-  PrefillKernel<D, T><<<grid, kThreads, smem, stream>>>(p, q, kv, out);
+  kernel<<<grid, kThreads, smem, stream>>>(p, q, kv, out);
   return cudaGetLastError();
+}
+
+template <int D, typename T, int kCodec>
+cudaError_t LaunchMode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
+                       cudaStream_t stream) {
+  switch (kv.scales) {
+    case 0:
+      return Launch<D, T, kCodec, 0>(p, q, kv, out, stream);
+    case 1:
+      return Launch<D, T, kCodec, 1>(p, q, kv, out, stream);
+    default:
+      return Launch<D, T, kCodec, 2>(p, q, kv, out, stream);
+  }
+}
+
+template <int D, typename T>
+cudaError_t LaunchQuantized(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
+                            cudaStream_t stream) {
+  return kv.codec == 1 ? LaunchMode<D, T, 1>(p, q, kv, out, stream) : LaunchMode<D, T, 2>(p, q, kv, out, stream);
 }
 
 }  // namespace
@@ -300,9 +420,17 @@ cudaError_t PagedPrefillSm90(const AttnParams& p, const QueryView& q, const Page
 
 cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                          cudaStream_t stream, PrefillKernel kernel) {
-  if (kv.codec != 0) return cudaErrorNotSupported;  // quantized pages: decode only
   if (CheckViews(q, kv) != nullptr || out.out == nullptr || out.lse == nullptr) return cudaErrorInvalidValue;
   if (q.num_rows == 0) return cudaSuccess;
+  if (kv.codec != 0) {  // quantized pages: the mma.sync kernel, codes converted in shared memory
+    if (kernel == PrefillKernel::kWgmma) return cudaErrorNotSupported;
+    if (kv.dtype == KvType::kBF16) {
+      return kv.head_dim == 128 ? internal::LaunchQuantized<128, __nv_bfloat16>(p, q, kv, out, stream)
+                                : internal::LaunchQuantized<64, __nv_bfloat16>(p, q, kv, out, stream);
+    }
+    return kv.head_dim == 128 ? internal::LaunchQuantized<128, __half>(p, q, kv, out, stream)
+                              : internal::LaunchQuantized<64, __half>(p, q, kv, out, stream);
+  }
   if (kernel != PrefillKernel::kMmaSync) {
     int dev = 0, major = 0, minor = 0;
     cudaError_t e = cudaGetDevice(&dev);

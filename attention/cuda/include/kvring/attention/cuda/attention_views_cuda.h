@@ -31,7 +31,8 @@ struct PagedKvView {
   // Quantized pages (kv_encoding.h): codec 1 int8, 2 fp8-e4m3 (0: plain
   // pages of `dtype`); scales 0 per head, 1 per token, 2 K per channel and
   // V per token. A quantized page holds 1-byte codes in the block layout,
-  // then the fp32 scales. Decode only (PagedPrefill refuses them).
+  // then the fp32 scales. Decode and prefill (PagedPrefill: the mma.sync
+  // kernel, kWgmma refuses them).
   int32_t codec = 0, scales = 0;
   int32_t layer = 0;                        // the layer to attend over
   const int32_t* page_ids = nullptr;        // [listed pages] pool page of each listed block
