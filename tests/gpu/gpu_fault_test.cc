@@ -16,7 +16,7 @@ testing::DecodeThroughDeathOptions GpuDaemons(int write_quorum) {
   testing::DecodeThroughDeathOptions o;
   o.write_quorum = write_quorum;
   o.daemon_flags = {"--gpu=0", "--hbm_bytes=128M"};
-  o.page_bytes = "1M";
+  o.page_bytes = "64K";  // an HBM page a block (16 KiB blocks): 2048 pages a daemon
   o.max_rel_l2 = 1e-2;
   o.max_lse_err = 1e-2;
   return o;
