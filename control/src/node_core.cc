@@ -431,117 +431,154 @@ absl::StatusOr<std::vector<absl::Status>> NodeCore::Pin(const v1::Tenant& t, con
   return out;
 }
 
+// The state of one Attend as its stages pass it on: the sequences' locks
+// and statuses, the shape they share, the plan, and what the step did.
+struct NodeCore::AttendWork {
+  std::vector<SequenceTable::Handle> hs;
+  std::vector<absl::Status> seq_status;  // per request sequence
+  std::optional<BlockLayout> layout;     // the step's (unknown: every sequence failed first)
+  KvEncoding encoding;
+  std::vector<bool> learned;                 // sequences this step introduces to the node
+  StepPlan plan;                             // over the sequences that planned
+  std::vector<size_t> batch_of;              // plan sequence -> request sequence
+  std::vector<std::vector<uint64_t>> opens;  // per plan sequence: blocks the step opens
+  // The planned sequences' query rows and outputs, compacted when some
+  // request sequences did not plan (host batches only).
+  bool compact = false;
+  std::vector<uint8_t> q_compact;
+  std::vector<int64_t> pos_compact;
+  std::vector<float> out_compact, lse_compact;
+  std::vector<std::pair<uint32_t, uint32_t>> row_map;  // (request row, rows) per compacted sequence
+  StepTimes times;
+  uint32_t appended = 0, sealed = 0, nblocks = 0;
+
+  void Fail(const AttendBatch& b, size_t i, absl::StatusCode code, absl::string_view why) {
+    seq_status[i] = absl::Status(code, absl::StrCat("sequence '", b.sequences[i].sequence_id, "': ", why));
+  }
+};
+
 absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_ns, const AttendBatch& b,
                               PartialOutput out, AttendStats* stats) {
   OpScope op(attend_);
   const auto t0 = std::chrono::steady_clock::now();
   auto ns = Namespace(t, requested_ns);
   if (!ns.ok()) return op.Done(ns.status());
-  const size_t n = b.sequences.size();
+  AttendWork w;
   std::vector<std::string> ids;
-  ids.reserve(n);
+  ids.reserve(b.sequences.size());
   for (const auto& s : b.sequences) ids.push_back(s.sequence_id);
-  std::vector<SequenceTable::Handle> hs = sequences_->LockMany(*ns, ids);
-  std::vector<absl::Status> seq_status(n);
-  auto fail = [&](size_t i, absl::StatusCode code, absl::string_view why) {
-    seq_status[i] = absl::Status(code, absl::StrCat("sequence '", b.sequences[i].sequence_id, "': ", why));
-  };
+  w.hs = sequences_->LockMany(*ns, ids);
+  w.seq_status.resize(b.sequences.size());
+  if (absl::Status s = ResolveShape(*ns, b, w); !s.ok()) return op.Done(s);
+  if (!w.layout.has_value()) return Finish(op, t0, b, w, out, stats);  // every sequence failed first
+  if (absl::Status s = CheckQueries(b, *w.layout); !s.ok()) return op.Done(s);
+  if (b.device != nullptr) {
+    // Nothing is planned or applied before this: a refused exchange changes
+    // nothing (OK, with the reason in stats: the caller sends it again without).
+    if (std::string why = backend_->DeviceIoRefusal(*w.layout, w.encoding, b.q_dtype); !why.empty()) {
+      return op.Done(RefuseDeviceIo(std::move(why), stats));
+    }
+  }
+  PlanStep(*ns, t.id(), b, w);
+  if (absl::Status s = RunStep(b, out, w); !s.ok()) return op.Done(s);
+  CommitStep(t.id(), b, w);
+  return Finish(op, t0, b, w, out, stats);
+}
 
+absl::Status NodeCore::ResolveShape(NamespaceId ns, const AttendBatch& b, AttendWork& w) {
   // One layout and one encoding for the step: the sequences' own, or the
   // request's for a sequence this node has not seen yet.
-  std::optional<BlockLayout> layout = b.layout;
+  const size_t n = b.sequences.size();
+  w.layout = b.layout;
   std::optional<KvEncoding> encoding;
-  std::vector<bool> learned(n, false);
+  w.learned.assign(n, false);
   for (size_t i = 0; i < n; ++i) {
-    SequenceState& st = hs[i].state();
+    SequenceState& st = w.hs[i].state();
     const AttendSequenceSpec& spec = b.sequences[i];
     if (st.placement_digest != 0 && spec.placement_digest != st.placement_digest) {
       // A fork the caller routed by another placement (one it has not
       // resolved): this node may not be where the request's chunks are.
-      fail(i, absl::StatusCode::kAborted,
-           "a fork placed with its source's chunks, routed by another placement: resolve its placement "
-           "(ListSequences) and route again");
+      w.Fail(b, i, absl::StatusCode::kAborted,
+             "a fork placed with its source's chunks, routed by another placement: resolve its placement "
+             "(ListSequences) and route again");
       continue;
     }
-    if (absl::Status s = LearnLayout(*ns, st); !s.ok()) {
-      fail(i, s.code(), s.message());
+    if (absl::Status s = LearnLayout(ns, st); !s.ok()) {
+      w.Fail(b, i, s.code(), s.message());
       continue;
     }
     if (!st.layout.has_value()) {
       if (spec.append_tokens == 0) {
-        fail(i, absl::StatusCode::kNotFound, "no blocks on this node");
+        w.Fail(b, i, absl::StatusCode::kNotFound, "no blocks on this node");
         continue;
       }
-      learned[i] = true;  // recorded once the step succeeds
+      w.learned[i] = true;  // recorded once the step succeeds
     } else {
       if (b.layout.has_value() && !(*b.layout == *st.layout)) {
-        fail(i, absl::StatusCode::kFailedPrecondition, "the request's layout differs from the sequence's blocks");
+        w.Fail(b, i, absl::StatusCode::kFailedPrecondition, "the request's layout differs from the sequence's blocks");
         continue;
       }
-      if (!layout.has_value()) layout = st.layout;
-      if (!(*layout == *st.layout)) {
-        return op.Done(absl::InvalidArgumentError("the sequences of one Attend must share one block layout"));
+      if (!w.layout.has_value()) w.layout = st.layout;
+      if (!(*w.layout == *st.layout)) {
+        return absl::InvalidArgumentError("the sequences of one Attend must share one block layout");
       }
     }
     const KvEncoding e = st.blocks.empty() ? KvEncoding{} : st.encoding;
     if (e.quantized() && spec.append_tokens > 0) {
-      fail(i, absl::StatusCode::kFailedPrecondition, "appends to a sequence of quantized blocks are not supported");
+      w.Fail(b, i, absl::StatusCode::kFailedPrecondition,
+             "appends to a sequence of quantized blocks are not supported");
       continue;
     }
     if (encoding.has_value() && !(*encoding == e)) {
-      return op.Done(absl::InvalidArgumentError("the sequences of one Attend must share one KV encoding"));
+      return absl::InvalidArgumentError("the sequences of one Attend must share one KV encoding");
     }
     encoding = e;
   }
-  if (!layout.has_value()) {
-    // Every sequence failed before its layout was known.
-    return Finish(op, t0, b, seq_status, out, stats, 0, 0, 0, StepTimes{});
-  }
-  const BlockLayout& L = *layout;
-  const uint32_t layer = b.options.layer;
+  if (encoding.has_value()) w.encoding = *encoding;
+  return absl::OkStatus();
+}
+
+absl::Status NodeCore::CheckQueries(const AttendBatch& b, const BlockLayout& L) {
   if (L.head_dim != b.head_dim) {
-    return op.Done(absl::InvalidArgumentError(
-        absl::StrCat("query head_dim ", b.head_dim, " but the sequences' blocks have ", L.head_dim)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("query head_dim ", b.head_dim, " but the sequences' blocks have ", L.head_dim));
   }
   if (b.q_heads % L.kv_heads != 0) {
-    return op.Done(absl::InvalidArgumentError(
-        absl::StrCat("q_heads ", b.q_heads, " is not a multiple of the blocks' kv_heads ", L.kv_heads)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("q_heads ", b.q_heads, " is not a multiple of the blocks' kv_heads ", L.kv_heads));
   }
-  if (layer >= L.layers) {
-    return op.Done(
-        absl::InvalidArgumentError(absl::StrCat("layer ", layer, " but the blocks have ", L.layers, " layers")));
+  if (b.options.layer >= L.layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", b.options.layer, " but the blocks have ", L.layers, " layers"));
   }
-  if (b.device != nullptr) {
-    // Nothing is planned or applied before this: a refused request changes nothing.
-    if (std::string why = backend_->DeviceIoRefusal(L, *encoding, b.q_dtype); !why.empty()) {
-      return op.Done(RefuseDeviceIo(std::move(why), stats));
-    }
-  }
+  return absl::OkStatus();
+}
 
+void NodeCore::PlanStep(NamespaceId ns, TenantId tenant, const AttendBatch& b, AttendWork& w) {
   // The plan of each sequence: appends (each continues its layer's tail
   // here, or repeats tokens held), then the blocks its rows read.
+  const size_t n = b.sequences.size();
+  const BlockLayout& L = *w.layout;
   std::vector<StepSequence> planned(n);
-  std::vector<std::vector<uint64_t>> opens(n);  // blocks the step opens
-  std::vector<uint32_t> row_of(n), arow_of(n);
+  std::vector<std::vector<uint64_t>> opens(n);
+  std::vector<uint32_t> row_of(n);
   for (size_t i = 0, row = 0, arow = 0; i < n; ++i) {
     row_of[i] = static_cast<uint32_t>(row);
-    arow_of[i] = static_cast<uint32_t>(arow);
+    if (w.seq_status[i].ok()) {
+      absl::Status s = PlanSequence(ns, tenant, b, i, static_cast<uint32_t>(row), static_cast<uint32_t>(arow), L,
+                                    w.hs[i], &planned[i], &opens[i]);
+      if (!s.ok()) w.Fail(b, i, s.code(), s.message());
+    }
     row += b.sequences[i].rows;
     arow += b.sequences[i].append_tokens;
   }
-  for (size_t i = 0; i < n; ++i) {
-    if (!seq_status[i].ok()) continue;
-    absl::Status s = PlanSequence(*ns, t.id(), b, i, row_of[i], arow_of[i], L, hs[i], &planned[i], &opens[i]);
-    if (!s.ok())
-      seq_status[i] =
-          absl::Status(s.code(), absl::StrCat("sequence '", b.sequences[i].sequence_id, "': ", s.message()));
-  }
-
   // The step over the sequences that planned; their query rows compacted
-  // when some did not.
-  StepPlan plan;
+  // when some did not. A device batch's queries and output stay where they
+  // are: the backend reads and writes each sequence's rows at its src_row
+  // (only the host positions are compacted).
+  StepPlan& plan = w.plan;
   plan.layout = L;
-  plan.encoding = *encoding;
+  plan.encoding = w.encoding;
   plan.options = b.options;
   plan.q_heads = b.q_heads;
   plan.head_dim = b.head_dim;
@@ -549,78 +586,80 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
   plan.new_k = b.new_k;
   plan.new_v = b.new_v;
   plan.device = b.device;
+  plan.queries = b.queries;
+  plan.positions = b.positions;
   const size_t qrow = size_t{b.q_heads} * b.head_dim * DTypeSize(b.q_dtype);
-  const size_t orow = size_t{b.q_heads} * b.head_dim;
-  bool compact = false;
-  for (size_t i = 0; i < n; ++i) compact |= !seq_status[i].ok() && b.sequences[i].rows > 0;
-  // A device batch's queries and output stay where they are: the backend
-  // reads and writes each sequence's rows at its src_row (only the host
-  // positions are compacted).
+  for (size_t i = 0; i < n; ++i) w.compact |= !w.seq_status[i].ok() && b.sequences[i].rows > 0;
   const bool host_rows = b.device == nullptr;
-  std::vector<uint8_t> q_compact;
-  std::vector<int64_t> pos_compact;
-  std::vector<float> out_compact, lse_compact;
-  std::vector<std::pair<uint32_t, uint32_t>> row_map;  // (batch row, rows) per planned sequence with rows
   for (size_t i = 0; i < n; ++i) {
-    if (!seq_status[i].ok()) continue;
+    if (!w.seq_status[i].ok()) continue;
     StepSequence ss = std::move(planned[i]);
     ss.row_begin = plan.num_rows;
     ss.src_row = row_of[i];
-    if (compact && ss.rows > 0) {
+    if (w.compact && ss.rows > 0) {
       if (host_rows) {
-        q_compact.insert(q_compact.end(), b.queries.begin() + row_of[i] * qrow,
-                         b.queries.begin() + (row_of[i] + ss.rows) * qrow);
+        w.q_compact.insert(w.q_compact.end(), b.queries.begin() + row_of[i] * qrow,
+                           b.queries.begin() + (row_of[i] + ss.rows) * qrow);
       }
-      pos_compact.insert(pos_compact.end(), b.positions.begin() + row_of[i], b.positions.begin() + row_of[i] + ss.rows);
-      row_map.emplace_back(row_of[i], ss.rows);
+      w.pos_compact.insert(w.pos_compact.end(), b.positions.begin() + row_of[i],
+                           b.positions.begin() + row_of[i] + ss.rows);
+      w.row_map.emplace_back(row_of[i], ss.rows);
     }
     plan.num_rows += ss.rows;
     plan.sequences.push_back(std::move(ss));
+    w.batch_of.push_back(i);
+    w.opens.push_back(std::move(opens[i]));
   }
+  if (w.compact) {
+    plan.positions = w.pos_compact;
+    if (host_rows) plan.queries = w.q_compact;
+  }
+}
+
+absl::Status NodeCore::RunStep(const AttendBatch& b, PartialOutput out, AttendWork& w) {
+  const StepPlan& plan = w.plan;
+  const bool compact_out = w.compact && b.device == nullptr;
+  const size_t orow = size_t{b.q_heads} * b.head_dim;
   PartialOutput step_out = out;
-  plan.queries = b.queries;
-  plan.positions = b.positions;
-  if (compact) {
-    plan.positions = pos_compact;
-    if (host_rows) {
-      plan.queries = q_compact;
-      out_compact.resize(plan.num_rows * orow);
-      lse_compact.resize(size_t{plan.num_rows} * b.q_heads);
-      step_out = PartialOutput{out_compact.data(), lse_compact.data()};
-    }
+  if (compact_out) {
+    w.out_compact.resize(plan.num_rows * orow);
+    w.lse_compact.resize(size_t{plan.num_rows} * b.q_heads);
+    step_out = PartialOutput{w.out_compact.data(), w.lse_compact.data()};
   }
-  // Open the new blocks (a sequence that cannot is dropped from the step).
+  // Open the new blocks: a failure undoes the step's opens and fails it.
   std::vector<std::pair<size_t, uint64_t>> opened;  // (plan index, block)
-  for (size_t i = 0, k = 0; i < n; ++i) {
-    if (!seq_status[i].ok()) continue;
-    for (uint64_t idx : opens[i]) {
-      absl::Status s = backend_->OpenBlock(plan.sequences[k].seq, idx, L);
-      if (!s.ok()) return op.Done(RollBack(plan, opened, s));
+  for (size_t k = 0; k < plan.sequences.size(); ++k) {
+    for (uint64_t idx : w.opens[k]) {
+      absl::Status s = backend_->OpenBlock(plan.sequences[k].seq, idx, plan.layout);
+      if (!s.ok()) return RollBack(plan, opened, s);
       opened.emplace_back(k, idx);
     }
-    ++k;
   }
-  StepTimes times;
   if (!plan.sequences.empty()) {
-    absl::Status s = backend_->Step(plan, step_out, &times);
-    if (!s.ok()) return op.Done(RollBack(plan, opened, s));
+    absl::Status s = backend_->Step(plan, step_out, &w.times);
+    if (!s.ok()) return RollBack(plan, opened, s);
   }
-  if (compact && host_rows) {
-    for (size_t r = 0, k = 0; k < row_map.size(); ++k) {
-      std::memcpy(out.out + size_t{row_map[k].first} * orow, out_compact.data() + r * orow,
-                  row_map[k].second * orow * 4);
-      std::memcpy(out.lse + size_t{row_map[k].first} * b.q_heads, lse_compact.data() + r * b.q_heads,
-                  size_t{row_map[k].second} * b.q_heads * 4);
-      r += row_map[k].second;
+  if (compact_out) {
+    for (size_t r = 0, k = 0; k < w.row_map.size(); ++k) {
+      const auto [row, rows] = w.row_map[k];
+      std::memcpy(out.out + size_t{row} * orow, w.out_compact.data() + r * orow, rows * orow * 4);
+      std::memcpy(out.lse + size_t{row} * b.q_heads, w.lse_compact.data() + r * b.q_heads,
+                  size_t{rows} * b.q_heads * 4);
+      r += rows;
     }
   }
-  // Commit: advance the filled counts, store the blocks that are complete.
-  uint32_t appended = 0, sealed = 0, nblocks = 0;
-  for (size_t i = 0, k = 0; i < n; ++i) {
-    if (!seq_status[i].ok()) continue;
-    const StepSequence& ss = plan.sequences[k++];
-    SequenceState& st = hs[i].state();
-    if (learned[i]) {
+  return absl::OkStatus();
+}
+
+void NodeCore::CommitStep(TenantId tenant, const AttendBatch& b, AttendWork& w) {
+  // Advance the filled counts, store the blocks that are complete.
+  const BlockLayout& L = *w.layout;
+  const uint32_t layer = b.options.layer;
+  for (size_t k = 0; k < w.plan.sequences.size(); ++k) {
+    const size_t i = w.batch_of[k];
+    const StepSequence& ss = w.plan.sequences[k];
+    SequenceState& st = w.hs[i].state();
+    if (w.learned[i]) {
       st.layout = L;
       st.encoding = KvEncoding{};
     }
@@ -628,12 +667,11 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
       OpenBlockState& ob = st.open[a.index];
       if (ob.filled.empty()) ob.filled.assign(L.layers, 0);
       ob.filled[layer] = a.offset + a.count;
-      appended += a.count;
+      w.appended += a.count;
     }
-    nblocks += static_cast<uint32_t>(ss.num_blocks());
-    if (!ss.appends.empty()) sealed += SealCompleteBlocks(t.id(), hs[i]);
+    w.nblocks += static_cast<uint32_t>(ss.num_blocks());
+    if (!ss.appends.empty()) w.sealed += SealCompleteBlocks(tenant, w.hs[i]);
   }
-  return Finish(op, t0, b, seq_status, out, stats, appended, sealed, nblocks, times);
 }
 
 absl::Status NodeCore::RollBack(const StepPlan& plan, const std::vector<std::pair<size_t, uint64_t>>& opened,
@@ -643,8 +681,10 @@ absl::Status NodeCore::RollBack(const StepPlan& plan, const std::vector<std::pai
 }
 
 absl::Status NodeCore::Finish(OpScope& op, std::chrono::steady_clock::time_point t0, const AttendBatch& b,
-                              const std::vector<absl::Status>& seq_status, PartialOutput out, AttendStats* stats,
-                              uint32_t appended, uint32_t sealed, uint32_t nblocks, const StepTimes& times) {
+                              const AttendWork& w, PartialOutput out, AttendStats* stats) {
+  const std::vector<absl::Status>& seq_status = w.seq_status;
+  const StepTimes& times = w.times;
+  const uint32_t appended = w.appended, sealed = w.sealed, nblocks = w.nblocks;
   // Rows of the sequences that failed see nothing: O = 0, LSE = -inf (a
   // device batch's are left as they were: the caller reads no row of a
   // sequence not served).

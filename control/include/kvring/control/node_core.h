@@ -302,10 +302,25 @@ class NodeCore {
   absl::Status PlanSequence(NamespaceId ns, TenantId tenant, const AttendBatch& b, size_t i, uint32_t row,
                             uint32_t arow, const BlockLayout& L, SequenceTable::Handle& h, StepSequence* ss,
                             std::vector<uint64_t>* opens);
+  // Attend's stages, in order, over one AttendWork (node_core.cc):
+  //  ResolveShape: the layout and encoding the sequences share; a sequence
+  //    that cannot take part fails alone, a request that mixes shapes fails.
+  //  CheckQueries: the queries against that shape. (Attend then refuses a
+  //    device exchange this backend will not run, before anything changed.)
+  //  PlanStep: each sequence's appends and blocks (PlanSequence), then one
+  //    StepPlan over those that planned, their rows compacted.
+  //  RunStep: open the new blocks, the backend's Step, rows scattered back;
+  //    a failure undoes the opens. CommitStep: filled counts, sealed blocks.
+  //  Finish: failed sequences' rows, metrics and stats.
+  struct AttendWork;
+  absl::Status ResolveShape(NamespaceId ns, const AttendBatch& b, AttendWork& w);
+  static absl::Status CheckQueries(const AttendBatch& b, const BlockLayout& L);
+  void PlanStep(NamespaceId ns, TenantId tenant, const AttendBatch& b, AttendWork& w);
+  absl::Status RunStep(const AttendBatch& b, PartialOutput out, AttendWork& w);
+  void CommitStep(TenantId tenant, const AttendBatch& b, AttendWork& w);
   absl::Status RollBack(const StepPlan& plan, const std::vector<std::pair<size_t, uint64_t>>& opened, absl::Status why);
-  absl::Status Finish(OpScope& op, std::chrono::steady_clock::time_point t0, const AttendBatch& b,
-                      const std::vector<absl::Status>& seq_status, PartialOutput out, AttendStats* stats,
-                      uint32_t appended, uint32_t sealed, uint32_t nblocks, const StepTimes& times);
+  absl::Status Finish(OpScope& op, std::chrono::steady_clock::time_point t0, const AttendBatch& b, const AttendWork& w,
+                      PartialOutput out, AttendStats* stats);
   // OK when this node holds exactly the appended tokens [off, off + count)
   // of block `idx` on `layer` (a retried append); FAILED_PRECONDITION if
   // they differ.
