@@ -329,6 +329,79 @@ TEST(ClusterTest, KillNineOneDaemonWithR2AndEveryAcknowledgedBlockIsStillReadabl
   for (const auto& r : (*c)->Get(more.keys)) EXPECT_TRUE(r.status.ok()) << r.status;
 }
 
+// The lifecycle calls across a daemon restart (write-through: a sequence's
+// full blocks and records survive, its open blocks do not). 2 daemons, R=2,
+// a sequence and a fork of it; daemon 1 restarts; the next appends find its
+// tails missing and repair them from daemon 0; then truncating, appending,
+// forking and deleting go on and every sequence attends exactly.
+TEST(ClusterTest, SequenceLifecycleGoesOnAcrossADaemonRestart) {
+  Cluster cl(ClusterOptions{
+      .nodes = 2, .replication = 2, .write_through = true, .extra_coordinator_flags = {"--sequence_chunk_blocks=2"}});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("restart");
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  testing::StepSim sim(SmallLayout(), 4, 51);
+  int repairs = 0;
+  // Every layer; a failed step is retried (the map catching up with the
+  // restart) and must succeed; every answer exact.
+  auto step = [&](const std::vector<testing::StepSim::Part>& parts) -> absl::Status {
+    for (uint32_t l = 0; l < SmallLayout().layers; ++l) {
+      auto b = sim.Build(l, parts);
+      absl::Status last;
+      for (int attempt = 0; attempt < 100; ++attempt) {
+        AttendReport rep;
+        auto out = (*c)->Step(b.step, &rep);
+        repairs += rep.repairs;
+        if (out.ok()) {
+          sim.Commit(b);
+          auto [err, lse_err] = sim.Check(b, *out);
+          EXPECT_GE(err, 0);
+          EXPECT_LT(err, 2e-5);
+          EXPECT_LT(lse_err, 1e-4);
+          last = absl::OkStatus();
+          break;
+        }
+        last = out.status();
+        absl::SleepFor(absl::Milliseconds(100));
+      }
+      if (!last.ok()) return last;
+    }
+    return absl::OkStatus();
+  };
+  ASSERT_TRUE(step({{"s", 2, 40}}).ok());  // blocks 0-1 full, block 2 open (8 tokens)
+  ASSERT_TRUE((*c)->ForkSequence("s", "f", 36).ok());
+  sim.Fork("s", "f", 36);
+  ASSERT_TRUE(step({{"f", 1, 3}}).ok());
+  cl.KillDaemon(1);
+  ASSERT_TRUE(cl.StartDaemon(1));
+  ASSERT_TRUE(cl.WaitForNodesUp(2));
+  ASSERT_EQ(repairs, 0);
+  absl::Status s = step({{"s", 1, 5}, {"f", 1, 2}});
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_GT(repairs, 0) << "daemon 1 restarted without its open blocks: the appends must have repaired them";
+  // Back into a sealed block, then other tokens.
+  auto cut = (*c)->TruncateSequence("s", 20);
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  sim.Truncate("s", 20);
+  s = step({{"s", 2, 7}});
+  ASSERT_TRUE(s.ok()) << s;
+  // A fork made after the restart, beside the one made before.
+  auto fork = (*c)->ForkSequence("s", "g", 16);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  sim.Fork("s", "g", 16);
+  s = step({{"g", 1, 1}, {"f", 2, 0}, {"s", 1, 0}});
+  ASSERT_TRUE(s.ok()) << s;
+  // Deleting the old fork leaves its source and the new fork exact.
+  ASSERT_TRUE((*c)->DeleteSequence("f").ok());
+  s = step({{"s", 1, 1}, {"g", 1, 1}});
+  ASSERT_TRUE(s.ok()) << s;
+  auto listed = (*c)->ListSequences({});
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  for (const SequenceListing& l : *listed) EXPECT_NE(l.sequence_id, "f");
+}
+
 TEST(ClusterTest, DaemonRestartRecoversTheColdTier) {
   Cluster cl(ClusterOptions{.nodes = 1, .replication = 1, .write_through = true});
   ASSERT_TRUE(cl.Start());

@@ -122,6 +122,12 @@ class StepSim {
       for (auto& [layer, vals] : *side) vals.resize(std::min<size_t>(vals.size(), n * kvn));
     }
   }
+  // The engine's view of a fork: `dst` starts as the first `n` tokens of `src`.
+  void Fork(const std::string& src, const std::string& dst, uint64_t n) {
+    k_[dst] = k_[src];
+    v_[dst] = v_[src];
+    Truncate(dst, n);
+  }
   uint64_t tokens(const std::string& id, uint32_t layer) {
     return k_[id][layer].size() / (size_t{L_.kv_heads} * L_.head_dim);
   }

@@ -5,8 +5,9 @@ scratch; DeleteSequence gives every block back (the nodes' block and
 sequence counts return to where they were) and is idempotent; another
 tenant's delete of the same id touches nothing of ours; forks (and a fork of
 a fork) share their source's blocks without a copy, attend exactly, are
-found by a client that did not make them, and outlive their source; the CLI
-does each."""
+found by a client that did not make them, and outlive their source; another
+tenant cannot fork ours; deletes on one thread beside appends on others
+leave the appended sequences exact; the CLI does each."""
 import math
 import os
 import subprocess
@@ -218,6 +219,71 @@ class SequenceLifecycle(unittest.TestCase):
         self.assertEqual(r.returncode, 2)
         self.assertIn("--source", r.stderr)
         for sid in ("cli-src", "cli-fork"):
+            self.c.delete_sequence(sid)
+        self.assertEqual(self.counts(), base)
+
+    def test_another_tenant_cannot_fork_ours_and_deletes_beside_appends_leave_the_rest_exact(self):
+        base = self.counts()
+        rnd = lambda n: self.rng.standard_normal((n, 2, D)).astype(np.float32)  # noqa: E731
+        k, v = rnd(70), rnd(70)
+        self.append("own", 0, k, v)
+        held = self.counts()
+        # Another tenant names our sequence: its namespace has no such source, so the fork is refused and
+        # nothing of ours (or of its) is made or changed.
+        tok = kvring.create_tenant(self.cluster.coordinator, self.cluster.admin_token, "forker")
+        import time
+        time.sleep(1.0)
+        other = kvring.Client(self.cluster.coordinator, tok)
+        with self.assertRaises(kvring.NotFoundError):
+            other.fork_sequence("own", "stolen", 32)
+        self.assertEqual(other.list_sequences(), [])
+        other.close()
+        self.assertEqual(self.counts(), held)
+        self.assertNotIn("stolen", {s["sequence_id"] for s in self.c.list_sequences()})
+        self.check("own", k, v)
+        # Engines on other threads, each with its own client: four append token by token while four other
+        # sequences are deleted under them. The deleted ones are gone, the appended ones attend exactly.
+        import threading
+        kept = {f"a{i}": (rnd(20), rnd(20)) for i in range(4)}
+        doomed = [f"d{i}" for i in range(4)]
+        for sid in doomed:
+            self.append(sid, 0, rnd(40), rnd(40))
+        errors = []
+
+        def appender(sid, kk, vv):
+            c = kvring.Client(self.cluster.coordinator, self.cluster.tenant_token)
+            try:
+                for t in range(kk.shape[0]):
+                    for layer in range(self.L.layers):
+                        c.step(self.L, [(sid, t, 0, 1)], np.zeros((0, 4, D), np.float32), [], self.wire(kk[t:t + 1]),
+                               self.wire(vv[t:t + 1]), layer=layer)
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append(f"{sid}: {e}")
+            finally:
+                c.close()
+
+        def deleter():
+            c = kvring.Client(self.cluster.coordinator, self.cluster.tenant_token)
+            try:
+                for sid in doomed:
+                    c.delete_sequence(sid)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"delete: {e}")
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=appender, args=(sid, *kv)) for sid, kv in kept.items()]
+        threads.append(threading.Thread(target=deleter))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        listed = {s["sequence_id"] for s in self.c.list_sequences()}
+        self.assertFalse(listed & set(doomed))
+        for sid, (kk, vv) in kept.items():
+            self.check(sid, kk, vv)
+        for sid in list(kept) + ["own"]:
             self.c.delete_sequence(sid)
         self.assertEqual(self.counts(), base)
 
