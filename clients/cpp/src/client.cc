@@ -1216,6 +1216,140 @@ class ClientImpl {
   // and counts append acks. Attended chunks whose node failed or did not hold
   // them go to `failed` (retried on the next replica); any other refusal is
   // the step's error.
+  // A step's places in the exchange buffer (device tensors), per job: its
+  // partial rows (from a multiple of 64 rows, so every region is 256-byte
+  // aligned), their LSE, its queries and K/V; then the merge's row lists.
+  struct JobPlace {
+    uint64_t q = 0, k = 0, v = 0;
+    uint32_t rows = 0, app = 0, part_row = 0;
+  };
+  struct ExchangeStage {
+    std::vector<JobPlace> place;
+    DeviceMemory::Exchange xb;
+    std::string inputs_event;  // the inputs' event (cudaIpcEventHandle_t bytes), or empty: waited for
+    uint64_t l_base = 0, csr_off = 0;
+  };
+  // Plans the exchange buffer of `jobs` and copies the engine's rows into it
+  // (adjacent runs of one tensor as one copy; jobs that attend the same
+  // sequences share one copy of their queries); on the caller's stream, the
+  // nodes wait on an event recorded after the copies, else this waits.
+  absl::Status StageExchange(const AttendStep& st, const std::vector<NodeJob>& jobs,
+                             const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
+                             DeviceStep* dx, ExchangeStage* ex) {
+    const QueryTensor& q = st.q;
+    const BlockLayout& L = st.layout;
+    const size_t qrow = size_t{q.q_heads} * q.head_dim * DTypeSize(q.dtype);
+    const size_t kvrow = size_t{L.kv_heads} * L.head_dim * DTypeSize(L.dtype);
+    const size_t hq = size_t{q.q_heads} * q.head_dim;
+    std::vector<JobPlace>& place = ex->place;
+    DeviceMemory::Exchange& xb = ex->xb;
+    std::string& inputs_event = ex->inputs_event;
+    uint64_t& l_base = ex->l_base;
+    uint64_t& csr_off = ex->csr_off;
+    auto align = [](uint64_t n) {
+      return (n + kDeviceExchangeAlign - 1) / kDeviceExchangeAlign * kDeviceExchangeAlign;
+    };
+    uint32_t part_rows = 0;
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      for (const SeqPart& p : jobs[j].parts) {
+        if (!p.chunks.empty()) place[j].rows += st.sequences[p.seq].rows;
+        place[j].app += static_cast<uint32_t>(p.append_end - p.append_begin);
+      }
+      place[j].part_row = part_rows;
+      part_rows += (place[j].rows + 63) / 64 * 64;
+    }
+    l_base = uint64_t{part_rows} * hq * sizeof(float);
+    uint64_t off = align(l_base + uint64_t{part_rows} * q.q_heads * sizeof(float));
+    // Jobs that attend the same sequences read one copy of their rows (a
+    // sequence spread over N nodes: N requests, one copy of its queries).
+    std::vector<std::vector<size_t>> attends(jobs.size());
+    std::vector<int> same_rows_as(jobs.size(), -1);
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      for (const SeqPart& p : jobs[j].parts) {
+        if (!p.chunks.empty()) attends[j].push_back(p.seq);
+      }
+      for (size_t e = 0; e < j && !attends[j].empty(); ++e) {
+        if (same_rows_as[e] < 0 && attends[e] == attends[j]) {
+          same_rows_as[j] = static_cast<int>(e);
+          break;
+        }
+      }
+    }
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      JobPlace& jp = place[j];
+      if (same_rows_as[j] >= 0) {
+        jp.q = place[same_rows_as[j]].q;
+      } else {
+        jp.q = off;
+        off = align(off + uint64_t{jp.rows} * qrow);
+      }
+      jp.k = off;
+      off = align(off + uint64_t{jp.app} * kvrow);
+      jp.v = off;
+      off = align(off + uint64_t{jp.app} * kvrow);
+    }
+    csr_off = off;
+    off += (uint64_t{q.num_rows} + 1 + part_rows) * sizeof(int32_t);
+    KVRING_ASSIGN_OR_RETURN(xb, dx->dev->ExchangeBuffer(off, dx->stream));
+    // On the caller's stream, work on xb may still be queued when it goes.
+    if (dx->stream_ordered) xb.UseOn(dx->stream);
+    // Each job's rows, in the order its request lists them; copies from
+    // one of the caller's tensors whose sources and destinations follow
+    // each other go as one. (Only within a tensor: two tensors may lie
+    // back to back in memory, but one copy may not span two allocations.)
+    struct Run {
+      int tensor = 0;  // 0 q, 1 new_k, 2 new_v
+      uint8_t* dst = nullptr;
+      const uint8_t* src = nullptr;
+      uint64_t n = 0;
+    };
+    std::vector<Run> runs;
+    auto copy = [&](int tensor, uint64_t dst_off, const void* src, uint64_t n) {
+      uint8_t* dst = xb.data() + dst_off;
+      const auto* from = static_cast<const uint8_t*>(src);
+      const Run* last = runs.empty() ? nullptr : &runs.back();
+      if (last != nullptr && last->tensor == tensor && last->dst + last->n == dst && last->src + last->n == from) {
+        runs.back().n += n;
+      } else {
+        runs.push_back(Run{tensor, dst, from, n});
+      }
+    };
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      uint64_t qo = place[j].q, ko = place[j].k, vo = place[j].v;
+      for (const SeqPart& p : jobs[j].parts) {
+        if (p.chunks.empty() || same_rows_as[j] >= 0) continue;
+        const uint64_t n = uint64_t{st.sequences[p.seq].rows} * qrow;
+        copy(0, qo, static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, n);
+        qo += n;
+      }
+      for (int kv = 0; kv < 2; ++kv) {
+        const void* from = kv == 0 ? st.new_k : st.new_v;
+        uint64_t& o = kv == 0 ? ko : vo;
+        for (const SeqPart& p : jobs[j].parts) {
+          if (p.append_end == p.append_begin) continue;
+          const uint64_t n = p.append_end - p.append_begin;
+          const uint64_t src = app_begin[p.seq] + (p.append_begin - st.sequences[p.seq].context_tokens);
+          copy(1 + kv, o, static_cast<const uint8_t*>(from) + src * kvrow, n * kvrow);
+          o += n * kvrow;
+        }
+      }
+    }
+    for (const Run& r : runs) KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(r.dst, r.src, r.n, dx->stream));
+    // In place before any node reads them: on the caller's stream, the
+    // nodes wait on an event recorded after the copies; else this waits.
+    if (dx->stream_ordered && events_ok_.load()) {
+      absl::StatusOr<std::string> ev = dx->dev->RecordInputsEvent(dx->stream);
+      if (ev.ok()) {
+        inputs_event = std::move(*ev);
+      } else {
+        KVRING_LOG(INFO) << "steps on the caller's stream wait for their inputs here: " << ev.status().message();
+        events_ok_ = false;
+      }
+    }
+    if (inputs_event.empty()) KVRING_RETURN_IF_ERROR(dx->dev->Wait(dx->stream));
+    return absl::OkStatus();
+  }
+
   absl::Status RunJobs(const AttendStep& st, const ShardRing& ring, const std::vector<NodeJob>& jobs,
                        const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
                        const std::vector<uint64_t>& total, const std::vector<uint64_t>& digest,
@@ -1245,122 +1379,16 @@ class ClientImpl {
       r.resp = AttendOn(node, std::move(req), qp, kp, vp, reply);
       r.round_trip += Since(t);
     };
-    // With device tensors: the round's exchange buffer. Partial rows of
-    // every job (each job's from a multiple of 64 rows, so every region is
-    // 256-byte aligned), their LSE, then each job's queries and K/V, then
-    // the merge's row lists.
-    struct JobPlace {
-      uint64_t q = 0, k = 0, v = 0;
-      uint32_t rows = 0, app = 0, part_row = 0;
-    };
-    std::vector<JobPlace> place(jobs.size());
-    DeviceMemory::Exchange xb;
-    std::string inputs_event;  // the inputs' event (cudaIpcEventHandle_t bytes), or empty: waited for
-    uint64_t l_base = 0, csr_off = 0;
+    ExchangeStage ex;
+    ex.place.resize(jobs.size());
     if (dx != nullptr) {
-      auto align = [](uint64_t n) {
-        return (n + kDeviceExchangeAlign - 1) / kDeviceExchangeAlign * kDeviceExchangeAlign;
-      };
-      uint32_t part_rows = 0;
-      for (size_t j = 0; j < jobs.size(); ++j) {
-        for (const SeqPart& p : jobs[j].parts) {
-          if (!p.chunks.empty()) place[j].rows += st.sequences[p.seq].rows;
-          place[j].app += static_cast<uint32_t>(p.append_end - p.append_begin);
-        }
-        place[j].part_row = part_rows;
-        part_rows += (place[j].rows + 63) / 64 * 64;
-      }
-      l_base = uint64_t{part_rows} * hq * sizeof(float);
-      uint64_t off = align(l_base + uint64_t{part_rows} * q.q_heads * sizeof(float));
-      // Jobs that attend the same sequences read one copy of their rows (a
-      // sequence spread over N nodes: N requests, one copy of its queries).
-      std::vector<std::vector<size_t>> attends(jobs.size());
-      std::vector<int> same_rows_as(jobs.size(), -1);
-      for (size_t j = 0; j < jobs.size(); ++j) {
-        for (const SeqPart& p : jobs[j].parts) {
-          if (!p.chunks.empty()) attends[j].push_back(p.seq);
-        }
-        for (size_t e = 0; e < j && !attends[j].empty(); ++e) {
-          if (same_rows_as[e] < 0 && attends[e] == attends[j]) {
-            same_rows_as[j] = static_cast<int>(e);
-            break;
-          }
-        }
-      }
-      for (size_t j = 0; j < jobs.size(); ++j) {
-        JobPlace& jp = place[j];
-        if (same_rows_as[j] >= 0) {
-          jp.q = place[same_rows_as[j]].q;
-        } else {
-          jp.q = off;
-          off = align(off + uint64_t{jp.rows} * qrow);
-        }
-        jp.k = off;
-        off = align(off + uint64_t{jp.app} * kvrow);
-        jp.v = off;
-        off = align(off + uint64_t{jp.app} * kvrow);
-      }
-      csr_off = off;
-      off += (uint64_t{q.num_rows} + 1 + part_rows) * sizeof(int32_t);
-      KVRING_ASSIGN_OR_RETURN(xb, dx->dev->ExchangeBuffer(off, dx->stream));
-      // On the caller's stream, work on xb may still be queued when it goes.
-      if (dx->stream_ordered) xb.UseOn(dx->stream);
-      // Each job's rows, in the order its request lists them; copies from
-      // one of the caller's tensors whose sources and destinations follow
-      // each other go as one. (Only within a tensor: two tensors may lie
-      // back to back in memory, but one copy may not span two allocations.)
-      struct Run {
-        int tensor = 0;  // 0 q, 1 new_k, 2 new_v
-        uint8_t* dst = nullptr;
-        const uint8_t* src = nullptr;
-        uint64_t n = 0;
-      };
-      std::vector<Run> runs;
-      auto copy = [&](int tensor, uint64_t dst_off, const void* src, uint64_t n) {
-        uint8_t* dst = xb.data() + dst_off;
-        const auto* from = static_cast<const uint8_t*>(src);
-        const Run* last = runs.empty() ? nullptr : &runs.back();
-        if (last != nullptr && last->tensor == tensor && last->dst + last->n == dst && last->src + last->n == from) {
-          runs.back().n += n;
-        } else {
-          runs.push_back(Run{tensor, dst, from, n});
-        }
-      };
-      for (size_t j = 0; j < jobs.size(); ++j) {
-        uint64_t qo = place[j].q, ko = place[j].k, vo = place[j].v;
-        for (const SeqPart& p : jobs[j].parts) {
-          if (p.chunks.empty() || same_rows_as[j] >= 0) continue;
-          const uint64_t n = uint64_t{st.sequences[p.seq].rows} * qrow;
-          copy(0, qo, static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, n);
-          qo += n;
-        }
-        for (int kv = 0; kv < 2; ++kv) {
-          const void* from = kv == 0 ? st.new_k : st.new_v;
-          uint64_t& o = kv == 0 ? ko : vo;
-          for (const SeqPart& p : jobs[j].parts) {
-            if (p.append_end == p.append_begin) continue;
-            const uint64_t n = p.append_end - p.append_begin;
-            const uint64_t src = app_begin[p.seq] + (p.append_begin - st.sequences[p.seq].context_tokens);
-            copy(1 + kv, o, static_cast<const uint8_t*>(from) + src * kvrow, n * kvrow);
-            o += n * kvrow;
-          }
-        }
-      }
-      for (const Run& r : runs) KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(r.dst, r.src, r.n, dx->stream));
-      // In place before any node reads them: on the caller's stream, the
-      // nodes wait on an event recorded after the copies; else this waits.
-      if (dx->stream_ordered && events_ok_.load()) {
-        absl::StatusOr<std::string> ev = dx->dev->RecordInputsEvent(dx->stream);
-        if (ev.ok()) {
-          inputs_event = std::move(*ev);
-        } else {
-          KVRING_LOG(INFO) << "steps on the caller's stream wait for their inputs here: " << ev.status().message();
-          events_ok_ = false;
-        }
-      }
-      if (inputs_event.empty()) KVRING_RETURN_IF_ERROR(dx->dev->Wait(dx->stream));
+      KVRING_RETURN_IF_ERROR(StageExchange(st, jobs, row_begin, app_begin, dx, &ex));
       rep->stage_seconds += Since(t_stage);
     }
+    const std::vector<JobPlace>& place = ex.place;
+    DeviceMemory::Exchange& xb = ex.xb;
+    const std::string& inputs_event = ex.inputs_event;
+    const uint64_t l_base = ex.l_base, csr_off = ex.csr_off;
     // Whether the inputs in xb are complete now (not only on the stream).
     bool inputs_waited = inputs_event.empty();
     absl::Mutex waited_mu;
