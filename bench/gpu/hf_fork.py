@@ -6,7 +6,8 @@
 A shared prompt is prefilled once into a kept sequence ("ctx"); each session then starts as a fork of it
 (ForkSequence: the prompt's blocks shared, not copied), feeds its own 8-token suffix and generates 8 tokens
 greedily. Checks each session's logits against transformers' own sdpa on the whole input (prompt + suffix) in the
-same run, and that the forks hold the prompt once (shared blocks in ListSequences).
+same run, and that the forks hold the prompt once (shared blocks in ListSequences). Then a session started from
+the prefix cache (PassQSession(prefix_of=...)) over the prompt that kvring.hf.PrefixCache stored: the same checks.
 """
 import argparse
 import json
@@ -57,16 +58,36 @@ def main():
             ok &= good
             res["forks"].append({"max_rel_logit_diff": max_rel, "tokens_equal": tokens == refs[i][0],
                                  "first_difference": first_diff, "tie_steps": ties, "ok": good})
+        # A session started from the prefix cache: the prompt stored once by kvring.hf.PrefixCache (hash-placed
+        # blocks, as an engine's prefix store saves them), then PassQSession(prefix_of=...) starts its sequence
+        # from that chain (the node's blocks shared, not copied) and generate computes only the suffix.
+        pc = khf.PrefixCache(c, model, "fork-bench-model")
+        _, info = pc.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        with khf.PassQSession(c, model, ["pfx0"], prefix_of=("fork-bench-model", torch.cat([prompt, suffixes[0]], 1)),
+                              keep=True) as ps:
+            hit = ps.prefix_tokens
+            tokens, logits = greedy(model, torch.cat([prompt, suffixes[0]], 1), 8, cache=ps.cache())
+        max_rel, ties = compare_logits(refs[0][1], logits)
+        first_diff = next((j for j, (a, b) in enumerate(zip(tokens, refs[0][0])) if a != b), None)
+        good = hit == args.prompt and max_rel < 5e-2 and (first_diff is None or first_diff in ties)
+        ok &= good
+        res["from_prefix_cache"] = {"saved_blocks": info["saved_blocks"], "prefix_tokens": hit,
+                                    "max_rel_logit_diff": max_rel, "tokens_equal": tokens == refs[0][0],
+                                    "first_difference": first_diff, "tie_steps": ties, "ok": good}
         listed = {x["sequence_id"]: x for x in c.list_sequences()}
+        res["from_prefix_cache"]["shared_blocks"] = listed["pfx0"]["shared_blocks"]
+        ok &= listed["pfx0"]["shared_blocks"] >= args.prompt // 16
+        c.delete_sequence("pfx0")
         res["ctx_blocks"] = listed["ctx"]["full_blocks"]
         res["fork_shared_blocks"] = [listed[f"fork{i}"]["shared_blocks"] for i in range(args.forks)]
-        res["store_blocks"] = sum(s["blocks"] for s in c.stats())
+        # (the prefix cache's chain of the prompt is stored beside: hash-placed blocks, not the sequences')
+        res["store_blocks"] = sum(s["blocks"] for s in c.stats()) - info["saved_blocks"]
         ok &= all(x >= args.prompt // 16 for x in res["fork_shared_blocks"])
         ok &= res["store_blocks"] < res["ctx_blocks"] + args.forks * 4  # the prompt once, plus each fork's tail
         for sid in ["ctx"] + [f"fork{i}" for i in range(args.forks)]:
             c.delete_sequence(sid)
         res["store_blocks_after_delete"] = sum(s["blocks"] for s in c.stats())
-        ok &= res["store_blocks_after_delete"] == 0
+        ok &= res["store_blocks_after_delete"] == info["saved_blocks"]  # the prefix cache's blocks stay
         c.close()
     res["ok"] = ok
     log(json.dumps(res, indent=1))
