@@ -346,29 +346,8 @@ TEST(ClusterTest, SequenceLifecycleGoesOnAcrossADaemonRestart) {
   int repairs = 0;
   // Every layer; a failed step is retried (the map catching up with the
   // restart) and must succeed; every answer exact.
-  auto step = [&](const std::vector<testing::StepSim::Part>& parts) -> absl::Status {
-    for (uint32_t l = 0; l < SmallLayout().layers; ++l) {
-      auto b = sim.Build(l, parts);
-      absl::Status last;
-      for (int attempt = 0; attempt < 100; ++attempt) {
-        AttendReport rep;
-        auto out = (*c)->Step(b.step, &rep);
-        repairs += rep.repairs;
-        if (out.ok()) {
-          sim.Commit(b);
-          auto [err, lse_err] = sim.Check(b, *out);
-          EXPECT_GE(err, 0);
-          EXPECT_LT(err, 2e-5);
-          EXPECT_LT(lse_err, 1e-4);
-          last = absl::OkStatus();
-          break;
-        }
-        last = out.status();
-        absl::SleepFor(absl::Milliseconds(100));
-      }
-      if (!last.ok()) return last;
-    }
-    return absl::OkStatus();
+  auto step = [&](const std::vector<testing::StepSim::Part>& parts) {
+    return testing::StepEveryLayerRetrying(**c, sim, parts, absl::StatusCode::kOk, &repairs);
   };
   ASSERT_TRUE(step({{"s", 2, 40}}).ok());  // blocks 0-1 full, block 2 open (8 tokens)
   ASSERT_TRUE((*c)->ForkSequence("s", "f", 36).ok());

@@ -214,29 +214,8 @@ TEST(FaultTest, LostTailTokensAreDataLossWithAPositionAndTruncateRecovers) {
   auto c = cl.Connect(*token);
   ASSERT_TRUE(c.ok());
   testing::StepSim sim(SmallLayout(), 4, 21);
-  // Retries while the map catches up with a death; returns the last status.
   auto step = [&](const std::vector<testing::StepSim::Part>& parts, absl::StatusCode stop_at) {
-    absl::Status last;
-    for (uint32_t l = 0; l < 2; ++l) {
-      auto b = sim.Build(l, parts);
-      for (int attempt = 0; attempt < 100; ++attempt) {
-        auto out = (*c)->Step(b.step);
-        if (out.ok()) {
-          sim.Commit(b);
-          auto [err, lse_err] = sim.Check(b, *out);
-          EXPECT_GE(err, 0);
-          EXPECT_LT(err, 2e-5);
-          EXPECT_LT(lse_err, 1e-4);
-          last = absl::OkStatus();
-          break;
-        }
-        last = out.status();
-        if (last.code() == stop_at) return last;
-        absl::SleepFor(absl::Milliseconds(100));
-      }
-      if (!last.ok()) return last;
-    }
-    return last;
+    return testing::StepEveryLayerRetrying(**c, sim, parts, stop_at);
   };
   ASSERT_TRUE(step({{"x", 4, 18}}, absl::StatusCode::kOk).ok());  // blocks 0-3 full, block 4 open (2 tokens)
   cl.KillDaemon(1);

@@ -11,6 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
 #include "kvring/attention/reference.h"
 #include "kvring/client/client.h"
 #include "kvring/layout/float_convert.h"
@@ -139,5 +142,38 @@ class StepSim {
   std::mt19937_64 rng_;
   std::map<std::string, std::map<uint32_t, std::vector<uint16_t>>> k_, v_;
 };
+
+// What an engine does while the cluster's map catches up with a death or a
+// restart: one step of `parts` on every layer, each layer retried (up to 100
+// tries, 100 ms apart) until it succeeds, or until it fails with `stop_at`
+// (kOk: never stops early). Every answer is checked against the reference
+// at a CPU node's precision; the steps' repairs are added to *repairs.
+// Returns the last status.
+inline absl::Status StepEveryLayerRetrying(Client& c, StepSim& sim, const std::vector<StepSim::Part>& parts,
+                                           absl::StatusCode stop_at = absl::StatusCode::kOk, int* repairs = nullptr) {
+  absl::Status last;
+  for (uint32_t l = 0; l < sim.layout().layers; ++l) {
+    auto b = sim.Build(l, parts);
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      AttendReport rep;
+      auto out = c.Step(b.step, &rep);
+      if (repairs != nullptr) *repairs += rep.repairs;
+      if (out.ok()) {
+        sim.Commit(b);
+        auto [err, lse_err] = sim.Check(b, *out);
+        EXPECT_GE(err, 0);
+        EXPECT_LT(err, 2e-5);
+        EXPECT_LT(lse_err, 1e-4);
+        last = absl::OkStatus();
+        break;
+      }
+      last = out.status();
+      if (last.code() == stop_at) return last;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    if (!last.ok()) return last;
+  }
+  return last;
+}
 
 }  // namespace kvring::testing

@@ -442,6 +442,20 @@ const char* KernelName(cuda::PrefillKernel k) {
   return k == cuda::PrefillKernel::kWgmma ? "wgmma" : k == cuda::PrefillKernel::kAuto ? "auto" : "mma.sync";
 }
 
+// The query rows of the prefill tests' two sequences (the second starting
+// at position 40): sequence 0's last 200 tokens as a chunk (a prefix hit
+// before them); sequence 1's every key position, plus rows that see nothing
+// (before position 40).
+std::vector<std::vector<int32_t>> PrefillRows(const PagedBatch& kvb) {
+  std::vector<std::vector<int32_t>> qpos(2);
+  const auto& kp0 = kvb.seqs[0].dense.positions;
+  for (size_t i = kp0.size() - 200; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);
+  for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);
+  qpos[1].push_back(3);
+  qpos[1].push_back(39);
+  return qpos;
+}
+
 // Prefill: causal chunks of new tokens over a cached prefix, row counts that
 // are not multiples of the 128-row tile, sharded (gapped) page lists.
 TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
@@ -457,15 +471,7 @@ TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
             const bool bf16 = seed % 2;
             std::vector<int> toks = {300 + (int)(rng() % 200), 129};
             auto kvb = MakeBatch(rng, bt, 1, kv_heads, D, bf16, toks, {0, 40}, gap, 0);
-            std::vector<std::vector<int32_t>> qpos(2);
-            // Sequence 0: the last 200 tokens as a chunk (prefix hit before them).
-            const auto& kp0 = kvb.seqs[0].dense.positions;
-            for (size_t i = kp0.size() - 200; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);
-            // Sequence 1: every key position, plus rows that see nothing (before position 40).
-            for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);
-            qpos[1].push_back(3);
-            qpos[1].push_back(39);
-            auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+            auto qb = MakeQueries(rng, q_heads, D, bf16, PrefillRows(kvb));
             // P is rounded to 16 bits for the second matmul: tolerance of bf16 operands.
             ASSERT_NO_FATAL_FAILURE(ExpectPrefillMatches(
                 {}, {}, qb, kvb, kernel, bf16 ? 1e-2 : 3e-3,
@@ -496,13 +502,7 @@ TEST(GpuPrefillTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
         Dev<uint8_t> dq;
         cuda::PagedKvView view;
         ASSERT_NO_FATAL_FAILURE(QuantizePages(kvb, toks, enc, /*layer=*/1, &dq, &view));
-        std::vector<std::vector<int32_t>> qpos(2);
-        const auto& kp0 = kvb.seqs[0].dense.positions;
-        for (size_t i = kp0.size() - 200; i < kp0.size(); ++i) qpos[0].push_back(kp0[i]);
-        for (int32_t x : kvb.seqs[1].dense.positions) qpos[1].push_back(x);
-        qpos[1].push_back(3);
-        qpos[1].push_back(39);
-        auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+        auto qb = MakeQueries(rng, q_heads, D, bf16, PrefillRows(kvb));
         const std::string what = absl::StrCat("quantized prefill ", name, " bt=", bt, " D=", D, " G=", q_heads / 2);
         Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
         EXPECT_EQ(cuda::PagedPrefill({}, qb.View(), view, {out.p, lse.p}, nullptr, cuda::PrefillKernel::kWgmma),
