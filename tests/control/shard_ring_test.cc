@@ -1,10 +1,12 @@
 #include "kvring/protocol/shard_ring.h"
 
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
 
 #include "gtest/gtest.h"
+#include "kvring/protocol/chunk_routes.h"
 
 namespace kvring {
 namespace {
@@ -76,6 +78,62 @@ TEST(ShardRingTest, WriteQuorumDefaultsToReplication) {
   EXPECT_EQ(ShardRing(m).write_quorum(), 2);
   m.set_write_quorum(1);
   EXPECT_EQ(ShardRing(m).write_quorum(), 1);
+}
+
+// ChunkRoutes against computing every chunk's candidates afresh: the same
+// nodes for growing sequences, forks (a placement) and a changed map, and
+// what it returned earlier is not changed by later calls.
+TEST(ChunkRoutesTest, RoutesAreTheRingsCandidatesAcrossGrowthForksAndMapChanges) {
+  auto fresh = [](const ShardRing& ring, const std::string& id, const SequencePlacement& p, uint64_t c) {
+    return ring.ReadCandidates(ShardRing::ChunkPosition("tenant/7", p.PlacedAs(id, c), c));
+  };
+  auto check = [&](const ChunkRoutes::Route& r, const ShardRing& ring, const std::string& id,
+                   const SequencePlacement& p, uint64_t chunks) {
+    ASSERT_GE(r.chunks, chunks);
+    for (uint64_t c = 0; c < chunks; ++c) {
+      const auto want = fresh(ring, id, p, c);
+      const auto got = r.candidates(c);
+      ASSERT_EQ(std::vector<int>(got.begin(), got.end()), want) << id << " chunk " << c;
+    }
+  };
+  ChunkRoutes routes(/*capacity=*/3);
+  auto ring = std::make_shared<const ShardRing>(MapOf(5, 2));
+  const SequencePlacement own;
+  auto a4 = routes.Get(ring, "tenant/7", "a", own, 4);
+  check(*a4, *ring, "a", own, 4);
+  // Held: the same object while it covers the chunks asked for.
+  EXPECT_EQ(routes.Get(ring, "tenant/7", "a", own, 3), a4);
+  auto a9 = routes.Get(ring, "tenant/7", "a", own, 9);
+  check(*a9, *ring, "a", own, 9);
+  check(*a4, *ring, "a", own, 4);  // an earlier route is unchanged
+  EXPECT_EQ(a4->chunks, 4u);
+  // A fork sharing a's first 3 chunks is routed by a there, by its own id after.
+  auto forked = own.Fork("a", 3);
+  ASSERT_TRUE(forked.ok()) << forked.status();
+  auto b = routes.Get(ring, "tenant/7", "b", *forked, 6);
+  check(*b, *ring, "b", *forked, 6);
+  for (uint64_t c = 0; c < 3; ++c) EXPECT_EQ(b->candidates(c), a9->candidates(c));
+  // The same id with another placement (b forked again from elsewhere) is recomputed.
+  auto refork = own.Fork("c", 1);
+  ASSERT_TRUE(refork.ok());
+  auto b2 = routes.Get(ring, "tenant/7", "b", *refork, 6);
+  EXPECT_NE(b2, b);
+  check(*b2, *ring, "b", *refork, 6);
+  // A new map (a node down) recomputes: the down node goes last.
+  auto ring2 = std::make_shared<const ShardRing>(MapOf(5, 2, {fresh(*ring, "a", own, 0)[0]}));
+  auto a_new = routes.Get(ring2, "tenant/7", "a", own, 2);
+  EXPECT_NE(a_new->ring, ring);
+  check(*a_new, *ring2, "a", own, 2);
+  EXPECT_EQ(a_new->candidates(0).back(), fresh(*ring, "a", own, 0)[0]);
+  // Bounded: a fourth sequence in a cache of 3 starts it over; routes are still right.
+  auto d = routes.Get(ring2, "tenant/7", "d", own, 2);
+  routes.Get(ring2, "tenant/7", "e", own, 1);
+  EXPECT_LE(routes.size(), 3u);
+  check(*routes.Get(ring2, "tenant/7", "a", own, 5), *ring2, "a", own, 5);
+  check(*d, *ring2, "d", own, 2);
+  routes.Forget("a");
+  routes.Forget("a");  // idempotent
+  EXPECT_LE(routes.size(), 2u);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include "kvring/common/status_macros.h"
 #include "kvring/common/thread_pool.h"
 #include "kvring/layout/token_rows.h"
+#include "kvring/protocol/chunk_routes.h"
 #include "kvring/protocol/coordinator_channel.h"
 #include "kvring/protocol/shard_ring.h"
 #include "kvring/protocol/tls.h"
@@ -118,8 +119,18 @@ class ClientImpl {
                                           map.Clear();
                                           return stub.GetShardMap(ctx, req, &map);
                                         }));
+    {
+      // The same ring object while the routing is the same (routes cached by
+      // ring stay valid: ChunkRoutes).
+      absl::MutexLock l(&mu_);
+      if (ring_ != nullptr && ring_->RoutesLike(map)) {
+        last_refresh_ = absl::Now();
+        return absl::OkStatus();
+      }
+    }
     auto ring = std::make_shared<const ShardRing>(map);
     absl::MutexLock l(&mu_);
+    last_refresh_ = absl::Now();
     for (const auto& n : map.nodes()) {
       auto& conn = nodes_[n.node_id()];
       if (conn == nullptr || conn->grpc_address() != n.grpc_address() || conn->ucx_address() != n.ucx_address()) {
@@ -128,7 +139,6 @@ class ClientImpl {
       }
     }
     ring_ = ring;
-    last_refresh_ = absl::Now();
     return absl::OkStatus();
   }
 
@@ -178,13 +188,46 @@ class ClientImpl {
   }
 
   // Node indices for a ring position: live, unsuspected nodes first.
-  std::vector<int> Candidates(const ShardRing& ring, uint64_t pos) {
+  std::vector<int> Candidates(const ShardRing& ring, uint64_t pos) { return Demoted(ring, ring.ReadCandidates(pos)); }
+  // `nodes` with the down and suspected ones moved last, in order.
+  std::vector<int> Demoted(const ShardRing& ring, absl::Span<const int> nodes) {
     std::vector<int> good, bad;
-    for (int i : ring.ReadCandidates(pos)) {
-      (ring.up(i) && !Suspected(ring.node(i).node_id()) ? good : bad).push_back(i);
-    }
+    for (int i : nodes) (ring.up(i) && !Suspected(ring.node(i).node_id()) ? good : bad).push_back(i);
     good.insert(good.end(), bad.begin(), bad.end());
     return good;
+  }
+
+  // The nodes of each chunk of a step's sequences, live and unsuspected
+  // first: the cached routes (ChunkRoutes), reordered only while this client
+  // suspects a node.
+  struct StepRoutes {
+    std::vector<std::shared_ptr<const ChunkRoutes::Route>> routes;  // per sequence
+    std::vector<std::vector<std::vector<int>>> reordered;             // per sequence and chunk, when suspecting
+    absl::Span<const int> operator()(size_t seq, uint64_t chunk) const {
+      return reordered.empty() ? routes[seq]->candidates(chunk) : absl::MakeConstSpan(reordered[seq][chunk]);
+    }
+  };
+  StepRoutes RoutesOf(const std::shared_ptr<const ShardRing>& ring, const AttendStep& st,
+                      const std::vector<uint64_t>& nchunks) {
+    StepRoutes r;
+    r.routes.reserve(st.sequences.size());
+    for (size_t b = 0; b < st.sequences.size(); ++b) {
+      const std::string& id = st.sequences[b].sequence_id;
+      r.routes.push_back(routes_.Get(ring, ns_, id, placements_.Get(id), nchunks[b]));
+    }
+    bool suspecting;
+    {
+      absl::MutexLock l(&mu_);
+      const absl::Time now = absl::Now();
+      absl::erase_if(suspect_until_, [&](const auto& kv) { return kv.second <= now; });
+      suspecting = !suspect_until_.empty();
+    }
+    if (!suspecting) return r;
+    r.reordered.resize(st.sequences.size());
+    for (size_t b = 0; b < st.sequences.size(); ++b) {
+      for (uint64_t c = 0; c < nchunks[b]; ++c) r.reordered[b].push_back(Demoted(*ring, r.routes[b]->candidates(c)));
+    }
+    return r;
   }
 
   // One round of calls to nodes, the shape of every operation's fan-out:
@@ -1067,18 +1110,12 @@ class ClientImpl {
     }
     // Candidates per (sequence, chunk); the attending replica is the first
     // that answers; appends go to the first R.
-    std::vector<std::vector<std::vector<int>>> cands(nseq);
+    const StepRoutes cands = RoutesOf(ring, st, nchunks);
     std::vector<std::vector<size_t>> next(nseq);
     std::vector<uint64_t> digest(nseq);  // of the placement each sequence is routed by
     for (size_t b = 0; b < nseq; ++b) {
-      const std::string& id = st.sequences[b].sequence_id;
-      const SequencePlacement placement = placements_.Get(id);
-      digest[b] = placement.Digest();
-      cands[b].resize(nchunks[b]);
+      digest[b] = cands.routes[b]->placement_digest;
       next[b].assign(nchunks[b], 0);
-      for (uint64_t c = 0; c < nchunks[b]; ++c) {
-        cands[b][c] = Candidates(*ring, ShardRing::ChunkPosition(ns_, placement.PlacedAs(id, c), c));
-      }
     }
     // Appended positions of each chunk they touch, and their acks.
     std::vector<AppendUnit> units;
@@ -1101,7 +1138,7 @@ class ClientImpl {
     }
     bool two_phase = false;
     for (size_t u = 0; u < units.size(); ++u) {
-      const auto& cs = cands[units[u].seq][units[u].chunk];
+      const absl::Span<const int> cs = cands(units[u].seq, units[u].chunk);
       for (int k = 0; k < R && k < static_cast<int>(cs.size()); ++k) {
         SeqPart& p = plan[cs[k]][units[u].seq];
         p.seq = units[u].seq;
@@ -1124,7 +1161,7 @@ class ClientImpl {
       // Appends first (one request per node and contiguous part), attends after.
       std::vector<NodeJob> jobs;
       for (size_t u = 0; u < units.size(); ++u) {
-        const auto& cs = cands[units[u].seq][units[u].chunk];
+        const absl::Span<const int> cs = cands(units[u].seq, units[u].chunk);
         for (int k = 0; k < R && k < static_cast<int>(cs.size()); ++k) {
           jobs.push_back(NodeJob{cs[k], {SeqPart{units[u].seq, {}, units[u].begin, units[u].end}}});
         }
@@ -1135,7 +1172,7 @@ class ClientImpl {
     }
     for (int round = 0; !pending.empty() || !plan.empty(); ++round) {
       for (const auto& [b, c] : pending) {
-        if (next[b][c] >= cands[b][c].size()) {
+        if (next[b][c] >= cands(b, c).size()) {
           // When every replica that answered refused for the same reason
           // (NOT_FOUND, FAILED_PRECONDITION, DATA_LOSS with the first lost
           // position...), that is the step's error class, one the engine can
@@ -1157,7 +1194,7 @@ class ClientImpl {
               code, absl::StrCat("no live replica holds chunk ", c, " of sequence '", st.sequences[b].sequence_id,
                                  "' (", absl::StrJoin(tried[{b, c}], "; "), ")"));
         }
-        SeqPart& p = plan[cands[b][c][next[b][c]++]][b];
+        SeqPart& p = plan[cands(b, c)[next[b][c]++]][b];
         p.seq = b;
         p.chunks.push_back(c);
       }
@@ -1817,7 +1854,10 @@ class ClientImpl {
       rep.blocks_erased += res[j]->blocks_erased();
       rep.open_blocks_dropped += res[j]->open_blocks_dropped();
     }
-    if (!truncate) placements_.Set(id, SequencePlacement());
+    if (!truncate) {
+      placements_.Set(id, SequencePlacement());
+      routes_.Forget(id);
+    }
     return rep;
   }
 
@@ -2176,6 +2216,7 @@ class ClientImpl {
   absl::flat_hash_map<std::string, std::shared_ptr<Node>> nodes_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, absl::Time> suspect_until_ ABSL_GUARDED_BY(mu_);
   SequencePlacements placements_;  // the forks this client knows
+  ChunkRoutes routes_;              // the nodes of the chunks of the sequences this client steps
 };
 
 Client::Client(std::unique_ptr<ClientImpl> impl) : impl_(std::move(impl)) {}

@@ -24,6 +24,22 @@ int ShardRing::write_quorum() const {
   return w <= 0 || w > r ? r : w;
 }
 
+bool ShardRing::RoutesLike(const v1::ShardMap& m) const {
+  if (m.replication() != map_.replication() || m.write_quorum() != map_.write_quorum() ||
+      m.virtual_nodes() != map_.virtual_nodes() || m.sequence_chunk_blocks() != map_.sequence_chunk_blocks() ||
+      m.nodes_size() != map_.nodes_size()) {
+    return false;
+  }
+  for (int i = 0; i < m.nodes_size(); ++i) {
+    const v1::NodeInfo &a = m.nodes(i), &b = map_.nodes(i);
+    if (a.node_id() != b.node_id() || a.grpc_address() != b.grpc_address() || a.ucx_address() != b.ucx_address() ||
+        a.incarnation() != b.incarnation() || a.state() != b.state()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 uint64_t ShardRing::ChunkPosition(std::string_view ns, std::string_view sequence_id, uint64_t chunk) {
   const std::string s = absl::StrCat(std::string(ns), "/", std::string(sequence_id), "/", chunk);
   return XXH3_64bits(s.data(), s.size());

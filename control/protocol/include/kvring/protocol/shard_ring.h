@@ -45,6 +45,12 @@ class ShardRing {
   // Every node, UP ones first, both in preference order.
   std::vector<int> ReadCandidates(uint64_t position) const;
 
+  // Whether `map` places and routes every position as this ring does: the
+  // same nodes (ids, addresses, incarnations, states) in the same order and
+  // the same replication, write quorum, virtual nodes and chunk size. What
+  // only reports (capacities, heartbeat times) is not compared.
+  bool RoutesLike(const v1::ShardMap& map) const;
+
   static uint64_t KeyPosition(const BlockKey& key) { return key.hi; }
   static uint64_t ChunkPosition(std::string_view ns, std::string_view sequence_id, uint64_t chunk);
 
