@@ -169,6 +169,63 @@ struct DevSeq {
   }
 };
 
+// A step goes through stages, each a function of CudaAttentionBackend over
+// this struct: Admit (sequences busy, blocks not in HBM found), FetchMissing
+// (their host copies and pages), SizeTables (device page tables), Pack (the
+// one host-to-device blob), EnqueueInputs and EnqueueAttention (the device
+// work, no host synchronization), then HandOff (a reply before the work is
+// done) or Finish. What a stage finds for the next lives here; on failure
+// after Admit, Abandon gives back what the step took.
+struct GpuStep {
+  struct Missing {  // a block of the step not in HBM
+    size_t seq;
+    uint64_t index;
+    BlockKey key;
+    PinnedBlock host;
+    int32_t page = -1;
+  };
+  struct KSeq {  // a kernel sequence: a plan sequence with rows
+    size_t plan_i;
+    std::vector<std::pair<size_t, size_t>> runs;  // slots [k0, k1) of its table
+    int32_t tokens = 0;
+  };
+  // The blob's sections (byte offsets).
+  struct Sections {
+    size_t q = 0, k = 0, v = 0, pos = 0, rows = 0, pages = 0, tokens = 0, appends = 0, writes = 0, segs = 0;
+  };
+
+  GpuStep(const StepPlan& p, Lane* l) : plan(p), L(p.layout), lane(l), st(l->stream), dx(p.device) {}
+
+  const StepPlan& plan;
+  const BlockLayout& L;
+  Lane* const lane;
+  const cudaStream_t st;
+  // A device plan: queries, K/V and output in the caller's GPU memory
+  // (mapped). Its rows are used in place when the plan's rows are the
+  // batch's; else the queries are gathered into the blob on the device and
+  // the output scattered back from the lane's.
+  const AttendDeviceIo* const dx;
+  uint32_t max_rows = 0;
+  bool decode = false;  // the split-KV decode kernel (few rows a sequence), else prefill
+
+  // Admit, FetchMissing.
+  std::vector<DevSeq*> dseq;       // per plan sequence, busy while the step holds it
+  std::vector<cudaEvent_t> after;  // steps of these sequences still on the device
+  std::vector<Missing> missing;
+
+  // Pack.
+  std::vector<KSeq> kseqs;
+  std::vector<int32_t> zero_pages;
+  uint32_t append_rows = 0, append_ops = 0;
+  size_t q_elems = 0, num_writes = 0, num_segments = 0;
+  bool direct = false, in_place = false;
+  Sections off;
+  size_t blob_bytes = 0, out_o = 0, out_bytes = 0, ids_bytes = 0;
+  int max_count = 0, max_pages = 0;
+  const int32_t* direct_ids = nullptr;  // direct: the one run of the one sequence's table
+  const int32_t* direct_pos = nullptr;
+};
+
 bool KernelsTake(const BlockLayout& l) {
   return (l.dtype == DType::kBF16 || l.dtype == DType::kF16) && (l.head_dim == 64 || l.head_dim == 128);
 }
@@ -446,6 +503,21 @@ class CudaAttentionBackend final : public AttentionBackend {
   }
 
  private:
+  // Step's stages (GpuStep).
+  absl::Status Admit(GpuStep& w) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status FetchMissing(GpuStep& w) ABSL_LOCKS_EXCLUDED(mu_, lanes_mu_);
+  absl::Status SizeTables(GpuStep& w) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Pack(GpuStep& w) ABSL_LOCKS_EXCLUDED(mu_);
+  void PackTables(GpuStep& w) ABSL_LOCKS_EXCLUDED(mu_);
+  cuda::PagedKvView KvViewOf(const GpuStep& w) const;
+  absl::Status EnqueueInputs(GpuStep& w);
+  absl::Status EnqueueAttention(GpuStep& w);
+  absl::Status LaunchDecode(GpuStep& w, const cuda::AttnParams& p, const cuda::QueryView& qv,
+                            const cuda::PagedKvView& kv, cuda::OutputView out);
+  absl::Status HandOff(GpuStep& w, StepTimes* times) ABSL_LOCKS_EXCLUDED(mu_);
+  void Finish(GpuStep& w, PartialOutput out, StepTimes* times) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Abandon(GpuStep& w, absl::Status s) ABSL_LOCKS_EXCLUDED(mu_);
+
   void* PageAddress(int32_t page) const { return static_cast<uint8_t*>(pool_base_) + uint64_t(page) * o_.page_bytes; }
 
   absl::Status Healthy() const {
@@ -709,130 +781,148 @@ void ConvertQueries(const uint8_t* src, DType from, size_t n, DType to, uint8_t*
   }
 }
 
+constexpr size_t kPageElemBytes = 2;  // bf16/fp16 pages (KernelsTake)
+
 absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out, StepTimes* times) {
-  const BlockLayout& L = plan.layout;
-  if (!KernelsTake(L)) return cpu_.Step(plan, out, times);
+  if (!KernelsTake(plan.layout)) return cpu_.Step(plan, out, times);
   KVRING_RETURN_IF_ERROR(Healthy());
-  const uint32_t G = plan.q_heads / L.kv_heads;
-  const bool quantized = plan.encoding.quantized();
-  uint32_t max_rows = 0;
-  for (const StepSequence& s : plan.sequences) max_rows = std::max(max_rows, s.rows);
-  // Few rows a sequence (decode): the split-KV decode kernel; many rows (a
-  // prefill chunk): the prefill kernel. Both read plain and quantized pages.
-  const bool decode = max_rows * G <= 64;
-  Lane* lane = AcquireLane();
   struct LaneGuard {
     CudaAttentionBackend* self;
     Lane* lane;  // null: handed on (in flight)
     ~LaneGuard() {
       if (lane != nullptr) self->ReleaseLane(lane);
     }
-  } lane_guard{this, lane};
-  const cudaStream_t st = lane->stream;
-
-  // Phase 1 (under mu_): every sequence marked busy (never dropped while in
-  // the step); the listed blocks not in HBM found.
-  struct Missing {
-    size_t seq;
-    uint64_t index;
-    BlockKey key;
-    PinnedBlock host;
-    int32_t page = -1;
-  };
-  std::vector<Missing> missing;
-  std::vector<DevSeq*> dseq(plan.sequences.size());
-  // Steps of these sequences still on the device (replied to early): this
-  // one's work follows theirs. (A lane that completed and was reused since
-  // only makes the wait longer.)
-  std::vector<cudaEvent_t> after;
-  {
-    absl::MutexLock l(&mu_);
-    const uint64_t now = ++clock_;
-    for (size_t i = 0; i < plan.sequences.size(); ++i) {
-      const StepSequence& s = plan.sequences[i];
-      DevSeq& d = SeqLocked(SeqId{s.seq.ns, s.seq.id});
-      d.tenant = s.seq.tenant;
-      d.block_tokens = L.block_tokens;
-      d.last_use = now;
-      ++d.busy;
-      dseq[i] = &d;
-      if (d.flying != nullptr) after.push_back(d.flying->done);
+  } guard{this, AcquireLane()};
+  GpuStep w(plan, guard.lane);
+  for (const StepSequence& s : plan.sequences) w.max_rows = std::max(w.max_rows, s.rows);
+  w.decode = w.max_rows * (plan.q_heads / plan.layout.kv_heads) <= 64;
+  absl::Status s = Admit(w);
+  if (s.ok()) s = FetchMissing(w);
+  if (s.ok()) s = SizeTables(w);
+  if (s.ok()) s = Pack(w);
+  if (!s.ok()) return Abandon(w, s);
+  s = EnqueueInputs(w);
+  if (s.ok()) s = EnqueueAttention(w);
+  if (s.ok()) s = Check(cudaEventRecord(w.lane->done, w.st), "event");
+  // The caller's stream can wait for the work (its inputs were on it too):
+  // the reply goes now, with an event for that stream, and the step's holds
+  // stay until the work completes (Reap).
+  if (s.ok() && w.dx != nullptr && w.dx->reply_when_queued && w.dx->inputs_ready != nullptr && times != nullptr &&
+      w.lane->done_ipc[0] != nullptr) {
+    s = HandOff(w, times);
+    if (s.ok()) {
+      guard.lane = nullptr;
+      absl::MutexLock l(&lanes_mu_);
+      flying_.push_back(w.lane);
+      return absl::OkStatus();
     }
-    for (size_t i = 0; i < plan.sequences.size(); ++i) {
-      const StepSequence& s = plan.sequences[i];
-      for (const BlockRange& rg : s.ranges) {
-        if (dseq[i]->HasRange(rg.begin, rg.end)) {  // the common case: O(log n)
-          hits_ += rg.size();
+  }
+  if (s.ok()) s = Check(cudaEventSynchronize(w.lane->done), "the step on the GPU");
+  if (!s.ok()) {
+    w.lane->counters_clean = 0;  // unknown after a failed step: cleared before the next decode
+    if (healthy_) {
+      // Drain what was enqueued before the lane is used again.
+      (void)Check(cudaStreamSynchronize(w.st), "draining a failed step");
+    }
+    return Abandon(w, s);
+  }
+  Finish(w, out, times);
+  return absl::OkStatus();
+}
+
+absl::Status CudaAttentionBackend::Abandon(GpuStep& w, absl::Status s) {
+  // Promoted pages are dropped again (their contents are not known to have
+  // landed) and the sequences released.
+  absl::MutexLock l(&mu_);
+  for (GpuStep::Missing& m : w.missing) {
+    if (m.page >= 0) DropBlockLocked(*w.dseq[m.seq], m.index);
+  }
+  for (DevSeq* d : w.dseq) --d->busy;
+  return s;
+}
+
+absl::Status CudaAttentionBackend::Admit(GpuStep& w) {
+  const StepPlan& plan = w.plan;
+  w.dseq.resize(plan.sequences.size());
+  absl::MutexLock l(&mu_);
+  const uint64_t now = ++clock_;
+  for (size_t i = 0; i < plan.sequences.size(); ++i) {
+    const StepSequence& s = plan.sequences[i];
+    DevSeq& d = SeqLocked(SeqId{s.seq.ns, s.seq.id});
+    d.tenant = s.seq.tenant;
+    d.block_tokens = w.L.block_tokens;
+    d.last_use = now;
+    ++d.busy;  // never dropped while in the step
+    w.dseq[i] = &d;
+    // Its steps still on the device (replied to early): this one's work
+    // follows theirs. (A lane that completed and was reused since only makes
+    // the wait longer.)
+    if (d.flying != nullptr) w.after.push_back(d.flying->done);
+  }
+  for (size_t i = 0; i < plan.sequences.size(); ++i) {
+    const StepSequence& s = plan.sequences[i];
+    DevSeq& d = *w.dseq[i];
+    for (const BlockRange& rg : s.ranges) {
+      if (d.HasRange(rg.begin, rg.end)) {  // the common case: O(log n)
+        hits_ += rg.size();
+        continue;
+      }
+      for (uint64_t idx = rg.begin; idx < rg.end; ++idx) {
+        if (d.Has(idx)) {
+          ++hits_;
           continue;
         }
-        for (uint64_t idx = rg.begin; idx < rg.end; ++idx) {
-          if (dseq[i]->Has(idx)) {
-            ++hits_;
-            continue;
-          }
-          auto full = s.full->find(idx);
-          if (full == s.full->end()) {
-            for (DevSeq* d : dseq) --d->busy;
-            return absl::InternalError(absl::StrCat("open block ", idx, " of '", s.seq.id, "' is not in HBM"));
-          }
-          if (int32_t shared = SharedPageLocked(full->second); shared >= 0) {
-            ++hits_;  // another sequence's page of the same block (a fork's shared block)
-            dseq[i]->Insert(idx, shared, /*is_open=*/false);
-            continue;
-          }
-          ++misses_;
-          missing.push_back(Missing{i, idx, full->second, {}});
+        auto full = s.full->find(idx);
+        if (full == s.full->end()) {
+          return absl::InternalError(absl::StrCat("open block ", idx, " of '", s.seq.id, "' is not in HBM"));
         }
+        if (int32_t shared = SharedPageLocked(full->second); shared >= 0) {
+          ++hits_;  // another sequence's page of the same block (a fork's shared block)
+          d.Insert(idx, shared, /*is_open=*/false);
+          continue;
+        }
+        ++misses_;
+        w.missing.push_back(GpuStep::Missing{i, idx, full->second, {}});
       }
     }
   }
-  // On failure from here on: promoted pages are dropped again (their
-  // contents are not known to have landed) and the sequences released.
-  auto fail = [&](absl::Status s) {
-    absl::MutexLock l(&mu_);
-    for (Missing& m : missing) {
-      if (m.page >= 0) DropBlockLocked(*dseq[m.seq], m.index);
-    }
-    for (DevSeq* d : dseq) --d->busy;
-    return s;
-  };
+  return absl::OkStatus();
+}
 
-  // Phase 2: the missing blocks' host copies (store I/O, no lock), then
-  // their pages (steps done on the device let go of theirs first).
-  if (!missing.empty()) Reap(ReapMode::kDone);
-  for (Missing& m : missing) {
-    const StepSequence& s = plan.sequences[m.seq];
+absl::Status CudaAttentionBackend::FetchMissing(GpuStep& w) {
+  if (w.missing.empty()) return absl::OkStatus();
+  // The host copies (store I/O, no lock), then their pages (steps done on
+  // the device let go of theirs first).
+  Reap(ReapMode::kDone);
+  for (GpuStep::Missing& m : w.missing) {
+    const StepSequence& s = w.plan.sequences[m.seq];
     absl::StatusOr<PinnedBlock> pb = store_->Acquire(s.seq.ns, m.key);
     if (!pb.ok()) {
-      return fail(absl::Status(pb.status().code(),
-                               absl::StrCat("sequence '", s.seq.id, "' block ", m.index, ": ", pb.status().message())));
+      return absl::Status(pb.status().code(),
+                          absl::StrCat("sequence '", s.seq.id, "' block ", m.index, ": ", pb.status().message()));
     }
-    if (!(pb->meta().layout == L) || !(pb->meta().encoding == plan.encoding) || pb->payload().size() > o_.page_bytes) {
-      return fail(absl::FailedPreconditionError(absl::StrCat("sequence '", s.seq.id, "' block ", m.index,
-                                                             " has another layout or encoding than the sequence")));
+    if (!(pb->meta().layout == w.L) || !(pb->meta().encoding == w.plan.encoding) ||
+        pb->payload().size() > o_.page_bytes) {
+      return absl::FailedPreconditionError(absl::StrCat("sequence '", s.seq.id, "' block ", m.index,
+                                                        " has another layout or encoding than the sequence"));
     }
     m.host = std::move(*pb);
   }
-  absl::Status pages_ok = absl::OkStatus();
-  {
-    absl::MutexLock l(&mu_);
-    for (Missing& m : missing) {
-      const StepSequence& s = plan.sequences[m.seq];
-      const SeqId self{s.seq.ns, s.seq.id};
-      absl::StatusOr<int32_t> page = AllocatePageLocked(s.seq.tenant, &self);
-      if (!page.ok()) {
-        pages_ok = page.status();
-        break;
-      }
-      m.page = *page;
-      dseq[m.seq]->Insert(m.index, *page, /*is_open=*/false);
-    }
+  absl::MutexLock l(&mu_);
+  for (GpuStep::Missing& m : w.missing) {
+    const StepSequence& s = w.plan.sequences[m.seq];
+    const SeqId self{s.seq.ns, s.seq.id};
+    absl::StatusOr<int32_t> page = AllocatePageLocked(s.seq.tenant, &self);
+    if (!page.ok()) return page.status();
+    m.page = *page;
+    w.dseq[m.seq]->Insert(m.index, *page, /*is_open=*/false);
   }
-  if (!pages_ok.ok()) return fail(pages_ok);
+  return absl::OkStatus();
+}
 
-  // Phase 3: device page tables large enough (only this step touches the
-  // tables of its sequences).
-  for (DevSeq* d : dseq) {
+absl::Status CudaAttentionBackend::SizeTables(GpuStep& w) {
+  // Only this step touches the tables of its sequences.
+  for (DevSeq* d : w.dseq) {
     size_t need, synced;
     {
       absl::MutexLock l(&mu_);
@@ -842,59 +932,53 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
     if (need <= d->cap) continue;
     const size_t cap = std::max<size_t>(64, need * 2);
     void* nt = nullptr;
-    if (absl::Status s = Check(cudaMallocAsync(&nt, cap * 8, st), "page table"); !s.ok()) return fail(s);
+    KVRING_RETURN_IF_ERROR(Check(cudaMallocAsync(&nt, cap * 8, w.st), "page table"));
     int32_t* ni = static_cast<int32_t*>(nt);
     absl::Status s = absl::OkStatus();
     if (d->d_ids != nullptr) {
-      if (synced > 0) {  // entries from `synced` on are written below
-        s = Check(cudaMemcpyAsync(ni, d->d_ids, synced * 4, cudaMemcpyDeviceToDevice, st), "page table copy");
-        if (s.ok())
-          s = Check(cudaMemcpyAsync(ni + cap, d->d_pos, synced * 4, cudaMemcpyDeviceToDevice, st), "page table copy");
+      if (synced > 0) {  // entries from `synced` on are written by the step
+        s = Check(cudaMemcpyAsync(ni, d->d_ids, synced * 4, cudaMemcpyDeviceToDevice, w.st), "page table copy");
+        if (s.ok()) {
+          s = Check(cudaMemcpyAsync(ni + cap, d->d_pos, synced * 4, cudaMemcpyDeviceToDevice, w.st), "page table copy");
+        }
       }
-      if (s.ok()) s = Check(cudaFreeAsync(d->d_ids, st), "page table");
+      if (s.ok()) s = Check(cudaFreeAsync(d->d_ids, w.st), "page table");
     }
     d->d_ids = ni;
     d->d_pos = ni + cap;
     d->cap = cap;
-    if (!s.ok()) return fail(s);
+    KVRING_RETURN_IF_ERROR(s);
   }
+  return absl::OkStatus();
+}
 
-  // Phase 4 (under mu_): the step's blob, section by section, into pinned
-  // staging: queries (in the KV dtype), appended K/V, positions, the batch's
-  // CSR arrays, append ops, table writes, gather segments.
-  const size_t esz = 2;  // bf16/fp16 pages
-  const size_t q_elems = size_t{plan.num_rows} * plan.q_heads * plan.head_dim;
+absl::Status CudaAttentionBackend::Pack(GpuStep& w) {
+  const StepPlan& plan = w.plan;
+  const BlockLayout& L = w.L;
+  const size_t esz = kPageElemBytes;
+  w.q_elems = size_t{plan.num_rows} * plan.q_heads * plan.head_dim;
   const size_t kv_row = size_t{L.kv_heads} * L.head_dim * esz;
-  uint32_t append_rows = 0, append_ops = 0;
   for (const StepSequence& s : plan.sequences) {
     for (const StepAppend& a : s.appends) {
-      append_rows = std::max(append_rows, a.src_row + a.count);
-      append_ops += a.count;
+      w.append_rows = std::max(w.append_rows, a.src_row + a.count);
+      w.append_ops += a.count;
     }
   }
-  struct KSeq {  // a kernel sequence: a plan sequence with rows
-    size_t plan_i;
-    std::vector<std::pair<size_t, size_t>> runs;  // slots [k0, k1) of its table
-    int32_t tokens = 0;
-  };
-  std::vector<KSeq> kseqs;
-  size_t num_writes = 0, num_segments = 0;
   int32_t total_pages = 0;
-  std::vector<int32_t> zero_pages;
   {
     absl::MutexLock l(&mu_);
     for (size_t i = 0; i < plan.sequences.size(); ++i) {
-      DevSeq& d = *dseq[i];
-      num_writes += 2 * (d.idx.size() - d.synced);
+      DevSeq& d = *w.dseq[i];
+      w.num_writes += 2 * (d.idx.size() - d.synced);
       for (size_t k = 0; k < d.idx.size(); ++k) {
         if (d.needs_zero[k]) {
-          zero_pages.push_back(d.page[k]);
+          w.zero_pages.push_back(d.page[k]);
           d.needs_zero[k] = 0;
         }
       }
       const StepSequence& s = plan.sequences[i];
       if (s.rows == 0) continue;
-      KSeq ks{i, {}, 0};
+      GpuStep::KSeq ks{i, {}, 0};
       for (const BlockRange& rg : s.ranges) {
         // Every block of the range is resident: one run of the table.
         const size_t k0 = d.Find(rg.begin), k1 = k0 + rg.size();
@@ -906,291 +990,303 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
         ks.tokens += static_cast<int32_t>((rg.size() - 1) * L.block_tokens + s.BlockTokens(rg.end - 1, L.block_tokens));
         total_pages += static_cast<int32_t>(rg.size());
       }
-      num_segments += ks.runs.size();
-      kseqs.push_back(std::move(ks));
+      w.num_segments += ks.runs.size();
+      w.kseqs.push_back(std::move(ks));
     }
   }
-  const bool direct = kseqs.size() == 1 && kseqs[0].runs.size() == 1;
-  // A device plan: queries, K/V and output in the caller's GPU memory
-  // (mapped). Its rows are used in place when the plan's rows are the
-  // batch's; else the queries are gathered into the blob on the device and
-  // the output scattered back from the lane's.
-  const AttendDeviceIo* dx = plan.device;
-  bool in_place = dx != nullptr;
-  for (const KSeq& ks : kseqs) in_place &= plan.sequences[ks.plan_i].src_row == plan.sequences[ks.plan_i].row_begin;
-  const size_t q_row = size_t{plan.q_heads} * plan.head_dim;
+  w.direct = w.kseqs.size() == 1 && w.kseqs[0].runs.size() == 1;
+  w.in_place = w.dx != nullptr;
+  for (const GpuStep::KSeq& ks : w.kseqs) {
+    w.in_place &= plan.sequences[ks.plan_i].src_row == plan.sequences[ks.plan_i].row_begin;
+  }
+  // The sections: queries (in the KV dtype), appended K/V, positions, the
+  // batch's CSR arrays, append ops, table writes, gather segments.
   Blob blob;
-  const size_t off_q = blob.Add(in_place ? 0 : q_elems * esz);
-  const size_t off_k = blob.Add(dx != nullptr ? 0 : size_t{append_rows} * kv_row);
-  const size_t off_v = blob.Add(dx != nullptr ? 0 : size_t{append_rows} * kv_row);
-  const size_t off_pos = blob.Add(size_t{plan.num_rows} * 4);
-  const size_t off_rows = blob.Add((kseqs.size() + 1) * 4);
-  const size_t off_pages = blob.Add((kseqs.size() + 1) * 4);
-  const size_t off_tokens = blob.Add(kseqs.size() * 4);
-  const size_t off_appends = blob.Add(size_t{append_ops} * sizeof(cuda::KvAppendOp));
-  const size_t off_writes = blob.Add(num_writes * sizeof(cuda::TableWriteOp));
-  const size_t off_segs = blob.Add(num_segments * sizeof(cuda::TableSegment));
-  const size_t out_o = AlignUp(q_elems * 4);
-  const size_t out_bytes = out_o + AlignUp(size_t{plan.num_rows} * plan.q_heads * 4);
-  const size_t ids_bytes = AlignUp(size_t(total_pages) * 4);
+  GpuStep::Sections& off = w.off;
+  off.q = blob.Add(w.in_place ? 0 : w.q_elems * esz);
+  off.k = blob.Add(w.dx != nullptr ? 0 : size_t{w.append_rows} * kv_row);
+  off.v = blob.Add(w.dx != nullptr ? 0 : size_t{w.append_rows} * kv_row);
+  off.pos = blob.Add(size_t{plan.num_rows} * 4);
+  off.rows = blob.Add((w.kseqs.size() + 1) * 4);
+  off.pages = blob.Add((w.kseqs.size() + 1) * 4);
+  off.tokens = blob.Add(w.kseqs.size() * 4);
+  off.appends = blob.Add(size_t{w.append_ops} * sizeof(cuda::KvAppendOp));
+  off.writes = blob.Add(w.num_writes * sizeof(cuda::TableWriteOp));
+  off.segs = blob.Add(w.num_segments * sizeof(cuda::TableSegment));
+  w.blob_bytes = blob.size();
+  w.out_o = AlignUp(w.q_elems * 4);
+  w.out_bytes = w.out_o + AlignUp(size_t{plan.num_rows} * plan.q_heads * 4);
+  w.ids_bytes = AlignUp(size_t(total_pages) * 4);
+  Lane* lane = w.lane;
   for (auto [buf, n, what] :
-       {std::tuple{&lane->h_in, blob.size(), "pinned staging"}, std::tuple{&lane->d_in, blob.size(), "device staging"},
-        std::tuple{&lane->h_out, out_bytes, "pinned output"}, std::tuple{&lane->d_out, out_bytes, "device output"},
-        std::tuple{&lane->d_tables, 2 * ids_bytes, "batch page tables"}}) {
-    if (absl::Status s = Check(buf->Reserve(n), what); !s.ok()) return fail(s);
+       {std::tuple{&lane->h_in, w.blob_bytes, "pinned staging"},
+        std::tuple{&lane->d_in, w.blob_bytes, "device staging"}, std::tuple{&lane->h_out, w.out_bytes, "pinned output"},
+        std::tuple{&lane->d_out, w.out_bytes, "device output"},
+        std::tuple{&lane->d_tables, 2 * w.ids_bytes, "batch page tables"}}) {
+    KVRING_RETURN_IF_ERROR(Check(buf->Reserve(n), what));
   }
   uint8_t* h = lane->h_in.p;
-  uint8_t* dv = lane->d_in.p;
-  if (dx == nullptr) ConvertQueries(plan.queries.data(), plan.q_dtype, q_elems, L.dtype, h + off_q);
-  if (dx == nullptr && append_rows > 0) {
-    std::memcpy(h + off_k, plan.new_k.data(), size_t{append_rows} * kv_row);
-    std::memcpy(h + off_v, plan.new_v.data(), size_t{append_rows} * kv_row);
+  if (w.dx == nullptr) ConvertQueries(plan.queries.data(), plan.q_dtype, w.q_elems, L.dtype, h + off.q);
+  if (w.dx == nullptr && w.append_rows > 0) {
+    std::memcpy(h + off.k, plan.new_k.data(), size_t{w.append_rows} * kv_row);
+    std::memcpy(h + off.v, plan.new_v.data(), size_t{w.append_rows} * kv_row);
   }
-  int32_t* pos = reinterpret_cast<int32_t*>(h + off_pos);
+  int32_t* pos = reinterpret_cast<int32_t*>(h + off.pos);
   for (uint32_t r = 0; r < plan.num_rows; ++r) pos[r] = static_cast<int32_t>(plan.positions[r]);
-  int32_t* row_begin = reinterpret_cast<int32_t*>(h + off_rows);
-  int32_t* page_begin = reinterpret_cast<int32_t*>(h + off_pages);
-  int32_t* seq_tokens = reinterpret_cast<int32_t*>(h + off_tokens);
-  auto* appends = reinterpret_cast<cuda::KvAppendOp*>(h + off_appends);
-  auto* writes = reinterpret_cast<cuda::TableWriteOp*>(h + off_writes);
-  auto* segs = reinterpret_cast<cuda::TableSegment*>(h + off_segs);
-  int max_count = 0, max_pages = 0;
-  {
-    absl::MutexLock l(&mu_);
-    size_t nw = 0, na = 0, ns = 0;
-    for (size_t i = 0; i < plan.sequences.size(); ++i) {
-      const DevSeq& d = *dseq[i];
-      for (size_t k = d.synced; k < d.idx.size(); ++k) {
-        writes[nw++] = cuda::TableWriteOp{d.d_ids + k, d.page[k], 0};
-        writes[nw++] = cuda::TableWriteOp{d.d_pos + k, static_cast<int32_t>(d.idx[k] * d.block_tokens), 0};
-      }
-      for (const StepAppend& a : plan.sequences[i].appends) {
-        const int32_t page = d.page[d.Find(a.index)];
-        for (uint32_t t = 0; t < a.count; ++t) {
-          appends[na++] =
-              cuda::KvAppendOp{page, static_cast<int32_t>(a.offset + t), static_cast<int32_t>(a.src_row + t), 0};
-        }
-      }
-    }
-    int32_t rb = 0, pb = 0;
-    for (size_t j = 0; j < kseqs.size(); ++j) {
-      const KSeq& ks = kseqs[j];
-      const DevSeq& d = *dseq[ks.plan_i];
-      row_begin[j] = rb;
-      page_begin[j] = pb;
-      seq_tokens[j] = ks.tokens;
-      rb += static_cast<int32_t>(plan.sequences[ks.plan_i].rows);
-      int32_t np = 0;
-      for (const auto& [k0, k1] : ks.runs) {
-        segs[ns++] = cuda::TableSegment{d.d_ids + k0, d.d_pos + k0, static_cast<int32_t>(k1 - k0), pb + np};
-        max_count = std::max<int>(max_count, static_cast<int>(k1 - k0));
-        np += static_cast<int32_t>(k1 - k0);
-      }
-      pb += np;
-      max_pages = std::max<int>(max_pages, np);
-    }
-    row_begin[kseqs.size()] = rb;
-    page_begin[kseqs.size()] = pb;
-  }
+  PackTables(w);
+  return absl::OkStatus();
+}
 
-  // Phase 5: the device work, enqueued without a host synchronization until
-  // the end.
-  absl::Status s = absl::OkStatus();
-  if (dx != nullptr && dx->inputs_ready != nullptr) {
-    // The caller did not wait for its inputs: this stream does (before the
-    // step's clock starts).
-    s = Check(cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(dx->inputs_ready), 0),
-              "waiting for the caller's inputs");
-  }
-  for (cudaEvent_t e : after) {
-    if (s.ok()) s = Check(cudaStreamWaitEvent(st, e, 0), "ordering after a step still on the device");
-  }
-  if (s.ok()) s = Check(cudaEventRecord(lane->start, st), "event");
-  for (const Missing& m : missing) {
-    if (!s.ok()) break;
-    s = Check(cudaMemcpyAsync(PageAddress(m.page), m.host.payload().data(), m.host.payload().size(),
-                              cudaMemcpyHostToDevice, st),
-              "promotion of a block into HBM");
-  }
-  for (int32_t page : zero_pages) {
-    if (!s.ok()) break;
-    s = Check(cudaMemsetAsync(PageAddress(page), 0, o_.page_bytes, st), "clearing an open page");
-  }
-  if (s.ok())
-    s = Check(cudaMemcpyAsync(dv, h, blob.size(), cudaMemcpyHostToDevice, st), "copy of the step to the device");
-  if (dx != nullptr && !in_place) {
-    // The plan's query rows, gathered from the batch's (same dtype: DeviceIoRefusal).
-    for (const KSeq& ks : kseqs) {
-      if (!s.ok()) break;
-      const StepSequence& ss = plan.sequences[ks.plan_i];
-      s = Check(cudaMemcpyAsync(dv + off_q + size_t{ss.row_begin} * q_row * esz,
-                                dx->queries + size_t{ss.src_row} * q_row * esz, size_t{ss.rows} * q_row * esz,
-                                cudaMemcpyDeviceToDevice, st),
-                "gathering the queries from the caller's GPU memory");
+void CudaAttentionBackend::PackTables(GpuStep& w) {
+  const StepPlan& plan = w.plan;
+  uint8_t* h = w.lane->h_in.p;
+  int32_t* row_begin = reinterpret_cast<int32_t*>(h + w.off.rows);
+  int32_t* page_begin = reinterpret_cast<int32_t*>(h + w.off.pages);
+  int32_t* seq_tokens = reinterpret_cast<int32_t*>(h + w.off.tokens);
+  auto* appends = reinterpret_cast<cuda::KvAppendOp*>(h + w.off.appends);
+  auto* writes = reinterpret_cast<cuda::TableWriteOp*>(h + w.off.writes);
+  auto* segs = reinterpret_cast<cuda::TableSegment*>(h + w.off.segs);
+  absl::MutexLock l(&mu_);
+  size_t nw = 0, na = 0, ns = 0;
+  for (size_t i = 0; i < plan.sequences.size(); ++i) {
+    const DevSeq& d = *w.dseq[i];
+    for (size_t k = d.synced; k < d.idx.size(); ++k) {
+      writes[nw++] = cuda::TableWriteOp{d.d_ids + k, d.page[k], 0};
+      writes[nw++] = cuda::TableWriteOp{d.d_pos + k, static_cast<int32_t>(d.idx[k] * d.block_tokens), 0};
+    }
+    for (const StepAppend& a : plan.sequences[i].appends) {
+      const int32_t page = d.page[d.Find(a.index)];
+      for (uint32_t t = 0; t < a.count; ++t) {
+        appends[na++] =
+            cuda::KvAppendOp{page, static_cast<int32_t>(a.offset + t), static_cast<int32_t>(a.src_row + t), 0};
+      }
     }
   }
+  int32_t rb = 0, pb = 0;
+  for (size_t j = 0; j < w.kseqs.size(); ++j) {
+    const GpuStep::KSeq& ks = w.kseqs[j];
+    const DevSeq& d = *w.dseq[ks.plan_i];
+    row_begin[j] = rb;
+    page_begin[j] = pb;
+    seq_tokens[j] = ks.tokens;
+    rb += static_cast<int32_t>(plan.sequences[ks.plan_i].rows);
+    int32_t np = 0;
+    for (const auto& [k0, k1] : ks.runs) {
+      segs[ns++] = cuda::TableSegment{d.d_ids + k0, d.d_pos + k0, static_cast<int32_t>(k1 - k0), pb + np};
+      w.max_count = std::max<int>(w.max_count, static_cast<int>(k1 - k0));
+      np += static_cast<int32_t>(k1 - k0);
+    }
+    pb += np;
+    w.max_pages = std::max<int>(w.max_pages, np);
+  }
+  row_begin[w.kseqs.size()] = rb;
+  page_begin[w.kseqs.size()] = pb;
+  if (w.direct) {
+    w.direct_ids = segs[0].ids;
+    w.direct_pos = segs[0].pos;
+  }
+}
+
+cuda::PagedKvView CudaAttentionBackend::KvViewOf(const GpuStep& w) const {
   cuda::PagedKvView kv;
   kv.pool = pool_base_;
   kv.page_stride = o_.page_bytes;
-  kv.block_tokens = static_cast<int32_t>(L.block_tokens);
-  kv.layers = static_cast<int32_t>(L.layers);
-  kv.kv_heads = static_cast<int32_t>(L.kv_heads);
-  kv.head_dim = static_cast<int32_t>(L.head_dim);
-  kv.dtype = L.dtype == DType::kBF16 ? cuda::KvType::kBF16 : cuda::KvType::kF16;
-  kv.layer = static_cast<int32_t>(plan.options.layer);
-  if (s.ok() && (append_ops > 0 || num_writes > 0)) {
-    s = Check(cuda::ApplyKvUpdates(
-                  kv, reinterpret_cast<const cuda::KvAppendOp*>(dv + off_appends), static_cast<int>(append_ops),
-                  dx != nullptr ? dx->new_k : dv + off_k, dx != nullptr ? dx->new_v : dv + off_v,
-                  reinterpret_cast<const cuda::TableWriteOp*>(dv + off_writes), static_cast<int>(num_writes), st),
-              "appending K/V into HBM pages");
+  kv.block_tokens = static_cast<int32_t>(w.L.block_tokens);
+  kv.layers = static_cast<int32_t>(w.L.layers);
+  kv.kv_heads = static_cast<int32_t>(w.L.kv_heads);
+  kv.head_dim = static_cast<int32_t>(w.L.head_dim);
+  kv.dtype = w.L.dtype == DType::kBF16 ? cuda::KvType::kBF16 : cuda::KvType::kF16;
+  kv.layer = static_cast<int32_t>(w.plan.options.layer);
+  return kv;
+}
+
+absl::Status CudaAttentionBackend::EnqueueInputs(GpuStep& w) {
+  const cudaStream_t st = w.st;
+  const AttendDeviceIo* dx = w.dx;
+  uint8_t* dv = w.lane->d_in.p;
+  if (dx != nullptr && dx->inputs_ready != nullptr) {
+    // The caller did not wait for its inputs: this stream does (before the
+    // step's clock starts).
+    KVRING_RETURN_IF_ERROR(Check(cudaStreamWaitEvent(st, static_cast<cudaEvent_t>(dx->inputs_ready), 0),
+                                 "waiting for the caller's inputs"));
   }
-  if (quantized) {
+  for (cudaEvent_t e : w.after) {
+    KVRING_RETURN_IF_ERROR(Check(cudaStreamWaitEvent(st, e, 0), "ordering after a step still on the device"));
+  }
+  KVRING_RETURN_IF_ERROR(Check(cudaEventRecord(w.lane->start, st), "event"));
+  for (const GpuStep::Missing& m : w.missing) {
+    KVRING_RETURN_IF_ERROR(Check(cudaMemcpyAsync(PageAddress(m.page), m.host.payload().data(), m.host.payload().size(),
+                                                 cudaMemcpyHostToDevice, st),
+                                 "promotion of a block into HBM"));
+  }
+  for (int32_t page : w.zero_pages) {
+    KVRING_RETURN_IF_ERROR(Check(cudaMemsetAsync(PageAddress(page), 0, o_.page_bytes, st), "clearing an open page"));
+  }
+  KVRING_RETURN_IF_ERROR(Check(cudaMemcpyAsync(dv, w.lane->h_in.p, w.blob_bytes, cudaMemcpyHostToDevice, st),
+                               "copy of the step to the device"));
+  const size_t q_row_bytes = size_t{w.plan.q_heads} * w.plan.head_dim * kPageElemBytes;
+  if (dx != nullptr && !w.in_place) {
+    // The plan's query rows, gathered from the batch's (same dtype: DeviceIoRefusal).
+    for (const GpuStep::KSeq& ks : w.kseqs) {
+      const StepSequence& ss = w.plan.sequences[ks.plan_i];
+      KVRING_RETURN_IF_ERROR(Check(cudaMemcpyAsync(dv + w.off.q + size_t{ss.row_begin} * q_row_bytes,
+                                                   dx->queries + size_t{ss.src_row} * q_row_bytes,
+                                                   size_t{ss.rows} * q_row_bytes, cudaMemcpyDeviceToDevice, st),
+                                   "gathering the queries from the caller's GPU memory"));
+    }
+  }
+  if (w.append_ops == 0 && w.num_writes == 0) return absl::OkStatus();
+  return Check(cuda::ApplyKvUpdates(KvViewOf(w), reinterpret_cast<const cuda::KvAppendOp*>(dv + w.off.appends),
+                                    static_cast<int>(w.append_ops), dx != nullptr ? dx->new_k : dv + w.off.k,
+                                    dx != nullptr ? dx->new_v : dv + w.off.v,
+                                    reinterpret_cast<const cuda::TableWriteOp*>(dv + w.off.writes),
+                                    static_cast<int>(w.num_writes), st),
+               "appending K/V into HBM pages");
+}
+
+absl::Status CudaAttentionBackend::EnqueueAttention(GpuStep& w) {
+  if (w.kseqs.empty()) return absl::OkStatus();  // appends only
+  const StepPlan& plan = w.plan;
+  const cudaStream_t st = w.st;
+  const AttendDeviceIo* dx = w.dx;
+  Lane* lane = w.lane;
+  const uint8_t* dv = lane->d_in.p;
+  cuda::PagedKvView kv = KvViewOf(w);
+  if (plan.encoding.quantized()) {
     kv.codec = static_cast<int32_t>(plan.encoding.codec);
     kv.scales = static_cast<int32_t>(plan.encoding.scales);
   }
-  kv.num_seqs = static_cast<int32_t>(kseqs.size());
-  kv.seq_page_begin = reinterpret_cast<const int32_t*>(dv + off_pages);
-  kv.seq_tokens = reinterpret_cast<const int32_t*>(dv + off_tokens);
-  if (direct) {
+  kv.num_seqs = static_cast<int32_t>(w.kseqs.size());
+  kv.seq_page_begin = reinterpret_cast<const int32_t*>(dv + w.off.pages);
+  kv.seq_tokens = reinterpret_cast<const int32_t*>(dv + w.off.tokens);
+  if (w.direct) {
     // One sequence served from one run of its own table: no gather.
-    kv.page_ids = segs[0].ids;
-    kv.page_pos = segs[0].pos;
-  } else if (!kseqs.empty()) {
+    kv.page_ids = w.direct_ids;
+    kv.page_pos = w.direct_pos;
+  } else {
     int32_t* ids = reinterpret_cast<int32_t*>(lane->d_tables.p);
-    int32_t* tpos = reinterpret_cast<int32_t*>(lane->d_tables.p + ids_bytes);
-    if (s.ok()) {
-      s = Check(cuda::GatherPageTables(reinterpret_cast<const cuda::TableSegment*>(dv + off_segs),
-                                       static_cast<int>(num_segments), max_count, ids, tpos, st),
-                "gathering the batch's page tables");
-    }
+    int32_t* tpos = reinterpret_cast<int32_t*>(lane->d_tables.p + w.ids_bytes);
+    KVRING_RETURN_IF_ERROR(Check(cuda::GatherPageTables(reinterpret_cast<const cuda::TableSegment*>(dv + w.off.segs),
+                                                        static_cast<int>(w.num_segments), w.max_count, ids, tpos, st),
+                                 "gathering the batch's page tables"));
     kv.page_ids = ids;
     kv.page_pos = tpos;
   }
-  float* d_o = in_place ? dx->out : reinterpret_cast<float*>(lane->d_out.p);
-  float* d_l = in_place ? dx->lse : reinterpret_cast<float*>(lane->d_out.p + out_o);
-  if (s.ok() && !kseqs.empty()) {
-    cuda::QueryView qv;
-    qv.q = in_place ? dx->queries : dv + off_q;
-    qv.positions = reinterpret_cast<const int32_t*>(dv + off_pos);
-    qv.seq_row_begin = reinterpret_cast<const int32_t*>(dv + off_rows);
-    qv.num_rows = static_cast<int32_t>(plan.num_rows);
-    qv.q_heads = static_cast<int32_t>(plan.q_heads);
-    qv.max_rows_per_seq = static_cast<int32_t>(max_rows);
-    cuda::AttnParams p;
-    p.softmax_scale = plan.options.softmax_scale;
-    p.causal = plan.options.causal;
-    p.window = static_cast<int32_t>(std::min<int64_t>(plan.options.window, INT32_MAX));
-    if (const char* why = cuda::CheckViews(qv, kv); why != nullptr) {
-      s = absl::InvalidArgumentError(absl::StrCat("attention on the GPU: ", why));
-    }
-    if (s.ok()) s = Check(cudaEventRecord(lane->kernel_begin, st), "event");
-    if (s.ok() && decode) {
-      const int splits = cuda::DefaultDecodeSplits(qv, kv, max_pages, sm_count_);
-      const size_t ws = cuda::DecodeWorkspaceBytes(qv, splits, kv.head_dim);
-      const size_t counters = cuda::DecodeCounterBytes(qv);
-      if (ws > lane->d_workspace.cap) {
-        // A new workspace starts zeroed (the merge's counters).
-        s = Check(lane->d_workspace.Reserve(ws), "decode workspace");
-        if (s.ok()) s = Check(cudaMemsetAsync(lane->d_workspace.p, 0, lane->d_workspace.cap, st), "decode workspace");
-        lane->counters_clean = lane->d_workspace.cap;
-      }
-      if (s.ok() && splits > 1 && lane->counters_clean < counters) {
-        // More rows than the last call: its partials lie where these counters go.
-        s = Check(cudaMemsetAsync(lane->d_workspace.p, 0, counters, st), "decode workspace counters");
-        lane->counters_clean = counters;
-      }
-      if (s.ok()) {
-        s = Check(cuda::PagedDecode(p, qv, kv, cuda::OutputView{d_o, d_l}, splits, lane->d_workspace.p,
-                                    lane->d_workspace.cap, st),
-                  "decode attention kernel");
-        // The call leaves its counters zero and writes partials after them.
-        if (splits > 1) lane->counters_clean = std::min(lane->counters_clean, counters);
-      }
-    } else if (s.ok()) {
-      s = Check(cuda::PagedPrefill(p, qv, kv, cuda::OutputView{d_o, d_l}, st), "prefill attention kernel");
-    }
-    if (s.ok()) s = Check(cudaEventRecord(lane->kernel_end, st), "event");
-    if (dx == nullptr) {
-      if (s.ok())
-        s = Check(cudaMemcpyAsync(lane->h_out.p, lane->d_out.p, out_bytes, cudaMemcpyDeviceToHost, st),
-                  "copy of O and LSE");
-    } else if (!in_place) {
-      // Each sequence's rows to its place in the caller's output.
-      for (const KSeq& ks : kseqs) {
-        if (!s.ok()) break;
-        const StepSequence& ss = plan.sequences[ks.plan_i];
-        s = Check(cudaMemcpyAsync(dx->out + size_t{ss.src_row} * q_row, d_o + size_t{ss.row_begin} * q_row,
-                                  size_t{ss.rows} * q_row * 4, cudaMemcpyDeviceToDevice, st),
-                  "copy of O into the caller's GPU memory");
-        if (s.ok())
-          s = Check(
-              cudaMemcpyAsync(dx->lse + size_t{ss.src_row} * plan.q_heads, d_l + size_t{ss.row_begin} * plan.q_heads,
+  float* d_o = w.in_place ? dx->out : reinterpret_cast<float*>(lane->d_out.p);
+  float* d_l = w.in_place ? dx->lse : reinterpret_cast<float*>(lane->d_out.p + w.out_o);
+  cuda::QueryView qv;
+  qv.q = w.in_place ? dx->queries : dv + w.off.q;
+  qv.positions = reinterpret_cast<const int32_t*>(dv + w.off.pos);
+  qv.seq_row_begin = reinterpret_cast<const int32_t*>(dv + w.off.rows);
+  qv.num_rows = static_cast<int32_t>(plan.num_rows);
+  qv.q_heads = static_cast<int32_t>(plan.q_heads);
+  qv.max_rows_per_seq = static_cast<int32_t>(w.max_rows);
+  cuda::AttnParams p;
+  p.softmax_scale = plan.options.softmax_scale;
+  p.causal = plan.options.causal;
+  p.window = static_cast<int32_t>(std::min<int64_t>(plan.options.window, INT32_MAX));
+  if (const char* why = cuda::CheckViews(qv, kv); why != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("attention on the GPU: ", why));
+  }
+  KVRING_RETURN_IF_ERROR(Check(cudaEventRecord(lane->kernel_begin, st), "event"));
+  if (w.decode) {
+    KVRING_RETURN_IF_ERROR(LaunchDecode(w, p, qv, kv, cuda::OutputView{d_o, d_l}));
+  } else {
+    KVRING_RETURN_IF_ERROR(
+        Check(cuda::PagedPrefill(p, qv, kv, cuda::OutputView{d_o, d_l}, st), "prefill attention kernel"));
+  }
+  KVRING_RETURN_IF_ERROR(Check(cudaEventRecord(lane->kernel_end, st), "event"));
+  if (dx == nullptr) {
+    return Check(cudaMemcpyAsync(lane->h_out.p, lane->d_out.p, w.out_bytes, cudaMemcpyDeviceToHost, st),
+                 "copy of O and LSE");
+  }
+  if (w.in_place) return absl::OkStatus();
+  // Each sequence's rows to its place in the caller's output.
+  const size_t q_row = size_t{plan.q_heads} * plan.head_dim;
+  for (const GpuStep::KSeq& ks : w.kseqs) {
+    const StepSequence& ss = plan.sequences[ks.plan_i];
+    KVRING_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(dx->out + size_t{ss.src_row} * q_row, d_o + size_t{ss.row_begin} * q_row,
+                              size_t{ss.rows} * q_row * 4, cudaMemcpyDeviceToDevice, st),
+              "copy of O into the caller's GPU memory"));
+    KVRING_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(dx->lse + size_t{ss.src_row} * plan.q_heads, d_l + size_t{ss.row_begin} * plan.q_heads,
                               size_t{ss.rows} * plan.q_heads * 4, cudaMemcpyDeviceToDevice, st),
-              "copy of LSE into the caller's GPU memory");
-      }
+              "copy of LSE into the caller's GPU memory"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaAttentionBackend::LaunchDecode(GpuStep& w, const cuda::AttnParams& p, const cuda::QueryView& qv,
+                                                const cuda::PagedKvView& kv, cuda::OutputView out) {
+  Lane* lane = w.lane;
+  const int splits = cuda::DefaultDecodeSplits(qv, kv, w.max_pages, sm_count_);
+  const size_t ws = cuda::DecodeWorkspaceBytes(qv, splits, kv.head_dim);
+  const size_t counters = cuda::DecodeCounterBytes(qv);
+  if (ws > lane->d_workspace.cap) {
+    // A new workspace starts zeroed (the merge's counters).
+    KVRING_RETURN_IF_ERROR(Check(lane->d_workspace.Reserve(ws), "decode workspace"));
+    KVRING_RETURN_IF_ERROR(
+        Check(cudaMemsetAsync(lane->d_workspace.p, 0, lane->d_workspace.cap, w.st), "decode workspace"));
+    lane->counters_clean = lane->d_workspace.cap;
+  }
+  if (splits > 1 && lane->counters_clean < counters) {
+    // More rows than the last call: its partials lie where these counters go.
+    KVRING_RETURN_IF_ERROR(Check(cudaMemsetAsync(lane->d_workspace.p, 0, counters, w.st), "decode workspace counters"));
+    lane->counters_clean = counters;
+  }
+  KVRING_RETURN_IF_ERROR(
+      Check(cuda::PagedDecode(p, qv, kv, out, splits, lane->d_workspace.p, lane->d_workspace.cap, w.st),
+            "decode attention kernel"));
+  // The call leaves its counters zero and writes partials after them.
+  if (splits > 1) lane->counters_clean = std::min(lane->counters_clean, counters);
+  return absl::OkStatus();
+}
+
+absl::Status CudaAttentionBackend::HandOff(GpuStep& w, StepTimes* times) {
+  Lane* lane = w.lane;
+  const int k = lane->next_done++ % Lane::kDoneEvents;
+  KVRING_RETURN_IF_ERROR(Check(cudaEventRecord(lane->done_ipc[k], w.st), "event"));
+  Lane::InFlight f;
+  f.seqs = w.dseq;
+  f.keepalive = w.dx->keepalive;
+  for (GpuStep::Missing& m : w.missing) {
+    f.keyed.emplace_back(m.key, m.page);
+    f.sources.push_back(std::move(m.host));
+  }
+  {
+    absl::MutexLock l(&mu_);
+    for (DevSeq* d : w.dseq) {
+      d->synced = d->idx.size();  // (the table writes are queued before any later step's)
+      d->flying = lane;
     }
   }
-  if (s.ok()) s = Check(cudaEventRecord(lane->done, st), "event");
-  // The caller's stream can wait for the work (its inputs were on it too):
-  // the reply goes now, with an event for that stream, and the step's holds
-  // stay until the work completes (Reap).
-  if (s.ok() && dx != nullptr && dx->reply_when_queued && dx->inputs_ready != nullptr && times != nullptr &&
-      lane->done_ipc[0] != nullptr) {
-    const int k = lane->next_done++ % Lane::kDoneEvents;
-    s = Check(cudaEventRecord(lane->done_ipc[k], st), "event");
-    if (s.ok()) {
-      Lane::InFlight f;
-      f.seqs = dseq;
-      f.keepalive = dx->keepalive;
-      for (Missing& m : missing) {
-        f.keyed.emplace_back(m.key, m.page);
-        f.sources.push_back(std::move(m.host));
-      }
-      {
-        absl::MutexLock l(&mu_);
-        for (DevSeq* d : dseq) {
-          d->synced = d->idx.size();  // (the table writes are queued before any later step's)
-          d->flying = lane;
-        }
-      }
-      lane->in_flight = std::move(f);
-      times->done_event = lane->done_ipc_handle[k];
-      times->kernel_seconds = last_kernel_seconds_.load();
-      times->copy_seconds = last_copy_seconds_.load();
-      lane_guard.lane = nullptr;
-      absl::MutexLock l(&lanes_mu_);
-      flying_.push_back(lane);
-      return absl::OkStatus();
-    }
-  }
-  if (s.ok()) s = Check(cudaEventSynchronize(lane->done), "the step on the GPU");
-  if (!s.ok()) {
-    lane->counters_clean = 0;  // unknown after a failed step: cleared before the next decode
-    if (healthy_) {
-      // Drain what was enqueued before the lane is used again.
-      (void)Check(cudaStreamSynchronize(st), "draining a failed step");
-    }
-    return fail(s);
-  }
-  if (dx == nullptr && !kseqs.empty()) {
-    std::memcpy(out.out, lane->h_out.p, q_elems * 4);
-    std::memcpy(out.lse, lane->h_out.p + out_o, size_t{plan.num_rows} * plan.q_heads * 4);
+  lane->in_flight = std::move(f);
+  times->done_event = lane->done_ipc_handle[k];
+  times->kernel_seconds = last_kernel_seconds_.load();
+  times->copy_seconds = last_copy_seconds_.load();
+  return absl::OkStatus();
+}
+
+void CudaAttentionBackend::Finish(GpuStep& w, PartialOutput out, StepTimes* times) {
+  Lane* lane = w.lane;
+  if (w.dx == nullptr && !w.kseqs.empty()) {
+    std::memcpy(out.out, lane->h_out.p, w.q_elems * 4);
+    std::memcpy(out.lse, lane->h_out.p + w.out_o, size_t{w.plan.num_rows} * w.plan.q_heads * 4);
   }
   if (times != nullptr) {
     float total_ms = 0, kernel_ms = 0;
     (void)cudaEventElapsedTime(&total_ms, lane->start, lane->done);  // both recorded and complete
-    if (!kseqs.empty()) (void)cudaEventElapsedTime(&kernel_ms, lane->kernel_begin, lane->kernel_end);
+    if (!w.kseqs.empty()) (void)cudaEventElapsedTime(&kernel_ms, lane->kernel_begin, lane->kernel_end);
     times->kernel_seconds = kernel_ms * 1e-3;
     times->copy_seconds = std::max(0.f, total_ms - kernel_ms) * 1e-3;
   }
   absl::MutexLock l(&mu_);
-  for (DevSeq* d : dseq) {
+  for (DevSeq* d : w.dseq) {
     d->synced = d->idx.size();
     --d->busy;
   }
-  for (const Missing& m : missing) KeyPageLocked(m.key, m.page);  // their bytes landed
-  return absl::OkStatus();
+  for (const GpuStep::Missing& m : w.missing) KeyPageLocked(m.key, m.page);  // their bytes landed
 }
 
 }  // namespace

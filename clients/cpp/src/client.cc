@@ -202,7 +202,7 @@ class ClientImpl {
   // suspects a node.
   struct StepRoutes {
     std::vector<std::shared_ptr<const ChunkRoutes::Route>> routes;  // per sequence
-    std::vector<std::vector<std::vector<int>>> reordered;             // per sequence and chunk, when suspecting
+    std::vector<std::vector<std::vector<int>>> reordered;           // per sequence and chunk, when suspecting
     absl::Span<const int> operator()(size_t seq, uint64_t chunk) const {
       return reordered.empty() ? routes[seq]->candidates(chunk) : absl::MakeConstSpan(reordered[seq][chunk]);
     }
@@ -2216,7 +2216,7 @@ class ClientImpl {
   absl::flat_hash_map<std::string, std::shared_ptr<Node>> nodes_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, absl::Time> suspect_until_ ABSL_GUARDED_BY(mu_);
   SequencePlacements placements_;  // the forks this client knows
-  ChunkRoutes routes_;              // the nodes of the chunks of the sequences this client steps
+  ChunkRoutes routes_;             // the nodes of the chunks of the sequences this client steps
 };
 
 Client::Client(std::unique_ptr<ClientImpl> impl) : impl_(std::move(impl)) {}
