@@ -1152,10 +1152,7 @@ absl::Status CudaAttentionBackend::EnqueueAttention(GpuStep& w) {
   Lane* lane = w.lane;
   const uint8_t* dv = lane->d_in.p;
   cuda::PagedKvView kv = KvViewOf(w);
-  if (plan.encoding.quantized()) {
-    kv.codec = static_cast<int32_t>(plan.encoding.codec);
-    kv.scales = static_cast<int32_t>(plan.encoding.scales);
-  }
+  kv.encoding = plan.encoding;
   kv.num_seqs = static_cast<int32_t>(w.kseqs.size());
   kv.seq_page_begin = reinterpret_cast<const int32_t*>(dv + w.off.pages);
   kv.seq_tokens = reinterpret_cast<const int32_t*>(dv + w.off.tokens);

@@ -82,5 +82,24 @@ TEST(KvEncodingTest, ScaleIndicesCoverTheScaleRegionExactlyOnce) {
   }
 }
 
+// The kernels' 32-bit form of the index (ScaleIndexAs<int>) is the same
+// index, on the largest layout a kernel takes (128 layers, 32 kv heads,
+// head_dim 256, 64-token blocks: scale region under 2^31).
+TEST(KvEncodingTest, TheKernelsThirtyTwoBitScaleIndexIsTheSameIndex) {
+  const BlockLayout l{64, 128, 32, 256, DType::kBF16};
+  for (ScaleMode m : {ScaleMode::kPerHead, ScaleMode::kPerToken, ScaleMode::kKChannelVToken}) {
+    ASSERT_LT(ScaleCount(l, m), uint64_t{1} << 31);
+    for (uint32_t layer : {0u, 1u, 63u, 127u})
+      for (uint32_t kv = 0; kv < 2; ++kv)
+        for (uint32_t h : {0u, 5u, 31u})
+          for (uint32_t t : {0u, 17u, 63u})
+            for (uint32_t d : {0u, 100u, 255u}) {
+              const int i32 = ScaleIndexAs<int>(32, 64, 256, m, static_cast<int>(layer), static_cast<int>(kv),
+                                                static_cast<int>(h), static_cast<int>(t), static_cast<int>(d));
+              ASSERT_EQ(static_cast<uint64_t>(i32), ScaleIndex(l, m, layer, kv, h, t, d)) << int(m);
+            }
+  }
+}
+
 }  // namespace
 }  // namespace kvring

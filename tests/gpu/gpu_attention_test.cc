@@ -316,8 +316,7 @@ void QuantizePages(PagedBatch& kvb, const std::vector<int>& toks, KvEncoding enc
   *view = kvb.View(layer);
   view->pool = pool->p;
   view->page_stride = stride;
-  view->codec = static_cast<int32_t>(enc.codec);
-  view->scales = static_cast<int32_t>(enc.scales);
+  view->encoding = enc;
 }
 
 // Decode over int8 / fp8 pages (every scale mode), made by QuantizeBlock

@@ -21,9 +21,13 @@ PagedKvView Kv(const void* pool, uint64_t stride, int bt, int layers, int kv_hea
   v.layers = layers;
   v.kv_heads = kv_heads;
   v.head_dim = head_dim;
-  v.dtype = static_cast<KvType>(dtype & 0xff);  // low byte: dtype; then codec << 8 and scale mode << 12
-  v.codec = (dtype >> 8) & 0xf;
-  v.scales = (dtype >> 12) & 0xf;
+  // Low byte: the dtype; the next: the encoding as KvEncoding::Pack() has it
+  // (a value outside its enums is kept for CheckViews to refuse).
+  v.dtype = static_cast<KvType>(dtype & 0xff);
+  const uint8_t enc = (dtype >> 8) & 0xff;
+  if (!kvring::KvEncoding::Unpack(enc, &v.encoding)) {
+    v.encoding = {static_cast<kvring::KvCodec>(enc & 0xf), static_cast<kvring::ScaleMode>(enc >> 4)};
+  }
   v.layer = layer;
   v.page_ids = page_ids;
   v.page_pos = page_pos;

@@ -515,14 +515,15 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
   if (reinterpret_cast<uintptr_t>(kv.pool) % 16 != 0 || kv.page_stride % 16 != 0) {
     return "pool and page_stride must be 16-byte aligned";
   }
-  const uint64_t elems = (uint64_t)kv.layers * 2 * kv.kv_heads * kv.block_tokens * kv.head_dim;
-  if (kv.codec < 0 || kv.codec > 2 || kv.scales < 0 || kv.scales > 2) return "unknown KV encoding";
-  if (kv.codec == 0 && kv.page_stride < elems * 2) return "page_stride smaller than a block";
-  if (kv.codec != 0) {
-    const uint64_t nscales = kv.scales == 0   ? (uint64_t)kv.layers * 2 * kv.kv_heads
-                             : kv.scales == 1 ? (uint64_t)kv.layers * 2 * kv.kv_heads * kv.block_tokens
-                                              : (uint64_t)kv.layers * kv.kv_heads * (kv.head_dim + kv.block_tokens);
-    if (kv.page_stride < elems + 4 * nscales) return "page_stride smaller than a quantized block";
+  KvEncoding known;
+  if (!KvEncoding::Unpack(kv.encoding.Pack(), &known)) return "unknown KV encoding";
+  const BlockLayout layout{static_cast<uint32_t>(kv.block_tokens), static_cast<uint32_t>(kv.layers),
+                           static_cast<uint32_t>(kv.kv_heads), static_cast<uint32_t>(kv.head_dim),
+                           kv.dtype == KvType::kBF16 ? DType::kBF16 : DType::kF16};
+  const uint64_t block = EncodedBytes(layout, kv.encoding);
+  if (block >= (uint64_t{1} << 31)) return "a block of 2 GiB or more";  // (32-bit indices into a page)
+  if (kv.page_stride < block) {
+    return kv.encoding.quantized() ? "page_stride smaller than a quantized block" : "page_stride smaller than a block";
   }
   if (kv.num_seqs <= 0 || q.max_rows_per_seq <= 0) return "no sequences";
   return nullptr;
@@ -584,7 +585,7 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
     po = reinterpret_cast<float*>(static_cast<char*>(workspace) + CounterBytes(q));
     pl = po + (size_t)num_splits * q.num_rows * q.q_heads * D;
   }
-  if (kv.codec != 0) {  // quantized pages: the splits' partials are merged by a second kernel
+  if (kv.encoding.quantized()) {  // quantized pages: the splits' partials are merged by a second kernel
     const cudaError_t e = internal::QuantizedDecode(p, q, kv, out, num_splits, po, pl, stream);
     if (e != cudaSuccess || num_splits == 1) return e;
     return MergePartials(po, pl, num_splits, q.num_rows * q.q_heads, D, out, stream);

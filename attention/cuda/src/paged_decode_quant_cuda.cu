@@ -44,7 +44,7 @@ __device__ __forceinline__ float ToF<__half>(__half x) {
   return __half2float(x);
 }
 
-template <int D, int kCodec, int kMode, typename T>
+template <int D, KvCodec kCodec, ScaleMode kMode, typename T>
 __global__ void __launch_bounds__(kThreads, 4)
     QDecodeKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                   float* part_lse, float* out, float* lse) {
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       uint4 kr[D / 16];
 #pragma unroll
       for (int j = 0; j < D / 16; ++j) kr[j] = LoadNc(krow + j * 16);
-      const float ks_tok = kMode == 2 ? 1.f : scales[ScaleAt<kMode>(kv, 0, h, off, 0)];
+      const float ks_tok = kMode == ScaleMode::kKChannelVToken ? 1.f : scales[ScaleAt<kMode>(kv, 0, h, off, 0)];
 #pragma unroll
       for (int j = 0; j < D / 16; ++j) {
         const int d0 = j * 16;
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, 4)
         float k[16];
 #pragma unroll
         for (int e = 0; e < 16; ++e) {
-          const float ks = kMode == 2 ? scales[ScaleAt<kMode>(kv, 0, h, off, d0 + e)] : ks_tok;
+          const float ks = kMode == ScaleMode::kKChannelVToken ? scales[ScaleAt<kMode>(kv, 0, h, off, d0 + e)] : ks_tok;
           k[e] = Code<kCodec>(cb[e]) * ks;
         }
 #pragma unroll
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 constexpr int kPRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16n8k16 tile
 constexpr int kQPStage = 16, kQPConsumers = 4, kQPThreads = (kQPConsumers + 1) * 32, kQPStages = 20;
 
-template <int D, int kMode>
+template <int D, ScaleMode kMode>
 struct QPipeCfg {
   static_assert(D == 64 || D == 128, "the swizzled code tiles are for head_dim 64 or 128");
   static constexpr int kCodeBytes = kQPStage * D;  // K (or V) codes of a stage
@@ -250,7 +250,10 @@ struct QPipeCfg {
   // page's scale words: K's at word 0 (per channel: D words; per token: the
   // stage's 16; per head: the aligned 4 that hold it), V's at word kVWord
   // (per token: 16; per head: 4).
-  static constexpr int kKWords = kMode == 2 ? D : kMode == 1 ? 16 : 4, kVWords = kMode == 0 ? 4 : 16;
+  static constexpr int kKWords = kMode == ScaleMode::kKChannelVToken ? D
+                                 : kMode == ScaleMode::kPerToken     ? 16
+                                                                     : 4,
+                       kVWords = kMode == ScaleMode::kPerHead ? 4 : 16;
   static constexpr int kVWord = (kKWords + 31) / 32 * 32;
   static constexpr int kScaleBytes = 4 * (kVWord + 32);
   // The stages' codes (each stage at a multiple of 1024 bytes, the
@@ -291,9 +294,9 @@ __device__ __forceinline__ uint32_t HMul2(uint32_t a, uint32_t b) {
 
 // Four codes (bytes 0..3 of w) as two fp16 pairs, (b0, b1) and (b2, b3),
 // lower byte in the lower half; exact.
-template <int kCodec>
+template <KvCodec kCodec>
 __device__ __forceinline__ void CodesToHalf2(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  if constexpr (kCodec == 1) {
+  if constexpr (kCodec == KvCodec::kInt8) {
     const uint32_t x = w ^ 0x80808080u;  // c + 128, as unsigned bytes
     constexpr uint32_t kMagic = 0x64646464u, k1152 = 0x64806480u;
     lo = HSub2(__byte_perm(x, kMagic, 0x4140), k1152);  // (1024 + c + 128) - 1152
@@ -347,7 +350,7 @@ __device__ __forceinline__ void LoadPermutedQ(const uint8_t* sq, uint32_t (&qa)[
   }
 }
 
-template <int D, typename T, int kCodec, int kMode>
+template <int D, typename T, KvCodec kCodec, ScaleMode kMode>
 __global__ void __launch_bounds__(kQPThreads, 2)
     QDecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                            float* part_lse, float* out, float* lse, const __grid_constant__ CUtensorMap code_map) {
@@ -410,10 +413,10 @@ __global__ void __launch_bounds__(kQPThreads, 2)
         TmaLoad5dHint(kc, &code_map, 0, off, kplane, 0, page, bar, evict_first);
         TmaLoad5dHint(vc, &code_map, 0, off, vplane, 0, page, bar, evict_first);
         int kidx, vidx;  // word indices of the stage's first K and V scale in the page
-        if constexpr (kMode == 0) {
+        if constexpr (kMode == ScaleMode::kPerHead) {
           kidx = E + (L * 2) * H + h;
           vidx = E + (L * 2 + 1) * H + h;
-        } else if constexpr (kMode == 1) {
+        } else if constexpr (kMode == ScaleMode::kPerToken) {
           kidx = E + ((L * 2) * H + h) * bt + off;
           vidx = E + ((L * 2 + 1) * H + h) * bt + off;
         } else {
@@ -424,7 +427,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
         // (Per head: the aligned run of 4 words holding the scale; the
         // consumers read word kidx % 4, vidx % 4 of it.)
         const char* pg_base = static_cast<const char*>(kv.pool) + (uint64_t)page * kv.page_stride;
-        if constexpr (kMode == 0) {
+        if constexpr (kMode == ScaleMode::kPerHead) {
           kidx &= ~3;
           vidx &= ~3;
         }
@@ -486,12 +489,12 @@ __global__ void __launch_bounds__(kQPThreads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int tok = (e >> 1) * 8 + tig * 2 + (e & 1);
-        ks[e] = kMode == 1 ? scl[tok] : kMode == 0 ? scl[k_sub] : 1.f;
+        ks[e] = kMode == ScaleMode::kPerToken ? scl[tok] : kMode == ScaleMode::kPerHead ? scl[k_sub] : 1.f;
         // (0 past the end: P is 0 there, but 0 x a junk slot's NaN scale is not)
-        vs[e] = tok < valid_rows ? (kMode == 0 ? scl[C::kVWord + v_sub] : scl[C::kVWord + tok]) : 0.f;
+        vs[e] = tok < valid_rows ? (kMode == ScaleMode::kPerHead ? scl[C::kVWord + v_sub] : scl[C::kVWord + tok]) : 0.f;
       }
-      float kch[kMode == 2 ? D / 4 : 1];  // per channel: the lane's dims' K scales
-      if constexpr (kMode == 2) {
+      float kch[kMode == ScaleMode::kKChannelVToken ? D / 4 : 1];  // per channel: the lane's dims' K scales
+      if constexpr (kMode == ScaleMode::kKChannelVToken) {
 #pragma unroll
         for (int i = 0; i < D / 4; ++i) kch[i] = scl[tig * (D / 4) + i];
       }
@@ -502,7 +505,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
         const float vmax = WarpMax(fmaxf(fmaxf(vs[0], vs[1]), fmaxf(vs[2], vs[3])));
         vref = vmax > 0.f && vmax < INFINITY ? vmax : 1.f;
         inv_vref = 1.f / vref;
-        if constexpr (kMode == 2) {
+        if constexpr (kMode == ScaleMode::kKChannelVToken) {
           float kmax = 0.f;
 #pragma unroll
           for (int i = 0; i < D / 4; ++i) kmax = fmaxf(kmax, fabsf(kch[i]));
@@ -519,7 +522,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
 #pragma unroll
       for (int s = 0; s < kKSteps; ++s) {
         uint32_t kf0 = 0, kf1 = 0;
-        if constexpr (kMode == 2) {
+        if constexpr (kMode == ScaleMode::kKChannelVToken) {
           kf0 = Pack<__half>(kch[4 * s] * inv_kref, kch[4 * s + 1] * inv_kref);
           kf1 = Pack<__half>(kch[4 * s + 2] * inv_kref, kch[4 * s + 3] * inv_kref);
         }
@@ -527,15 +530,15 @@ __global__ void __launch_bounds__(kQPThreads, 2)
         for (int r = 0; r < 2; ++r) {
           uint32_t b0, b1;
           CodesToHalf2<kCodec>(kw[r][s], b0, b1);
-          if constexpr (kMode == 2) {
+          if constexpr (kMode == ScaleMode::kKChannelVToken) {
             b0 = HMul2(b0, kf0);
             b1 = HMul2(b1, kf1);
           }
           Mma<__half>(sc[r], qa[s], b0, b1);
         }
       }
-      DecodeMaskScores<kMode != 2>(p, kv, pb, tile_first, tok_hi, qpos0, qpos1, qmin, qmax, cta_pos_mask, sscale, ks,
-                                   sc);
+      DecodeMaskScores<kMode != ScaleMode::kKChannelVToken>(p, kv, pb, tile_first, tok_hi, qpos0, qpos1, qmin, qmax,
+                                                            cta_pos_mask, sscale, ks, sc);
       float ps[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) ps[e] = vs[e] * inv_vref;
@@ -584,7 +587,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
                                       part_lse, out, lse);
 }
 
-template <int D, int kCodec, int kMode, typename T>
+template <int D, KvCodec kCodec, ScaleMode kMode, typename T>
 cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                             float* po, float* pl, const CUtensorMap& codes, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
@@ -599,7 +602,7 @@ cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const Paged
   return cudaGetLastError();
 }
 
-template <int D, int kCodec, int kMode, typename T>
+template <int D, KvCodec kCodec, ScaleMode kMode, typename T>
 cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                    float* po, float* pl, cudaStream_t stream) {
   const int G = q.q_heads / kv.kv_heads;
@@ -613,24 +616,15 @@ cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& k
 template <int D, typename T>
 cudaError_t ByEncoding(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                        float* po, float* pl, cudaStream_t s) {
-  const int c = kv.codec, m = kv.scales;
   alignas(64) CUtensorMap codes{};
   if (MakeQuantCodeMap(kv, kQPStage, &codes)) {  // sm_90, pages of a multiple of 16 tokens
-    if (c == 1 && m == 0) return LaunchPipelined<D, 1, 0, T>(p, q, kv, out, splits, po, pl, codes, s);
-    if (c == 1 && m == 1) return LaunchPipelined<D, 1, 1, T>(p, q, kv, out, splits, po, pl, codes, s);
-    if (c == 1 && m == 2) return LaunchPipelined<D, 1, 2, T>(p, q, kv, out, splits, po, pl, codes, s);
-    if (c == 2 && m == 0) return LaunchPipelined<D, 2, 0, T>(p, q, kv, out, splits, po, pl, codes, s);
-    if (c == 2 && m == 1) return LaunchPipelined<D, 2, 1, T>(p, q, kv, out, splits, po, pl, codes, s);
-    if (c == 2 && m == 2) return LaunchPipelined<D, 2, 2, T>(p, q, kv, out, splits, po, pl, codes, s);
-    return cudaErrorInvalidValue;
+    return WithEncoding(kv.encoding, [&]<KvCodec kCodec, ScaleMode kMode>() {
+      return LaunchPipelined<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, codes, s);
+    });
   }
-  if (c == 1 && m == 0) return Launch<D, 1, 0, T>(p, q, kv, out, splits, po, pl, s);
-  if (c == 1 && m == 1) return Launch<D, 1, 1, T>(p, q, kv, out, splits, po, pl, s);
-  if (c == 1 && m == 2) return Launch<D, 1, 2, T>(p, q, kv, out, splits, po, pl, s);
-  if (c == 2 && m == 0) return Launch<D, 2, 0, T>(p, q, kv, out, splits, po, pl, s);
-  if (c == 2 && m == 1) return Launch<D, 2, 1, T>(p, q, kv, out, splits, po, pl, s);
-  if (c == 2 && m == 2) return Launch<D, 2, 2, T>(p, q, kv, out, splits, po, pl, s);
-  return cudaErrorInvalidValue;
+  return WithEncoding(kv.encoding, [&]<KvCodec kCodec, ScaleMode kMode>() {
+    return Launch<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, s);
+  });
 }
 
 }  // namespace

@@ -46,7 +46,7 @@ cudaError_t ApplyKvUpdates(const PagedKvView& kv, const KvAppendOp* appends, int
   if (num_appends < 0 || num_writes < 0) return cudaErrorInvalidValue;
   if (num_appends + num_writes == 0) return cudaSuccess;
   if (num_appends > 0) {
-    if (kv.pool == nullptr || appends == nullptr || new_k == nullptr || new_v == nullptr || kv.codec != 0 ||
+    if (kv.pool == nullptr || appends == nullptr || new_k == nullptr || new_v == nullptr || kv.encoding.quantized() ||
         kv.head_dim % 8 != 0 || kv.kv_heads <= 0 || kv.layer < 0 || kv.layer >= kv.layers ||
         reinterpret_cast<uintptr_t>(kv.pool) % 16 != 0 || kv.page_stride % 16 != 0 ||
         reinterpret_cast<uintptr_t>(new_k) % 16 != 0 || reinterpret_cast<uintptr_t>(new_v) % 16 != 0) {

@@ -171,22 +171,23 @@ __device__ __forceinline__ void TileStep(const AttnParams& p, const PagedKvView&
 // Shared memory of a CTA: the Q tile and the 16-bit K and V tiles (two of
 // each, double-buffered, for plain pages; one of each for quantized pages,
 // whose codes are double-buffered instead, 1 byte each).
-template <int D, int kCodec>
+template <int D, KvCodec kCodec>
 constexpr size_t SmemBytes() {
-  return kCodec == 0 ? (size_t)(kBM + 4 * kBN) * D * 2 : (size_t)(kBM + 2 * kBN) * D * 2 + 4 * (size_t)kBN * D;
+  return kCodec == KvCodec::kPlain ? (size_t)(kBM + 4 * kBN) * D * 2
+                                   : (size_t)(kBM + 2 * kBN) * D * 2 + 4 * (size_t)kBN * D;
 }
 
-// kCodec 0: plain pages of T. kCodec 1 (int8) / 2 (fp8-e4m3), kMode (the
-// scale mode, quant_access.cuh): quantized pages. A tile's codes are copied
+// kCodec kPlain: plain pages of T. kInt8 / kFp8E4M3 with kMode (the scale
+// mode): quantized pages (quant_access.cuh). A tile's codes are copied
 // (cp.async, a tile ahead) into shared memory, then every thread dequantizes
 // its chunks (code x scale, rounded to T) into the 16-bit tiles the MMAs read;
 // the rest is the plain kernel's. The prefill is compute-bound: one pass over
 // the tile's codes per 128 query rows.
-template <int D, typename T, int kCodec = 0, int kMode = 0>
+template <int D, typename T, KvCodec kCodec = KvCodec::kPlain, ScaleMode kMode = ScaleMode::kPerHead>
 __global__ void __launch_bounds__(kThreads, 2)
     PrefillKernel(AttnParams p, QueryView q, PagedKvView kv, OutputView out) {
   constexpr int kDTiles = D / 8;  // n8 tiles of the output
-  constexpr bool kQuant = kCodec != 0;
+  constexpr bool kQuant = kCodec != KvCodec::kPlain;
   constexpr int kKvBufs = kQuant ? 1 : 2;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* sq = smem;                        // kBM x D
@@ -313,13 +314,13 @@ __global__ void __launch_bounds__(kThreads, 2)
         int off = 0;
         const float* scales = reinterpret_cast<const float*>(code_page(i, &off) + code_bytes);
         const float vs = scales[ScaleAt<kMode>(kv, 1, hk, off, 0)];
-        const float ks_tok = kMode == 2 ? 1.f : scales[ScaleAt<kMode>(kv, 0, hk, off, 0)];
+        const float ks_tok = kMode == ScaleMode::kKChannelVToken ? 1.f : scales[ScaleAt<kMode>(kv, 0, hk, off, 0)];
         const uint8_t* kb = reinterpret_cast<const uint8_t*>(&kc);
         const uint8_t* vb = reinterpret_cast<const uint8_t*>(&vc);
 #pragma unroll
         for (int e = 0; e < 16; e += 2) {
           float ks0 = ks_tok, ks1 = ks_tok;
-          if constexpr (kMode == 2) {
+          if constexpr (kMode == ScaleMode::kKChannelVToken) {
             ks0 = scales[ScaleAt<kMode>(kv, 0, hk, off, cch * 16 + e)];
             ks1 = scales[ScaleAt<kMode>(kv, 0, hk, off, cch * 16 + e + 1)];
           }
@@ -380,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   StoreRowTile<D>(q, out, hq, r0, nrows, warp, g, tig, o, m, l);
 }
 
-template <int D, typename T, int kCodec = 0, int kMode = 0>
+template <int D, typename T, KvCodec kCodec = KvCodec::kPlain, ScaleMode kMode = ScaleMode::kPerHead>
 cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                    cudaStream_t stream) {
   constexpr size_t smem = SmemBytes<D, kCodec>();
@@ -392,23 +393,12 @@ cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& k
   return cudaGetLastError();
 }
 
-template <int D, typename T, int kCodec>
-cudaError_t LaunchMode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
-                       cudaStream_t stream) {
-  switch (kv.scales) {
-    case 0:
-      return Launch<D, T, kCodec, 0>(p, q, kv, out, stream);
-    case 1:
-      return Launch<D, T, kCodec, 1>(p, q, kv, out, stream);
-    default:
-      return Launch<D, T, kCodec, 2>(p, q, kv, out, stream);
-  }
-}
-
 template <int D, typename T>
 cudaError_t LaunchQuantized(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                             cudaStream_t stream) {
-  return kv.codec == 1 ? LaunchMode<D, T, 1>(p, q, kv, out, stream) : LaunchMode<D, T, 2>(p, q, kv, out, stream);
+  return WithEncoding(kv.encoding, [&]<KvCodec kCodec, ScaleMode kMode>() {
+    return Launch<D, T, kCodec, kMode>(p, q, kv, out, stream);
+  });
 }
 
 }  // namespace
@@ -422,7 +412,7 @@ cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvV
                          cudaStream_t stream, PrefillKernel kernel) {
   if (CheckViews(q, kv) != nullptr || out.out == nullptr || out.lse == nullptr) return cudaErrorInvalidValue;
   if (q.num_rows == 0) return cudaSuccess;
-  if (kv.codec != 0) {  // quantized pages: the mma.sync kernel, codes converted in shared memory
+  if (kv.encoding.quantized()) {  // quantized pages: the mma.sync kernel, codes converted in shared memory
     if (kernel == PrefillKernel::kWgmma) return cudaErrorNotSupported;
     if (kv.dtype == KvType::kBF16) {
       return kv.head_dim == 128 ? internal::LaunchQuantized<128, __nv_bfloat16>(p, q, kv, out, stream)

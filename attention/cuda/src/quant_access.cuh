@@ -13,10 +13,10 @@
 
 namespace kvring::cuda::internal {
 
-// The value of one code (kCodec: 1 int8, 2 fp8-e4m3), before its scale.
-template <int kCodec>
+// The value of one code, before its scale.
+template <KvCodec kCodec>
 __device__ __forceinline__ float Code(uint8_t c) {
-  if constexpr (kCodec == 1) {
+  if constexpr (kCodec == KvCodec::kInt8) {
     return static_cast<float>(static_cast<int8_t>(c));
   } else {
     const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(c), __NV_E4M3);
@@ -25,20 +25,42 @@ __device__ __forceinline__ float Code(uint8_t c) {
 }
 
 // Index of the scale of (kv, token, dim) of kv head h in the page's scale
-// region (`layer` is kv.layer). kMode: 0 per head, 1 per token, 2 K per
-// channel and V per token.
-template <int kMode>
+// region (`layer` is kv.layer): ScaleIndex in 32 bits.
+template <ScaleMode kMode>
 __device__ __forceinline__ int ScaleAt(const PagedKvView& kv, int which, int h, int token, int dim) {
-  const int L = kv.layer, H = kv.kv_heads, T = kv.block_tokens, D = kv.head_dim;
-  if constexpr (kMode == 0) return (L * 2 + which) * H + h;
-  if constexpr (kMode == 1) return ((L * 2 + which) * H + h) * T + token;
-  const int base = L * H * (D + T);
-  return which == 0 ? base + h * D + dim : base + H * D + h * T + token;
+  return ScaleIndexAs<int>(kv.kv_heads, kv.block_tokens, kv.head_dim, kMode, kv.layer, which, h, token, dim);
 }
 
 // Bytes of a page's codes: the scales start there.
 __device__ __forceinline__ uint64_t CodeBytes(const PagedKvView& kv) {
   return 2ull * kv.layers * kv.kv_heads * kv.block_tokens * kv.head_dim;
+}
+
+// Calls launch.template operator()<kCodec, kMode>() with `e`'s codec and
+// scale mode as template arguments (a host-side dispatch to the kernels'
+// instantiations); cudaErrorInvalidValue for plain pages or values outside
+// the enums.
+template <typename F>
+cudaError_t WithEncoding(KvEncoding e, F&& launch) {
+  auto by_mode = [&]<KvCodec kCodec>() -> cudaError_t {
+    switch (e.scales) {
+      case ScaleMode::kPerHead:
+        return launch.template operator()<kCodec, ScaleMode::kPerHead>();
+      case ScaleMode::kPerToken:
+        return launch.template operator()<kCodec, ScaleMode::kPerToken>();
+      case ScaleMode::kKChannelVToken:
+        return launch.template operator()<kCodec, ScaleMode::kKChannelVToken>();
+    }
+    return cudaErrorInvalidValue;
+  };
+  switch (e.codec) {
+    case KvCodec::kInt8:
+      return by_mode.template operator()<KvCodec::kInt8>();
+    case KvCodec::kFp8E4M3:
+      return by_mode.template operator()<KvCodec::kFp8E4M3>();
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace kvring::cuda::internal

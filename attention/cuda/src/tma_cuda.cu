@@ -33,7 +33,7 @@ bool Sm90OrLater() {
 
 bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool all_column_blocks,
                  int l2_promotion_bytes) {
-  if (box_tokens <= 0 || kv.block_tokens % box_tokens != 0 || kv.codec != 0 || !Sm90OrLater()) return false;
+  if (box_tokens <= 0 || kv.block_tokens % box_tokens != 0 || kv.encoding.quantized() || !Sm90OrLater()) return false;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
   if (encode == nullptr) return false;
   const int D = kv.head_dim;
@@ -60,7 +60,7 @@ bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool a
 }
 
 bool MakeQuantCodeMap(const PagedKvView& kv, int box_tokens, CUtensorMap* codes) {
-  if (box_tokens <= 0 || kv.block_tokens % box_tokens != 0 || kv.codec == 0 || kv.page_stride % 16 != 0 ||
+  if (box_tokens <= 0 || kv.block_tokens % box_tokens != 0 || !kv.encoding.quantized() || kv.page_stride % 16 != 0 ||
       reinterpret_cast<uintptr_t>(kv.pool) % 16 != 0 || (kv.head_dim != 64 && kv.head_dim != 128) || !Sm90OrLater()) {
     return false;
   }

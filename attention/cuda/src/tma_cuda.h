@@ -33,7 +33,7 @@ bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool a
 // aligned). Host only; thread-safe.
 bool MakeQueryMap(const QueryView& q, int head_dim, int box_rows, CUtensorMap* map);
 
-// Quantized pages (kv.codec != 0, head_dim 64 or 128): a 5-d map of the
+// Quantized pages (kv.encoding quantized, head_dim 64 or 128): a 5-d map of the
 // pool's 1-byte codes (D bytes, token of the page, plane, 1, page) with boxes
 // of D bytes x `box_tokens` tokens, landing as [box_tokens][D] swizzled:
 // 16-byte chunk c of row r at chunk c ^ (r % 8) (D = 128, 128-byte swizzle)

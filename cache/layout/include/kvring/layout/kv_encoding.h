@@ -12,11 +12,20 @@
 // [layer][kv_head][head_dim] K scales then [layer][kv_head][token] V scales,
 // both regions per layer: [layer]{ K: [kv_head][head_dim], V: [kv_head][token] }.
 // A code c decodes to c * scale (int8: c in [-127, 127]; fp8: e4m3, max 448).
+// Kernels template on KvCodec and ScaleMode and index scales through
+// ScaleIndexAs (callable from device code), so this header is the one
+// description of a quantized block on the host and the device.
 #pragma once
 
 #include <cstdint>
 
 #include "kvring/layout/block_layout.h"
+
+#if defined(__CUDACC__)
+#define KVRING_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define KVRING_HOST_DEVICE inline
+#endif
 
 namespace kvring {
 
@@ -63,22 +72,29 @@ constexpr uint64_t EncodedBytes(const BlockLayout& l, KvEncoding e) {
 }
 
 // Index (in floats, from the start of the scale region) of the scale that
-// applies to element (layer, kv, head, token, dim).
-constexpr uint64_t ScaleIndex(const BlockLayout& l, ScaleMode m, uint32_t layer, uint32_t kv, uint32_t head,
-                              uint32_t token, uint32_t dim) {
+// applies to element (layer, kv: 0 = K / 1 = V, head, token, dim) of a block
+// with `kv_heads`, `block_tokens` and `head_dim`, computed in the integer
+// type I. Device code uses a 32-bit I: a page's scale count fits (the
+// kernels' CheckViews bounds a page below 2^31 bytes).
+template <typename I>
+KVRING_HOST_DEVICE constexpr I ScaleIndexAs(I kv_heads, I block_tokens, I head_dim, ScaleMode m, I layer, I kv, I head,
+                                            I token, I dim) {
   switch (m) {
     case ScaleMode::kPerHead:
-      return (uint64_t{layer} * 2 + kv) * l.kv_heads + head;
+      return (layer * 2 + kv) * kv_heads + head;
     case ScaleMode::kPerToken:
-      return ((uint64_t{layer} * 2 + kv) * l.kv_heads + head) * l.block_tokens + token;
+      return ((layer * 2 + kv) * kv_heads + head) * block_tokens + token;
     case ScaleMode::kKChannelVToken: {
-      const uint64_t per_layer = uint64_t{l.kv_heads} * (l.head_dim + l.block_tokens);
-      const uint64_t base = layer * per_layer;
-      if (kv == 0) return base + uint64_t{head} * l.head_dim + dim;
-      return base + uint64_t{l.kv_heads} * l.head_dim + uint64_t{head} * l.block_tokens + token;
+      const I base = layer * kv_heads * (head_dim + block_tokens);
+      return kv == 0 ? base + head * head_dim + dim : base + kv_heads * head_dim + head * block_tokens + token;
     }
   }
   return 0;
+}
+
+constexpr uint64_t ScaleIndex(const BlockLayout& l, ScaleMode m, uint32_t layer, uint32_t kv, uint32_t head,
+                              uint32_t token, uint32_t dim) {
+  return ScaleIndexAs<uint64_t>(l.kv_heads, l.block_tokens, l.head_dim, m, layer, kv, head, token, dim);
 }
 
 }  // namespace kvring

@@ -10,14 +10,16 @@
 // KV pages use the block layout [layer][K|V][kv_head][token][head_dim] in
 // bf16 or fp16, or int8/fp8 codes with per-block scales (decode). A sequence is a list of pages, all full but the last;
 // each page carries the absolute position of its token 0, so a shard may hold any subset of a sequence's blocks.
-// Queries are grouped by sequence (CSR). Only these header types cross into device code; the header needs nothing but
-// the CUDA runtime.
+// Queries are grouped by sequence (CSR). Only these header types cross into device code; the header needs the CUDA
+// runtime and the header-only block layout (cache/layout: the encoding's types, the same on the host and the device).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+
+#include "kvring/layout/kv_encoding.h"
 
 namespace kvring::cuda {
 
@@ -28,12 +30,11 @@ struct PagedKvView {
   uint64_t page_stride = 0;    // bytes between consecutive pages
   int32_t block_tokens = 16, layers = 1, kv_heads = 8, head_dim = 128;
   KvType dtype = KvType::kBF16;  // of the queries, and of plain pages
-  // Quantized pages (kv_encoding.h): codec 1 int8, 2 fp8-e4m3 (0: plain
-  // pages of `dtype`); scales 0 per head, 1 per token, 2 K per channel and
-  // V per token. A quantized page holds 1-byte codes in the block layout,
-  // then the fp32 scales. Decode and prefill (PagedPrefill: the mma.sync
-  // kernel, kWgmma refuses them).
-  int32_t codec = 0, scales = 0;
+  // Quantized pages (kvring/layout/kv_encoding.h): 1-byte codes in the
+  // block layout, then the fp32 scales; plain pages (KvCodec::kPlain) hold
+  // `dtype`. Decode and prefill (PagedPrefill: the mma.sync kernel, kWgmma
+  // refuses them).
+  KvEncoding encoding;
   int32_t layer = 0;                        // the layer to attend over
   const int32_t* page_ids = nullptr;        // [listed pages] pool page of each listed block
   const int32_t* page_pos = nullptr;        // [listed pages] absolute position of each block's token 0

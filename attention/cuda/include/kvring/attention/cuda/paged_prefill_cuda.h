@@ -19,7 +19,7 @@ namespace kvring::cuda {
 // mbarrier ring to two consumer warpgroups of 64 rows) and kMmaSync (mma.sync
 // m16n8k16, any sm_80+ device, any page size). kAuto takes kWgmma where it
 // can serve the view; kWgmma where it cannot returns cudaErrorNotSupported.
-// Quantized pages (kv.codec != 0) run kMmaSync with the tile's codes
+// Quantized pages (kv.encoding quantized) run kMmaSync with the tile's codes
 // dequantized in shared memory (kWgmma: cudaErrorNotSupported).
 enum class PrefillKernel : int32_t { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
 cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
