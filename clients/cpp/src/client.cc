@@ -1154,6 +1154,7 @@ class ClientImpl {
     }
     AttendReport rep;
     rep.plan_seconds = Since(t0);
+    const StepShape shape{st, row_begin, app_begin, total, digest};
     absl::Status last_error = absl::OkStatus();
     std::map<std::pair<size_t, uint64_t>, std::vector<std::string>> tried;  // why each replica did not serve a chunk
     std::map<std::pair<size_t, uint64_t>, std::vector<absl::StatusCode>> tried_codes;
@@ -1166,8 +1167,7 @@ class ClientImpl {
           jobs.push_back(NodeJob{cs[k], {SeqPart{units[u].seq, {}, units[u].begin, units[u].end}}});
         }
       }
-      KVRING_RETURN_IF_ERROR(
-          RunJobs(st, *ring, jobs, row_begin, app_begin, total, digest, units, out, dx, &rep, &last_error));
+      KVRING_RETURN_IF_ERROR(RunJobs(shape, *ring, jobs, RoundSink{units, out, dx, &rep, &last_error}));
       plan.clear();
     }
     for (int round = 0; !pending.empty() || !plan.empty(); ++round) {
@@ -1207,8 +1207,7 @@ class ClientImpl {
       }
       plan.clear();
       std::vector<FailedChunk> failed;
-      KVRING_RETURN_IF_ERROR(
-          RunJobs(st, *ring, jobs, row_begin, app_begin, total, digest, units, out, dx, &rep, &last_error, &failed));
+      KVRING_RETURN_IF_ERROR(RunJobs(shape, *ring, jobs, RoundSink{units, out, dx, &rep, &last_error, &failed}));
       pending.clear();
       for (FailedChunk& f : failed) {
         pending.emplace_back(f.seq, f.chunk);
@@ -1249,10 +1248,6 @@ class ClientImpl {
     return absl::OkStatus();
   }
 
-  // Sends one request per job (in parallel), merges the partials into `out`
-  // and counts append acks. Attended chunks whose node failed or did not hold
-  // them go to `failed` (retried on the next replica); any other refusal is
-  // the step's error.
   // A step's places in the exchange buffer (device tensors), per job: its
   // partial rows (from a multiple of 64 rows, so every region is 256-byte
   // aligned), their LSE, its queries and K/V; then the merge's row lists.
@@ -1387,18 +1382,82 @@ class ClientImpl {
     return absl::OkStatus();
   }
 
-  absl::Status RunJobs(const AttendStep& st, const ShardRing& ring, const std::vector<NodeJob>& jobs,
-                       const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
-                       const std::vector<uint64_t>& total, const std::vector<uint64_t>& digest,
-                       std::vector<AppendUnit>& units, PartialOutput out, DeviceStep* dx, AttendReport* rep,
-                       absl::Status* last_error, std::vector<FailedChunk>* failed = nullptr) {
-    const auto t_stage = Clock::now();
-    const QueryTensor& q = st.q;
-    const BlockLayout& L = st.layout;
-    const uint64_t chunk = ring.chunk_blocks(), bt = L.block_tokens;
-    const size_t qrow = size_t{q.q_heads} * q.head_dim * DTypeSize(q.dtype);
-    const size_t kvrow = size_t{L.kv_heads} * L.head_dim * DTypeSize(L.dtype);
-    const size_t hq = size_t{q.q_heads} * q.head_dim;
+  // What the rounds of one step share (StepRouted computes it once).
+  struct StepShape {
+    const AttendStep& st;
+    const std::vector<uint32_t>& row_begin;  // each sequence's first query row
+    const std::vector<uint32_t>& app_begin;  // each sequence's first row of new_k / new_v
+    const std::vector<uint64_t>& total;      // each sequence's tokens after the step
+    const std::vector<uint64_t>& digest;     // of the placement each sequence is routed by
+  };
+  // Where a round's outcome goes: the appends' acks, the output, the report,
+  // the last refusal and (when the caller retries) the chunks not served.
+  struct RoundSink {
+    std::vector<AppendUnit>& units;
+    PartialOutput out;
+    DeviceStep* dx;
+    AttendReport* rep;
+    absl::Status* last_error;
+    std::vector<FailedChunk>* failed = nullptr;
+  };
+
+  // One round of a step: one request per job (every job's request built
+  // first, then sent from this thread where the carrier allows it, else on
+  // the pool), the replies turned into acks, retries and partials, and the
+  // partials merged into the output (on the host, or in one MergeRows launch
+  // over the exchange buffer). Attended chunks whose node failed or did not
+  // hold them go to sink.failed (retried on the next replica); any other
+  // refusal is the round's error. Lives for one RunJobs call on its thread;
+  // Call runs on pool threads for different jobs at once.
+  class StepRound {
+   public:
+    StepRound(ClientImpl& c, const StepShape& sh, const ShardRing& ring, const std::vector<NodeJob>& jobs, RoundSink k)
+        : c_(c),
+          sh_(sh),
+          st_(sh.st),
+          q_(sh.st.q),
+          ring_(ring),
+          jobs_(jobs),
+          k_(k),
+          dx_(k.dx),
+          qrow_(size_t{q_.q_heads} * q_.head_dim * DTypeSize(q_.dtype)),
+          kvrow_(size_t{st_.layout.kv_heads} * st_.layout.head_dim * DTypeSize(st_.layout.dtype)),
+          hq_(size_t{q_.q_heads} * q_.head_dim) {}
+
+    absl::Status Run() {
+      const auto t_stage = Clock::now();
+      ex_.place.resize(jobs_.size());
+      if (dx_ != nullptr) {
+        KVRING_RETURN_IF_ERROR(c_.StageExchange(st_, jobs_, sh_.row_begin, sh_.app_begin, dx_, &ex_));
+        k_.rep->stage_seconds += Since(t_stage);
+      }
+      {
+        absl::MutexLock l(&waited_mu_);
+        inputs_waited_ = ex_.inputs_event.empty();  // the inputs complete now (not only on the stream)
+      }
+      prepared_.resize(jobs_.size());
+      for (size_t j = 0; j < jobs_.size(); ++j) prepared_[j] = Prepare(j);
+      res_.resize(jobs_.size());
+      SendAll();
+      c_.SuspectFailed<Result>(ring_, NodesOf(jobs_), res_,
+                               [](const Result& r) { return !r.resp.ok() && IsNodeFailure(r.resp.status()); });
+      const auto tm = Clock::now();
+      // A node that did not answer may still write into the exchange buffer
+      // later: it is not reused.
+      for (const Result& r : res_) {
+        if (dx_ != nullptr && !r.resp.ok() && IsNodeFailure(r.resp.status())) ex_.xb.Drop();
+      }
+      KVRING_RETURN_IF_ERROR(WaitQueuedNodes());
+      std::vector<std::vector<int32_t>> contrib(dx_ != nullptr ? q_.num_rows : 0);  // per output row: partial rows
+      for (size_t j = 0; j < jobs_.size(); ++j) KVRING_RETURN_IF_ERROR(Collect(j, contrib));
+      KVRING_RETURN_IF_ERROR(MergeOnDevice(contrib));
+      k_.rep->merge_seconds += Since(tm);
+      absl::MutexLock l(&waited_mu_);
+      k_.rep->inputs_waited_on_device = !ex_.inputs_event.empty() && !inputs_waited_;
+      return absl::OkStatus();
+    }
+
+   private:
     struct Result {
       absl::StatusOr<v1::AttendResponse> resp = absl::UnknownError("");
       std::vector<uint8_t> reply;
@@ -1407,124 +1466,6 @@ class ClientImpl {
       bool in_place = false;            // served through the exchange buffer
       double round_trip = 0;            // seconds in the node's requests, at this end
     };
-    // A request to a node, its round trip timed into `r`.
-    auto timed_attend = [this](Result& r, Node& node, v1::AttendRequest req,
-                               const std::vector<absl::Span<const uint8_t>>& qp,
-                               const std::vector<absl::Span<const uint8_t>>& kp,
-                               const std::vector<absl::Span<const uint8_t>>& vp, absl::Span<uint8_t> reply) {
-      const auto t = Clock::now();
-      r.resp = AttendOn(node, std::move(req), qp, kp, vp, reply);
-      r.round_trip += Since(t);
-    };
-    ExchangeStage ex;
-    ex.place.resize(jobs.size());
-    if (dx != nullptr) {
-      KVRING_RETURN_IF_ERROR(StageExchange(st, jobs, row_begin, app_begin, dx, &ex));
-      rep->stage_seconds += Since(t_stage);
-    }
-    const std::vector<JobPlace>& place = ex.place;
-    DeviceMemory::Exchange& xb = ex.xb;
-    const std::string& inputs_event = ex.inputs_event;
-    const uint64_t l_base = ex.l_base, csr_off = ex.csr_off;
-    // Whether the inputs in xb are complete now (not only on the stream).
-    bool inputs_waited = inputs_event.empty();
-    absl::Mutex waited_mu;
-    // Where a job's partial O and LSE go in the exchange buffer.
-    auto out_offset = [&](const JobPlace& jp) { return uint64_t{jp.part_row} * hq * sizeof(float); };
-    auto lse_offset = [&](const JobPlace& jp) { return l_base + uint64_t{jp.part_row} * q.q_heads * sizeof(float); };
-    // A job's request reads its inputs from, and writes its partial into,
-    // the exchange buffer.
-    auto set_device = [&](v1::AttendRequest& req, const JobPlace& jp) {
-      v1::DeviceExchange* d = req.mutable_device();
-      d->set_host_id(host_id_);
-      d->set_ipc_handle(xb.ipc_handle());
-      d->set_queries_offset(jp.q);
-      d->set_new_k_offset(jp.k);
-      d->set_new_v_offset(jp.v);
-      d->set_out_offset(out_offset(jp));
-      d->set_lse_offset(lse_offset(jp));
-      if (!inputs_event.empty()) {
-        d->set_inputs_ready_event(inputs_event);
-        // (the merge below waits for the node's work on the same stream)
-        if (node_events_ok_.load()) d->set_reply_when_queued(true);
-      }
-      return d;
-    };
-    // A job's request through the exchange buffer: the node reads and writes
-    // it in place, or (a node that cannot) is sent the job's rows from it
-    // and its partial goes back into it.
-    auto through_exchange = [&](Node& node, v1::AttendRequest req, const JobPlace& jp) {
-      Result out;
-      out.rows = jp.rows;
-      const uint64_t o_off = out_offset(jp), l_off = lse_offset(jp);
-      // (the inputs complete before the host reads them or a node that
-      // cannot wait on the event is asked)
-      auto wait_inputs = [&]() -> absl::Status {
-        absl::MutexLock l(&waited_mu);
-        if (inputs_waited) return absl::OkStatus();
-        KVRING_RETURN_IF_ERROR(dx->dev->Wait(dx->stream));
-        inputs_waited = true;
-        return absl::OkStatus();
-      };
-      if (!node.attend_device_refused.load()) {
-        v1::DeviceExchange* d = set_device(req, jp);
-        out.sent = req.ByteSizeLong();
-        timed_attend(out, node, req, {}, {}, {}, {});
-        if (out.resp.ok() && !out.resp->device_refusal().empty() && !d->inputs_ready_event().empty()) {
-          // It may refuse the event only: asked again, the inputs waited for.
-          if (events_ok_.exchange(false)) {
-            KVRING_LOG(INFO) << "node " << node.id() << " refused the inputs' event (" << out.resp->device_refusal()
-                             << "); steps on the caller's stream wait for their inputs here";
-          }
-          if (absl::Status w = wait_inputs(); !w.ok()) {
-            out.resp = w;
-            return out;
-          }
-          d->clear_inputs_ready_event();
-          timed_attend(out, node, req, {}, {}, {}, {});
-        }
-        if (!out.resp.ok() || out.resp->device_refusal().empty()) {
-          out.in_place = out.resp.ok();
-          return out;
-        }
-        if (!node.attend_device_refused.exchange(true)) {
-          KVRING_LOG(INFO) << "node " << node.id() << " does not attend in this process's GPU memory ("
-                           << out.resp->device_refusal() << "); its steps go through pinned staging";
-        }
-        req.clear_device();
-      }
-      if (absl::Status w = wait_inputs(); !w.ok()) {
-        out.resp = w;
-        return out;
-      }
-      const size_t qb = size_t{jp.rows} * qrow, kb = size_t{jp.app} * kvrow;
-      const size_t ob = size_t{jp.rows} * hq * sizeof(float), lb = size_t{jp.rows} * q.q_heads * sizeof(float);
-      absl::StatusOr<DeviceMemory::Staging> stage = dx->dev->Pinned(qb + 2 * kb + ob + lb);
-      absl::Status s = stage.status();
-      uint8_t* h = s.ok() ? stage->data() : nullptr;
-      if (s.ok() && qb > 0) s = dx->dev->ToHost(h, xb.data() + jp.q, qb);
-      if (s.ok() && kb > 0) s = dx->dev->ToHost(h + qb, xb.data() + jp.k, kb);
-      if (s.ok() && kb > 0) s = dx->dev->ToHost(h + qb + kb, xb.data() + jp.v, kb);
-      if (!s.ok()) {
-        out.resp = s;
-        return out;
-      }
-      std::vector<absl::Span<const uint8_t>> qp, kp, vp;
-      if (qb > 0) qp.push_back(absl::MakeConstSpan(h, qb));
-      if (kb > 0) {
-        kp.push_back(absl::MakeConstSpan(h + qb, kb));
-        vp.push_back(absl::MakeConstSpan(h + qb + kb, kb));
-      }
-      out.sent = qb + 2 * kb + req.ByteSizeLong();
-      out.received = ob + lb;
-      timed_attend(out, node, std::move(req), qp, kp, vp, absl::MakeSpan(h + qb + 2 * kb, ob + lb));
-      if (out.resp.ok() && ob > 0) {
-        s = dx->dev->ToDevice(xb.data() + o_off, h + qb + 2 * kb, ob);
-        if (s.ok()) s = dx->dev->ToDevice(xb.data() + l_off, h + qb + 2 * kb + ob, lb);
-        if (!s.ok()) out.resp = s;
-      }
-      return out;
-    };
     // Job j's request and its payload (spans of the caller's q, new_k, new_v).
     struct Prepared {
       v1::AttendRequest req;
@@ -1532,25 +1473,28 @@ class ClientImpl {
       uint32_t rows = 0;
       uint64_t bytes = 0;
     };
-    auto prepare = [&](size_t j) {
+
+    Prepared Prepare(size_t j) const {
+      const BlockLayout& L = st_.layout;
+      const uint64_t chunk = ring_.chunk_blocks(), bt = L.block_tokens;
       Prepared pr;
       v1::AttendRequest& req = pr.req;
-      *req.mutable_header() = Header();
-      req.set_layer(st.options.layer);
-      req.set_q_heads(q.q_heads);
-      req.set_head_dim(q.head_dim);
-      req.set_q_dtype(static_cast<uint32_t>(q.dtype));
-      req.set_causal(st.options.causal);
-      req.set_window(st.options.window);
-      req.set_softmax_scale(st.options.softmax_scale);
+      *req.mutable_header() = c_.Header();
+      req.set_layer(st_.options.layer);
+      req.set_q_heads(q_.q_heads);
+      req.set_head_dim(q_.head_dim);
+      req.set_q_dtype(static_cast<uint32_t>(q_.dtype));
+      req.set_causal(st_.options.causal);
+      req.set_window(st_.options.window);
+      req.set_softmax_scale(st_.options.softmax_scale);
       LayoutToProto(L, req.mutable_layout());
-      for (const SeqPart& p : jobs[j].parts) {
-        const auto& s = st.sequences[p.seq];
+      for (const SeqPart& p : jobs_[j].parts) {
+        const auto& s = st_.sequences[p.seq];
         v1::AttendSequence* as = req.add_sequences();
         as->set_sequence_id(s.sequence_id);
-        as->set_tokens(total[p.seq]);
-        as->set_placement_digest(digest[p.seq]);
-        const uint64_t nblocks = (total[p.seq] + bt - 1) / bt;
+        as->set_tokens(sh_.total[p.seq]);
+        as->set_placement_digest(sh_.digest[p.seq]);
+        const uint64_t nblocks = (sh_.total[p.seq] + bt - 1) / bt;
         std::vector<uint64_t> chunks = p.chunks;
         std::sort(chunks.begin(), chunks.end());
         for (uint64_t c : chunks) {
@@ -1564,259 +1508,425 @@ class ClientImpl {
           }
         }
         if (!p.chunks.empty()) {
+          const uint32_t r0 = sh_.row_begin[p.seq];
           as->set_rows(s.rows);
           pr.rows += s.rows;
-          for (uint32_t r = 0; r < s.rows; ++r) req.add_positions(q.positions[row_begin[p.seq] + r]);
-          pr.qp.push_back(
-              absl::MakeConstSpan(static_cast<const uint8_t*>(q.data) + row_begin[p.seq] * qrow, s.rows * qrow));
-          pr.bytes += s.rows * qrow;
+          for (uint32_t r = 0; r < s.rows; ++r) req.add_positions(q_.positions[r0 + r]);
+          pr.qp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(q_.data) + r0 * qrow_, s.rows * qrow_));
+          pr.bytes += s.rows * qrow_;
         }
         if (p.append_end > p.append_begin) {
           const uint64_t n = p.append_end - p.append_begin;
-          const uint64_t src = app_begin[p.seq] + (p.append_begin - s.context_tokens);
+          const uint64_t src = sh_.app_begin[p.seq] + (p.append_begin - s.context_tokens);
           as->set_append_position(p.append_begin);
           as->set_append_tokens(static_cast<uint32_t>(n));
-          pr.kp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_k) + src * kvrow, n * kvrow));
-          pr.vp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st.new_v) + src * kvrow, n * kvrow));
-          pr.bytes += 2 * n * kvrow;
+          pr.kp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st_.new_k) + src * kvrow_, n * kvrow_));
+          pr.vp.push_back(absl::MakeConstSpan(static_cast<const uint8_t*>(st_.new_v) + src * kvrow_, n * kvrow_));
+          pr.bytes += 2 * n * kvrow_;
         }
       }
       req.set_num_rows(pr.rows);
       return pr;
-    };
-    // Each job's request, built once (a job sent again on this thread after
-    // an asynchronous try reuses it).
-    std::vector<Prepared> prepared(jobs.size());
-    for (size_t j = 0; j < jobs.size(); ++j) prepared[j] = prepare(j);
+    }
+
+    // Where a job's partial O and LSE go in the exchange buffer.
+    uint64_t OutOffset(const JobPlace& jp) const { return uint64_t{jp.part_row} * hq_ * sizeof(float); }
+    uint64_t LseOffset(const JobPlace& jp) const {
+      return ex_.l_base + uint64_t{jp.part_row} * q_.q_heads * sizeof(float);
+    }
+
+    // A job's request reads its inputs from, and writes its partial into,
+    // the exchange buffer.
+    v1::DeviceExchange* SetDevice(v1::AttendRequest& req, const JobPlace& jp) const {
+      v1::DeviceExchange* d = req.mutable_device();
+      d->set_host_id(c_.host_id_);
+      d->set_ipc_handle(ex_.xb.ipc_handle());
+      d->set_queries_offset(jp.q);
+      d->set_new_k_offset(jp.k);
+      d->set_new_v_offset(jp.v);
+      d->set_out_offset(OutOffset(jp));
+      d->set_lse_offset(LseOffset(jp));
+      if (!ex_.inputs_event.empty()) {
+        d->set_inputs_ready_event(ex_.inputs_event);
+        // (the merge waits for the node's work on the same stream)
+        if (c_.node_events_ok_.load()) d->set_reply_when_queued(true);
+      }
+      return d;
+    }
+
+    // The inputs complete before the host reads them or a node that cannot
+    // wait on their event is asked.
+    absl::Status WaitInputs() ABSL_LOCKS_EXCLUDED(waited_mu_) {
+      absl::MutexLock l(&waited_mu_);
+      if (inputs_waited_) return absl::OkStatus();
+      KVRING_RETURN_IF_ERROR(dx_->dev->Wait(dx_->stream));
+      inputs_waited_ = true;
+      return absl::OkStatus();
+    }
+
+    // A request to a node, its round trip timed into `r`.
+    void TimedAttend(Result& r, Node& node, v1::AttendRequest req, const std::vector<absl::Span<const uint8_t>>& qp,
+                     const std::vector<absl::Span<const uint8_t>>& kp, const std::vector<absl::Span<const uint8_t>>& vp,
+                     absl::Span<uint8_t> reply) {
+      const auto t = Clock::now();
+      r.resp = c_.AttendOn(node, std::move(req), qp, kp, vp, reply);
+      r.round_trip += Since(t);
+    }
+
+    // A job's request through the exchange buffer: the node reads and writes
+    // it in place, or (a node that cannot) is sent the job's rows from it
+    // and its partial goes back into it (Staged).
+    Result ThroughExchange(Node& node, v1::AttendRequest req, const JobPlace& jp) {
+      Result out;
+      out.rows = jp.rows;
+      if (node.attend_device_refused.load()) return Staged(node, std::move(req), jp, std::move(out));
+      v1::DeviceExchange* d = SetDevice(req, jp);
+      out.sent = req.ByteSizeLong();
+      TimedAttend(out, node, req, {}, {}, {}, {});
+      if (out.resp.ok() && !out.resp->device_refusal().empty() && !d->inputs_ready_event().empty()) {
+        // It may refuse the event only: asked again, the inputs waited for.
+        if (c_.events_ok_.exchange(false)) {
+          KVRING_LOG(INFO) << "node " << node.id() << " refused the inputs' event (" << out.resp->device_refusal()
+                           << "); steps on the caller's stream wait for their inputs here";
+        }
+        if (absl::Status w = WaitInputs(); !w.ok()) {
+          out.resp = w;
+          return out;
+        }
+        d->clear_inputs_ready_event();
+        TimedAttend(out, node, req, {}, {}, {}, {});
+      }
+      if (!out.resp.ok() || out.resp->device_refusal().empty()) {
+        out.in_place = out.resp.ok();
+        return out;
+      }
+      if (!node.attend_device_refused.exchange(true)) {
+        KVRING_LOG(INFO) << "node " << node.id() << " does not attend in this process's GPU memory ("
+                         << out.resp->device_refusal() << "); its steps go through pinned staging";
+      }
+      req.clear_device();
+      return Staged(node, std::move(req), jp, std::move(out));
+    }
+
+    // The job's rows copied from the exchange buffer through pinned staging
+    // to a node that cannot read it, and its partial copied back into it.
+    Result Staged(Node& node, v1::AttendRequest req, const JobPlace& jp, Result out) {
+      if (absl::Status w = WaitInputs(); !w.ok()) {
+        out.resp = w;
+        return out;
+      }
+      DeviceMemory& dev = *dx_->dev;
+      uint8_t* xb = ex_.xb.data();
+      const size_t qb = size_t{jp.rows} * qrow_, kb = size_t{jp.app} * kvrow_;
+      const size_t ob = size_t{jp.rows} * hq_ * sizeof(float), lb = size_t{jp.rows} * q_.q_heads * sizeof(float);
+      absl::StatusOr<DeviceMemory::Staging> stage = dev.Pinned(qb + 2 * kb + ob + lb);
+      absl::Status s = stage.status();
+      uint8_t* h = s.ok() ? stage->data() : nullptr;
+      if (s.ok() && qb > 0) s = dev.ToHost(h, xb + jp.q, qb);
+      if (s.ok() && kb > 0) s = dev.ToHost(h + qb, xb + jp.k, kb);
+      if (s.ok() && kb > 0) s = dev.ToHost(h + qb + kb, xb + jp.v, kb);
+      if (!s.ok()) {
+        out.resp = s;
+        return out;
+      }
+      std::vector<absl::Span<const uint8_t>> qp, kp, vp;
+      if (qb > 0) qp.push_back(absl::MakeConstSpan(h, qb));
+      if (kb > 0) {
+        kp.push_back(absl::MakeConstSpan(h + qb, kb));
+        vp.push_back(absl::MakeConstSpan(h + qb + kb, kb));
+      }
+      out.sent = qb + 2 * kb + req.ByteSizeLong();
+      out.received = ob + lb;
+      TimedAttend(out, node, std::move(req), qp, kp, vp, absl::MakeSpan(h + qb + 2 * kb, ob + lb));
+      if (out.resp.ok() && ob > 0) {
+        s = dev.ToDevice(xb + OutOffset(jp), h + qb + 2 * kb, ob);
+        if (s.ok()) s = dev.ToDevice(xb + LseOffset(jp), h + qb + 2 * kb + ob, lb);
+        if (!s.ok()) out.resp = s;
+      }
+      return out;
+    }
+
     // Job j on `node`, waited for on this thread.
-    auto call = [&](size_t j, Node& node) {
-      Prepared& pr = prepared[j];
-      if (dx != nullptr) {
-        Result out = through_exchange(node, std::move(pr.req), place[j]);
+    Result Call(size_t j, Node& node) {
+      Prepared& pr = prepared_[j];
+      if (dx_ != nullptr) {
+        Result out = ThroughExchange(node, std::move(pr.req), ex_.place[j]);
         out.rows = pr.rows;
         return out;
       }
       Result out;
       out.rows = pr.rows;
       out.sent = pr.bytes + pr.req.ByteSizeLong();
-      out.reply.resize(size_t{pr.rows} * (hq + q.q_heads) * sizeof(float));
+      out.reply.resize(size_t{pr.rows} * (hq_ + q_.q_heads) * sizeof(float));
       out.received = out.reply.size();
-      timed_attend(out, node, std::move(pr.req), pr.qp, pr.kp, pr.vp, absl::MakeSpan(out.reply));
+      TimedAttend(out, node, std::move(pr.req), pr.qp, pr.kp, pr.vp, absl::MakeSpan(out.reply));
       return out;
-    };
+    }
+
     // Every request is sent from this thread before any reply is waited for,
     // where the carrier allows it (UCX): a fan-out to N nodes then wakes no
     // pool thread and hands each call to a progress thread once. The rest
     // (gRPC; a node that refused the exchange buffer; payloads large enough
     // that staging them is worth spreading over threads) run on the pool.
-    std::vector<Result> res(jobs.size());
-    std::vector<std::shared_ptr<Node>> nodes(jobs.size());
-    std::vector<std::shared_ptr<NodeChannel>> channels(jobs.size());  // held for their calls
-    std::vector<std::unique_ptr<PendingAttend>> pending(jobs.size());
-    std::vector<Clock::time_point> sent_at(jobs.size());
-    std::vector<size_t> waited_jobs;
-    for (size_t j = 0; j < jobs.size(); ++j) {
-      nodes[j] = NodeFor(ring.node(jobs[j].node).node_id());
-      if (nodes[j] == nullptr || (dx != nullptr && nodes[j]->attend_device_refused.load())) {
-        waited_jobs.push_back(j);
-        continue;
+    void SendAll() {
+      const size_t n = jobs_.size();
+      std::vector<std::shared_ptr<Node>> nodes(n);
+      std::vector<std::shared_ptr<NodeChannel>> channels(n);  // held for their calls
+      std::vector<std::unique_ptr<PendingAttend>> pending(n);
+      std::vector<Clock::time_point> sent_at(n);
+      std::vector<size_t> waited_jobs;
+      for (size_t j = 0; j < n; ++j) {
+        nodes[j] = c_.NodeFor(ring_.node(jobs_[j].node).node_id());
+        if (nodes[j] == nullptr || (dx_ != nullptr && nodes[j]->attend_device_refused.load())) {
+          waited_jobs.push_back(j);
+          continue;
+        }
+        Prepared& pr = prepared_[j];
+        Result& r = res_[j];
+        r.rows = pr.rows;
+        if (dx_ == nullptr && pr.bytes > kStartedAttendMaxBytes) {
+          waited_jobs.push_back(j);
+          continue;
+        }
+        channels[j] = nodes[j]->Channel();
+        sent_at[j] = Clock::now();
+        if (dx_ != nullptr) {
+          SetDevice(pr.req, ex_.place[j]);
+          r.sent = pr.req.ByteSizeLong();
+          pending[j] = channels[j]->StartAttend(pr.req, {}, {}, {}, {});
+        } else {
+          r.sent = pr.bytes + pr.req.ByteSizeLong();
+          r.reply.resize(size_t{pr.rows} * (hq_ + q_.q_heads) * sizeof(float));
+          r.received = r.reply.size();
+          pending[j] = channels[j]->StartAttend(pr.req, pr.qp, pr.kp, pr.vp, absl::MakeSpan(r.reply));
+        }
+        if (pending[j] == nullptr) waited_jobs.push_back(j);
       }
-      Prepared& pr = prepared[j];
-      Result& r = res[j];
-      r.rows = pr.rows;
-      if (dx == nullptr && pr.bytes > kStartedAttendMaxBytes) {
-        waited_jobs.push_back(j);
-        continue;
+      c_.pool_.ParallelFor(waited_jobs.size(), [&](size_t i) {
+        const size_t j = waited_jobs[i];
+        res_[j] = nodes[j] ? Call(j, *nodes[j]) : Result{absl::UnavailableError("unknown node")};
+      });
+      for (size_t j = 0; j < n; ++j) {
+        if (pending[j] == nullptr) continue;
+        Result& r = res_[j];
+        r.resp = pending[j]->Wait();
+        r.round_trip += Since(sent_at[j]);
+        pending[j].reset();
+        if (dx_ != nullptr && r.resp.ok() && !r.resp->device_refusal().empty()) {
+          // The exchange buffer (or only the inputs' event) refused: the
+          // waited path asks again the way this node can be served.
+          res_[j] = Call(j, *nodes[j]);
+          continue;
+        }
+        r.in_place = dx_ != nullptr && r.resp.ok();
       }
-      channels[j] = nodes[j]->Channel();
-      sent_at[j] = Clock::now();
-      if (dx != nullptr) {
-        set_device(pr.req, place[j]);
-        r.sent = pr.req.ByteSizeLong();
-        pending[j] = channels[j]->StartAttend(pr.req, {}, {}, {}, {});
-      } else {
-        r.sent = pr.bytes + pr.req.ByteSizeLong();
-        r.reply.resize(size_t{pr.rows} * (hq + q.q_heads) * sizeof(float));
-        r.received = r.reply.size();
-        pending[j] = channels[j]->StartAttend(pr.req, pr.qp, pr.kp, pr.vp, absl::MakeSpan(r.reply));
-      }
-      if (pending[j] == nullptr) waited_jobs.push_back(j);
     }
-    pool_.ParallelFor(waited_jobs.size(), [&](size_t i) {
-      const size_t j = waited_jobs[i];
-      res[j] = nodes[j] ? call(j, *nodes[j]) : Result{absl::UnavailableError("unknown node")};
-    });
-    for (size_t j = 0; j < jobs.size(); ++j) {
-      if (pending[j] == nullptr) continue;
-      Result& r = res[j];
-      r.resp = pending[j]->Wait();
-      r.round_trip += Since(sent_at[j]);
-      pending[j].reset();
-      if (dx != nullptr && r.resp.ok() && !r.resp->device_refusal().empty()) {
-        // The exchange buffer (or only the inputs' event) refused: the
-        // waited path asks again the way this node can be served.
-        res[j] = call(j, *nodes[j]);
-        continue;
-      }
-      r.in_place = dx != nullptr && r.resp.ok();
-    }
-    SuspectFailed<Result>(ring, NodesOf(jobs), res,
-                          [](const Result& r) { return !r.resp.ok() && IsNodeFailure(r.resp.status()); });
-    const auto tm = Clock::now();
-    // A node that did not answer may still write into the exchange buffer
-    // later: it is not reused.
-    for (const Result& r : res) {
-      if (dx != nullptr && !r.resp.ok() && IsNodeFailure(r.resp.status())) xb.Drop();
-    }
-    std::vector<std::vector<int32_t>> contrib(dx != nullptr ? q.num_rows : 0);  // per output row: partial rows
+
     // Nodes that answered once their work was queued on their GPU: the
     // stream waits for it now, before anything later on it (the merge, the
     // caller's next kernels, the exchange buffer's next user) and whatever
     // this round returns.
-    for (const Result& r : res) {
-      if (!r.in_place || !r.resp.ok() || r.resp->done_event().empty()) continue;
-      ++rep->shards_replied_queued;
-      if (absl::Status w = dx->dev->WaitNodeEvent(r.resp->done_event(), dx->stream); !w.ok()) {
-        node_events_ok_ = false;  // not asked for again
-        xb.Drop();                // its node may still write into it
-        return absl::InternalError(
-            absl::StrCat("a node answered before its work was done and its event cannot be "
-                         "waited for here (",
-                         w.message(), "); later steps wait for the nodes' work"));
+    absl::Status WaitQueuedNodes() {
+      for (const Result& r : res_) {
+        if (!r.in_place || !r.resp.ok() || r.resp->done_event().empty()) continue;
+        ++k_.rep->shards_replied_queued;
+        if (absl::Status w = dx_->dev->WaitNodeEvent(r.resp->done_event(), dx_->stream); !w.ok()) {
+          c_.node_events_ok_ = false;  // not asked for again
+          ex_.xb.Drop();               // its node may still write into it
+          return absl::InternalError(
+              absl::StrCat("a node answered before its work was done and its event cannot be "
+                           "waited for here (",
+                           w.message(), "); later steps wait for the nodes' work"));
+        }
+      }
+      return absl::OkStatus();
+    }
+
+    // f(u) for each append unit of sequence `seq` that [begin, end) overlaps.
+    template <typename F>
+    void ForUnits(size_t seq, uint64_t begin, uint64_t end, F f) {
+      for (AppendUnit& u : k_.units) {
+        if (u.seq == seq && u.begin < end && begin < u.end) f(u);
       }
     }
-    for (size_t j = 0; j < jobs.size(); ++j) {
-      const absl::Status& s = res[j].resp.status();
-      auto unit_of = [&](size_t seq, uint64_t begin, uint64_t end, auto f) {
-        for (auto& u : units) {
-          if (u.seq == seq && u.begin < end && begin < u.end) f(u);
-        }
-      };
-      if (!s.ok()) {
-        *last_error = s;
-        for (const SeqPart& p : jobs[j].parts) {
-          unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) {
-            u.last = s;
-            if (absl::IsDataLoss(s)) u.missing_on.push_back(jobs[j].node);
-          });
-        }
-        // A replica's refusal (it lacks blocks or tokens: NOT_FOUND, DATA_LOSS
-        // with the first missing position; an append it cannot take:
-        // FAILED_PRECONDITION) sends the chunks to the next replica.
-        const bool refusal = absl::IsNotFound(s) || absl::IsFailedPrecondition(s) || absl::IsDataLoss(s);
-        if (!IsNodeFailure(s) && !refusal) return s;
-        if ((absl::IsFailedPrecondition(s) || absl::IsDataLoss(s)) && failed == nullptr) return s;
-        for (const SeqPart& p : jobs[j].parts) {
-          for (uint64_t c : p.chunks) {
-            if (failed)
-              failed->push_back(FailedChunk{
-                  p.seq, c, false, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", s.ToString()), s.code()});
-          }
-        }
-        continue;
-      }
-      const v1::AttendResponse& r = *res[j].resp;
-      if (r.sequence_status_size() != 0 && r.sequence_status_size() != static_cast<int>(jobs[j].parts.size())) {
+
+    // Job j's outcome: acks, refusals and retries, its partials merged on
+    // the host or listed in `contrib` for the device merge, the report.
+    absl::Status Collect(size_t j, std::vector<std::vector<int32_t>>& contrib) {
+      const NodeJob& job = jobs_[j];
+      if (!res_[j].resp.ok()) return CollectFailed(j, res_[j].resp.status());
+      const v1::AttendResponse& r = *res_[j].resp;
+      if (r.sequence_status_size() != 0 && r.sequence_status_size() != static_cast<int>(job.parts.size())) {
         return absl::DataLossError("Attend reply has the wrong number of sequence statuses");
       }
-      std::vector<bool> served(jobs[j].parts.size(), true);
-      for (size_t k = 0; k < jobs[j].parts.size(); ++k) {
-        const SeqPart& p = jobs[j].parts[k];
+      std::vector<bool> served(job.parts.size(), true);
+      for (size_t k = 0; k < job.parts.size(); ++k) {
         const absl::Status ps =
             r.sequence_status_size() ? StatusOf(r.sequence_status(static_cast<int>(k))) : absl::OkStatus();
-        if (ps.ok()) {
-          unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) {
-            ++u.acks;
-            u.acked_on.push_back(jobs[j].node);
-          });
-          continue;
-        }
-        // This node did not serve the sequence: its appends are not acked
-        // here and its chunks go to the next replica.
-        served[k] = false;
-        *last_error = ps;
-        unit_of(p.seq, p.append_begin, p.append_end, [&](auto& u) {
-          u.last = ps;
-          if (absl::IsDataLoss(ps)) u.missing_on.push_back(jobs[j].node);
+        if (!ps.ok()) served[k] = false;
+        KVRING_RETURN_IF_ERROR(CollectPart(job, job.parts[k], ps));
+      }
+      if (res_[j].rows == 0) return absl::OkStatus();  // appends only: no partial, not a shard of the attention
+      KVRING_RETURN_IF_ERROR(MergePartials(j, served, contrib));
+      Account(j);
+      return absl::OkStatus();
+    }
+
+    // A node that failed or refused the whole request: its appends are not
+    // acked; a refusal (it lacks blocks or tokens: NOT_FOUND, DATA_LOSS with
+    // the first missing position; an append it cannot take:
+    // FAILED_PRECONDITION) or its failure sends the chunks to the next
+    // replica; anything else is the round's error.
+    absl::Status CollectFailed(size_t j, const absl::Status& s) {
+      const NodeJob& job = jobs_[j];
+      *k_.last_error = s;
+      for (const SeqPart& p : job.parts) {
+        ForUnits(p.seq, p.append_begin, p.append_end, [&](AppendUnit& u) {
+          u.last = s;
+          if (absl::IsDataLoss(s)) u.missing_on.push_back(job.node);
         });
-        if (!absl::IsNotFound(ps) && !absl::IsFailedPrecondition(ps) && !absl::IsDataLoss(ps)) return ps;
-        // A refused append (a replica behind on another chunk's tail, or
-        // missing tokens before it: DATA_LOSS) also refuses the attends
-        // beside it: those are retried on this node without the append first.
-        // The append counts its acks; short of the write quorum, the step
-        // fails with this refusal (for DATA_LOSS: the first missing position).
-        const bool again_here =
-            (absl::IsFailedPrecondition(ps) || absl::IsDataLoss(ps)) && p.append_end > p.append_begin;
+      }
+      const bool refusal = absl::IsNotFound(s) || absl::IsFailedPrecondition(s) || absl::IsDataLoss(s);
+      if (!IsNodeFailure(s) && !refusal) return s;
+      if ((absl::IsFailedPrecondition(s) || absl::IsDataLoss(s)) && k_.failed == nullptr) return s;
+      if (k_.failed == nullptr) return absl::OkStatus();
+      for (const SeqPart& p : job.parts) {
         for (uint64_t c : p.chunks) {
-          if (failed == nullptr) return ps;
-          failed->push_back(FailedChunk{
-              p.seq, c, again_here, absl::StrCat(ring.node(jobs[j].node).node_id(), ": ", ps.ToString()), ps.code()});
+          k_.failed->push_back(
+              FailedChunk{p.seq, c, false, absl::StrCat(ring_.node(job.node).node_id(), ": ", s.ToString()), s.code()});
         }
       }
-      if (res[j].rows == 0) continue;
-      if (r.num_rows() != res[j].rows || r.q_heads() != q.q_heads || r.head_dim() != q.head_dim) {
+      return absl::OkStatus();
+    }
+
+    // One sequence of a request the node answered: its appends acked, or
+    // (ps not OK: the node did not serve the sequence) not acked here and
+    // its chunks retried.
+    absl::Status CollectPart(const NodeJob& job, const SeqPart& p, const absl::Status& ps) {
+      if (ps.ok()) {
+        ForUnits(p.seq, p.append_begin, p.append_end, [&](AppendUnit& u) {
+          ++u.acks;
+          u.acked_on.push_back(job.node);
+        });
+        return absl::OkStatus();
+      }
+      *k_.last_error = ps;
+      ForUnits(p.seq, p.append_begin, p.append_end, [&](AppendUnit& u) {
+        u.last = ps;
+        if (absl::IsDataLoss(ps)) u.missing_on.push_back(job.node);
+      });
+      if (!absl::IsNotFound(ps) && !absl::IsFailedPrecondition(ps) && !absl::IsDataLoss(ps)) return ps;
+      // A refused append (a replica behind on another chunk's tail, or
+      // missing tokens before it: DATA_LOSS) also refuses the attends beside
+      // it: those are retried on this node without the append first. The
+      // append counts its acks; short of the write quorum, the step fails
+      // with this refusal (for DATA_LOSS: the first missing position).
+      const bool again_here = (absl::IsFailedPrecondition(ps) || absl::IsDataLoss(ps)) && p.append_end > p.append_begin;
+      for (uint64_t c : p.chunks) {
+        if (k_.failed == nullptr) return ps;
+        k_.failed->push_back(FailedChunk{p.seq, c, again_here,
+                                         absl::StrCat(ring_.node(job.node).node_id(), ": ", ps.ToString()), ps.code()});
+      }
+      return absl::OkStatus();
+    }
+
+    // Job j's partial rows of the sequences it served: merged into the
+    // output here, or (the exchange buffer) listed per output row.
+    absl::Status MergePartials(size_t j, const std::vector<bool>& served, std::vector<std::vector<int32_t>>& contrib) {
+      const Result& res = res_[j];
+      const v1::AttendResponse& r = *res.resp;
+      if (r.num_rows() != res.rows || r.q_heads() != q_.q_heads || r.head_dim() != q_.head_dim) {
         return absl::DataLossError("Attend reply has the wrong shape");
       }
-      const float* po = reinterpret_cast<const float*>(res[j].reply.data());
-      const float* pl = po + size_t{res[j].rows} * hq;
+      const float* po = reinterpret_cast<const float*>(res.reply.data());
+      const float* pl = po + size_t{res.rows} * hq_;
       uint32_t off = 0;
-      for (size_t k = 0; k < jobs[j].parts.size(); ++k) {
-        const SeqPart& p = jobs[j].parts[k];
+      for (size_t k = 0; k < jobs_[j].parts.size(); ++k) {
+        const SeqPart& p = jobs_[j].parts[k];
         if (p.chunks.empty()) continue;
-        const uint32_t n = st.sequences[p.seq].rows, r0 = row_begin[p.seq];
-        if (!served[k]) {
-          off += n;
-          continue;
-        }
-        if (dx != nullptr) {  // merged on the device below
-          for (uint32_t r = 0; r < n; ++r) contrib[r0 + r].push_back(static_cast<int32_t>(place[j].part_row + off + r));
-        } else {
-          MergeInto(PartialOutput{out.out + size_t{r0} * hq, out.lse + size_t{r0} * q.q_heads},
-                    ConstPartial{po + size_t{off} * hq, pl + size_t{off} * q.q_heads}, n, q.q_heads, q.head_dim);
+        const uint32_t n = st_.sequences[p.seq].rows, r0 = sh_.row_begin[p.seq];
+        if (served[k] && dx_ != nullptr) {  // merged on the device (MergeOnDevice)
+          for (uint32_t i = 0; i < n; ++i) {
+            contrib[r0 + i].push_back(static_cast<int32_t>(ex_.place[j].part_row + off + i));
+          }
+        } else if (served[k]) {
+          MergeInto(PartialOutput{k_.out.out + size_t{r0} * hq_, k_.out.lse + size_t{r0} * q_.q_heads},
+                    ConstPartial{po + size_t{off} * hq_, pl + size_t{off} * q_.q_heads}, n, q_.q_heads, q_.head_dim);
         }
         off += n;
       }
+      return absl::OkStatus();
+    }
+
+    // Job j in the step's report (the slowest shard's round trip and its
+    // transport).
+    void Account(size_t j) {
+      const Result& res = res_[j];
+      const v1::AttendResponse& r = *res.resp;
+      AttendReport* rep = k_.rep;
       ++rep->shards;
-      if (res[j].in_place) ++rep->shards_in_place;
+      if (res.in_place) ++rep->shards_in_place;
       rep->blocks += r.blocks_used();
-      rep->bytes_sent += res[j].sent;
-      rep->bytes_received += r.ByteSizeLong() + res[j].received;
+      rep->bytes_sent += res.sent;
+      rep->bytes_received += r.ByteSizeLong() + res.received;
       rep->node_seconds = std::max(rep->node_seconds, r.compute_seconds());
-      if (res[j].round_trip > rep->round_trip_seconds) {  // the slowest shard's
-        rep->round_trip_seconds = res[j].round_trip;
+      if (res.round_trip > rep->round_trip_seconds) {
+        rep->round_trip_seconds = res.round_trip;
         // (the node's handling where it says, else its compute time)
         const double node_s = r.handler_seconds() > 0 ? r.handler_seconds() : r.compute_seconds();
-        rep->transport_seconds = std::max(0.0, res[j].round_trip - node_s);
+        rep->transport_seconds = std::max(0.0, res.round_trip - node_s);
       }
       rep->kernel_seconds = std::max(rep->kernel_seconds, r.kernel_seconds());
       rep->copy_seconds = std::max(rep->copy_seconds, r.copy_seconds());
     }
-    uint32_t round_rows = 0;
-    for (const JobPlace& jp : place) round_rows += jp.rows;
-    if (dx != nullptr && round_rows > 0) {
-      // One launch merges every partial of the round into the output (the
-      // first also writes the rows nothing reached: O = 0, LSE = -inf).
-      std::vector<int32_t> csr(size_t{q.num_rows} + 1);
-      for (uint32_t r = 0; r < q.num_rows; ++r) csr[r + 1] = csr[r] + static_cast<int32_t>(contrib[r].size());
+
+    // One launch merges every partial of the round into the output (the
+    // step's first also writes the rows nothing reached: O = 0, LSE = -inf).
+    absl::Status MergeOnDevice(const std::vector<std::vector<int32_t>>& contrib) {
+      uint32_t round_rows = 0;
+      for (const JobPlace& jp : ex_.place) round_rows += jp.rows;
+      if (dx_ == nullptr || round_rows == 0) return absl::OkStatus();
+      std::vector<int32_t> csr(size_t{q_.num_rows} + 1);
+      for (uint32_t r = 0; r < q_.num_rows; ++r) csr[r + 1] = csr[r] + static_cast<int32_t>(contrib[r].size());
       for (const auto& c : contrib) csr.insert(csr.end(), c.begin(), c.end());
       const size_t n = csr.size() * sizeof(int32_t);
-      KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging stage, dx->dev->Pinned(n));
-      if (dx->stream_ordered) stage.UseOn(dx->stream);
+      DeviceMemory& dev = *dx_->dev;
+      uint8_t* xb = ex_.xb.data();
+      KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging stage, dev.Pinned(n));
+      if (dx_->stream_ordered) stage.UseOn(dx_->stream);
       std::memcpy(stage.data(), csr.data(), n);
-      KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(xb.data() + csr_off, stage.data(), n, dx->stream));
-      const int32_t* begin = reinterpret_cast<const int32_t*>(xb.data() + csr_off);
-      KVRING_RETURN_IF_ERROR(dx->dev->MergeRows(out.out, out.lse, q.num_rows, reinterpret_cast<const float*>(xb.data()),
-                                                reinterpret_cast<const float*>(xb.data() + l_base), begin,
-                                                begin + q.num_rows + 1, q.q_heads, q.head_dim, !dx->initialized,
-                                                dx->stream));
+      KVRING_RETURN_IF_ERROR(dev.CopyAsync(xb + ex_.csr_off, stage.data(), n, dx_->stream));
+      const int32_t* begin = reinterpret_cast<const int32_t*>(xb + ex_.csr_off);
+      KVRING_RETURN_IF_ERROR(dev.MergeRows(k_.out.out, k_.out.lse, q_.num_rows, reinterpret_cast<const float*>(xb),
+                                           reinterpret_cast<const float*>(xb + ex_.l_base), begin,
+                                           begin + q_.num_rows + 1, q_.q_heads, q_.head_dim, !dx_->initialized,
+                                           dx_->stream));
       // (On the caller's stream, the buffers go back to their pools marked in
       // use until the stream has passed the merge.)
-      if (!dx->stream_ordered) KVRING_RETURN_IF_ERROR(dx->dev->Wait(dx->stream));
-      dx->initialized = true;
+      if (!dx_->stream_ordered) KVRING_RETURN_IF_ERROR(dev.Wait(dx_->stream));
+      dx_->initialized = true;
+      return absl::OkStatus();
     }
-    rep->merge_seconds += Since(tm);
-    rep->inputs_waited_on_device = !inputs_event.empty() && !inputs_waited;
-    return absl::OkStatus();
+
+    ClientImpl& c_;
+    const StepShape& sh_;
+    const AttendStep& st_;
+    const QueryTensor& q_;
+    const ShardRing& ring_;
+    const std::vector<NodeJob>& jobs_;
+    const RoundSink k_;
+    DeviceStep* const dx_;
+    const size_t qrow_, kvrow_, hq_;  // bytes of a query row and a K/V row; floats of an output row
+    ExchangeStage ex_;
+    std::vector<Prepared> prepared_;
+    std::vector<Result> res_;
+    absl::Mutex waited_mu_;
+    bool inputs_waited_ ABSL_GUARDED_BY(waited_mu_) = true;
+  };
+
+  absl::Status RunJobs(const StepShape& sh, const ShardRing& ring, const std::vector<NodeJob>& jobs, RoundSink k) {
+    StepRound round(*this, sh, ring, jobs, k);
+    return round.Run();
   }
 
   // The nodes of `ring` marked UP (the lifecycle calls go to each of them).
