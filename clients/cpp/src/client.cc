@@ -1042,8 +1042,8 @@ class ClientImpl {
     return absl::OkStatus();
   }
 
-  absl::Status StepRouted(const AttendStep& st, PartialOutput out, AttendReport* report, DeviceStep* dx) {
-    const auto t0 = Clock::now();
+  // A step's request shape, checked before any routing.
+  static absl::Status CheckStep(const AttendStep& st) {
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
     const char* why = nullptr;
@@ -1087,118 +1087,127 @@ class ClientImpl {
     if (appended > 0 && (st.new_k == nullptr || st.new_v == nullptr)) {
       return absl::InvalidArgumentError("appending needs new_k and new_v");
     }
-    const size_t hq = size_t{q.q_heads} * q.head_dim;
-    if (dx == nullptr) {  // (on the device: the first merge writes every row)
-      std::fill(out.out, out.out + rows * hq, 0.f);
-      std::fill(out.lse, out.lse + rows * q.q_heads, -std::numeric_limits<float>::infinity());
-    }
+    return absl::OkStatus();
+  }
 
-    auto ring = Ring();
-    if (ring->num_nodes() == 0) return absl::UnavailableError("the shard map has no nodes");
-    const uint64_t chunk = ring->chunk_blocks(), bt = L.block_tokens;
-    const int R = ring->replication(), W = ring->write_quorum();
+  // The plan of a step (StepRouted's planner): each sequence's rows,
+  // appended rows, length after the step and chunks; each chunk's nodes; the
+  // appended tokens by chunk (their acks counted by the rounds); round 0's
+  // parts per node.
+  struct RoutedStep {
+    std::vector<uint32_t> row_begin, app_begin;
+    std::vector<uint64_t> total, nchunks, digest;
+    StepRoutes cands;
+    std::vector<AppendUnit> units;
+    std::map<int, std::map<size_t, SeqPart>> appends;  // node -> sequence -> the appended tokens it takes
+    bool two_phase = false;                            // a node takes non-adjacent parts of one append
+  };
+  RoutedStep Route(const std::shared_ptr<const ShardRing>& ring, const AttendStep& st) {
+    RoutedStep rs;
+    const uint64_t chunk = ring->chunk_blocks(), bt = st.layout.block_tokens;
     const size_t nseq = st.sequences.size();
-    std::vector<uint32_t> row_begin(nseq), app_begin(nseq);
-    std::vector<uint64_t> total(nseq), nchunks(nseq);
+    rs.row_begin.resize(nseq);
+    rs.app_begin.resize(nseq);
+    rs.total.resize(nseq);
+    rs.nchunks.resize(nseq);
+    rs.digest.resize(nseq);
     for (size_t b = 0, r = 0, a = 0; b < nseq; ++b) {
-      row_begin[b] = static_cast<uint32_t>(r);
-      app_begin[b] = static_cast<uint32_t>(a);
+      rs.row_begin[b] = static_cast<uint32_t>(r);
+      rs.app_begin[b] = static_cast<uint32_t>(a);
       r += st.sequences[b].rows;
       a += st.sequences[b].append_tokens;
-      total[b] = st.sequences[b].context_tokens + st.sequences[b].append_tokens;
-      nchunks[b] = ((total[b] + bt - 1) / bt + chunk - 1) / chunk;
+      rs.total[b] = st.sequences[b].context_tokens + st.sequences[b].append_tokens;
+      rs.nchunks[b] = ((rs.total[b] + bt - 1) / bt + chunk - 1) / chunk;
     }
-    // Candidates per (sequence, chunk); the attending replica is the first
+    // Candidates per (sequence, chunk): the attending replica is the first
     // that answers; appends go to the first R.
-    const StepRoutes cands = RoutesOf(ring, st, nchunks);
-    std::vector<std::vector<size_t>> next(nseq);
-    std::vector<uint64_t> digest(nseq);  // of the placement each sequence is routed by
-    for (size_t b = 0; b < nseq; ++b) {
-      digest[b] = cands.routes[b]->placement_digest;
-      next[b].assign(nchunks[b], 0);
-    }
-    // Appended positions of each chunk they touch, and their acks.
-    std::vector<AppendUnit> units;
+    rs.cands = RoutesOf(ring, st, rs.nchunks);
+    for (size_t b = 0; b < nseq; ++b) rs.digest[b] = rs.cands.routes[b]->placement_digest;
     for (size_t b = 0; b < nseq; ++b) {
       const auto& s = st.sequences[b];
-      if (s.append_tokens == 0) continue;
       const uint64_t span = chunk * bt;
-      for (uint64_t p = s.context_tokens; p < total[b];) {
-        const uint64_t c = p / span, e = std::min(total[b], (c + 1) * span);
-        units.push_back(AppendUnit{b, c, p, e});
+      for (uint64_t p = s.context_tokens; p < rs.total[b];) {
+        const uint64_t c = p / span, e = std::min(rs.total[b], (c + 1) * span);
+        rs.units.push_back(AppendUnit{b, c, p, e});
         p = e;
       }
     }
-    // Round 0: every node gets its chunks to attend and its appends.
-    std::map<int, std::map<size_t, SeqPart>> plan;     // node -> seq -> part
-    std::vector<std::pair<size_t, uint64_t>> pending;  // (sequence, chunk) still to attend
-    for (size_t b = 0; b < nseq; ++b) {
-      if (st.sequences[b].rows == 0) continue;
-      for (uint64_t c = 0; c < nchunks[b]; ++c) pending.emplace_back(b, c);
-    }
-    bool two_phase = false;
-    for (size_t u = 0; u < units.size(); ++u) {
-      const absl::Span<const int> cs = cands(units[u].seq, units[u].chunk);
+    const int R = ring->replication();
+    for (const AppendUnit& u : rs.units) {
+      const absl::Span<const int> cs = rs.cands(u.seq, u.chunk);
       for (int k = 0; k < R && k < static_cast<int>(cs.size()); ++k) {
-        SeqPart& p = plan[cs[k]][units[u].seq];
-        p.seq = units[u].seq;
+        SeqPart& p = rs.appends[cs[k]][u.seq];
+        p.seq = u.seq;
         if (p.append_end == p.append_begin) {
-          p.append_begin = units[u].begin;
-          p.append_end = units[u].end;
-        } else if (p.append_end == units[u].begin) {
-          p.append_end = units[u].end;
+          p.append_begin = u.begin;
+          p.append_end = u.end;
+        } else if (p.append_end == u.begin) {
+          p.append_end = u.end;
         } else {
-          two_phase = true;  // a node takes non-adjacent parts of one append
+          rs.two_phase = true;
         }
       }
     }
+    return rs;
+  }
+
+  absl::Status StepRouted(const AttendStep& st, PartialOutput out, AttendReport* report, DeviceStep* dx) {
+    const auto t0 = Clock::now();
+    KVRING_RETURN_IF_ERROR(CheckStep(st));
+    const QueryTensor& q = st.q;
+    if (dx == nullptr) {  // (on the device: the first merge writes every row)
+      std::fill(out.out, out.out + size_t{q.num_rows} * q.q_heads * q.head_dim, 0.f);
+      std::fill(out.lse, out.lse + size_t{q.num_rows} * q.q_heads, -std::numeric_limits<float>::infinity());
+    }
+    auto ring = Ring();
+    if (ring->num_nodes() == 0) return absl::UnavailableError("the shard map has no nodes");
+    RoutedStep rs = Route(ring, st);
     AttendReport rep;
     rep.plan_seconds = Since(t0);
-    const StepShape shape{st, row_begin, app_begin, total, digest};
+    KVRING_RETURN_IF_ERROR(RunRounds(*ring, st, rs, out, dx, &rep));
+    KVRING_RETURN_IF_ERROR(SettleAppends(*ring, st, rs, &rep));
+    rep.seconds = Since(t0);
+    if (report) *report = rep;
+    return absl::OkStatus();
+  }
+
+  // The step's rounds: with a two-phase plan its appends first (one request
+  // per node and contiguous part); then every chunk attended on its first
+  // candidate with the appends beside, and the chunks a node did not serve
+  // on their next candidate, until every chunk is served or one has no
+  // candidate left.
+  absl::Status RunRounds(const ShardRing& ring, const AttendStep& st, RoutedStep& rs, PartialOutput out, DeviceStep* dx,
+                         AttendReport* rep) {
+    const StepShape shape{st, rs.row_begin, rs.app_begin, rs.total, rs.digest};
     absl::Status last_error = absl::OkStatus();
-    std::map<std::pair<size_t, uint64_t>, std::vector<std::string>> tried;  // why each replica did not serve a chunk
-    std::map<std::pair<size_t, uint64_t>, std::vector<absl::StatusCode>> tried_codes;
-    if (two_phase) {
-      // Appends first (one request per node and contiguous part), attends after.
+    std::map<int, std::map<size_t, SeqPart>> plan = std::move(rs.appends);  // node -> seq -> part
+    if (rs.two_phase) {
       std::vector<NodeJob> jobs;
-      for (size_t u = 0; u < units.size(); ++u) {
-        const absl::Span<const int> cs = cands(units[u].seq, units[u].chunk);
-        for (int k = 0; k < R && k < static_cast<int>(cs.size()); ++k) {
-          jobs.push_back(NodeJob{cs[k], {SeqPart{units[u].seq, {}, units[u].begin, units[u].end}}});
+      for (const AppendUnit& u : rs.units) {
+        const absl::Span<const int> cs = rs.cands(u.seq, u.chunk);
+        for (int k = 0; k < ring.replication() && k < static_cast<int>(cs.size()); ++k) {
+          jobs.push_back(NodeJob{cs[k], {SeqPart{u.seq, {}, u.begin, u.end}}});
         }
       }
-      KVRING_RETURN_IF_ERROR(RunJobs(shape, *ring, jobs, RoundSink{units, out, dx, &rep, &last_error}));
+      KVRING_RETURN_IF_ERROR(RunJobs(shape, ring, jobs, RoundSink{rs.units, out, dx, rep, &last_error}));
       plan.clear();
     }
+    std::vector<std::pair<size_t, uint64_t>> pending;  // (sequence, chunk) still to attend
+    std::vector<std::vector<size_t>> next(st.sequences.size());
+    for (size_t b = 0; b < st.sequences.size(); ++b) {
+      next[b].assign(rs.nchunks[b], 0);
+      if (st.sequences[b].rows == 0) continue;
+      for (uint64_t c = 0; c < rs.nchunks[b]; ++c) pending.emplace_back(b, c);
+    }
+    std::map<std::pair<size_t, uint64_t>, std::vector<FailedChunk>> tried;  // why each replica did not serve a chunk
     for (int round = 0; !pending.empty() || !plan.empty(); ++round) {
       for (const auto& [b, c] : pending) {
-        if (next[b][c] >= cands(b, c).size()) {
-          // When every replica that answered refused for the same reason
-          // (NOT_FOUND, FAILED_PRECONDITION, DATA_LOSS with the first lost
-          // position...), that is the step's error class, one the engine can
-          // act on (a dead replica beside them cannot serve the chunk either);
-          // with no answer at all, UNAVAILABLE.
-          absl::StatusCode code = absl::StatusCode::kUnavailable;
-          std::vector<absl::StatusCode> answered;
-          for (absl::StatusCode x : tried_codes[{b, c}]) {
-            if (x != absl::StatusCode::kUnavailable && x != absl::StatusCode::kDeadlineExceeded &&
-                x != absl::StatusCode::kOk) {
-              answered.push_back(x);
-            }
-          }
-          if (!answered.empty() && std::all_of(answered.begin(), answered.end(),
-                                               [&](absl::StatusCode x) { return x == answered.front(); })) {
-            code = answered.front();
-          }
-          return absl::Status(
-              code, absl::StrCat("no live replica holds chunk ", c, " of sequence '", st.sequences[b].sequence_id,
-                                 "' (", absl::StrJoin(tried[{b, c}], "; "), ")"));
-        }
-        SeqPart& p = plan[cands(b, c)[next[b][c]++]][b];
+        if (next[b][c] >= rs.cands(b, c).size()) return NoReplicaLeft(st.sequences[b].sequence_id, c, tried[{b, c}]);
+        SeqPart& p = plan[rs.cands(b, c)[next[b][c]++]][b];
         p.seq = b;
         p.chunks.push_back(c);
       }
-      if (round > 0) rep.retries += static_cast<int>(plan.size());
+      if (round > 0) rep->retries += static_cast<int>(plan.size());
       std::vector<NodeJob> jobs;
       for (auto& [node, parts] : plan) {
         NodeJob j{node, {}};
@@ -1207,44 +1216,72 @@ class ClientImpl {
       }
       plan.clear();
       std::vector<FailedChunk> failed;
-      KVRING_RETURN_IF_ERROR(RunJobs(shape, *ring, jobs, RoundSink{units, out, dx, &rep, &last_error, &failed}));
+      KVRING_RETURN_IF_ERROR(RunJobs(shape, ring, jobs, RoundSink{rs.units, out, dx, rep, &last_error, &failed}));
       pending.clear();
       for (FailedChunk& f : failed) {
         pending.emplace_back(f.seq, f.chunk);
         if (f.same_node_again) --next[f.seq][f.chunk];  // the same replica once more, attend only
-        tried[{f.seq, f.chunk}].push_back(std::move(f.why));
-        tried_codes[{f.seq, f.chunk}].push_back(f.code);
+        tried[{f.seq, f.chunk}].push_back(std::move(f));
       }
     }
-    // Repair: a write replica that lacks the tokens before an append (the new
-    // replica after a node's death, or one that restarted without its open
-    // block) gets the chunk's blocks copied from a replica that acknowledged
-    // the append, so the sequence keeps R copies and W=R steps go on.
-    for (AppendUnit& u : units) {
+    return absl::OkStatus();
+  }
+
+  // A chunk no candidate served. When every replica that answered refused
+  // for the same reason (NOT_FOUND, FAILED_PRECONDITION, DATA_LOSS with the
+  // first lost position...), that is the step's error class, one the engine
+  // can act on (a dead replica beside them cannot serve the chunk either);
+  // with no answer at all, UNAVAILABLE.
+  static absl::Status NoReplicaLeft(const std::string& id, uint64_t chunk, const std::vector<FailedChunk>& tried) {
+    absl::StatusCode code = absl::StatusCode::kUnavailable;
+    std::vector<absl::StatusCode> answered;
+    std::vector<std::string> why;
+    for (const FailedChunk& f : tried) {
+      why.push_back(f.why);
+      if (f.code != absl::StatusCode::kUnavailable && f.code != absl::StatusCode::kDeadlineExceeded &&
+          f.code != absl::StatusCode::kOk) {
+        answered.push_back(f.code);
+      }
+    }
+    if (!answered.empty() &&
+        std::all_of(answered.begin(), answered.end(), [&](absl::StatusCode x) { return x == answered.front(); })) {
+      code = answered.front();
+    }
+    return absl::Status(code, absl::StrCat("no live replica holds chunk ", chunk, " of sequence '", id, "' (",
+                                           absl::StrJoin(why, "; "), ")"));
+  }
+
+  // After the rounds: a write replica that lacks the tokens before an
+  // append (the new replica after a node's death, or one that restarted
+  // without its open block) gets the chunk's blocks copied from a replica
+  // that acknowledged the append (repair), so the sequence keeps R copies
+  // and W=R steps go on; then every append needs its write quorum.
+  absl::Status SettleAppends(const ShardRing& ring, const AttendStep& st, RoutedStep& rs, AttendReport* rep) {
+    const uint64_t chunk = ring.chunk_blocks(), bt = st.layout.block_tokens;
+    const int R = ring.replication(), W = ring.write_quorum();
+    for (AppendUnit& u : rs.units) {
       for (int n : u.missing_on) {
         if (u.acks >= R || u.acked_on.empty()) break;
         const uint64_t b0 = u.chunk * chunk, b1 = (u.end - 1) / bt + 1;
-        absl::Status r =
-            CopyReplica(*ring, u.acked_on.front(), n, st.sequences[u.seq].sequence_id, L, b0, b1, digest[u.seq]);
+        absl::Status r = CopyReplica(ring, u.acked_on.front(), n, st.sequences[u.seq].sequence_id, st.layout, b0, b1,
+                                     rs.digest[u.seq]);
         if (!r.ok()) {
           u.last = r;
           continue;
         }
         ++u.acks;
-        ++rep.repairs;
+        ++rep->repairs;
       }
     }
-    for (const AppendUnit& u : units) {
+    for (const AppendUnit& u : rs.units) {
       if (u.acks < W) {
         return absl::Status(u.last.ok() ? absl::StatusCode::kUnavailable : u.last.code(),
                             absl::StrCat("tokens [", u.begin, ", ", u.end, ") of sequence '",
                                          st.sequences[u.seq].sequence_id, "' appended on ", u.acks, " of ", W,
                                          " required replicas", u.last.ok() ? "" : ": ", std::string(u.last.message())));
       }
-      rep.appended_tokens += static_cast<uint32_t>((u.end - u.begin) * u.acks);
+      rep->appended_tokens += static_cast<uint32_t>((u.end - u.begin) * u.acks);
     }
-    rep.seconds = Since(t0);
-    if (report) *report = rep;
     return absl::OkStatus();
   }
 
