@@ -1297,24 +1297,20 @@ class ClientImpl {
     DeviceMemory::Exchange xb;
     std::string inputs_event;  // the inputs' event (cudaIpcEventHandle_t bytes), or empty: waited for
     uint64_t l_base = 0, csr_off = 0;
+    std::vector<int> same_rows_as;  // per job: an earlier job whose copy of the queries it reads, or -1
   };
-  // Plans the exchange buffer of `jobs` and copies the engine's rows into it
-  // (adjacent runs of one tensor as one copy; jobs that attend the same
-  // sequences share one copy of their queries); on the caller's stream, the
-  // nodes wait on an event recorded after the copies, else this waits.
-  absl::Status StageExchange(const AttendStep& st, const std::vector<NodeJob>& jobs,
-                             const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
-                             DeviceStep* dx, ExchangeStage* ex) {
+  // Plans the exchange buffer of `jobs` (ex->place, l_base, csr_off,
+  // same_rows_as; jobs that attend the same sequences share one copy of
+  // their queries) and returns its size in bytes.
+  static uint64_t PlaceJobs(const AttendStep& st, const std::vector<NodeJob>& jobs, ExchangeStage* ex) {
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
     const size_t qrow = size_t{q.q_heads} * q.head_dim * DTypeSize(q.dtype);
     const size_t kvrow = size_t{L.kv_heads} * L.head_dim * DTypeSize(L.dtype);
     const size_t hq = size_t{q.q_heads} * q.head_dim;
     std::vector<JobPlace>& place = ex->place;
-    DeviceMemory::Exchange& xb = ex->xb;
-    std::string& inputs_event = ex->inputs_event;
+    std::vector<int>& same_rows_as = ex->same_rows_as;
     uint64_t& l_base = ex->l_base;
-    uint64_t& csr_off = ex->csr_off;
     auto align = [](uint64_t n) {
       return (n + kDeviceExchangeAlign - 1) / kDeviceExchangeAlign * kDeviceExchangeAlign;
     };
@@ -1332,7 +1328,7 @@ class ClientImpl {
     // Jobs that attend the same sequences read one copy of their rows (a
     // sequence spread over N nodes: N requests, one copy of its queries).
     std::vector<std::vector<size_t>> attends(jobs.size());
-    std::vector<int> same_rows_as(jobs.size(), -1);
+    same_rows_as.assign(jobs.size(), -1);
     for (size_t j = 0; j < jobs.size(); ++j) {
       for (const SeqPart& p : jobs[j].parts) {
         if (!p.chunks.empty()) attends[j].push_back(p.seq);
@@ -1357,11 +1353,21 @@ class ClientImpl {
       jp.v = off;
       off = align(off + uint64_t{jp.app} * kvrow);
     }
-    csr_off = off;
-    off += (uint64_t{q.num_rows} + 1 + part_rows) * sizeof(int32_t);
-    KVRING_ASSIGN_OR_RETURN(xb, dx->dev->ExchangeBuffer(off, dx->stream));
-    // On the caller's stream, work on xb may still be queued when it goes.
-    if (dx->stream_ordered) xb.UseOn(dx->stream);
+    ex->csr_off = off;
+    return off + (uint64_t{q.num_rows} + 1 + part_rows) * sizeof(int32_t);
+  }
+
+  // Copies each job's rows of the engine's tensors into its place in the
+  // exchange buffer, in the order its request lists them, on dx's stream.
+  absl::Status CopyIntoExchange(const AttendStep& st, const std::vector<NodeJob>& jobs,
+                                const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
+                                DeviceStep* dx, ExchangeStage* ex) {
+    const QueryTensor& q = st.q;
+    const size_t qrow = size_t{q.q_heads} * q.head_dim * DTypeSize(q.dtype);
+    const size_t kvrow = size_t{st.layout.kv_heads} * st.layout.head_dim * DTypeSize(st.layout.dtype);
+    const std::vector<JobPlace>& place = ex->place;
+    const std::vector<int>& same_rows_as = ex->same_rows_as;
+    DeviceMemory::Exchange& xb = ex->xb;
     // Each job's rows, in the order its request lists them; copies from
     // one of the caller's tensors whose sources and destinations follow
     // each other go as one. (Only within a tensor: two tensors may lie
@@ -1404,6 +1410,22 @@ class ClientImpl {
       }
     }
     for (const Run& r : runs) KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(r.dst, r.src, r.n, dx->stream));
+    return absl::OkStatus();
+  }
+
+  // Plans the exchange buffer of `jobs` and copies the engine's rows into it
+  // (adjacent runs of one tensor as one copy; jobs that attend the same
+  // sequences share one copy of their queries); on the caller's stream, the
+  // nodes wait on an event recorded after the copies, else this waits.
+  absl::Status StageExchange(const AttendStep& st, const std::vector<NodeJob>& jobs,
+                             const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
+                             DeviceStep* dx, ExchangeStage* ex) {
+    const uint64_t bytes = PlaceJobs(st, jobs, ex);
+    KVRING_ASSIGN_OR_RETURN(ex->xb, dx->dev->ExchangeBuffer(bytes, dx->stream));
+    // On the caller's stream, work on xb may still be queued when it goes.
+    if (dx->stream_ordered) ex->xb.UseOn(dx->stream);
+    KVRING_RETURN_IF_ERROR(CopyIntoExchange(st, jobs, row_begin, app_begin, dx, ex));
+    std::string& inputs_event = ex->inputs_event;
     // In place before any node reads them: on the caller's stream, the
     // nodes wait on an event recorded after the copies; else this waits.
     if (dx->stream_ordered && events_ok_.load()) {
