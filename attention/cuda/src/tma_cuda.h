@@ -22,7 +22,7 @@ namespace kvring::cuda::internal {
 // l2_promotion_bytes: the granularity L2 fetches a box's misses at (256,
 // 128, 64, or 0 for none). Decode streams each byte once and asks for 128
 // (256-byte promotion fetched lines it never read and cost it ~6% of its
-// DRAM rate: docs/PERFORMANCE-NOTES.md).
+// DRAM rate: docs/perf/prefill-and-first-kernels.md).
 bool MakePoolMap(const PagedKvView& kv, int box_tokens, CUtensorMap* map, bool all_column_blocks = false,
                  int l2_promotion_bytes = 256);
 
