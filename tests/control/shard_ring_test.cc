@@ -80,6 +80,32 @@ TEST(ShardRingTest, WriteQuorumDefaultsToReplication) {
   EXPECT_EQ(ShardRing(m).write_quorum(), 1);
 }
 
+// What a client's map refresh may keep its ring (and its cached routes)
+// across: a map that differs only in what reports, not in how it routes.
+TEST(ShardRingTest, RoutesLikeComparesWhatRoutesAndIgnoresWhatOnlyReports) {
+  const ShardRing ring(MapOf(4, 2));
+  v1::ShardMap same = MapOf(4, 2);
+  same.set_version(9);
+  same.mutable_nodes(1)->set_last_heartbeat_unix_ms(123456);
+  same.mutable_nodes(2)->set_capacity_bytes(1 << 30);
+  EXPECT_TRUE(ring.RoutesLike(same));
+  EXPECT_FALSE(ring.RoutesLike(MapOf(4, 2, {3})));  // a node down
+  EXPECT_FALSE(ring.RoutesLike(MapOf(5, 2)));       // a node more
+  EXPECT_FALSE(ring.RoutesLike(MapOf(4, 3)));       // replication
+  v1::ShardMap m = MapOf(4, 2);
+  m.mutable_nodes(0)->set_incarnation(2);  // re-registered
+  EXPECT_FALSE(ring.RoutesLike(m));
+  m = MapOf(4, 2);
+  m.mutable_nodes(0)->set_ucx_address("10.0.0.9:7000");
+  EXPECT_FALSE(ring.RoutesLike(m));
+  m = MapOf(4, 2);
+  m.set_sequence_chunk_blocks(32);
+  EXPECT_FALSE(ring.RoutesLike(m));
+  m = MapOf(4, 2);
+  m.set_write_quorum(1);
+  EXPECT_FALSE(ring.RoutesLike(m));
+}
+
 // ChunkRoutes against computing every chunk's candidates afresh: the same
 // nodes for growing sequences, forks (a placement) and a changed map, and
 // what it returned earlier is not changed by later calls.
