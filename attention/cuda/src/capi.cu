@@ -22,12 +22,11 @@ PagedKvView Kv(const void* pool, uint64_t stride, int bt, int layers, int kv_hea
   v.kv_heads = kv_heads;
   v.head_dim = head_dim;
   // Low byte: the dtype; the next: the encoding as KvEncoding::Pack() has it
-  // (a value outside its enums is kept for CheckViews to refuse).
+  // (one that does not unpack becomes a codec outside the enum, which
+  // CheckViews refuses).
   v.dtype = static_cast<KvType>(dtype & 0xff);
   const uint8_t enc = (dtype >> 8) & 0xff;
-  if (!kvring::KvEncoding::Unpack(enc, &v.encoding)) {
-    v.encoding = {static_cast<kvring::KvCodec>(enc & 0xf), static_cast<kvring::ScaleMode>(enc >> 4)};
-  }
+  if (!kvring::KvEncoding::Unpack(enc, &v.encoding)) v.encoding.codec = static_cast<kvring::KvCodec>(0xff);
   v.layer = layer;
   v.page_ids = page_ids;
   v.page_pos = page_pos;

@@ -206,6 +206,8 @@ class ClientImpl {
     absl::Span<const int> operator()(size_t seq, uint64_t chunk) const {
       return reordered.empty() ? routes[seq]->candidates(chunk) : absl::MakeConstSpan(reordered[seq][chunk]);
     }
+    // The digest of the placement sequence `seq` is routed by.
+    uint64_t digest(size_t seq) const { return routes[seq]->placement_digest; }
   };
   StepRoutes RoutesOf(const std::shared_ptr<const ShardRing>& ring, const AttendStep& st,
                       const std::vector<uint64_t>& nchunks) {
@@ -1096,7 +1098,7 @@ class ClientImpl {
   // parts per node.
   struct RoutedStep {
     std::vector<uint32_t> row_begin, app_begin;
-    std::vector<uint64_t> total, nchunks, digest;
+    std::vector<uint64_t> total, nchunks;
     StepRoutes cands;
     std::vector<AppendUnit> units;
     std::map<int, std::map<size_t, SeqPart>> appends;  // node -> sequence -> the appended tokens it takes
@@ -1110,7 +1112,6 @@ class ClientImpl {
     rs.app_begin.resize(nseq);
     rs.total.resize(nseq);
     rs.nchunks.resize(nseq);
-    rs.digest.resize(nseq);
     for (size_t b = 0, r = 0, a = 0; b < nseq; ++b) {
       rs.row_begin[b] = static_cast<uint32_t>(r);
       rs.app_begin[b] = static_cast<uint32_t>(a);
@@ -1122,7 +1123,6 @@ class ClientImpl {
     // Candidates per (sequence, chunk): the attending replica is the first
     // that answers; appends go to the first R.
     rs.cands = RoutesOf(ring, st, rs.nchunks);
-    for (size_t b = 0; b < nseq; ++b) rs.digest[b] = rs.cands.routes[b]->placement_digest;
     for (size_t b = 0; b < nseq; ++b) {
       const auto& s = st.sequences[b];
       const uint64_t span = chunk * bt;
@@ -1178,7 +1178,7 @@ class ClientImpl {
   // candidate left.
   absl::Status RunRounds(const ShardRing& ring, const AttendStep& st, RoutedStep& rs, PartialOutput out, DeviceStep* dx,
                          AttendReport* rep) {
-    const StepShape shape{st, rs.row_begin, rs.app_begin, rs.total, rs.digest};
+    const StepShape shape{st, rs.row_begin, rs.app_begin, rs.total, rs.cands};
     absl::Status last_error = absl::OkStatus();
     std::map<int, std::map<size_t, SeqPart>> plan = std::move(rs.appends);  // node -> seq -> part
     if (rs.two_phase) {
@@ -1264,7 +1264,7 @@ class ClientImpl {
         if (u.acks >= R || u.acked_on.empty()) break;
         const uint64_t b0 = u.chunk * chunk, b1 = (u.end - 1) / bt + 1;
         absl::Status r = CopyReplica(ring, u.acked_on.front(), n, st.sequences[u.seq].sequence_id, st.layout, b0, b1,
-                                     rs.digest[u.seq]);
+                                     rs.cands.digest(u.seq));
         if (!r.ok()) {
           u.last = r;
           continue;
@@ -1447,7 +1447,7 @@ class ClientImpl {
     const std::vector<uint32_t>& row_begin;  // each sequence's first query row
     const std::vector<uint32_t>& app_begin;  // each sequence's first row of new_k / new_v
     const std::vector<uint64_t>& total;      // each sequence's tokens after the step
-    const std::vector<uint64_t>& digest;     // of the placement each sequence is routed by
+    const StepRoutes& routes;                // each chunk's nodes, each sequence's placement digest
   };
   // Where a round's outcome goes: the appends' acks, the output, the report,
   // the last refusal and (when the caller retries) the chunks not served.
@@ -1552,7 +1552,7 @@ class ClientImpl {
         v1::AttendSequence* as = req.add_sequences();
         as->set_sequence_id(s.sequence_id);
         as->set_tokens(sh_.total[p.seq]);
-        as->set_placement_digest(sh_.digest[p.seq]);
+        as->set_placement_digest(sh_.routes.digest(p.seq));
         const uint64_t nblocks = (sh_.total[p.seq] + bt - 1) / bt;
         std::vector<uint64_t> chunks = p.chunks;
         std::sort(chunks.begin(), chunks.end());
