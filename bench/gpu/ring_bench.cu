@@ -25,7 +25,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "kvring/attention/cuda/gpu_ring.h"
+#include "kvring/attention/ring/gpu_ring.h"
 #include "kvring/transport/nccl_transport.h"
 
 using namespace kvring;

@@ -1,6 +1,6 @@
 // The rings against the dense float64 reference: N = 1..8 ranks on the
 // loopback transport, one thread per rank.
-#include "kvring/attention/ring.h"
+#include "kvring/attention/ring/ring.h"
 
 #include <functional>
 #include <thread>

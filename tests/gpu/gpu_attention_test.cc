@@ -6,8 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu_test_util.h"
-#include "kvring/attention/cuda/gpu_ring.h"
 #include "kvring/attention/merge.h"
+#include "kvring/attention/ring/gpu_ring.h"
 #include "kvring/cache/quantize.h"
 #include "kvring/transport/device_loopback_transport.h"
 #include "kvring/transport/nccl_transport.h"

@@ -4,7 +4,7 @@
 // memory; loopback_transport.h), FaultyTransport (a wrapper that injects
 // faults, for tests), NcclTransport (GPU memory between GPU ranks over NCCL)
 // and DeviceLoopbackTransport (GPU memory between ranks of one process). The
-// ring algorithms (attention/ring.h) run unchanged on any of them. (There is
+// ring algorithms (attention/ring/, kvring/attention/ring/ring.h) run unchanged on any of them. (There is
 // no UCX Transport: across nodes, the daemons' UCX plane is request/reply,
 // ucx_rpc.h, and pass-Q needs no ring between nodes.)
 //

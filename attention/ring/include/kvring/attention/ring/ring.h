@@ -1,3 +1,8 @@
+// Part of the ring library (attention/ring/, target kvring_ring): a library
+// that kvringd does not serve yet. The daemons serve pass-Q as the Attend
+// call, fanned out by the client; these rings are exercised by tests and
+// benches (bench/gpu/ring_bench.cu, bench/gpu/multi_gpu.sh).
+//
 // Distributed attention over a Transport: pass-KV and pass-Q rings, the
 // all-to-all (fan-out) variant of pass-Q, and a batched decode step.
 // After "Context Parallelism for Scalable Million-Token Inference".
@@ -32,7 +37,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "kvring/attention/kv_shard.h"
+#include "kvring/attention/ring/kv_shard.h"
 #include "kvring/attention/tensors.h"
 #include "kvring/common/thread_pool.h"
 #include "kvring/transport/transport.h"

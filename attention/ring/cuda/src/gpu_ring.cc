@@ -1,4 +1,4 @@
-#include "kvring/attention/cuda/gpu_ring.h"
+#include "kvring/attention/ring/gpu_ring.h"
 
 #include <chrono>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "kvring/attention/kv_shard.h"
+#include "kvring/attention/ring/kv_shard.h"
 
 #include <cstring>
 

@@ -1,6 +1,11 @@
+// Part of the ring library (attention/ring/, target kvring_ring_gpu): a library
+// that kvringd does not serve yet. The daemons serve pass-Q as the Attend
+// call, fanned out by the client; these rings are exercised by tests and
+// benches (bench/gpu/ring_bench.cu, bench/gpu/multi_gpu.sh).
+//
 // Rings of GPU shards: pass-KV and pass-Q over a Transport with device
 // buffers (NcclTransport between GPUs, DeviceLoopbackTransport between ranks
-// sharing one GPU). The same algorithms as the CPU rings (attention/ring.h),
+// sharing one GPU). The same algorithms as the CPU rings (attention/ring/, kvring/attention/ring/ring.h),
 // on device memory with the CUDA kernels:
 //  - every rank holds one sequence's queries (any number of rows, possibly
 //    none) and the pages of that sequence it owns (in position order);

@@ -1,4 +1,4 @@
-#include "kvring/attention/ring.h"
+#include "kvring/attention/ring/ring.h"
 
 #include <array>
 #include <chrono>
