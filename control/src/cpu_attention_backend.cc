@@ -80,20 +80,20 @@ absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, 
       for (uint32_t t = 0; t < a.count; ++t) {
         const size_t src = (size_t{a.src_row} + t) * L.kv_heads * row_bytes;
         for (uint32_t h = 0; h < L.kv_heads; ++h) {
-          std::memcpy(base + L.index(plan.options.layer, 0, h, a.offset + t, 0) * esz,
+          std::memcpy(base + L.index(plan.shape.options.layer, 0, h, a.offset + t, 0) * esz,
                       plan.new_k.data() + src + h * row_bytes, row_bytes);
-          std::memcpy(base + L.index(plan.options.layer, 1, h, a.offset + t, 0) * esz,
+          std::memcpy(base + L.index(plan.shape.options.layer, 1, h, a.offset + t, 0) * esz,
                       plan.new_v.data() + src + h * row_bytes, row_bytes);
         }
       }
     }
   }
-  if (plan.num_rows == 0) return absl::OkStatus();
+  if (plan.shape.num_rows == 0) return absl::OkStatus();
   // Attention over every listed block, read in place.
   std::vector<PinnedBlock> held;
   std::vector<KvBlockRef> refs;
   std::vector<uint32_t> seq_begin{0};
-  std::vector<uint32_t> seq_ids(plan.num_rows, 0);
+  std::vector<uint32_t> seq_ids(plan.shape.num_rows, 0);
   for (const StepSequence& s : plan.sequences) {
     if (s.rows == 0) continue;
     const uint32_t kseq = static_cast<uint32_t>(seq_begin.size() - 1);
@@ -127,10 +127,11 @@ absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, 
   }
   // Open blocks are plain; a step never mixes them with quantized blocks.
   PagedKv kv{L, plan.encoding, refs, seq_begin};
-  QueryTensor q{plan.queries.data(), plan.q_dtype,          plan.num_rows, plan.q_heads,
-                plan.head_dim,       plan.positions.data(), seq_ids.data()};
+  const StepShape& sh = plan.shape;
+  QueryTensor q{plan.queries.data(),   sh.q_dtype,    sh.num_rows, sh.q_heads, sh.head_dim,
+                plan.positions.data(), seq_ids.data()};
   const auto t0 = std::chrono::steady_clock::now();
-  absl::Status s = PartialAttention(plan.options, q, kv, out, pool_);
+  absl::Status s = PartialAttention(sh.options, q, kv, out, pool_);
   if (times != nullptr)
     times->kernel_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return s;

@@ -795,7 +795,7 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   } guard{this, AcquireLane()};
   GpuStep w(plan, guard.lane);
   for (const StepSequence& s : plan.sequences) w.max_rows = std::max(w.max_rows, s.rows);
-  w.decode = w.max_rows * (plan.q_heads / plan.layout.kv_heads) <= 64;
+  w.decode = w.max_rows * (plan.shape.q_heads / plan.layout.kv_heads) <= 64;
   absl::Status s = Admit(w);
   if (s.ok()) s = FetchMissing(w);
   if (s.ok()) s = SizeTables(w);
@@ -956,7 +956,7 @@ absl::Status CudaAttentionBackend::Pack(GpuStep& w) {
   const StepPlan& plan = w.plan;
   const BlockLayout& L = w.L;
   const size_t esz = kPageElemBytes;
-  w.q_elems = size_t{plan.num_rows} * plan.q_heads * plan.head_dim;
+  w.q_elems = size_t{plan.shape.num_rows} * plan.shape.q_heads * plan.shape.head_dim;
   const size_t kv_row = size_t{L.kv_heads} * L.head_dim * esz;
   for (const StepSequence& s : plan.sequences) {
     for (const StepAppend& a : s.appends) {
@@ -1006,7 +1006,7 @@ absl::Status CudaAttentionBackend::Pack(GpuStep& w) {
   off.q = blob.Add(w.in_place ? 0 : w.q_elems * esz);
   off.k = blob.Add(w.dx != nullptr ? 0 : size_t{w.append_rows} * kv_row);
   off.v = blob.Add(w.dx != nullptr ? 0 : size_t{w.append_rows} * kv_row);
-  off.pos = blob.Add(size_t{plan.num_rows} * 4);
+  off.pos = blob.Add(size_t{plan.shape.num_rows} * 4);
   off.rows = blob.Add((w.kseqs.size() + 1) * 4);
   off.pages = blob.Add((w.kseqs.size() + 1) * 4);
   off.tokens = blob.Add(w.kseqs.size() * 4);
@@ -1015,7 +1015,7 @@ absl::Status CudaAttentionBackend::Pack(GpuStep& w) {
   off.segs = blob.Add(w.num_segments * sizeof(cuda::TableSegment));
   w.blob_bytes = blob.size();
   w.out_o = AlignUp(w.q_elems * 4);
-  w.out_bytes = w.out_o + AlignUp(size_t{plan.num_rows} * plan.q_heads * 4);
+  w.out_bytes = w.out_o + AlignUp(size_t{plan.shape.num_rows} * plan.shape.q_heads * 4);
   w.ids_bytes = AlignUp(size_t(total_pages) * 4);
   Lane* lane = w.lane;
   for (auto [buf, n, what] :
@@ -1026,13 +1026,13 @@ absl::Status CudaAttentionBackend::Pack(GpuStep& w) {
     KVRING_RETURN_IF_ERROR(Check(buf->Reserve(n), what));
   }
   uint8_t* h = lane->h_in.p;
-  if (w.dx == nullptr) ConvertQueries(plan.queries.data(), plan.q_dtype, w.q_elems, L.dtype, h + off.q);
+  if (w.dx == nullptr) ConvertQueries(plan.queries.data(), plan.shape.q_dtype, w.q_elems, L.dtype, h + off.q);
   if (w.dx == nullptr && w.append_rows > 0) {
     std::memcpy(h + off.k, plan.new_k.data(), size_t{w.append_rows} * kv_row);
     std::memcpy(h + off.v, plan.new_v.data(), size_t{w.append_rows} * kv_row);
   }
   int32_t* pos = reinterpret_cast<int32_t*>(h + off.pos);
-  for (uint32_t r = 0; r < plan.num_rows; ++r) pos[r] = static_cast<int32_t>(plan.positions[r]);
+  for (uint32_t r = 0; r < plan.shape.num_rows; ++r) pos[r] = static_cast<int32_t>(plan.positions[r]);
   PackTables(w);
   return absl::OkStatus();
 }
@@ -1096,7 +1096,7 @@ cuda::PagedKvView CudaAttentionBackend::KvViewOf(const GpuStep& w) const {
   kv.kv_heads = static_cast<int32_t>(w.L.kv_heads);
   kv.head_dim = static_cast<int32_t>(w.L.head_dim);
   kv.dtype = w.L.dtype == DType::kBF16 ? cuda::KvType::kBF16 : cuda::KvType::kF16;
-  kv.layer = static_cast<int32_t>(w.plan.options.layer);
+  kv.layer = static_cast<int32_t>(w.plan.shape.options.layer);
   return kv;
 }
 
@@ -1124,7 +1124,7 @@ absl::Status CudaAttentionBackend::EnqueueInputs(GpuStep& w) {
   }
   KVRING_RETURN_IF_ERROR(Check(cudaMemcpyAsync(dv, w.lane->h_in.p, w.blob_bytes, cudaMemcpyHostToDevice, st),
                                "copy of the step to the device"));
-  const size_t q_row_bytes = size_t{w.plan.q_heads} * w.plan.head_dim * kPageElemBytes;
+  const size_t q_row_bytes = size_t{w.plan.shape.q_heads} * w.plan.shape.head_dim * kPageElemBytes;
   if (dx != nullptr && !w.in_place) {
     // The plan's query rows, gathered from the batch's (same dtype: DeviceIoRefusal).
     for (const GpuStep::KSeq& ks : w.kseqs) {
@@ -1175,13 +1175,13 @@ absl::Status CudaAttentionBackend::EnqueueAttention(GpuStep& w) {
   qv.q = w.in_place ? dx->queries : dv + w.off.q;
   qv.positions = reinterpret_cast<const int32_t*>(dv + w.off.pos);
   qv.seq_row_begin = reinterpret_cast<const int32_t*>(dv + w.off.rows);
-  qv.num_rows = static_cast<int32_t>(plan.num_rows);
-  qv.q_heads = static_cast<int32_t>(plan.q_heads);
+  qv.num_rows = static_cast<int32_t>(plan.shape.num_rows);
+  qv.q_heads = static_cast<int32_t>(plan.shape.q_heads);
   qv.max_rows_per_seq = static_cast<int32_t>(w.max_rows);
   cuda::AttnParams p;
-  p.softmax_scale = plan.options.softmax_scale;
-  p.causal = plan.options.causal;
-  p.window = static_cast<int32_t>(std::min<int64_t>(plan.options.window, INT32_MAX));
+  p.softmax_scale = plan.shape.options.softmax_scale;
+  p.causal = plan.shape.options.causal;
+  p.window = static_cast<int32_t>(std::min<int64_t>(plan.shape.options.window, INT32_MAX));
   if (const char* why = cuda::CheckViews(qv, kv); why != nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("attention on the GPU: ", why));
   }
@@ -1199,7 +1199,7 @@ absl::Status CudaAttentionBackend::EnqueueAttention(GpuStep& w) {
   }
   if (w.in_place) return absl::OkStatus();
   // Each sequence's rows to its place in the caller's output.
-  const size_t q_row = size_t{plan.q_heads} * plan.head_dim;
+  const size_t q_row = size_t{plan.shape.q_heads} * plan.shape.head_dim;
   for (const GpuStep::KSeq& ks : w.kseqs) {
     const StepSequence& ss = plan.sequences[ks.plan_i];
     KVRING_RETURN_IF_ERROR(
@@ -1207,8 +1207,9 @@ absl::Status CudaAttentionBackend::EnqueueAttention(GpuStep& w) {
                               size_t{ss.rows} * q_row * 4, cudaMemcpyDeviceToDevice, st),
               "copy of O into the caller's GPU memory"));
     KVRING_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(dx->lse + size_t{ss.src_row} * plan.q_heads, d_l + size_t{ss.row_begin} * plan.q_heads,
-                              size_t{ss.rows} * plan.q_heads * 4, cudaMemcpyDeviceToDevice, st),
+        Check(cudaMemcpyAsync(dx->lse + size_t{ss.src_row} * plan.shape.q_heads,
+                              d_l + size_t{ss.row_begin} * plan.shape.q_heads, size_t{ss.rows} * plan.shape.q_heads * 4,
+                              cudaMemcpyDeviceToDevice, st),
               "copy of LSE into the caller's GPU memory"));
   }
   return absl::OkStatus();
@@ -1269,7 +1270,7 @@ void CudaAttentionBackend::Finish(GpuStep& w, PartialOutput out, StepTimes* time
   Lane* lane = w.lane;
   if (w.dx == nullptr && !w.kseqs.empty()) {
     std::memcpy(out.out, lane->h_out.p, w.q_elems * 4);
-    std::memcpy(out.lse, lane->h_out.p + w.out_o, size_t{w.plan.num_rows} * w.plan.q_heads * 4);
+    std::memcpy(out.lse, lane->h_out.p + w.out_o, size_t{w.plan.shape.num_rows} * w.plan.shape.q_heads * 4);
   }
   if (times != nullptr) {
     float total_ms = 0, kernel_ms = 0;

@@ -339,16 +339,14 @@ absl::Status NodeCore::AttendOnDevice(const v1::Tenant& t, const std::string& re
   // until the work completes)
   std::shared_ptr<DeviceDelivery::Batch> held = std::move(*mapped);
   DeviceDelivery::Batch& m = *held;
-  const uint64_t rows = batch.num_rows, hq = uint64_t{batch.q_heads} * batch.head_dim;
-  const uint64_t kv_bytes = batch.layout.has_value() ? uint64_t{batch.append_rows()} * batch.layout->kv_heads *
-                                                           batch.layout->head_dim * DTypeSize(batch.layout->dtype)
-                                                     : 0;
+  const StepShape& shape = batch.shape;
+  const uint64_t kv_bytes = batch.layout.has_value() ? uint64_t{batch.append_rows()} * batch.layout->kv_row_bytes() : 0;
   AttendDeviceIo io;
-  KVRING_ASSIGN_OR_RETURN(uint8_t * q, m.Region(0, x.queries, rows * hq * DTypeSize(batch.q_dtype)));
+  KVRING_ASSIGN_OR_RETURN(uint8_t * q, m.Region(0, x.queries, shape.query_bytes()));
   KVRING_ASSIGN_OR_RETURN(uint8_t * k, m.Region(0, x.new_k, kv_bytes));
   KVRING_ASSIGN_OR_RETURN(uint8_t * v, m.Region(0, x.new_v, kv_bytes));
-  KVRING_ASSIGN_OR_RETURN(uint8_t * o, m.Region(0, x.out, rows * hq * sizeof(float)));
-  KVRING_ASSIGN_OR_RETURN(uint8_t * l, m.Region(0, x.lse, rows * batch.q_heads * sizeof(float)));
+  KVRING_ASSIGN_OR_RETURN(uint8_t * o, m.Region(0, x.out, shape.out_floats() * sizeof(float)));
+  KVRING_ASSIGN_OR_RETURN(uint8_t * l, m.Region(0, x.lse, shape.lse_floats() * sizeof(float)));
   io.queries = q;
   io.new_k = k;
   io.new_v = v;
@@ -471,11 +469,13 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
   w.seq_status.resize(b.sequences.size());
   if (absl::Status s = ResolveShape(*ns, b, w); !s.ok()) return op.Done(s);
   if (!w.layout.has_value()) return Finish(op, t0, b, w, out, stats);  // every sequence failed first
-  if (absl::Status s = CheckQueries(b, *w.layout); !s.ok()) return op.Done(s);
+  if (absl::Status s = CheckStepShape(b.shape, &*w.layout); !s.ok()) {
+    return op.Done(absl::InvalidArgumentError(absl::StrCat("against the sequences' blocks: ", s.message())));
+  }
   if (b.device != nullptr) {
     // Nothing is planned or applied before this: a refused exchange changes
     // nothing (OK, with the reason in stats: the caller sends it again without).
-    if (std::string why = backend_->DeviceIoRefusal(*w.layout, w.encoding, b.q_dtype); !why.empty()) {
+    if (std::string why = backend_->DeviceIoRefusal(*w.layout, w.encoding, b.shape.q_dtype); !why.empty()) {
       return op.Done(RefuseDeviceIo(std::move(why), stats));
     }
   }
@@ -538,22 +538,6 @@ absl::Status NodeCore::ResolveShape(NamespaceId ns, const AttendBatch& b, Attend
   return absl::OkStatus();
 }
 
-absl::Status NodeCore::CheckQueries(const AttendBatch& b, const BlockLayout& L) {
-  if (L.head_dim != b.head_dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("query head_dim ", b.head_dim, " but the sequences' blocks have ", L.head_dim));
-  }
-  if (b.q_heads % L.kv_heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("q_heads ", b.q_heads, " is not a multiple of the blocks' kv_heads ", L.kv_heads));
-  }
-  if (b.options.layer >= L.layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", b.options.layer, " but the blocks have ", L.layers, " layers"));
-  }
-  return absl::OkStatus();
-}
-
 void NodeCore::PlanStep(NamespaceId ns, TenantId tenant, const AttendBatch& b, AttendWork& w) {
   // The plan of each sequence: appends (each continues its layer's tail
   // here, or repeats tokens held), then the blocks its rows read.
@@ -579,22 +563,20 @@ void NodeCore::PlanStep(NamespaceId ns, TenantId tenant, const AttendBatch& b, A
   StepPlan& plan = w.plan;
   plan.layout = L;
   plan.encoding = w.encoding;
-  plan.options = b.options;
-  plan.q_heads = b.q_heads;
-  plan.head_dim = b.head_dim;
-  plan.q_dtype = b.q_dtype;
+  plan.shape = b.shape;
+  plan.shape.num_rows = 0;  // counts the planned sequences' rows below
   plan.new_k = b.new_k;
   plan.new_v = b.new_v;
   plan.device = b.device;
   plan.queries = b.queries;
   plan.positions = b.positions;
-  const size_t qrow = size_t{b.q_heads} * b.head_dim * DTypeSize(b.q_dtype);
+  const size_t qrow = b.shape.query_row_bytes();
   for (size_t i = 0; i < n; ++i) w.compact |= !w.seq_status[i].ok() && b.sequences[i].rows > 0;
   const bool host_rows = b.device == nullptr;
   for (size_t i = 0; i < n; ++i) {
     if (!w.seq_status[i].ok()) continue;
     StepSequence ss = std::move(planned[i]);
-    ss.row_begin = plan.num_rows;
+    ss.row_begin = plan.shape.num_rows;
     ss.src_row = row_of[i];
     if (w.compact && ss.rows > 0) {
       if (host_rows) {
@@ -605,7 +587,7 @@ void NodeCore::PlanStep(NamespaceId ns, TenantId tenant, const AttendBatch& b, A
                            b.positions.begin() + row_of[i] + ss.rows);
       w.row_map.emplace_back(row_of[i], ss.rows);
     }
-    plan.num_rows += ss.rows;
+    plan.shape.num_rows += ss.rows;
     plan.sequences.push_back(std::move(ss));
     w.batch_of.push_back(i);
     w.opens.push_back(std::move(opens[i]));
@@ -619,11 +601,11 @@ void NodeCore::PlanStep(NamespaceId ns, TenantId tenant, const AttendBatch& b, A
 absl::Status NodeCore::RunStep(const AttendBatch& b, PartialOutput out, AttendWork& w) {
   const StepPlan& plan = w.plan;
   const bool compact_out = w.compact && b.device == nullptr;
-  const size_t orow = size_t{b.q_heads} * b.head_dim;
+  const size_t orow = b.shape.row_elems(), hq = b.shape.q_heads;
   PartialOutput step_out = out;
   if (compact_out) {
-    w.out_compact.resize(plan.num_rows * orow);
-    w.lse_compact.resize(size_t{plan.num_rows} * b.q_heads);
+    w.out_compact.resize(plan.shape.out_floats());
+    w.lse_compact.resize(plan.shape.lse_floats());
     step_out = PartialOutput{w.out_compact.data(), w.lse_compact.data()};
   }
   // Open the new blocks: a failure undoes the step's opens and fails it.
@@ -643,8 +625,7 @@ absl::Status NodeCore::RunStep(const AttendBatch& b, PartialOutput out, AttendWo
     for (size_t r = 0, k = 0; k < w.row_map.size(); ++k) {
       const auto [row, rows] = w.row_map[k];
       std::memcpy(out.out + size_t{row} * orow, w.out_compact.data() + r * orow, rows * orow * 4);
-      std::memcpy(out.lse + size_t{row} * b.q_heads, w.lse_compact.data() + r * b.q_heads,
-                  size_t{rows} * b.q_heads * 4);
+      std::memcpy(out.lse + size_t{row} * hq, w.lse_compact.data() + r * hq, size_t{rows} * hq * 4);
       r += rows;
     }
   }
@@ -654,7 +635,7 @@ absl::Status NodeCore::RunStep(const AttendBatch& b, PartialOutput out, AttendWo
 void NodeCore::CommitStep(TenantId tenant, const AttendBatch& b, AttendWork& w) {
   // Advance the filled counts, store the blocks that are complete.
   const BlockLayout& L = *w.layout;
-  const uint32_t layer = b.options.layer;
+  const uint32_t layer = b.shape.options.layer;
   for (size_t k = 0; k < w.plan.sequences.size(); ++k) {
     const size_t i = w.batch_of[k];
     const StepSequence& ss = w.plan.sequences[k];
@@ -688,12 +669,11 @@ absl::Status NodeCore::Finish(OpScope& op, std::chrono::steady_clock::time_point
   // Rows of the sequences that failed see nothing: O = 0, LSE = -inf (a
   // device batch's are left as they were: the caller reads no row of a
   // sequence not served).
-  const size_t orow = size_t{b.q_heads} * b.head_dim;
+  const size_t orow = b.shape.row_elems(), hq = b.shape.q_heads;
   for (size_t i = 0, row = 0; b.device == nullptr && i < b.sequences.size(); row += b.sequences[i].rows, ++i) {
     if (seq_status[i].ok() || b.sequences[i].rows == 0) continue;
     std::fill(out.out + row * orow, out.out + (row + b.sequences[i].rows) * orow, 0.f);
-    std::fill(out.lse + row * b.q_heads, out.lse + (row + b.sequences[i].rows) * b.q_heads,
-              -std::numeric_limits<float>::infinity());
+    std::fill(out.lse + row * hq, out.lse + (row + b.sequences[i].rows) * hq, -std::numeric_limits<float>::infinity());
   }
   appended_tokens_->Add(appended);
   attend_kernel_->Observe(times.kernel_seconds);
@@ -719,7 +699,7 @@ absl::Status NodeCore::PlanSequence(NamespaceId ns, TenantId tenant, const Atten
   SequenceState& st = h.state();
   st.last_use = Now();
   const AttendSequenceSpec& spec = b.sequences[i];
-  const uint32_t bt = L.block_tokens, layer = b.options.layer;
+  const uint32_t bt = L.block_tokens, layer = b.shape.options.layer;
   ss->seq = SequenceRef{ns, spec.sequence_id, tenant};
   ss->row_begin = row;
   ss->rows = spec.rows;
@@ -1035,10 +1015,10 @@ absl::Status NodeCore::Reopen(const SequenceRef& ref, uint64_t index, const std:
     CopyTokenRows(L, bytes.data(), l, n, k.data(), v.data());
     StepPlan plan;
     plan.layout = L;
-    plan.options.layer = l;
-    plan.q_heads = L.kv_heads;
-    plan.head_dim = L.head_dim;
-    plan.q_dtype = L.dtype;
+    plan.shape.options.layer = l;
+    plan.shape.q_heads = L.kv_heads;
+    plan.shape.head_dim = L.head_dim;
+    plan.shape.q_dtype = L.dtype;
     plan.new_k = k;
     plan.new_v = v;
     StepSequence ss;

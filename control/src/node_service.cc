@@ -38,8 +38,8 @@ grpc::Status NodeService::Attend(grpc::ServerContext* ctx, const v1::AttendReque
   std::string* out = resp->mutable_out();
   std::string* lse = resp->mutable_lse();
   if (!req->has_device()) {
-    out->resize(size_t{batch->num_rows} * batch->q_heads * batch->head_dim * sizeof(float));
-    lse->resize(size_t{batch->num_rows} * batch->q_heads * sizeof(float));
+    out->resize(batch->shape.out_floats() * sizeof(float));
+    lse->resize(batch->shape.lse_floats() * sizeof(float));
   }
   absl::Status s =
       WireAttend(*core_, *t, *req, *batch, resp,

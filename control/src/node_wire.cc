@@ -235,9 +235,9 @@ absl::Status WireAttend(NodeCore& core, const v1::Tenant& t, const v1::AttendReq
     resp->set_backend(st.backend);
     return absl::OkStatus();
   }
-  resp->set_num_rows(batch.num_rows);
-  resp->set_q_heads(batch.q_heads);
-  resp->set_head_dim(batch.head_dim);
+  resp->set_num_rows(batch.shape.num_rows);
+  resp->set_q_heads(batch.shape.q_heads);
+  resp->set_head_dim(batch.shape.head_dim);
   resp->set_blocks_used(st.blocks_used);
   resp->set_compute_seconds(st.compute_seconds);
   resp->set_kernel_seconds(st.kernel_seconds);

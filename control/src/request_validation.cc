@@ -152,48 +152,31 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
                                                std::optional<absl::Span<const uint8_t>> external) {
   KVRING_RETURN_IF_ERROR(ValidateHeader(r.header(), limits));
   AttendBatch b;
-  if (r.q_heads() == 0 || r.q_heads() > 1024) return absl::InvalidArgumentError("q_heads must be in [1, 1024]");
-  if (r.head_dim() == 0 || r.head_dim() > kMaxHeadDim || r.head_dim() % 8 != 0) {
-    return absl::InvalidArgumentError("head_dim must be a multiple of 8 in [8, 512]");
+  if (r.q_dtype() > static_cast<uint32_t>(DType::kBF16)) {
+    return absl::InvalidArgumentError("queries must be f32, f16 or bf16");
   }
-  if (r.q_dtype() > static_cast<uint32_t>(DType::kBF16))
-    return absl::InvalidArgumentError("q_dtype must be f32, f16 or bf16");
   if (r.num_rows() > limits.max_attend_rows) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_rows ", r.num_rows(), " is over the limit of ", limits.max_attend_rows));
   }
-  if (r.layer() >= kMaxLayers) return absl::InvalidArgumentError(absl::StrCat("layer ", r.layer(), " out of range"));
-  if (r.window() < 0) return absl::InvalidArgumentError("window must be >= 0");
-  if (!std::isfinite(r.softmax_scale()) || r.softmax_scale() < 0) {
-    return absl::InvalidArgumentError("softmax_scale must be finite and >= 0");
+  StepShape& shape = b.shape;
+  shape.options.layer = r.layer();
+  shape.options.causal = r.causal();
+  shape.options.window = r.window();
+  shape.options.softmax_scale = r.softmax_scale();
+  shape.num_rows = r.num_rows();
+  shape.q_heads = r.q_heads();
+  shape.head_dim = r.head_dim();
+  shape.q_dtype = static_cast<DType>(r.q_dtype());
+  if (r.has_layout()) {
+    KVRING_ASSIGN_OR_RETURN(BlockLayout l, LayoutFromProto(r.layout()));
+    b.layout = l;
   }
+  KVRING_RETURN_IF_ERROR(CheckStepShape(shape, b.layout.has_value() ? &*b.layout : nullptr));
   if (r.sequences_size() == 0) return absl::InvalidArgumentError("an Attend names at least one sequence");
   if (static_cast<uint64_t>(r.sequences_size()) > limits.max_attend_sequences) {
     return absl::InvalidArgumentError(
         absl::StrCat(r.sequences_size(), " sequences in one Attend; the limit is ", limits.max_attend_sequences));
-  }
-  b.options.layer = r.layer();
-  b.options.causal = r.causal();
-  b.options.window = r.window();
-  b.options.softmax_scale = r.softmax_scale();
-  b.num_rows = r.num_rows();
-  b.q_heads = r.q_heads();
-  b.head_dim = r.head_dim();
-  b.q_dtype = static_cast<DType>(r.q_dtype());
-  if (r.has_layout()) {
-    KVRING_ASSIGN_OR_RETURN(BlockLayout l, LayoutFromProto(r.layout()));
-    if (l.head_dim != r.head_dim()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("query head_dim ", r.head_dim(), " but the layout's is ", l.head_dim));
-    }
-    if (r.q_heads() % l.kv_heads != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("q_heads ", r.q_heads(), " is not a multiple of kv_heads ", l.kv_heads));
-    }
-    if (r.layer() >= l.layers) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", r.layer(), " but the layout has ", l.layers, " layers"));
-    }
-    b.layout = l;
   }
   // Sequences: ids, ranges, rows and appends.
   uint64_t rows = 0, blocks = 0, append = 0;

@@ -97,8 +97,7 @@ void UcxDataPlane::ServeAttend(const v1::Tenant& tenant, const v1::AttendRequest
     reply.Send(s, s.ok() ? head.SerializeAsString() : "");
     return;
   }
-  const size_t out_n = size_t{batch->num_rows} * batch->q_heads * batch->head_dim;
-  const size_t lse_n = size_t{batch->num_rows} * batch->q_heads;
+  const size_t out_n = batch->shape.out_floats(), lse_n = batch->shape.lse_floats();
   auto buf = std::make_shared<std::vector<float>>(out_n + lse_n);
   absl::Status s = WireAttend(*core_, tenant, r, *batch, &head, PartialOutput{buf->data(), buf->data() + out_n});
   if (!s.ok()) {

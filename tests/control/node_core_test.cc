@@ -130,8 +130,8 @@ class HostIoBackend : public AttentionBackend {
     last_inputs_ready = dx->inputs_ready;
     StepPlan p = plan;
     p.device = nullptr;
-    const size_t qrow = size_t{plan.q_heads} * plan.head_dim * DTypeSize(plan.q_dtype);
-    const size_t orow = size_t{plan.q_heads} * plan.head_dim;
+    const size_t qrow = size_t{plan.shape.q_heads} * plan.shape.head_dim * DTypeSize(plan.shape.q_dtype);
+    const size_t orow = size_t{plan.shape.q_heads} * plan.shape.head_dim;
     const size_t kvrow = size_t{plan.layout.kv_heads} * plan.layout.head_dim * DTypeSize(plan.layout.dtype);
     std::vector<uint8_t> q;
     uint32_t app = 0;
@@ -142,12 +142,12 @@ class HostIoBackend : public AttentionBackend {
     p.queries = q;
     p.new_k = absl::MakeConstSpan(dx->new_k, app * kvrow);
     p.new_v = absl::MakeConstSpan(dx->new_v, app * kvrow);
-    std::vector<float> o(plan.num_rows * orow), l(size_t{plan.num_rows} * plan.q_heads);
+    std::vector<float> o(plan.shape.num_rows * orow), l(size_t{plan.shape.num_rows} * plan.shape.q_heads);
     KVRING_RETURN_IF_ERROR(cpu_.Step(p, PartialOutput{o.data(), l.data()}, times));
     for (const StepSequence& s : plan.sequences) {
       std::copy_n(o.begin() + s.row_begin * orow, s.rows * orow, dx->out + s.src_row * orow);
-      std::copy_n(l.begin() + size_t{s.row_begin} * plan.q_heads, size_t{s.rows} * plan.q_heads,
-                  dx->lse + size_t{s.src_row} * plan.q_heads);
+      std::copy_n(l.begin() + size_t{s.row_begin} * plan.shape.q_heads, size_t{s.rows} * plan.shape.q_heads,
+                  dx->lse + size_t{s.src_row} * plan.shape.q_heads);
     }
     return absl::OkStatus();
   }
@@ -216,7 +216,8 @@ class NodeCoreTest : public ::testing::Test {
     put(kQ, b.queries);
     put(kK, b.new_k);
     put(kV, b.new_v);
-    const size_t on = size_t{b.num_rows} * b.q_heads * b.head_dim * 4, ln = size_t{b.num_rows} * b.q_heads * 4;
+    const size_t on = size_t{b.shape.num_rows} * b.shape.q_heads * b.shape.head_dim * 4,
+                 ln = size_t{b.shape.num_rows} * b.shape.q_heads * 4;
     if (out.out != nullptr) std::memcpy(x.data() + kO, out.out, on);
     if (out.lse != nullptr) std::memcpy(x.data() + kL, out.lse, ln);
     b.queries = b.new_k = b.new_v = {};
@@ -240,10 +241,10 @@ class NodeCoreTest : public ::testing::Test {
   // layout), with no sequences yet.
   AttendBatch Batch(uint32_t layer) const {
     AttendBatch b;
-    b.options.layer = layer;
-    b.q_heads = kQHeads;
-    b.head_dim = L_.head_dim;
-    b.q_dtype = DType::kF32;
+    b.shape.options.layer = layer;
+    b.shape.q_heads = kQHeads;
+    b.shape.head_dim = L_.head_dim;
+    b.shape.q_dtype = DType::kF32;
     b.layout = L_;
     return b;
   }
@@ -271,20 +272,20 @@ class NodeCoreTest : public ::testing::Test {
       if (p.rows > 0) {
         s.ranges = p.ranges.empty() ? std::vector<BlockRange>{{0, (s.tokens + L_.block_tokens - 1) / L_.block_tokens}}
                                     : p.ranges;
-        checks.emplace_back(p.id, b.num_rows);
+        checks.emplace_back(p.id, b.shape.num_rows);
         for (uint32_t r = 0; r < p.rows; ++r) {
           b.positions.push_back(static_cast<int64_t>(s.tokens - p.rows + r));
           for (uint32_t i = 0; i < kQHeads * L_.head_dim; ++i) q.push_back(nd(rng_));
         }
-        b.num_rows += p.rows;
+        b.shape.num_rows += p.rows;
       }
       b.sequences.push_back(s);
     }
     b.queries = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(q.data()), q.size() * 4);
     b.new_k = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(nk.data()), nk.size() * 4);
     b.new_v = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(nv.data()), nv.size() * 4);
-    std::vector<float> out(size_t{b.num_rows} * kQHeads * L_.head_dim, std::nanf("")),
-        lse(size_t{b.num_rows} * kQHeads);
+    std::vector<float> out(size_t{b.shape.num_rows} * kQHeads * L_.head_dim, std::nanf("")),
+        lse(size_t{b.shape.num_rows} * kQHeads);
     AttendStats st;
     absl::Status s = Attend(b, PartialOutput{out.data(), lse.data()}, &st);
     if (!s.ok()) return s;
@@ -487,7 +488,7 @@ TEST_F(NodeCoreTest, RefusedAppendsAndAttendsChangeNothing) {
   AttendBatch a = b;
   a.new_k = a.new_v = {};
   a.queries = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(q.data()), q.size() * 4);
-  a.num_rows = 1;
+  a.shape.num_rows = 1;
   a.positions = {6};
   a.sequences[0] = AttendSequenceSpec{"s", {{0, 2}}, 7, 1, 0, 0};
   std::vector<float> out(kQHeads * L_.head_dim), lse(kQHeads);
@@ -880,7 +881,7 @@ TEST_F(NodeCoreExchangeTest, ASequenceNotServedLeavesItsRowsAndTheOthersLandAtTh
   for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"a", 1, 9}, {"c", 1, 6}}).ok());
   AttendBatch b = Batch(1);
   b.layout.reset();  // attend only: the sequences' own
-  b.num_rows = 3;
+  b.shape.num_rows = 3;
   b.positions = {8, 3, 5};
   b.sequences = {Row("a", 3, 9), Row("nope", 1, 4), Row("c", 2, 6)};
   const size_t qn = size_t{kQHeads} * L_.head_dim;
@@ -935,7 +936,7 @@ TEST_F(NodeCoreExchangeTest, TheCallersInputsEventReachesTheBackendAndOneThatCan
   fake_.events[ev] = 0;
   AttendBatch b = Batch(0);
   b.layout.reset();
-  b.num_rows = 1;
+  b.shape.num_rows = 1;
   b.positions = {4};
   b.sequences = {Row("s", 2, 5)};
   std::vector<float> q(size_t{kQHeads} * L_.head_dim, 0.5f);

@@ -101,7 +101,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (!r.ParseFromArray(body, static_cast<int>(n))) break;
       absl::StatusOr<kvring::AttendBatch> b = kvring::ParseAttendRequest(r, env->core->limits());
       if (!b.ok()) break;
-      std::vector<float> out(size_t{b->num_rows} * b->q_heads * b->head_dim), lse(size_t{b->num_rows} * b->q_heads);
+      std::vector<float> out(b->shape.out_floats()), lse(b->shape.lse_floats());
       (void)env->core->Attend(env->tenant, r.header().namespace_(), *b, kvring::PartialOutput{out.data(), lse.data()},
                               nullptr);
       break;

@@ -64,10 +64,10 @@ class GpuNode {
   // L2 of O below `tol`, LSE within `tol`).
   absl::Status Step(uint32_t layer, const std::vector<Part>& parts, double tol = 1e-2) {
     AttendBatch b;
-    b.options.layer = layer;
-    b.q_heads = q_heads_;
-    b.head_dim = L_.head_dim;
-    b.q_dtype = DType::kBF16;
+    b.shape.options.layer = layer;
+    b.shape.q_heads = q_heads_;
+    b.shape.head_dim = L_.head_dim;
+    b.shape.q_dtype = DType::kBF16;
     b.layout = L_;
     std::vector<uint16_t> q;
     std::vector<double> nk, nv;  // the appended values, as the layout's dtype holds them
@@ -86,14 +86,15 @@ class GpuNode {
         b.positions.push_back(static_cast<int64_t>(s.tokens - p.rows + r));
         for (size_t i = 0; i < qn; ++i) q.push_back(FloatToBf16(nd(rng_)));
       }
-      b.num_rows += p.rows;
+      b.shape.num_rows += p.rows;
       b.sequences.push_back(s);
     }
     b.queries = absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(q.data()), q.size() * 2);
     const std::vector<uint8_t> kb = Encode(nk), vb = Encode(nv);
     b.new_k = kb;
     b.new_v = vb;
-    std::vector<float> out(size_t{b.num_rows} * qn, std::nanf("")), lse(size_t{b.num_rows} * q_heads_, std::nanf(""));
+    std::vector<float> out(size_t{b.shape.num_rows} * qn, std::nanf("")),
+        lse(size_t{b.shape.num_rows} * q_heads_, std::nanf(""));
     absl::Status s = core_->Attend(tenant_, "", b, PartialOutput{out.data(), lse.data()}, &last_);
     if (!s.ok()) return s;
     for (const absl::Status& ss : last_.sequence_status) {

@@ -15,6 +15,7 @@
 #include "grpcpp/create_channel.h"
 #include "kvring.grpc.pb.h"
 #include "kvring/attention/merge.h"
+#include "kvring/attention/step/step_shape.h"
 #include "kvring/cache/quantize.h"
 #include "kvring/client/device_memory.h"
 #include "kvring/common/logging.h"
@@ -902,9 +903,9 @@ class ClientImpl {
     void* const stream = in.stream_ordered ? in.stream : DeviceMemory::ThreadStream();
     uint64_t app = 0;
     for (const auto& s : in.sequences) app += s.append_tokens;
+    const StepShape shape = ShapeOf(in);
     const uint64_t step_bytes =
-        uint64_t{in.q.num_rows} * in.q.q_heads * (in.q.head_dim * (DTypeSize(in.q.dtype) + 4) + 4) +
-        2 * app * in.layout.kv_heads * in.layout.head_dim * DTypeSize(in.layout.dtype);
+        shape.query_bytes() + uint64_t{shape.num_rows} * shape.partial_row_bytes() + 2 * app * in.layout.kv_row_bytes();
     if (o_.device_delivery && !host_id_.empty() && in.q.dtype == in.layout.dtype &&
         step_bytes >= o_.device_exchange_min_bytes) {
       DeviceStep dx{dev, stream, in.stream_ordered};
@@ -917,18 +918,16 @@ class ClientImpl {
         KVRING_ASSIGN_OR_RETURN(DeviceMemory::Exchange xb, dev->ExchangeBuffer(n, stream));
         KVRING_RETURN_IF_ERROR(dev->CopyAsync(xb.data(), zeros.data(), n, stream));
         const int32_t* begin = reinterpret_cast<const int32_t*>(xb.data());
-        KVRING_RETURN_IF_ERROR(dev->MergeRows(out.out, out.lse, in.q.num_rows, nullptr, nullptr, begin, begin,
-                                              in.q.q_heads, in.q.head_dim, /*init=*/true, stream));
+        KVRING_RETURN_IF_ERROR(dev->MergeRows(out.out, out.lse, shape.num_rows, nullptr, nullptr, begin, begin,
+                                              shape.q_heads, shape.head_dim, /*init=*/true, stream));
         return dev->Wait(stream);
       }
       return absl::OkStatus();
     }
     // Device buffers, staged: inputs to pinned staging once, the merged output back once.
     const BlockLayout& L = in.layout;
-    const size_t qb = size_t{in.q.num_rows} * in.q.q_heads * in.q.head_dim * DTypeSize(in.q.dtype);
-    const size_t kvb = app * L.kv_heads * L.head_dim * DTypeSize(L.dtype);
-    const size_t ob = size_t{in.q.num_rows} * in.q.q_heads * in.q.head_dim * 4,
-                 lb = size_t{in.q.num_rows} * in.q.q_heads * 4;
+    const size_t qb = shape.query_bytes(), kvb = app * L.kv_row_bytes();
+    const size_t ob = shape.out_floats() * sizeof(float), lb = shape.lse_floats() * sizeof(float);
     KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging stage, dev->Pinned(qb + 2 * kvb + ob + lb));
     AttendStep st = in;
     st.device_buffers = false;
@@ -1044,19 +1043,20 @@ class ClientImpl {
     return absl::OkStatus();
   }
 
-  // A step's request shape, checked before any routing.
+  // The step in the vocabulary the nodes take it in (kvring/attention/step).
+  static StepShape ShapeOf(const AttendStep& st) {
+    return StepShape{st.options, st.q.num_rows, st.q.q_heads, st.q.head_dim, st.q.dtype};
+  }
+
+  // A step's request shape, checked before any routing, by the rules a node
+  // checks it by (CheckStepShape).
   static absl::Status CheckStep(const AttendStep& st) {
     const QueryTensor& q = st.q;
     const BlockLayout& L = st.layout;
     const char* why = nullptr;
     if (!L.IsValid(&why)) return absl::InvalidArgumentError(absl::StrCat("step layout: ", why));
     if (st.sequences.empty()) return absl::InvalidArgumentError("a step names at least one sequence");
-    if (q.head_dim != L.head_dim) return absl::InvalidArgumentError("query head_dim differs from the layout's");
-    if (q.q_heads == 0 || q.q_heads % L.kv_heads != 0) {
-      return absl::InvalidArgumentError("q_heads must be a positive multiple of the layout's kv_heads");
-    }
-    if (!IsFloatKvDType(q.dtype)) return absl::InvalidArgumentError("queries must be f32, f16 or bf16");
-    if (st.options.layer >= L.layers) return absl::InvalidArgumentError("layer out of the layout's range");
+    KVRING_RETURN_IF_ERROR(CheckStepShape(ShapeOf(st), &L));
     uint64_t rows = 0, appended = 0;
     absl::flat_hash_map<std::string, int> seen;
     for (const auto& s : st.sequences) {
@@ -1097,6 +1097,7 @@ class ClientImpl {
   // appended tokens by chunk (their acks counted by the rounds); round 0's
   // parts per node.
   struct RoutedStep {
+    StepShape shape;
     std::vector<uint32_t> row_begin, app_begin;
     std::vector<uint64_t> total, nchunks;
     StepRoutes cands;
@@ -1106,6 +1107,7 @@ class ClientImpl {
   };
   RoutedStep Route(const std::shared_ptr<const ShardRing>& ring, const AttendStep& st) {
     RoutedStep rs;
+    rs.shape = ShapeOf(st);
     const uint64_t chunk = ring->chunk_blocks(), bt = st.layout.block_tokens;
     const size_t nseq = st.sequences.size();
     rs.row_begin.resize(nseq);
@@ -1154,10 +1156,10 @@ class ClientImpl {
   absl::Status StepRouted(const AttendStep& st, PartialOutput out, AttendReport* report, DeviceStep* dx) {
     const auto t0 = Clock::now();
     KVRING_RETURN_IF_ERROR(CheckStep(st));
-    const QueryTensor& q = st.q;
     if (dx == nullptr) {  // (on the device: the first merge writes every row)
-      std::fill(out.out, out.out + size_t{q.num_rows} * q.q_heads * q.head_dim, 0.f);
-      std::fill(out.lse, out.lse + size_t{q.num_rows} * q.q_heads, -std::numeric_limits<float>::infinity());
+      const StepShape shape = ShapeOf(st);
+      std::fill(out.out, out.out + shape.out_floats(), 0.f);
+      std::fill(out.lse, out.lse + shape.lse_floats(), -std::numeric_limits<float>::infinity());
     }
     auto ring = Ring();
     if (ring->num_nodes() == 0) return absl::UnavailableError("the shard map has no nodes");
@@ -1178,7 +1180,7 @@ class ClientImpl {
   // candidate left.
   absl::Status RunRounds(const ShardRing& ring, const AttendStep& st, RoutedStep& rs, PartialOutput out, DeviceStep* dx,
                          AttendReport* rep) {
-    const StepShape shape{st, rs.row_begin, rs.app_begin, rs.total, rs.cands};
+    const PlannedStep planned{st, rs.shape, rs.row_begin, rs.app_begin, rs.total, rs.cands};
     absl::Status last_error = absl::OkStatus();
     std::map<int, std::map<size_t, SeqPart>> plan = std::move(rs.appends);  // node -> seq -> part
     if (rs.two_phase) {
@@ -1189,7 +1191,7 @@ class ClientImpl {
           jobs.push_back(NodeJob{cs[k], {SeqPart{u.seq, {}, u.begin, u.end}}});
         }
       }
-      KVRING_RETURN_IF_ERROR(RunJobs(shape, ring, jobs, RoundSink{rs.units, out, dx, rep, &last_error}));
+      KVRING_RETURN_IF_ERROR(RunJobs(planned, ring, jobs, RoundSink{rs.units, out, dx, rep, &last_error}));
       plan.clear();
     }
     std::vector<std::pair<size_t, uint64_t>> pending;  // (sequence, chunk) still to attend
@@ -1216,7 +1218,7 @@ class ClientImpl {
       }
       plan.clear();
       std::vector<FailedChunk> failed;
-      KVRING_RETURN_IF_ERROR(RunJobs(shape, ring, jobs, RoundSink{rs.units, out, dx, rep, &last_error, &failed}));
+      KVRING_RETURN_IF_ERROR(RunJobs(planned, ring, jobs, RoundSink{rs.units, out, dx, rep, &last_error, &failed}));
       pending.clear();
       for (FailedChunk& f : failed) {
         pending.emplace_back(f.seq, f.chunk);
@@ -1303,11 +1305,8 @@ class ClientImpl {
   // same_rows_as; jobs that attend the same sequences share one copy of
   // their queries) and returns its size in bytes.
   static uint64_t PlaceJobs(const AttendStep& st, const std::vector<NodeJob>& jobs, ExchangeStage* ex) {
-    const QueryTensor& q = st.q;
-    const BlockLayout& L = st.layout;
-    const size_t qrow = size_t{q.q_heads} * q.head_dim * DTypeSize(q.dtype);
-    const size_t kvrow = size_t{L.kv_heads} * L.head_dim * DTypeSize(L.dtype);
-    const size_t hq = size_t{q.q_heads} * q.head_dim;
+    const StepShape shape = ShapeOf(st);
+    const size_t qrow = shape.query_row_bytes(), kvrow = st.layout.kv_row_bytes(), hq = shape.row_elems();
     std::vector<JobPlace>& place = ex->place;
     std::vector<int>& same_rows_as = ex->same_rows_as;
     uint64_t& l_base = ex->l_base;
@@ -1324,7 +1323,7 @@ class ClientImpl {
       part_rows += (place[j].rows + 63) / 64 * 64;
     }
     l_base = uint64_t{part_rows} * hq * sizeof(float);
-    uint64_t off = align(l_base + uint64_t{part_rows} * q.q_heads * sizeof(float));
+    uint64_t off = align(l_base + uint64_t{part_rows} * shape.q_heads * sizeof(float));
     // Jobs that attend the same sequences read one copy of their rows (a
     // sequence spread over N nodes: N requests, one copy of its queries).
     std::vector<std::vector<size_t>> attends(jobs.size());
@@ -1354,7 +1353,7 @@ class ClientImpl {
       off = align(off + uint64_t{jp.app} * kvrow);
     }
     ex->csr_off = off;
-    return off + (uint64_t{q.num_rows} + 1 + part_rows) * sizeof(int32_t);
+    return off + (uint64_t{shape.num_rows} + 1 + part_rows) * sizeof(int32_t);
   }
 
   // Copies each job's rows of the engine's tensors into its place in the
@@ -1363,8 +1362,7 @@ class ClientImpl {
                                 const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
                                 DeviceStep* dx, ExchangeStage* ex) {
     const QueryTensor& q = st.q;
-    const size_t qrow = size_t{q.q_heads} * q.head_dim * DTypeSize(q.dtype);
-    const size_t kvrow = size_t{st.layout.kv_heads} * st.layout.head_dim * DTypeSize(st.layout.dtype);
+    const size_t qrow = ShapeOf(st).query_row_bytes(), kvrow = st.layout.kv_row_bytes();
     const std::vector<JobPlace>& place = ex->place;
     const std::vector<int>& same_rows_as = ex->same_rows_as;
     DeviceMemory::Exchange& xb = ex->xb;
@@ -1442,8 +1440,9 @@ class ClientImpl {
   }
 
   // What the rounds of one step share (StepRouted computes it once).
-  struct StepShape {
+  struct PlannedStep {
     const AttendStep& st;
+    const StepShape& shape;                  // st's
     const std::vector<uint32_t>& row_begin;  // each sequence's first query row
     const std::vector<uint32_t>& app_begin;  // each sequence's first row of new_k / new_v
     const std::vector<uint64_t>& total;      // each sequence's tokens after the step
@@ -1470,18 +1469,20 @@ class ClientImpl {
   // Call runs on pool threads for different jobs at once.
   class StepRound {
    public:
-    StepRound(ClientImpl& c, const StepShape& sh, const ShardRing& ring, const std::vector<NodeJob>& jobs, RoundSink k)
+    StepRound(ClientImpl& c, const PlannedStep& sh, const ShardRing& ring, const std::vector<NodeJob>& jobs,
+              RoundSink k)
         : c_(c),
           sh_(sh),
           st_(sh.st),
           q_(sh.st.q),
+          shape_(sh.shape),
           ring_(ring),
           jobs_(jobs),
           k_(k),
           dx_(k.dx),
-          qrow_(size_t{q_.q_heads} * q_.head_dim * DTypeSize(q_.dtype)),
-          kvrow_(size_t{st_.layout.kv_heads} * st_.layout.head_dim * DTypeSize(st_.layout.dtype)),
-          hq_(size_t{q_.q_heads} * q_.head_dim) {}
+          qrow_(shape_.query_row_bytes()),
+          kvrow_(st_.layout.kv_row_bytes()),
+          hq_(shape_.row_elems()) {}
 
     absl::Status Run() {
       const auto t_stage = Clock::now();
@@ -1507,7 +1508,7 @@ class ClientImpl {
         if (dx_ != nullptr && !r.resp.ok() && IsNodeFailure(r.resp.status())) ex_.xb.Drop();
       }
       KVRING_RETURN_IF_ERROR(WaitQueuedNodes());
-      std::vector<std::vector<int32_t>> contrib(dx_ != nullptr ? q_.num_rows : 0);  // per output row: partial rows
+      std::vector<std::vector<int32_t>> contrib(dx_ != nullptr ? shape_.num_rows : 0);  // per output row: partial rows
       for (size_t j = 0; j < jobs_.size(); ++j) KVRING_RETURN_IF_ERROR(Collect(j, contrib));
       KVRING_RETURN_IF_ERROR(MergeOnDevice(contrib));
       k_.rep->merge_seconds += Since(tm);
@@ -1539,13 +1540,13 @@ class ClientImpl {
       Prepared pr;
       v1::AttendRequest& req = pr.req;
       *req.mutable_header() = c_.Header();
-      req.set_layer(st_.options.layer);
-      req.set_q_heads(q_.q_heads);
-      req.set_head_dim(q_.head_dim);
-      req.set_q_dtype(static_cast<uint32_t>(q_.dtype));
-      req.set_causal(st_.options.causal);
-      req.set_window(st_.options.window);
-      req.set_softmax_scale(st_.options.softmax_scale);
+      req.set_layer(shape_.options.layer);
+      req.set_q_heads(shape_.q_heads);
+      req.set_head_dim(shape_.head_dim);
+      req.set_q_dtype(static_cast<uint32_t>(shape_.q_dtype));
+      req.set_causal(shape_.options.causal);
+      req.set_window(shape_.options.window);
+      req.set_softmax_scale(shape_.options.softmax_scale);
       LayoutToProto(L, req.mutable_layout());
       for (const SeqPart& p : jobs_[j].parts) {
         const auto& s = st_.sequences[p.seq];
@@ -1588,10 +1589,20 @@ class ClientImpl {
       return pr;
     }
 
+    // A job sent with its payload beside the request (not through the
+    // exchange buffer): the bytes it sends and the host buffer its reply's
+    // O and LSE land in.
+    void SizeHostReply(const Prepared& pr, Result& r) const {
+      r.rows = pr.rows;
+      r.sent = pr.bytes + pr.req.ByteSizeLong();
+      r.reply.resize(size_t{pr.rows} * shape_.partial_row_bytes());
+      r.received = r.reply.size();
+    }
+
     // Where a job's partial O and LSE go in the exchange buffer.
     uint64_t OutOffset(const JobPlace& jp) const { return uint64_t{jp.part_row} * hq_ * sizeof(float); }
     uint64_t LseOffset(const JobPlace& jp) const {
-      return ex_.l_base + uint64_t{jp.part_row} * q_.q_heads * sizeof(float);
+      return ex_.l_base + uint64_t{jp.part_row} * shape_.q_heads * sizeof(float);
     }
 
     // A job's request reads its inputs from, and writes its partial into,
@@ -1677,7 +1688,7 @@ class ClientImpl {
       DeviceMemory& dev = *dx_->dev;
       uint8_t* xb = ex_.xb.data();
       const size_t qb = size_t{jp.rows} * qrow_, kb = size_t{jp.app} * kvrow_;
-      const size_t ob = size_t{jp.rows} * hq_ * sizeof(float), lb = size_t{jp.rows} * q_.q_heads * sizeof(float);
+      const size_t ob = size_t{jp.rows} * hq_ * sizeof(float), lb = size_t{jp.rows} * shape_.q_heads * sizeof(float);
       absl::StatusOr<DeviceMemory::Staging> stage = dev.Pinned(qb + 2 * kb + ob + lb);
       absl::Status s = stage.status();
       uint8_t* h = s.ok() ? stage->data() : nullptr;
@@ -1714,10 +1725,7 @@ class ClientImpl {
         return out;
       }
       Result out;
-      out.rows = pr.rows;
-      out.sent = pr.bytes + pr.req.ByteSizeLong();
-      out.reply.resize(size_t{pr.rows} * (hq_ + q_.q_heads) * sizeof(float));
-      out.received = out.reply.size();
+      SizeHostReply(pr, out);
       TimedAttend(out, node, std::move(pr.req), pr.qp, pr.kp, pr.vp, absl::MakeSpan(out.reply));
       return out;
     }
@@ -1754,9 +1762,7 @@ class ClientImpl {
           r.sent = pr.req.ByteSizeLong();
           pending[j] = channels[j]->StartAttend(pr.req, {}, {}, {}, {});
         } else {
-          r.sent = pr.bytes + pr.req.ByteSizeLong();
-          r.reply.resize(size_t{pr.rows} * (hq_ + q_.q_heads) * sizeof(float));
-          r.received = r.reply.size();
+          SizeHostReply(pr, r);
           pending[j] = channels[j]->StartAttend(pr.req, pr.qp, pr.kp, pr.vp, absl::MakeSpan(r.reply));
         }
         if (pending[j] == nullptr) waited_jobs.push_back(j);
@@ -1894,7 +1900,7 @@ class ClientImpl {
     absl::Status MergePartials(size_t j, const std::vector<bool>& served, std::vector<std::vector<int32_t>>& contrib) {
       const Result& res = res_[j];
       const v1::AttendResponse& r = *res.resp;
-      if (r.num_rows() != res.rows || r.q_heads() != q_.q_heads || r.head_dim() != q_.head_dim) {
+      if (r.num_rows() != res.rows || r.q_heads() != shape_.q_heads || r.head_dim() != shape_.head_dim) {
         return absl::DataLossError("Attend reply has the wrong shape");
       }
       const float* po = reinterpret_cast<const float*>(res.reply.data());
@@ -1909,8 +1915,9 @@ class ClientImpl {
             contrib[r0 + i].push_back(static_cast<int32_t>(ex_.place[j].part_row + off + i));
           }
         } else if (served[k]) {
-          MergeInto(PartialOutput{k_.out.out + size_t{r0} * hq_, k_.out.lse + size_t{r0} * q_.q_heads},
-                    ConstPartial{po + size_t{off} * hq_, pl + size_t{off} * q_.q_heads}, n, q_.q_heads, q_.head_dim);
+          MergeInto(PartialOutput{k_.out.out + size_t{r0} * hq_, k_.out.lse + size_t{r0} * shape_.q_heads},
+                    ConstPartial{po + size_t{off} * hq_, pl + size_t{off} * shape_.q_heads}, n, shape_.q_heads,
+                    shape_.head_dim);
         }
         off += n;
       }
@@ -1945,8 +1952,8 @@ class ClientImpl {
       uint32_t round_rows = 0;
       for (const JobPlace& jp : ex_.place) round_rows += jp.rows;
       if (dx_ == nullptr || round_rows == 0) return absl::OkStatus();
-      std::vector<int32_t> csr(size_t{q_.num_rows} + 1);
-      for (uint32_t r = 0; r < q_.num_rows; ++r) csr[r + 1] = csr[r] + static_cast<int32_t>(contrib[r].size());
+      std::vector<int32_t> csr(size_t{shape_.num_rows} + 1);
+      for (uint32_t r = 0; r < shape_.num_rows; ++r) csr[r + 1] = csr[r] + static_cast<int32_t>(contrib[r].size());
       for (const auto& c : contrib) csr.insert(csr.end(), c.begin(), c.end());
       const size_t n = csr.size() * sizeof(int32_t);
       DeviceMemory& dev = *dx_->dev;
@@ -1956,10 +1963,10 @@ class ClientImpl {
       std::memcpy(stage.data(), csr.data(), n);
       KVRING_RETURN_IF_ERROR(dev.CopyAsync(xb + ex_.csr_off, stage.data(), n, dx_->stream));
       const int32_t* begin = reinterpret_cast<const int32_t*>(xb + ex_.csr_off);
-      KVRING_RETURN_IF_ERROR(dev.MergeRows(k_.out.out, k_.out.lse, q_.num_rows, reinterpret_cast<const float*>(xb),
+      KVRING_RETURN_IF_ERROR(dev.MergeRows(k_.out.out, k_.out.lse, shape_.num_rows, reinterpret_cast<const float*>(xb),
                                            reinterpret_cast<const float*>(xb + ex_.l_base), begin,
-                                           begin + q_.num_rows + 1, q_.q_heads, q_.head_dim, !dx_->initialized,
-                                           dx_->stream));
+                                           begin + shape_.num_rows + 1, shape_.q_heads, shape_.head_dim,
+                                           !dx_->initialized, dx_->stream));
       // (On the caller's stream, the buffers go back to their pools marked in
       // use until the stream has passed the merge.)
       if (!dx_->stream_ordered) KVRING_RETURN_IF_ERROR(dev.Wait(dx_->stream));
@@ -1968,9 +1975,10 @@ class ClientImpl {
     }
 
     ClientImpl& c_;
-    const StepShape& sh_;
+    const PlannedStep& sh_;
     const AttendStep& st_;
     const QueryTensor& q_;
+    const StepShape& shape_;  // q_'s and the options
     const ShardRing& ring_;
     const std::vector<NodeJob>& jobs_;
     const RoundSink k_;
@@ -1983,7 +1991,7 @@ class ClientImpl {
     bool inputs_waited_ ABSL_GUARDED_BY(waited_mu_) = true;
   };
 
-  absl::Status RunJobs(const StepShape& sh, const ShardRing& ring, const std::vector<NodeJob>& jobs, RoundSink k) {
+  absl::Status RunJobs(const PlannedStep& sh, const ShardRing& ring, const std::vector<NodeJob>& jobs, RoundSink k) {
     StepRound round(*this, sh, ring, jobs, k);
     return round.Run();
   }

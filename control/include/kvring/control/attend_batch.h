@@ -17,17 +17,11 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "kvring/attention/step/step_shape.h"
 #include "kvring/attention/tensors.h"
 #include "kvring/layout/block_layout.h"
 
 namespace kvring {
-
-// [begin, end) of a sequence's block indices.
-struct BlockRange {
-  uint64_t begin = 0;
-  uint64_t end = 0;
-  uint64_t size() const { return end - begin; }
-};
 
 struct AttendSequenceSpec {
   std::string sequence_id;
@@ -63,9 +57,7 @@ struct AttendDeviceIo {
 };
 
 struct AttendBatch {
-  AttentionOptions options;  // layer, scale, causal, window
-  uint32_t num_rows = 0, q_heads = 0, head_dim = 0;
-  DType q_dtype = DType::kBF16;
+  StepShape shape;                    // rows, heads, q_dtype, layer, scale, causal, window
   absl::Span<const uint8_t> queries;  // [num_rows, q_heads, head_dim] in q_dtype
   std::vector<int64_t> positions;     // [num_rows]
   std::vector<AttendSequenceSpec> sequences;

@@ -84,11 +84,9 @@ struct StepSequence {
 // One step on one layer: appends, then attention of every query row over its
 // sequence's listed blocks.
 struct StepPlan {
-  BlockLayout layout;   // of every sequence in the step
-  KvEncoding encoding;  // of the full blocks (open blocks are plain)
-  AttentionOptions options;
-  uint32_t num_rows = 0, q_heads = 0, head_dim = 0;
-  DType q_dtype = DType::kBF16;
+  BlockLayout layout;                      // of every sequence in the step
+  KvEncoding encoding;                     // of the full blocks (open blocks are plain)
+  StepShape shape;                         // the batch's, num_rows counting only the plan's rows
   absl::Span<const uint8_t> queries;       // [num_rows, q_heads, head_dim]
   absl::Span<const int64_t> positions;     // [num_rows]
   absl::Span<const uint8_t> new_k, new_v;  // [append rows, kv_heads, head_dim] in layout.dtype

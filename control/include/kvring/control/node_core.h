@@ -305,8 +305,9 @@ class NodeCore {
   // Attend's stages, in order, over one AttendWork (node_core.cc):
   //  ResolveShape: the layout and encoding the sequences share; a sequence
   //    that cannot take part fails alone, a request that mixes shapes fails.
-  //  CheckQueries: the queries against that shape. (Attend then refuses a
-  //    device exchange this backend will not run, before anything changed.)
+  //  Then the queries are checked against that shape (CheckStepShape), and
+  //    a device exchange this backend will not run is refused, before
+  //    anything changed.
   //  PlanStep: each sequence's appends and blocks (PlanSequence), then one
   //    StepPlan over those that planned, their rows compacted.
   //  RunStep: open the new blocks, the backend's Step, rows scattered back;
@@ -314,7 +315,6 @@ class NodeCore {
   //  Finish: failed sequences' rows, metrics and stats.
   struct AttendWork;
   absl::Status ResolveShape(NamespaceId ns, const AttendBatch& b, AttendWork& w);
-  static absl::Status CheckQueries(const AttendBatch& b, const BlockLayout& L);
   void PlanStep(NamespaceId ns, TenantId tenant, const AttendBatch& b, AttendWork& w);
   absl::Status RunStep(const AttendBatch& b, PartialOutput out, AttendWork& w);
   void CommitStep(TenantId tenant, const AttendBatch& b, AttendWork& w);

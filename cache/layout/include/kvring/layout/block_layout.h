@@ -79,6 +79,9 @@ struct BlockLayout {
   constexpr uint64_t elements() const { return uint64_t{layers} * 2 * kv_heads * plane_elems(); }
   // Bytes of the block in `dtype`.
   constexpr uint64_t bytes() const { return elements() * DTypeSize(dtype); }
+  // Bytes of one token's K (or V) on one layer, all heads, in `dtype`: a row
+  // of the K / V an engine appends.
+  constexpr uint64_t kv_row_bytes() const { return uint64_t{kv_heads} * head_dim * DTypeSize(dtype); }
   // Element index of (layer, kv: 0 = K / 1 = V, head, token, dim).
   constexpr uint64_t index(uint32_t layer, uint32_t kv, uint32_t head, uint32_t token, uint32_t dim) const {
     return (((uint64_t{layer} * 2 + kv) * kv_heads + head) * block_tokens + token) * head_dim + dim;
