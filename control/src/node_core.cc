@@ -59,7 +59,9 @@ NodeCore::NodeCore(NodeCoreOptions options, BlockStore* store, SequenceTable* se
   stats_ = Op("stats");
   sequence_ops_ = Op("sequence_lifecycle");
   put_bytes_ = metrics_->Counter("kvring_put_bytes_total", "Payload bytes accepted by Put");
-  quantized_ = metrics_->Counter("kvring_quantized_blocks_total", "Plain blocks quantized by this node at Put");
+  quantized_ =
+      metrics_->Counter("kvring_quantized_blocks_total",
+                        "Plain blocks quantized by this node: at Put, or as a sequence's appends complete them");
   get_bytes_ = metrics_->Counter("kvring_get_bytes_total", "Payload bytes served by Get");
   device_bytes_ = metrics_->Counter("kvring_get_device_delivered_bytes_total",
                                     "Payload bytes Get copied straight into the GPU memory of callers on this host");
@@ -433,9 +435,10 @@ absl::StatusOr<std::vector<absl::Status>> NodeCore::Pin(const v1::Tenant& t, con
 // and statuses, the shape they share, the plan, and what the step did.
 struct NodeCore::AttendWork {
   std::vector<SequenceTable::Handle> hs;
-  std::vector<absl::Status> seq_status;  // per request sequence
-  std::optional<BlockLayout> layout;     // the step's (unknown: every sequence failed first)
-  KvEncoding encoding;
+  std::vector<absl::Status> seq_status;      // per request sequence
+  std::optional<BlockLayout> layout;         // the step's (unknown: every sequence failed first)
+  KvEncoding encoding;                       // of the full blocks the step reads (open blocks are plain)
+  KvEncoding seal;                           // what blocks the appends complete become (a new sequence's)
   std::vector<bool> learned;                 // sequences this step introduces to the node
   StepPlan plan;                             // over the sequences that planned
   std::vector<size_t> batch_of;              // plan sequence -> request sequence
@@ -462,6 +465,11 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
   auto ns = Namespace(t, requested_ns);
   if (!ns.ok()) return op.Done(ns.status());
   AttendWork w;
+  if (b.quantize.has_value()) {
+    w.seal = *b.quantize;
+  } else if (absl::Status s = ParseKvEncoding(t.kv_encoding(), &w.seal); !s.ok()) {
+    return op.Done(absl::FailedPreconditionError(absl::StrCat("the tenant's kv_encoding: ", s.message())));
+  }
   std::vector<std::string> ids;
   ids.reserve(b.sequences.size());
   for (const auto& s : b.sequences) ids.push_back(s.sequence_id);
@@ -523,16 +531,13 @@ absl::Status NodeCore::ResolveShape(NamespaceId ns, const AttendBatch& b, Attend
         return absl::InvalidArgumentError("the sequences of one Attend must share one block layout");
       }
     }
-    const KvEncoding e = st.blocks.empty() ? KvEncoding{} : st.encoding;
-    if (e.quantized() && spec.append_tokens > 0) {
-      w.Fail(b, i, absl::StatusCode::kFailedPrecondition,
-             "appends to a sequence of quantized blocks are not supported");
-      continue;
-    }
-    if (encoding.has_value() && !(*encoding == e)) {
+    // The full blocks' encoding (a sequence without any here reads only
+    // open blocks, which are plain, and agrees with any).
+    if (st.blocks.empty()) continue;
+    if (encoding.has_value() && !(*encoding == st.encoding)) {
       return absl::InvalidArgumentError("the sequences of one Attend must share one KV encoding");
     }
-    encoding = e;
+    encoding = st.encoding;
   }
   if (encoding.has_value()) w.encoding = *encoding;
   return absl::OkStatus();
@@ -651,7 +656,7 @@ void NodeCore::CommitStep(TenantId tenant, const AttendBatch& b, AttendWork& w) 
       w.appended += a.count;
     }
     w.nblocks += static_cast<uint32_t>(ss.num_blocks());
-    if (!ss.appends.empty()) w.sealed += SealCompleteBlocks(tenant, w.hs[i]);
+    if (!ss.appends.empty()) w.sealed += SealCompleteBlocks(tenant, w.hs[i], w.seal);
   }
 }
 
@@ -836,11 +841,11 @@ absl::Status NodeCore::SameTokens(NamespaceId ns, SequenceTable::Handle& h, uint
   return absl::OkStatus();
 }
 
-uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h) {
+uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h, const KvEncoding& seal) {
   SequenceState& st = h.state();
   const BlockLayout& L = *st.layout;
   uint32_t sealed = 0;
-  std::vector<uint8_t> buf;
+  std::vector<uint8_t> buf, encoded;
   for (auto it = st.open.begin(); it != st.open.end();) {
     if (!it->second.Complete(L.block_tokens)) {
       ++it;
@@ -853,10 +858,17 @@ uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h)
     a.ns = h.ns();
     a.key = SealKey(h, idx, L);
     a.meta.layout = L;
-    a.meta.payload_bytes = static_cast<uint32_t>(L.bytes());
+    // One encoding a sequence: its full blocks', or `seal` for its first.
+    a.meta.encoding = st.blocks.empty() ? seal : st.encoding;
     buf.resize(L.bytes());
     absl::Status s = backend_->ReadOpenBlock(ref, idx, absl::MakeSpan(buf));
-    if (s.ok()) s = store_->Put(a, buf).status();
+    absl::Span<const uint8_t> payload = buf;
+    if (s.ok() && a.meta.encoding.quantized()) {
+      s = QuantizeBlock(L, buf, a.meta.encoding, &encoded);
+      payload = encoded;
+    }
+    a.meta.payload_bytes = static_cast<uint32_t>(payload.size());
+    if (s.ok()) s = store_->Put(a, payload).status();
     if (s.ok()) s = h.Record(idx, a.key, /*owned=*/true);
     if (!s.ok()) {
       // Left open (its bytes stay in the backend); the next append retries.
@@ -864,7 +876,9 @@ uint32_t NodeCore::SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h)
       ++it;
       continue;
     }
-    backend_->SealBlock(ref, idx, a.key);
+    st.encoding = a.meta.encoding;
+    if (a.meta.encoding.quantized()) quantized_->Add(1);
+    backend_->SealBlock(ref, idx, a.key, a.meta.encoding);
     it = st.open.erase(it);
     ++sealed;
   }

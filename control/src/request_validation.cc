@@ -7,6 +7,7 @@
 #include "absl/container/flat_hash_set.h"
 
 #include "absl/strings/str_cat.h"
+#include "kvring/cache/quantize.h"
 #include "kvring/common/status_macros.h"
 #include "kvring/layout/kv_encoding.h"
 
@@ -173,6 +174,14 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
     b.layout = l;
   }
   KVRING_RETURN_IF_ERROR(CheckStepShape(shape, b.layout.has_value() ? &*b.layout : nullptr));
+  if (!r.quantize().empty()) {
+    if (r.quantize().size() > 64) return absl::InvalidArgumentError("quantize is longer than 64 bytes");
+    KvEncoding e;
+    if (absl::Status s = ParseKvEncoding(r.quantize(), &e); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("quantize: ", s.message()));
+    }
+    b.quantize = e;
+  }
   if (r.sequences_size() == 0) return absl::InvalidArgumentError("an Attend names at least one sequence");
   if (static_cast<uint64_t>(r.sequences_size()) > limits.max_attend_sequences) {
     return absl::InvalidArgumentError(

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kvring/attention/reference.h"
+#include "kvring/cache/quantize.h"
 #include "kvring/common/process.h"
 #include "kvring/common/status_macros.h"
 #include "kvring/control/cpu_attention_backend.h"
@@ -154,8 +155,8 @@ class HostIoBackend : public AttentionBackend {
   absl::Status ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) override {
     return cpu_.ReadOpenBlock(seq, index, dst);
   }
-  void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key) override {
-    cpu_.SealBlock(seq, index, key);
+  void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key, const KvEncoding& stored) override {
+    cpu_.SealBlock(seq, index, key, stored);
   }
   void ForgetSequence(const SequenceRef& seq) override { cpu_.ForgetSequence(seq); }
   void SetTenantQuota(TenantId tenant, uint64_t max_bytes) override { cpu_.SetTenantQuota(tenant, max_bytes); }
@@ -246,7 +247,38 @@ class NodeCoreTest : public ::testing::Test {
     b.shape.head_dim = L_.head_dim;
     b.shape.q_dtype = DType::kF32;
     b.layout = L_;
+    b.quantize = quantize_;
     return b;
+  }
+
+  // The engine's view of sequence `id` made what the node stores: each
+  // full block's K/V as its stored (possibly quantized) bytes decode, so the
+  // reference attends over what the node attends over. Returns the full
+  // blocks' encodings by index.
+  std::map<uint64_t, KvEncoding> SyncSealed(const std::string& id) {
+    const NamespaceId ns = NamespaceIdOf(TenantNamespace(3));
+    SequenceTable::Handle h = seqs_->Lock(ns, id);
+    std::map<uint64_t, KvEncoding> encodings;
+    for (const auto& [idx, key] : h.state().blocks) {
+      absl::StatusOr<PinnedBlock> pb = store_->Acquire(ns, key);
+      EXPECT_TRUE(pb.ok()) << pb.status();
+      if (!pb.ok()) continue;
+      encodings[idx] = pb->meta().encoding;
+      std::vector<uint8_t> plain(pb->payload().begin(), pb->payload().end());
+      if (pb->meta().encoding.quantized()) {
+        EXPECT_TRUE(DequantizeBlock(L_, pb->meta().encoding, pb->payload(), &plain).ok());
+      }
+      const float* f = reinterpret_cast<const float*>(plain.data());
+      for (uint32_t l = 0; l < L_.layers; ++l)
+        for (uint32_t t = 0; t < L_.block_tokens; ++t)
+          for (uint32_t hd = 0; hd < L_.kv_heads; ++hd)
+            for (uint32_t d = 0; d < L_.head_dim; ++d) {
+              const size_t e = ((idx * L_.block_tokens + t) * L_.kv_heads + hd) * L_.head_dim + d;
+              kv_[id].k[l][e] = f[L_.index(l, 0, hd, t, d)];
+              kv_[id].v[l][e] = f[L_.index(l, 1, hd, t, d)];
+            }
+    }
+    return encodings;
   }
 
   // Runs one step on `layer` and checks every row against the reference.
@@ -360,6 +392,7 @@ class NodeCoreTest : public ::testing::Test {
   AttendStats last_;
   FakeClock clock_;
   std::map<std::string, uint64_t> digest_;  // placement digest each sequence is routed by
+  std::optional<KvEncoding> quantize_;      // the steps' AttendBatch::quantize
 };
 
 TEST_F(NodeCoreTest, DecodeInPlaceCrossesBlockBoundariesAndSealsFullBlocks) {
@@ -400,6 +433,46 @@ TEST_F(NodeCoreTest, DecodeInPlaceCrossesBlockBoundariesAndSealsFullBlocks) {
   h.Release();
   EXPECT_EQ(seqs_->open_blocks(), 1u);
   EXPECT_EQ(backend_->stats().open_blocks, 1u);
+}
+
+// A sequence built by appends with quantize set: its open blocks stay plain,
+// each block is stored int8 as its last layer fills, and a step reads the
+// quantized full blocks and the plain tail in one answer (two passes merged
+// by LSE), exact against the reference over what is stored. A sequence
+// whose first blocks were sealed plain keeps plain; a sequence without full
+// blocks here joins a batch of quantized ones.
+TEST_F(NodeCoreTest, AppendsToAQuantizedSequenceSealEachBlockInItsEncodingAndAttendOverBoth) {
+  KvEncoding int8;
+  ASSERT_TRUE(ParseKvEncoding("int8", &int8).ok());
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"plain", 2, 5}}).ok());  // block 0 sealed plain
+  quantize_ = int8;
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"q", 6, 6}}).ok());  // block 0 sealed int8
+  SyncSealed("q");
+  for (int step = 0; step < 9; ++step) {
+    for (uint32_t l = 0; l < 2; ++l) {
+      std::vector<Part> parts{{"q", 1, 1}};
+      if (step >= 3) parts.push_back({"new", 1, 1});  // no full blocks here yet: agrees with int8
+      absl::Status s = Step(l, parts);
+      ASSERT_TRUE(s.ok()) << "step " << step << " layer " << l << ": " << s;
+      SyncSealed("q");
+      SyncSealed("new");
+    }
+    for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"plain", 1, 1}}).ok());
+  }
+  // q: 15 tokens, blocks 0-2 int8, block 3 open (plain) with 3 tokens.
+  const std::map<uint64_t, KvEncoding> q = SyncSealed("q");
+  ASSERT_EQ(q.size(), 3u);
+  for (const auto& [idx, e] : q) EXPECT_EQ(e, int8) << "block " << idx;
+  const std::map<uint64_t, KvEncoding> n = SyncSealed("new");
+  ASSERT_EQ(n.size(), 1u);
+  EXPECT_EQ(n.begin()->second, int8);
+  // plain: its first block was sealed plain, so every later one is too.
+  const std::map<uint64_t, KvEncoding> p = SyncSealed("plain");
+  ASSERT_EQ(p.size(), 3u);
+  for (const auto& [idx, e] : p) EXPECT_FALSE(e.quantized()) << "block " << idx;
+  // One batch mixing full blocks of two encodings is refused.
+  EXPECT_EQ(Step(0, {{"q", 1, 0}, {"plain", 1, 0}}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_GE(metrics_.Counter("kvring_quantized_blocks_total", "")->value(), 4u);
 }
 
 // A deleted tenant's sequences (full and open blocks) and blocks are

@@ -69,6 +69,7 @@ class GpuNode {
     b.shape.head_dim = L_.head_dim;
     b.shape.q_dtype = DType::kBF16;
     b.layout = L_;
+    b.quantize = quantize;
     std::vector<uint16_t> q;
     std::vector<double> nk, nv;  // the appended values, as the layout's dtype holds them
     std::normal_distribution<float> nd;
@@ -229,6 +230,7 @@ class GpuNode {
   }
   const AttendStats& last() const { return last_; }
   NodeCore& core() { return *core_; }
+  std::optional<KvEncoding> quantize;  // what the steps' completed blocks are stored as (AttendBatch::quantize)
   const v1::Tenant& tenant() const { return tenant_; }
 
  private:
@@ -247,6 +249,35 @@ class GpuNode {
   std::map<std::string, std::map<uint32_t, std::vector<double>>> k_, v_;
   std::map<std::string, uint64_t> digest_;  // placement digest each sequence is routed by
 };
+
+// Appends to a sequence stored int8: the tail is plain while open; each
+// completed block is stored int8 and its HBM page given back (the page
+// holds the plain bytes). A step over the int8 blocks and the plain tail
+// together is not split into two launches on a GPU node yet: it is refused,
+// and changes nothing (the CPU node serves it: NodeCoreTest); the int8
+// blocks alone are served.
+TEST(GpuNodeTest, AQuantizedSequencesAppendedTailIsRefusedAndChangesNothing) {
+  KVRING_REQUIRE_GPU();
+  GpuNode node(BlockLayout{16, 2, 2, 128, DType::kBF16}, 8, 64);
+  ASSERT_TRUE(node.status().ok()) << node.status();
+  KvEncoding int8;
+  ASSERT_TRUE(ParseKvEncoding("int8", &int8).ok());
+  node.quantize = int8;
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(node.Step(l, {{"a", 10, 10}}).ok());  // its open block only
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(node.Step(l, {{"a", 0, 6}}).ok());    // block 0 complete
+  EXPECT_EQ(node.last().completed_blocks, 1u);
+  EXPECT_EQ(node.stats().open_blocks, 0u);
+  const absl::Status s = node.Step(0, {{"a", 1, 1}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("open blocks"), std::string::npos) << s;
+  EXPECT_EQ(node.stats().open_blocks, 0u);  // the step's new block given back
+  // A step over the int8 block alone is served: promoted from the store
+  // (int8 against the plain reference: the codes' error).
+  for (uint32_t l = 0; l < 2; ++l) {
+    const absl::Status r = node.Step(l, {{"a", 1, 0}}, 3e-2);
+    EXPECT_TRUE(r.ok()) << "layer " << l << ": " << r;
+  }
+}
 
 TEST(GpuNodeTest, DecodeInPlaceInHbmMatchesTheReference) {
   KVRING_REQUIRE_GPU();

@@ -1547,6 +1547,7 @@ class ClientImpl {
       req.set_causal(shape_.options.causal);
       req.set_window(shape_.options.window);
       req.set_softmax_scale(shape_.options.softmax_scale);
+      req.set_quantize(c_.quantize_wire_);  // what the appends' completed blocks are stored as
       LayoutToProto(L, req.mutable_layout());
       for (const SeqPart& p : jobs_[j].parts) {
         const auto& s = st_.sequences[p.seq];

@@ -66,6 +66,10 @@ struct AttendBatch {
   // Set: queries/new_k/new_v are empty and the bytes are on the device
   // (the output too: the node core writes nothing into its host output).
   const AttendDeviceIo* device = nullptr;
+  // What blocks this batch's appends complete are stored as (the request's
+  // quantize; unset: the tenant's kv_encoding). A sequence with full blocks
+  // on the node keeps their encoding.
+  std::optional<KvEncoding> quantize;
 
   uint32_t append_rows() const {
     uint32_t n = 0;

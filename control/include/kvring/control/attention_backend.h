@@ -148,9 +148,12 @@ class AttentionBackend {
   // Copies open block `index` (every layer filled) into `dst`
   // (layout.bytes()).
   virtual absl::Status ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) = 0;
-  // The open block is now full block `key` in the store: the backend keeps
-  // its copy (GPU) or frees it (CPU).
-  virtual void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key) = 0;
+  // The open block is now full block `key` in the store, stored in
+  // `stored` (the sequence's encoding: plain, or quantized from the open
+  // block's plain bytes). The backend keeps its copy when it holds the
+  // stored bytes (a GPU node, plain) or frees it (CPU; a quantized block,
+  // which is read, or promoted, from the store from now on).
+  virtual void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key, const KvEncoding& stored) = 0;
   // The sequence ended (its tenant was deleted): gives back everything the
   // backend holds for it, open blocks included.
   virtual void ForgetSequence(const SequenceRef& seq) = 0;

@@ -32,7 +32,9 @@ class CpuAttentionBackend final : public AttentionBackend {
   void DiscardOpenBlock(const SequenceRef& seq, uint64_t index) override;
   absl::Status Step(const StepPlan& plan, PartialOutput out, StepTimes* times) override;
   absl::Status ReadOpenBlock(const SequenceRef& seq, uint64_t index, absl::Span<uint8_t> dst) override;
-  void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key) override { DiscardOpenBlock(seq, index); }
+  void SealBlock(const SequenceRef& seq, uint64_t index, const BlockKey&, const KvEncoding&) override {
+    DiscardOpenBlock(seq, index);
+  }
   void ForgetSequence(const SequenceRef& seq) override;
   // The store applies the tenant's budget to open blocks (AcquireScratch).
   void SetTenantQuota(TenantId, uint64_t) override {}

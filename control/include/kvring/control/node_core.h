@@ -368,8 +368,9 @@ class NodeCore {
   // filled[l] tokens from `bytes` (the block layout's bytes).
   absl::Status Reopen(const SequenceRef& ref, uint64_t index, const std::vector<uint32_t>& filled,
                       absl::Span<const uint8_t> bytes, const BlockLayout& L);
-  // Stores every complete open block of the sequence as an ordinary block.
-  uint32_t SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h);
+  // Stores every complete open block of the sequence as an ordinary block,
+  // in its full blocks' encoding, or in `seal` when it has none yet.
+  uint32_t SealCompleteBlocks(TenantId tenant, SequenceTable::Handle& h, const KvEncoding& seal);
 
   NodeCoreOptions options_;
   BlockStore* store_;

@@ -75,7 +75,10 @@ struct ClientOptions {
   // fp8 codes; per-head, per-token or KIVI scales); a plain KvEncoding{}
   // stores them plain; nullopt: the tenant's kv_encoding. Get then returns
   // the codes (meta.encoding says which; DequantizeBlock restores the dtype)
-  // and Attend reads them directly. Flags and the C ABI spell it as a string
+  // and Attend reads them directly. The same choice applies to the blocks a
+  // step's appends complete (a sequence built by decode or chunked prefill
+  // is sealed in this encoding, block by block; a sequence that already has
+  // full blocks on a node keeps theirs). Flags and the C ABI spell it as a string
   // ("int8/kivi", "none", "" for the tenant's): ParseQuantizeOption.
   // Default: nullopt.
   std::optional<KvEncoding> quantize;
