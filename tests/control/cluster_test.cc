@@ -603,6 +603,47 @@ double RelL2(absl::Span<const float> a, absl::Span<const double> b) {
   return den > 0 ? std::sqrt(num / den) : 1e9;
 }
 
+// A sequence built by appends is stored in the tenant's encoding (or the
+// client's, which overrides it) block by block as each fills; steps read the
+// quantized blocks and the plain, still-open tail in one answer.
+TEST(ClusterTest, AppendedSequencesAreSealedInTheTenantsOrTheClientsEncoding) {
+  Cluster cl(ClusterOptions{.nodes = 2, .replication = 1, .extra_coordinator_flags = {"--sequence_chunk_blocks=4"}});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("q8", {}, 0, "int8/kivi");
+  ASSERT_TRUE(token.ok()) << token.status();
+  auto c = cl.Connect(*token);                     // the tenant's int8
+  auto cp = cl.Connect(*token, "", true, "none");  // plain, by the client's choice
+  ASSERT_TRUE(c.ok() && cp.ok());
+  testing::StepSim sim(SmallLayout(), 8, 5), plain_sim(SmallLayout(), 8, 6);
+  auto run = [](Client& client, testing::StepSim& sm, uint32_t layer, const std::vector<testing::StepSim::Part>& parts,
+                double* err) {
+    auto b = sm.Build(layer, parts);
+    auto out = client.Step(b.step);
+    if (!out.ok()) return out.status();
+    sm.Commit(b);
+    *err = sm.Check(b, *out).first;
+    return absl::OkStatus();
+  };
+  double err = 0;
+  for (uint32_t l = 0; l < 2; ++l) {
+    ASSERT_TRUE(run(**c, sim, l, {{"q", 100, 100}}, &err).ok());
+    EXPECT_LT(err, 2e-5) << "the prefill chunk reads its own open blocks: plain";
+    ASSERT_TRUE(run(**cp, plain_sim, l, {{"p", 100, 100}}, &err).ok());
+    EXPECT_LT(err, 2e-5);
+  }
+  for (int step = 0; step < 8; ++step) {
+    for (uint32_t l = 0; l < 2; ++l) {
+      absl::Status s = run(**c, sim, l, {{"q", 1, 1}}, &err);
+      ASSERT_TRUE(s.ok()) << "step " << step << ": " << s;
+      EXPECT_LT(err, 3e-2) << "int8 codes of 6 blocks, the plain tail";
+      EXPECT_GT(err, 1e-6) << "it read codes, not plain blocks";
+      s = run(**cp, plain_sim, l, {{"p", 1, 1}}, &err);
+      ASSERT_TRUE(s.ok()) << "step " << step << ": " << s;
+      EXPECT_LT(err, 2e-5);
+    }
+  }
+}
+
 TEST(ClusterTest, NodesQuantizeAtPutForTheTenantOrTheRequestAndAttendReadsTheCodes) {
   Cluster cl(ClusterOptions{.nodes = 2, .replication = 1});
   ASSERT_TRUE(cl.Start());
