@@ -614,12 +614,11 @@ class ClientImpl {
     if (ring->num_nodes() == 0) return absl::UnavailableError("the shard map has no nodes");
     const int R = ring->replication(), W = ring->write_quorum();
     const size_t n = blocks.size();
-    std::vector<uint64_t> pos(n);
-    const SequencePlacement placement = seq ? placements_.Get(*seq) : SequencePlacement();
-    for (size_t i = 0; i < n; ++i) {
-      const uint64_t c = (first_block + i) / ring->chunk_blocks();
-      pos[i] =
-          seq ? ShardRing::ChunkPosition(ns_, placement.PlacedAs(*seq, c), c) : ShardRing::KeyPosition(blocks[i].key);
+    // Each block's nodes: a sequence's by chunk from its cached route (as
+    // its steps are routed), a hash-placed block's by its key.
+    std::shared_ptr<const ChunkRoutes::Route> route;
+    if (seq && n > 0) {
+      route = routes_.Get(ring, ns_, *seq, placements_.Get(*seq), (first_block + n - 1) / ring->chunk_blocks() + 1);
     }
     std::vector<std::vector<int>> cands(n);
     std::vector<size_t> next(n, 0);  // next candidate to try
@@ -627,7 +626,10 @@ class ClientImpl {
     std::vector<absl::Status> last_err(n);
     std::vector<int> inserted(n, 0);
     std::vector<std::vector<int>> pinned_on(n);  // nodes that stored (and pinned) a pinned block
-    for (size_t i = 0; i < n; ++i) cands[i] = Candidates(*ring, pos[i]);
+    for (size_t i = 0; i < n; ++i) {
+      cands[i] = route != nullptr ? Demoted(*ring, route->candidates((first_block + i) / ring->chunk_blocks()))
+                                  : Candidates(*ring, ShardRing::KeyPosition(blocks[i].key));
+    }
     std::vector<int> want(n, R);
     PutReport rep;
     rep.blocks = n;
