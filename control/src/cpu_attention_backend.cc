@@ -4,7 +4,6 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "kvring/attention/merge.h"
 #include "kvring/attention/partial_attention.h"
 
 namespace kvring {
@@ -90,13 +89,10 @@ absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, 
     }
   }
   if (plan.shape.num_rows == 0) return absl::OkStatus();
-  // Attention over every listed block, read in place. Open blocks are plain:
-  // when the full blocks are quantized, the open ones (a sequence's appended
-  // tail) are a second pass whose partials merge into the first (exact).
-  const bool split = plan.encoding.quantized();
+  // Attention over every listed block, read in place.
   std::vector<PinnedBlock> held;
-  std::vector<KvBlockRef> refs, open_refs;
-  std::vector<uint32_t> seq_begin{0}, open_begin{0};
+  std::vector<KvBlockRef> refs;
+  std::vector<uint32_t> seq_begin{0};
   std::vector<uint32_t> seq_ids(plan.shape.num_rows, 0);
   for (const StepSequence& s : plan.sequences) {
     if (s.rows == 0) continue;
@@ -104,40 +100,42 @@ absl::Status CpuAttentionBackend::Step(const StepPlan& plan, PartialOutput out, 
     for (uint32_t r = 0; r < s.rows; ++r) seq_ids[s.row_begin + r] = kseq;
     for (const BlockRange& rg : s.ranges) {
       for (uint64_t idx = rg.begin; idx < rg.end; ++idx) {
-        const KvBlockRef ref{nullptr, static_cast<int64_t>(idx * L.block_tokens), s.BlockTokens(idx, L.block_tokens)};
+        const uint8_t* data;
         auto full = s.full->find(idx);
         if (full == s.full->end()) {
+          if (plan.encoding.quantized()) {  // the core splits such steps (StepTwoEncodings)
+            return absl::InternalError(absl::StrCat("sequence '", s.seq.id, "': open block ", idx,
+                                                    " (plain) in a step over quantized blocks"));
+          }
           absl::StatusOr<OpenBuffer*> ob = Find(s.seq, idx);
           if (!ob.ok()) return ob.status();
-          (split ? open_refs : refs).push_back(KvBlockRef{(*ob)->page.bytes().data(), ref.start_pos, ref.num_tokens});
-          continue;
+          data = (*ob)->page.bytes().data();
+        } else {
+          absl::StatusOr<PinnedBlock> pb = store_->Acquire(s.seq.ns, full->second);
+          if (!pb.ok()) {
+            return absl::Status(pb.status().code(),
+                                absl::StrCat("sequence '", s.seq.id, "' block ", idx, ": ", pb.status().message()));
+          }
+          if (!(pb->meta().layout == L) || !(pb->meta().encoding == plan.encoding)) {
+            return absl::FailedPreconditionError(absl::StrCat("sequence '", s.seq.id, "' block ", idx,
+                                                              " has another layout or encoding than the sequence"));
+          }
+          data = pb->payload().data();
+          held.push_back(std::move(*pb));
         }
-        absl::StatusOr<PinnedBlock> pb = store_->Acquire(s.seq.ns, full->second);
-        if (!pb.ok()) {
-          return absl::Status(pb.status().code(),
-                              absl::StrCat("sequence '", s.seq.id, "' block ", idx, ": ", pb.status().message()));
-        }
-        if (!(pb->meta().layout == L) || !(pb->meta().encoding == plan.encoding)) {
-          return absl::FailedPreconditionError(absl::StrCat("sequence '", s.seq.id, "' block ", idx,
-                                                            " has another layout or encoding than the sequence"));
-        }
-        refs.push_back(KvBlockRef{pb->payload().data(), ref.start_pos, ref.num_tokens});
-        held.push_back(std::move(*pb));
+        refs.push_back(
+            KvBlockRef{data, static_cast<int64_t>(idx * L.block_tokens), s.BlockTokens(idx, L.block_tokens)});
       }
     }
     seq_begin.push_back(static_cast<uint32_t>(refs.size()));
-    open_begin.push_back(static_cast<uint32_t>(open_refs.size()));
   }
+  // Open blocks are plain; a step never mixes them with quantized blocks.
+  PagedKv kv{L, plan.encoding, refs, seq_begin};
   const StepShape& sh = plan.shape;
   QueryTensor q{plan.queries.data(),   sh.q_dtype,    sh.num_rows, sh.q_heads, sh.head_dim,
                 plan.positions.data(), seq_ids.data()};
   const auto t0 = std::chrono::steady_clock::now();
-  absl::Status s = PartialAttention(sh.options, q, PagedKv{L, plan.encoding, refs, seq_begin}, out, pool_);
-  if (s.ok() && !open_refs.empty()) {
-    PartialResult tail(sh.num_rows, sh.q_heads, sh.head_dim);
-    s = PartialAttention(sh.options, q, PagedKv{L, KvEncoding{}, open_refs, open_begin}, tail.view(), pool_);
-    if (s.ok()) MergeInto(out, tail.cview(), sh.num_rows, sh.q_heads, sh.head_dim);
-  }
+  absl::Status s = PartialAttention(sh.options, q, kv, out, pool_);
   if (times != nullptr)
     times->kernel_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return s;

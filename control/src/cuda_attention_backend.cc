@@ -786,32 +786,9 @@ void ConvertQueries(const uint8_t* src, DType from, size_t n, DType to, uint8_t*
 
 constexpr size_t kPageElemBytes = 2;  // bf16/fp16 pages (KernelsTake)
 
-namespace {
-// True when the step reads open blocks (plain) of a step whose full blocks
-// are quantized. A sequence's open blocks are its tail, so a range holds one
-// only if its last block is open.
-bool ReadsOpenBlocksOfQuantized(const StepPlan& plan) {
-  if (!plan.encoding.quantized()) return false;
-  for (const StepSequence& s : plan.sequences) {
-    for (const BlockRange& rg : s.ranges) {
-      if (!s.full->contains(rg.end - 1)) return true;
-    }
-  }
-  return false;
-}
-}  // namespace
-
 absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out, StepTimes* times) {
   if (!KernelsTake(plan.layout)) return cpu_.Step(plan, out, times);
   KVRING_RETURN_IF_ERROR(Healthy());
-  if (ReadsOpenBlocksOfQuantized(plan)) {
-    // Not built yet: the kernels read one encoding a launch, and this
-    // backend does not split such a step into two launches and a merge (the
-    // CPU backend does). Nothing has changed.
-    return absl::FailedPreconditionError(
-        "attention over a quantized sequence's open blocks (its appended tail, plain until sealed) runs on CPU "
-        "nodes only for now; a GPU node attends over quantized sequences that do not append");
-  }
   struct LaneGuard {
     CudaAttentionBackend* self;
     Lane* lane;  // null: handed on (in flight)

@@ -6,6 +6,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "kvring/attention/merge.h"
 #include "kvring/cache/quantize.h"
 #include "kvring/common/logging.h"
 #include "kvring/common/process.h"
@@ -486,6 +487,19 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
     if (std::string why = backend_->DeviceIoRefusal(*w.layout, w.encoding, b.shape.q_dtype); !why.empty()) {
       return op.Done(RefuseDeviceIo(std::move(why), stats));
     }
+    if (w.encoding.quantized()) {
+      for (size_t i = 0; i < b.sequences.size(); ++i) {
+        // Its rows read an open block when a range's last block is not full.
+        const auto& full = w.hs[i].state().blocks;
+        const auto& ranges = b.sequences[i].ranges;
+        if (std::any_of(ranges.begin(), ranges.end(),
+                        [&](const BlockRange& rg) { return !full.contains(rg.end - 1); })) {
+          return op.Done(RefuseDeviceIo(
+              "a quantized sequence's open tail is attended in a second pass merged on the host (StepTwoEncodings)",
+              stats));
+        }
+      }
+    }
   }
   PlanStep(*ns, t.id(), b, w);
   if (absl::Status s = RunStep(b, out, w); !s.ok()) return op.Done(s);
@@ -603,6 +617,121 @@ void NodeCore::PlanStep(NamespaceId ns, TenantId tenant, const AttendBatch& b, A
   }
 }
 
+namespace {
+// The first block of `rg` that is not a full block of `s` (rg.end: none).
+// A sequence's open blocks are its tail, so a range's full blocks are a
+// prefix of it: a binary search.
+uint64_t FirstOpenBlock(const StepSequence& s, const BlockRange& rg) {
+  uint64_t lo = rg.begin, hi = rg.end;
+  while (lo < hi) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    if (s.full->contains(mid)) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// One pass of a two-encoding step: its plan over some of the step's blocks,
+// with the rows of the sequences that read any of them gathered from the
+// step's (host rows).
+struct EncodingPass {
+  StepPlan plan;
+  std::vector<uint8_t> queries;
+  std::vector<int64_t> positions;
+  std::vector<size_t> step_index;  // per pass sequence: its index in the step
+  PartialResult out;
+
+  // Sequence i of `step` reads `ranges` in this pass (its rows only if it
+  // reads any; its appends, if `appends`).
+  void Add(const StepPlan& step, size_t i, std::vector<BlockRange> ranges, bool appends) {
+    const StepSequence& s = step.sequences[i];
+    if (ranges.empty() && (!appends || s.appends.empty())) return;
+    step_index.push_back(i);
+    StepSequence p = s;
+    p.ranges = std::move(ranges);
+    if (!appends) p.appends.clear();
+    p.rows = p.ranges.empty() ? 0 : s.rows;
+    p.row_begin = plan.shape.num_rows;
+    const size_t qrow = step.shape.query_row_bytes();
+    queries.insert(queries.end(), step.queries.begin() + size_t{s.row_begin} * qrow,
+                   step.queries.begin() + size_t{s.row_begin + p.rows} * qrow);
+    positions.insert(positions.end(), step.positions.begin() + s.row_begin,
+                     step.positions.begin() + s.row_begin + p.rows);
+    plan.shape.num_rows += p.rows;
+    plan.sequences.push_back(std::move(p));
+  }
+};
+}  // namespace
+
+bool NodeCore::ReadsOpenTailOfQuantized(const StepPlan& plan) {
+  if (!plan.encoding.quantized()) return false;
+  for (const StepSequence& s : plan.sequences) {
+    for (const BlockRange& rg : s.ranges) {
+      if (FirstOpenBlock(s, rg) < rg.end) return true;
+    }
+  }
+  return false;
+}
+
+absl::Status NodeCore::StepTwoEncodings(const StepPlan& plan, PartialOutput out, StepTimes* times) {
+  if (plan.device != nullptr) {  // Attend refuses these exchanges first
+    return absl::InternalError("a two-encoding step with its rows in GPU memory");
+  }
+  // Pass 1: the appends and the full blocks, in the sequences' encoding.
+  // Pass 2: the open blocks (the appended tail, with pass 1's appends), plain.
+  EncodingPass full, tail;
+  for (EncodingPass* p : {&full, &tail}) {
+    p->plan.layout = plan.layout;
+    p->plan.shape = plan.shape;
+    p->plan.shape.num_rows = 0;
+  }
+  full.plan.encoding = plan.encoding;
+  full.plan.new_k = plan.new_k;
+  full.plan.new_v = plan.new_v;
+  for (size_t i = 0; i < plan.sequences.size(); ++i) {
+    const StepSequence& s = plan.sequences[i];
+    std::vector<BlockRange> fr, tr;
+    for (const BlockRange& rg : s.ranges) {
+      const uint64_t cut = FirstOpenBlock(s, rg);
+      if (cut > rg.begin) fr.push_back({rg.begin, cut});
+      if (cut < rg.end) tr.push_back({cut, rg.end});
+    }
+    full.Add(plan, i, std::move(fr), /*appends=*/true);
+    tail.Add(plan, i, std::move(tr), /*appends=*/false);
+  }
+  StepTimes t;
+  for (EncodingPass* p : {&full, &tail}) {
+    if (p->plan.sequences.empty()) continue;
+    p->plan.queries = p->queries;
+    p->plan.positions = p->positions;
+    p->out = PartialResult(p->plan.shape.num_rows, plan.shape.q_heads, plan.shape.head_dim);
+    KVRING_RETURN_IF_ERROR(backend_->Step(p->plan, p->out.view(), &t));
+    if (times != nullptr) {
+      times->kernel_seconds += t.kernel_seconds;
+      times->copy_seconds += t.copy_seconds;
+    }
+  }
+  // Each row: its partials of the two passes merged by LSE.
+  const StepShape& sh = plan.shape;
+  std::fill(out.out, out.out + sh.out_floats(), 0.f);
+  std::fill(out.lse, out.lse + sh.lse_floats(), -std::numeric_limits<float>::infinity());
+  for (const EncodingPass* p : {&full, &tail}) {
+    for (size_t j = 0; j < p->plan.sequences.size(); ++j) {
+      const StepSequence& ps = p->plan.sequences[j];
+      if (ps.rows == 0) continue;
+      const uint32_t r0 = plan.sequences[p->step_index[j]].row_begin;
+      MergeInto(PartialOutput{out.out + size_t{r0} * sh.row_elems(), out.lse + size_t{r0} * sh.q_heads},
+                ConstPartial{p->out.out.data() + size_t{ps.row_begin} * sh.row_elems(),
+                             p->out.lse.data() + size_t{ps.row_begin} * sh.q_heads},
+                ps.rows, sh.q_heads, sh.head_dim);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status NodeCore::RunStep(const AttendBatch& b, PartialOutput out, AttendWork& w) {
   const StepPlan& plan = w.plan;
   const bool compact_out = w.compact && b.device == nullptr;
@@ -623,7 +752,8 @@ absl::Status NodeCore::RunStep(const AttendBatch& b, PartialOutput out, AttendWo
     }
   }
   if (!plan.sequences.empty()) {
-    absl::Status s = backend_->Step(plan, step_out, &w.times);
+    absl::Status s = ReadsOpenTailOfQuantized(plan) ? StepTwoEncodings(plan, step_out, &w.times)
+                                                    : backend_->Step(plan, step_out, &w.times);
     if (!s.ok()) return RollBack(plan, opened, s);
   }
   if (compact_out) {

@@ -1044,6 +1044,24 @@ TEST_F(NodeCoreExchangeTest, TheCallersInputsEventReachesTheBackendAndOneThatCan
   EXPECT_EQ(backend().device_steps, steps);
 }
 
+// A quantized sequence's open tail is merged on the host: its steps through
+// the exchange are refused, changing nothing (the client sends them again
+// staged), and steps over its quantized blocks alone are served in place.
+TEST_F(NodeCoreExchangeTest, AQuantizedSequencesTailIsNotAttendedInTheCallersMemory) {
+  KvEncoding int8;
+  ASSERT_TRUE(ParseKvEncoding("int8", &int8).ok());
+  quantize_ = int8;
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"q", 0, 9}}).ok());  // blocks 0, 1 int8; block 2 open
+  SyncSealed("q");
+  const int before = backend().device_steps;
+  EXPECT_NE(Step(0, {{"q", 1, 0}}).message().find("open tail"), absl::string_view::npos);
+  EXPECT_EQ(backend().device_steps, before);
+  EXPECT_EQ(kv_["q"].tokens(0), 9u * L_.kv_heads * L_.head_dim);
+  // Its first 8 tokens (the int8 blocks) alone: in place.
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"q", 1, 0, {{0, 2}}}}).ok());
+  EXPECT_EQ(backend().device_steps, before + 2);
+}
+
 TEST_F(NodeCoreExchangeTest, ARefusedExchangeDoesNothingAndSaysWhy) {
   for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 5}}).ok());
   std::vector<float> kv(L_.kv_heads * L_.head_dim, 1.f);

@@ -251,12 +251,11 @@ class GpuNode {
 };
 
 // Appends to a sequence stored int8: the tail is plain while open; each
-// completed block is stored int8 and its HBM page given back (the page
-// holds the plain bytes). A step over the int8 blocks and the plain tail
-// together is not split into two launches on a GPU node yet: it is refused,
-// and changes nothing (the CPU node serves it: NodeCoreTest); the int8
-// blocks alone are served.
-TEST(GpuNodeTest, AQuantizedSequencesAppendedTailIsRefusedAndChangesNothing) {
+// completed block is stored int8 and its HBM page given back (the page holds
+// the plain bytes; the codes are promoted from the store). A step over the
+// int8 blocks and the plain tail runs as two (NodeCore::StepTwoEncodings)
+// merged by LSE; against the plain reference, within the codes' error.
+TEST(GpuNodeTest, AQuantizedSequenceAppendsAndAttendsOverItsCodesAndItsPlainTail) {
   KVRING_REQUIRE_GPU();
   GpuNode node(BlockLayout{16, 2, 2, 128, DType::kBF16}, 8, 64);
   ASSERT_TRUE(node.status().ok()) << node.status();
@@ -264,19 +263,16 @@ TEST(GpuNodeTest, AQuantizedSequencesAppendedTailIsRefusedAndChangesNothing) {
   ASSERT_TRUE(ParseKvEncoding("int8", &int8).ok());
   node.quantize = int8;
   for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(node.Step(l, {{"a", 10, 10}}).ok());  // its open block only
-  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(node.Step(l, {{"a", 0, 6}}).ok());    // block 0 complete
-  EXPECT_EQ(node.last().completed_blocks, 1u);
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(node.Step(l, {{"a", 0, 22}}).ok());   // blocks 0, 1 complete
+  EXPECT_EQ(node.last().completed_blocks, 2u);
   EXPECT_EQ(node.stats().open_blocks, 0u);
-  const absl::Status s = node.Step(0, {{"a", 1, 1}});
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  EXPECT_NE(s.message().find("open blocks"), std::string::npos) << s;
-  EXPECT_EQ(node.stats().open_blocks, 0u);  // the step's new block given back
-  // A step over the int8 block alone is served: promoted from the store
-  // (int8 against the plain reference: the codes' error).
-  for (uint32_t l = 0; l < 2; ++l) {
-    const absl::Status r = node.Step(l, {{"a", 1, 0}}, 3e-2);
-    EXPECT_TRUE(r.ok()) << "layer " << l << ": " << r;
+  for (int step = 0; step < 20; ++step) {  // decode across block 2 and into 3
+    for (uint32_t l = 0; l < 2; ++l) {
+      const absl::Status s = node.Step(l, {{"a", 1, 1}, {"b", 1, 1}}, 3e-2);
+      ASSERT_TRUE(s.ok()) << "step " << step << " layer " << l << ": " << s;
+    }
   }
+  EXPECT_EQ(node.stats().open_blocks, 2u);  // a's block 3, b's block 1
 }
 
 TEST(GpuNodeTest, DecodeInPlaceInHbmMatchesTheReference) {

@@ -317,6 +317,12 @@ class NodeCore {
   absl::Status ResolveShape(NamespaceId ns, const AttendBatch& b, AttendWork& w);
   void PlanStep(NamespaceId ns, TenantId tenant, const AttendBatch& b, AttendWork& w);
   absl::Status RunStep(const AttendBatch& b, PartialOutput out, AttendWork& w);
+  // A step over a quantized sequence's full blocks and its plain open tail:
+  // the backends read one encoding a step, so it runs as two (the appends
+  // and the full blocks, then the open blocks) and each row's partials merge
+  // by LSE (exact). Host rows only: Attend refuses such a device exchange.
+  static bool ReadsOpenTailOfQuantized(const StepPlan& plan);
+  absl::Status StepTwoEncodings(const StepPlan& plan, PartialOutput out, StepTimes* times);
   void CommitStep(TenantId tenant, const AttendBatch& b, AttendWork& w);
   absl::Status RollBack(const StepPlan& plan, const std::vector<std::pair<size_t, uint64_t>>& opened, absl::Status why);
   absl::Status Finish(OpScope& op, std::chrono::steady_clock::time_point t0, const AttendBatch& b, const AttendWork& w,
