@@ -106,6 +106,25 @@ TEST(RequestValidationTest, AttendShapesMustAgree) {
   b = a;
   b.set_queries("short");
   EXPECT_NE(ParseAttendRequest(b, RequestLimits{}).status().message().find("queries have 5 bytes"), std::string::npos);
+  // What the appends' completed blocks are stored as: an encoding's name, or
+  // nothing (the tenant's).
+  b = a;
+  b.set_quantize("int8/kivi");
+  absl::StatusOr<AttendBatch> q = ParseAttendRequest(b, RequestLimits{});
+  ASSERT_TRUE(q.ok()) << q.status();
+  ASSERT_TRUE(q->quantize.has_value());
+  EXPECT_TRUE((*q->quantize == KvEncoding{KvCodec::kInt8, ScaleMode::kKChannelVToken}));
+  b.set_quantize("none");
+  q = ParseAttendRequest(b, RequestLimits{});
+  ASSERT_TRUE(q.ok() && q->quantize.has_value());
+  EXPECT_FALSE(q->quantize->quantized());
+  EXPECT_FALSE(ParseAttendRequest(a, RequestLimits{})->quantize.has_value());
+  for (const std::string& bad : {std::string("int4"), std::string(100, 'x')}) {
+    b.set_quantize(bad);
+    const absl::Status st = ParseAttendRequest(b, RequestLimits{}).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find("quantize"), std::string::npos) << st;
+  }
 }
 
 TEST(RequestValidationTest, AttendRangesMustBeSortedDisjointAndNonEmpty) {
