@@ -959,7 +959,7 @@ absl::Status CudaAttentionBackend::Pack(GpuStep& w) {
   const StepPlan& plan = w.plan;
   const BlockLayout& L = w.L;
   const size_t esz = kPageElemBytes;
-  w.q_elems = size_t{plan.shape.num_rows} * plan.shape.q_heads * plan.shape.head_dim;
+  w.q_elems = plan.shape.out_floats();  // (a query row has as many elements as an output row)
   const size_t kv_row = size_t{L.kv_heads} * L.head_dim * esz;
   for (const StepSequence& s : plan.sequences) {
     for (const StepAppend& a : s.appends) {
@@ -1018,7 +1018,7 @@ absl::Status CudaAttentionBackend::Pack(GpuStep& w) {
   off.segs = blob.Add(w.num_segments * sizeof(cuda::TableSegment));
   w.blob_bytes = blob.size();
   w.out_o = AlignUp(w.q_elems * 4);
-  w.out_bytes = w.out_o + AlignUp(size_t{plan.shape.num_rows} * plan.shape.q_heads * 4);
+  w.out_bytes = w.out_o + AlignUp(plan.shape.lse_floats() * 4);
   w.ids_bytes = AlignUp(size_t(total_pages) * 4);
   Lane* lane = w.lane;
   for (auto [buf, n, what] :
@@ -1127,7 +1127,7 @@ absl::Status CudaAttentionBackend::EnqueueInputs(GpuStep& w) {
   }
   KVRING_RETURN_IF_ERROR(Check(cudaMemcpyAsync(dv, w.lane->h_in.p, w.blob_bytes, cudaMemcpyHostToDevice, st),
                                "copy of the step to the device"));
-  const size_t q_row_bytes = size_t{w.plan.shape.q_heads} * w.plan.shape.head_dim * kPageElemBytes;
+  const size_t q_row_bytes = w.plan.shape.row_elems() * kPageElemBytes;
   if (dx != nullptr && !w.in_place) {
     // The plan's query rows, gathered from the batch's (same dtype: DeviceIoRefusal).
     for (const GpuStep::KSeq& ks : w.kseqs) {
@@ -1202,7 +1202,7 @@ absl::Status CudaAttentionBackend::EnqueueAttention(GpuStep& w) {
   }
   if (w.in_place) return absl::OkStatus();
   // Each sequence's rows to its place in the caller's output.
-  const size_t q_row = size_t{plan.shape.q_heads} * plan.shape.head_dim;
+  const size_t q_row = plan.shape.row_elems();
   for (const GpuStep::KSeq& ks : w.kseqs) {
     const StepSequence& ss = plan.sequences[ks.plan_i];
     KVRING_RETURN_IF_ERROR(
@@ -1273,7 +1273,7 @@ void CudaAttentionBackend::Finish(GpuStep& w, PartialOutput out, StepTimes* time
   Lane* lane = w.lane;
   if (w.dx == nullptr && !w.kseqs.empty()) {
     std::memcpy(out.out, lane->h_out.p, w.q_elems * 4);
-    std::memcpy(out.lse, lane->h_out.p + w.out_o, size_t{w.plan.shape.num_rows} * w.plan.shape.q_heads * 4);
+    std::memcpy(out.lse, lane->h_out.p + w.out_o, w.plan.shape.lse_floats() * 4);
   }
   if (times != nullptr) {
     float total_ms = 0, kernel_ms = 0;

@@ -432,6 +432,15 @@ absl::StatusOr<std::vector<absl::Status>> NodeCore::Pin(const v1::Tenant& t, con
   return out;
 }
 
+namespace {
+// Whether `rg` reads an open block of a sequence whose full blocks are
+// `full`. A sequence's open blocks are its tail, so a range reads one iff its
+// last block is not full.
+bool ReadsOpenBlock(const std::map<uint64_t, BlockKey>& full, const BlockRange& rg) {
+  return !full.contains(rg.end - 1);
+}
+}  // namespace
+
 // The state of one Attend as its stages pass it on: the sequences' locks
 // and statuses, the shape they share, the plan, and what the step did.
 struct NodeCore::AttendWork {
@@ -489,11 +498,9 @@ absl::Status NodeCore::Attend(const v1::Tenant& t, const std::string& requested_
     }
     if (w.encoding.quantized()) {
       for (size_t i = 0; i < b.sequences.size(); ++i) {
-        // Its rows read an open block when a range's last block is not full.
         const auto& full = w.hs[i].state().blocks;
         const auto& ranges = b.sequences[i].ranges;
-        if (std::any_of(ranges.begin(), ranges.end(),
-                        [&](const BlockRange& rg) { return !full.contains(rg.end - 1); })) {
+        if (std::any_of(ranges.begin(), ranges.end(), [&](const BlockRange& rg) { return ReadsOpenBlock(full, rg); })) {
           return op.Done(RefuseDeviceIo(
               "a quantized sequence's open tail is attended in a second pass merged on the host (StepTwoEncodings)",
               stats));
@@ -670,7 +677,7 @@ bool NodeCore::ReadsOpenTailOfQuantized(const StepPlan& plan) {
   if (!plan.encoding.quantized()) return false;
   for (const StepSequence& s : plan.sequences) {
     for (const BlockRange& rg : s.ranges) {
-      if (FirstOpenBlock(s, rg) < rg.end) return true;
+      if (ReadsOpenBlock(*s.full, rg)) return true;
     }
   }
   return false;

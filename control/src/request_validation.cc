@@ -153,6 +153,8 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
                                                std::optional<absl::Span<const uint8_t>> external) {
   KVRING_RETURN_IF_ERROR(ValidateHeader(r.header(), limits));
   AttendBatch b;
+  // (Before the narrowing into DType, which CheckStepShape's own dtype rule
+  // would see wrapped: 258 would read as bf16.)
   if (r.q_dtype() > static_cast<uint32_t>(DType::kBF16)) {
     return absl::InvalidArgumentError("queries must be f32, f16 or bf16");
   }

@@ -1289,6 +1289,16 @@ class ClientImpl {
     return absl::OkStatus();
   }
 
+  // What the rounds of one step share (StepRouted computes it once).
+  struct PlannedStep {
+    const AttendStep& st;
+    const StepShape& shape;                  // st's
+    const std::vector<uint32_t>& row_begin;  // each sequence's first query row
+    const std::vector<uint32_t>& app_begin;  // each sequence's first row of new_k / new_v
+    const std::vector<uint64_t>& total;      // each sequence's tokens after the step
+    const StepRoutes& routes;                // each chunk's nodes, each sequence's placement digest
+  };
+
   // A step's places in the exchange buffer (device tensors), per job: its
   // partial rows (from a multiple of 64 rows, so every region is 256-byte
   // aligned), their LSE, its queries and K/V; then the merge's row lists.
@@ -1306,8 +1316,9 @@ class ClientImpl {
   // Plans the exchange buffer of `jobs` (ex->place, l_base, csr_off,
   // same_rows_as; jobs that attend the same sequences share one copy of
   // their queries) and returns its size in bytes.
-  static uint64_t PlaceJobs(const AttendStep& st, const std::vector<NodeJob>& jobs, ExchangeStage* ex) {
-    const StepShape shape = ShapeOf(st);
+  static uint64_t PlaceJobs(const PlannedStep& sh, const std::vector<NodeJob>& jobs, ExchangeStage* ex) {
+    const AttendStep& st = sh.st;
+    const StepShape& shape = sh.shape;
     const size_t qrow = shape.query_row_bytes(), kvrow = st.layout.kv_row_bytes(), hq = shape.row_elems();
     std::vector<JobPlace>& place = ex->place;
     std::vector<int>& same_rows_as = ex->same_rows_as;
@@ -1360,11 +1371,12 @@ class ClientImpl {
 
   // Copies each job's rows of the engine's tensors into its place in the
   // exchange buffer, in the order its request lists them, on dx's stream.
-  absl::Status CopyIntoExchange(const AttendStep& st, const std::vector<NodeJob>& jobs,
-                                const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
-                                DeviceStep* dx, ExchangeStage* ex) {
+  absl::Status CopyIntoExchange(const PlannedStep& sh, const std::vector<NodeJob>& jobs, DeviceStep* dx,
+                                ExchangeStage* ex) {
+    const AttendStep& st = sh.st;
     const QueryTensor& q = st.q;
-    const size_t qrow = ShapeOf(st).query_row_bytes(), kvrow = st.layout.kv_row_bytes();
+    const std::vector<uint32_t>&row_begin = sh.row_begin, &app_begin = sh.app_begin;
+    const size_t qrow = sh.shape.query_row_bytes(), kvrow = st.layout.kv_row_bytes();
     const std::vector<JobPlace>& place = ex->place;
     const std::vector<int>& same_rows_as = ex->same_rows_as;
     DeviceMemory::Exchange& xb = ex->xb;
@@ -1417,14 +1429,13 @@ class ClientImpl {
   // (adjacent runs of one tensor as one copy; jobs that attend the same
   // sequences share one copy of their queries); on the caller's stream, the
   // nodes wait on an event recorded after the copies, else this waits.
-  absl::Status StageExchange(const AttendStep& st, const std::vector<NodeJob>& jobs,
-                             const std::vector<uint32_t>& row_begin, const std::vector<uint32_t>& app_begin,
-                             DeviceStep* dx, ExchangeStage* ex) {
-    const uint64_t bytes = PlaceJobs(st, jobs, ex);
+  absl::Status StageExchange(const PlannedStep& sh, const std::vector<NodeJob>& jobs, DeviceStep* dx,
+                             ExchangeStage* ex) {
+    const uint64_t bytes = PlaceJobs(sh, jobs, ex);
     KVRING_ASSIGN_OR_RETURN(ex->xb, dx->dev->ExchangeBuffer(bytes, dx->stream));
     // On the caller's stream, work on xb may still be queued when it goes.
     if (dx->stream_ordered) ex->xb.UseOn(dx->stream);
-    KVRING_RETURN_IF_ERROR(CopyIntoExchange(st, jobs, row_begin, app_begin, dx, ex));
+    KVRING_RETURN_IF_ERROR(CopyIntoExchange(sh, jobs, dx, ex));
     std::string& inputs_event = ex->inputs_event;
     // In place before any node reads them: on the caller's stream, the
     // nodes wait on an event recorded after the copies; else this waits.
@@ -1441,15 +1452,6 @@ class ClientImpl {
     return absl::OkStatus();
   }
 
-  // What the rounds of one step share (StepRouted computes it once).
-  struct PlannedStep {
-    const AttendStep& st;
-    const StepShape& shape;                  // st's
-    const std::vector<uint32_t>& row_begin;  // each sequence's first query row
-    const std::vector<uint32_t>& app_begin;  // each sequence's first row of new_k / new_v
-    const std::vector<uint64_t>& total;      // each sequence's tokens after the step
-    const StepRoutes& routes;                // each chunk's nodes, each sequence's placement digest
-  };
   // Where a round's outcome goes: the appends' acks, the output, the report,
   // the last refusal and (when the caller retries) the chunks not served.
   struct RoundSink {
@@ -1490,7 +1492,7 @@ class ClientImpl {
       const auto t_stage = Clock::now();
       ex_.place.resize(jobs_.size());
       if (dx_ != nullptr) {
-        KVRING_RETURN_IF_ERROR(c_.StageExchange(st_, jobs_, sh_.row_begin, sh_.app_begin, dx_, &ex_));
+        KVRING_RETURN_IF_ERROR(c_.StageExchange(sh_, jobs_, dx_, &ex_));
         k_.rep->stage_seconds += Since(t_stage);
       }
       {
