@@ -114,10 +114,22 @@ start_etcd() {
   echo "[cluster] etcd members on $ETCD_ENDPOINTS"
 }
 
+# True when something on this host accepts connections on 127.0.0.1:$1.
+port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
 start() {
   [ -x "$BIN/control/kvringd" ] || { echo "build first: $BIN/control/kvringd missing" >&2; exit 1; }
   mkdir -p "$DIR/pids" "$DIR/logs"
   if [ -n "$(pids)" ]; then stop >/dev/null; fi
+  # Another cluster (another DIR) on these ports would take this one's
+  # daemons: they would register with its coordinator and be refused.
+  local p
+  for p in $PORT $(seq $((PORT+1)) $((PORT+NODES))); do
+    if port_busy "$p"; then
+      echo "[cluster] port $p is in use (another cluster, started with another --dir?): stop it or pick --port" >&2
+      exit 1
+    fi
+  done
   if [ "$GPU" -ge 0 ] && [ $MPS = 1 ]; then
     mps_start || echo "[cluster] WARNING: going on without MPS: an engine on these GPUs pays a context switch per pass-Q step" >&2
   fi

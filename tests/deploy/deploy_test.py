@@ -109,6 +109,19 @@ if "kvring-mps.service" not in [w for l in node_unit.splitlines() if l.startswit
 r = subprocess.run(["bash", os.path.join(root, "deploy/local-cluster.sh"), "mps-status"], capture_output=True, text=True)
 if r.returncode != 0 or "MPS" not in r.stdout:
     fail.append(f"local-cluster.sh mps-status: rc {r.returncode}: {r.stdout}{r.stderr}")
+# local-cluster.sh start refuses ports another listener holds (a cluster started with another --dir), naming
+# the port, instead of starting daemons that would register with that cluster's coordinator.
+import socket
+held = socket.socket()
+held.bind(("127.0.0.1", 0))
+held.listen(1)
+port = held.getsockname()[1]
+with tempfile.TemporaryDirectory() as d:
+    r = subprocess.run(["bash", os.path.join(root, "deploy/local-cluster.sh"), "start", "--dir", d, "--port", str(port),
+                        "--nodes", "1", "--bin", build], capture_output=True, text=True, timeout=60)
+    if r.returncode == 0 or f"port {port} is in use" not in r.stderr or os.path.exists(os.path.join(d, "pids", "node0")):
+        fail.append(f"local-cluster.sh start on a held port: rc {r.returncode}: {r.stdout}{r.stderr}")
+held.close()
 
 if fail:
     print("\n".join(fail))
