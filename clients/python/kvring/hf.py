@@ -432,6 +432,7 @@ class PrefixCache:
         self.client, self.model, self.model_id = client, model, model_id
         self.layout = layout_for(model.config, block_tokens)
         self.bt = block_tokens
+        self.last_load_split = {}
 
     def _blocks_to_cache(self, blocks):
         """[n, layers, 2, kv_heads, bt, D] blocks -> a DynamicCache holding their n * bt tokens."""
@@ -455,22 +456,39 @@ class PrefixCache:
         return torch.stack(parts, dim=1).contiguous()
 
     def load(self, input_ids):
-        """(DynamicCache of the longest held prefix, or None; blocks loaded; keys of the prompt)."""
+        """(DynamicCache of the longest held prefix, or None; blocks loaded; keys of the prompt). last_load_split
+        then holds the load's seconds by part: chain (the prompt's keys), lookup, get_into (the blocks into this
+        device), to_cache (the blocks into the DynamicCache's per-layer tensors)."""
+        split = self.last_load_split = {}
+        t = [time.perf_counter()]
+
+        def mark(part):
+            if input_ids.is_cuda:
+                torch.cuda.synchronize(input_ids.device)
+            now = time.perf_counter()
+            split[part] = now - t[0]
+            t[0] = now
+
         tokens = input_ids[0].tolist()
         keys = self.client.chain(self.model_id, self.layout, np.asarray(tokens, np.uint32))
+        mark("chain")
         # Leave at least one token for generate to prefill.
         usable = min(len(keys), (len(tokens) - 1) // self.bt)
         held = self.client.lookup(keys[:usable]) if usable else 0
+        mark("lookup")
         if held == 0:
             return None, 0, keys
         blocks = torch.empty((held,) + self.layout.block_shape, dtype=torch.bfloat16, device=input_ids.device)
         found = kt.get_into(self.client, keys[:held], self.layout, blocks.view(-1))
+        mark("get_into")
         if not found.all():  # evicted since the lookup: keep the prefix that came back, recompute the rest
             held = int(np.argmin(found))
             if held == 0:
                 return None, 0, keys
             blocks = blocks[:held]
-        return self._blocks_to_cache(blocks), held, keys
+        cache = self._blocks_to_cache(blocks)
+        mark("to_cache")
+        return cache, held, keys
 
     def save(self, cache, token_ids, held):
         """Stores the full blocks of `token_ids` from block `held` on, from the cache's K/V."""
@@ -484,7 +502,8 @@ class PrefixCache:
 
     def generate(self, input_ids, **kwargs):
         """model.generate with the prompt's cached prefix loaded and the new full blocks saved.
-        Returns (generate's output, {"held_blocks", "saved_blocks", "load_s", "generate_s", "save_s"})."""
+        Returns (generate's output, {"held_blocks", "saved_blocks", "load_s", "load_split_s" (load's parts, as
+        last_load_split), "generate_s", "save_s"})."""
         from transformers import DynamicCache
         def now():
             if input_ids.is_cuda:
@@ -500,8 +519,8 @@ class PrefixCache:
         seq = out.sequences if hasattr(out, "sequences") else out
         saved = self.save(cache, seq[0].tolist(), held)
         t3 = now()
-        return out, {"held_blocks": held, "saved_blocks": saved, "load_s": t1 - t0, "generate_s": t2 - t1,
-                     "save_s": t3 - t2}
+        return out, {"held_blocks": held, "saved_blocks": saved, "load_s": t1 - t0,
+                     "load_split_s": dict(self.last_load_split), "generate_s": t2 - t1, "save_s": t3 - t2}
 
 
 __all__ = ["PassQSession", "PrefixCache", "register", "kvring_attention", "layout_for", "NotFoundError"]
