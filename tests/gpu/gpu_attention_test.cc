@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu_test_util.h"
+#include "kvring/attention/cuda/copy_runs_cuda.h"
 #include "kvring/attention/merge.h"
 #include "kvring/attention/ring/gpu_ring.h"
 #include "kvring/cache/quantize.h"
@@ -623,6 +624,119 @@ TEST(GpuMergeTest, MatchesCpuMerge) {
       EXPECT_NEAR(gl[r], ref.lse[r], 1e-5 * std::max(1.f, std::abs(ref.lse[r])));
     }
   }
+}
+
+// MergeRows with its indexes in the launch's parameters equals MergeRows
+// over device arrays (the same kernel body), bit for bit; the cast output
+// is the float32 output rounded (bf16 and f16); no indexes with init
+// clears, without it casts the output as it is; bad arguments are refused.
+TEST(GpuMergeTest, RowsMergedFromTheLaunchsParametersAndCastToTheModelsDtype) {
+  KVRING_REQUIRE_GPU();
+  std::mt19937_64 rng(19);
+  std::normal_distribution<float> nd;
+  const int rows = 37, H = 4, D = 128, parts = 90;
+  std::vector<float> po((size_t)parts * H * D), pl((size_t)parts * H), acc((size_t)rows * H * D), al((size_t)rows * H);
+  for (auto& x : po) x = nd(rng);
+  for (size_t i = 0; i < pl.size(); ++i) pl[i] = i % 9 == 0 ? -INFINITY : nd(rng) * 4;
+  for (auto& x : acc) x = nd(rng);
+  for (auto& x : al) x = nd(rng);
+  std::vector<int32_t> csr(rows + 1, 0);  // begin[rows + 1], then contrib
+  std::uniform_int_distribution<int> pick(0, parts - 1), count(0, 4);
+  std::vector<int32_t> contrib;
+  for (int r = 0; r < rows; ++r) {
+    const int n = r % 6 == 0 ? 0 : count(rng);  // some rows with no contribution
+    for (int i = 0; i < n; ++i) contrib.push_back(pick(rng));
+    csr[r + 1] = static_cast<int32_t>(contrib.size());
+  }
+  std::vector<int32_t> all = csr;
+  all.insert(all.end(), contrib.begin(), contrib.end());
+  ASSERT_LE(all.size(), (size_t)cuda::kInlineCsrEntries);
+  Dev<float> dpo(po), dpl(pl);
+  Dev<int32_t> dall(all);
+  for (bool init : {false, true}) {
+    Dev<float> o1(acc), l1(al), o2(acc), l2(al);
+    Dev<uint16_t> bf((size_t)rows * H * D), hf((size_t)rows * H * D);
+    bf.Poison();
+    hf.Poison();
+    CUDA_OK(cuda::MergeRows({o1.p, l1.p}, rows, dpo.p, dpl.p, dall.p, dall.p + rows + 1, H, D, init, nullptr,
+                            cuda::CastOutput{bf.p, cuda::CastOutput::kBf16}));
+    CUDA_OK(cuda::MergeRowsInline({o2.p, l2.p}, rows, dpo.p, dpl.p, all.data(), (int)all.size(), H, D, init, nullptr,
+                                  cuda::CastOutput{hf.p, cuda::CastOutput::kF16}));
+    CUDA_OK(cudaDeviceSynchronize());
+    auto a1 = o1.Host(), a2 = o2.Host(), b1 = l1.Host(), b2 = l2.Host();
+    auto cb = bf.Host(), ch = hf.Host();
+    for (size_t i = 0; i < a1.size(); ++i) {
+      ASSERT_EQ(FloatToBits(a1[i]), FloatToBits(a2[i])) << "init " << init << " O " << i;
+      ASSERT_EQ(cb[i], FloatToBf16(a1[i])) << "bf16 " << i;
+      ASSERT_EQ(ch[i], FloatToF16(a1[i])) << "f16 " << i;
+    }
+    for (size_t i = 0; i < b1.size(); ++i) ASSERT_EQ(FloatToBits(b1[i]), FloatToBits(b2[i])) << "LSE " << i;
+    // Rows with no contribution: left as they were without init, (0, -inf) with it.
+    for (int r = 0; r < rows; r += 6) {
+      for (int h = 0; h < H; ++h) {
+        const size_t rh = (size_t)r * H + h;
+        EXPECT_EQ(b1[rh], init ? -INFINITY : al[rh]) << r;
+        EXPECT_EQ(a1[rh * D + 5], init ? 0.f : acc[rh * D + 5]) << r;
+      }
+    }
+  }
+  // No indexes: with init, O = 0 and LSE = -inf; without, O cast as it is.
+  Dev<float> o(acc), l(al);
+  Dev<uint16_t> c((size_t)rows * H * D);
+  CUDA_OK(cuda::MergeRowsInline({o.p, l.p}, rows, nullptr, nullptr, nullptr, 0, H, D, /*init=*/false, nullptr,
+                                cuda::CastOutput{c.p, cuda::CastOutput::kBf16}));
+  CUDA_OK(cudaDeviceSynchronize());
+  auto co = c.Host();
+  auto oo = o.Host();
+  for (size_t i = 0; i < acc.size(); ++i) ASSERT_EQ(co[i], FloatToBf16(acc[i])) << i;
+  EXPECT_EQ(oo, acc);
+  CUDA_OK(cuda::MergeRowsInline({o.p, l.p}, rows, nullptr, nullptr, nullptr, 0, H, D, /*init=*/true, nullptr, {}));
+  CUDA_OK(cudaDeviceSynchronize());
+  for (float x : o.Host()) ASSERT_EQ(x, 0.f);
+  for (float x : l.Host()) ASSERT_TRUE(std::isinf(x) && x < 0);
+  // Refused: more indexes than a launch carries, fewer than rows + 1, a cast without its buffer.
+  std::vector<int32_t> big(cuda::kInlineCsrEntries + 1, 0);
+  EXPECT_EQ(cuda::MergeRowsInline({o.p, l.p}, rows, dpo.p, dpl.p, big.data(), (int)big.size(), H, D, true, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::MergeRowsInline({o.p, l.p}, rows, dpo.p, dpl.p, all.data(), rows, H, D, true, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::MergeRowsInline({o.p, l.p}, rows, dpo.p, dpl.p, all.data(), (int)all.size(), H, D, true, nullptr,
+                                  cuda::CastOutput{nullptr, cuda::CastOutput::kBf16}),
+            cudaErrorInvalidValue);
+}
+
+// CopyRuns copies every run, 16-byte aligned or not, over several launches
+// (more runs than one launch carries), and writes nothing outside them.
+TEST(GpuCopyTest, CopyRunsCopiesEveryRunAndNothingElse) {
+  KVRING_REQUIRE_GPU();
+  std::mt19937_64 rng(23);
+  const size_t n = 4 << 20;
+  std::vector<uint8_t> src(n);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  Dev<uint8_t> ds(src), dd(n);
+  CUDA_OK(cudaMemset(dd.p, 0xab, n));
+  std::vector<cuda::CopyRun> runs;
+  std::vector<uint8_t> want(n, 0xab);
+  size_t at = 0;
+  std::uniform_int_distribution<int> len(0, 3000);
+  for (int i = 0; at < n / 2 && i < 2 * cuda::kCopyRunsPerLaunch + 7; ++i) {
+    // aligned runs, odd lengths, odd offsets, an empty one, one large run
+    size_t bytes = i == 3 ? 0 : i == 11 ? (1 << 20) + 48 : (size_t)len(rng) * (i % 3 == 0 ? 16 : 1);
+    const size_t soff = (i % 5 == 0 ? 1 : 0) + ((rng() % (n / 2)) & ~size_t{15});
+    const size_t doff = at + (i % 4 == 1 ? 3 : 0);
+    bytes = std::min(bytes, std::min(n - soff, n - doff));
+    runs.push_back(cuda::CopyRun{dd.p + doff, ds.p + soff, bytes});
+    std::copy(src.begin() + soff, src.begin() + soff + bytes, want.begin() + doff);
+    at = doff + bytes + 32;
+  }
+  ASSERT_GT(runs.size(), (size_t)cuda::kCopyRunsPerLaunch);
+  CUDA_OK(cuda::CopyRuns(runs.data(), (int)runs.size(), nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(dd.Host() == want);
+  EXPECT_EQ(cuda::CopyRuns(nullptr, 2, nullptr), cudaErrorInvalidValue);
+  cuda::CopyRun bad{nullptr, ds.p, 16};
+  EXPECT_EQ(cuda::CopyRuns(&bad, 1, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::CopyRuns(nullptr, 0, nullptr), cudaSuccess);
 }
 
 // The GPU rings on N ranks sharing this GPU (device loopback) equal one GPU

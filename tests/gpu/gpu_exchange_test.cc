@@ -46,6 +46,7 @@ class Engine {
     AttendReport report;
     double call_seconds = 0;  // StepInto's own time on this thread
     std::vector<float> out, lse;
+    std::vector<uint16_t> cast;  // AttendStep::out_cast, bf16
     std::vector<double> ref_out, ref_lse;
   };
   // One step on `layer` through `client`, with device tensors. `stream`
@@ -83,7 +84,11 @@ class Engine {
     const uint32_t rows = static_cast<uint32_t>(pos.size());
     Dev<uint16_t> dq(q), dk(nk), dv(nv);
     Dev<float> dout(rows * qrow), dlse(size_t{rows} * kQHeads);
-    dout.Poison();  // NaN: every row must be written
+    dout.Poison();                     // NaN: every row must be written
+    Dev<uint16_t> dcast(rows * qrow);  // the output in the model's dtype too
+    dcast.Poison();
+    st.out_cast = dcast.p;
+    st.out_cast_dtype = DType::kBF16;
     // (the delayed copies' sources: pinned, so the copies are queued, not done at once)
     std::unique_ptr<uint16_t, decltype(&cudaFreeHost)> pinned(nullptr, &cudaFreeHost);
     if (stream != nullptr) {
@@ -119,14 +124,18 @@ class Engine {
     if (stream != nullptr) {
       // Read through work queued after the step: it sees the output.
       Dev<float> cout(dout.n), clse(dlse.n);
+      Dev<uint16_t> ccast(dcast.n);
       cudaMemcpyAsync(cout.p, dout.p, dout.n * 4, cudaMemcpyDeviceToDevice, stream);
       cudaMemcpyAsync(clse.p, dlse.p, dlse.n * 4, cudaMemcpyDeviceToDevice, stream);
+      cudaMemcpyAsync(ccast.p, dcast.p, dcast.n * 2, cudaMemcpyDeviceToDevice, stream);
       cudaStreamSynchronize(stream);
       r.out = cout.Host();
       r.lse = clse.Host();
+      r.cast = ccast.Host();
     } else {
       r.out = dout.Host();
       r.lse = dlse.Host();
+      r.cast = dcast.Host();
     }
     // The reference, row by row, over each sequence's tokens on the layer.
     for (uint32_t i = 0, row = 0; i < parts.size(); ++i) {
@@ -173,6 +182,10 @@ void ExpectMatchesReference(const Engine::Result& r, const std::string& what) {
   }
   EXPECT_LT(std::sqrt(num / den), 1e-2) << what;
   for (size_t i = 0; i < r.lse.size(); ++i) ASSERT_NEAR(r.lse[i], r.ref_lse[i], 1e-2) << what << " lse " << i;
+  // The output in the model's dtype is the float32 output rounded to bf16,
+  // every element (the merge writes both from one value).
+  ASSERT_EQ(r.cast.size(), r.out.size()) << what;
+  for (size_t i = 0; i < r.out.size(); ++i) ASSERT_EQ(r.cast[i], FloatToBf16(r.out[i])) << what << ": cast " << i;
 }
 
 // `exchange_min_bytes`: ClientOptions::device_exchange_min_bytes (-1: its default).
@@ -203,10 +216,12 @@ TEST(GpuExchangeTest, StepsWithDeviceTensorsRunInTheClientsMemoryAndMatchTheRefe
   auto staged = Client::Connect(Options(cl, *token, false));
   ASSERT_TRUE(dev.ok() && staged.ok());
   Engine e(7), e2(7);  // the same inputs for both clients, on sequences of their own
-  // A prefill chunk (rows see their causal prefix), then decode steps that
-  // cross block boundaries, a batch of three with one that only appends.
+  // A prefill chunk (rows see their causal prefix; 819 rows merged from
+  // both nodes: more merge indexes than a launch's parameters carry), then
+  // decode steps that cross block boundaries, a batch of three with one
+  // that only appends.
   const std::vector<std::vector<Engine::Part>> steps = {
-      {{"a", 40, 40}, {"b", 9, 9}, {"c", 70, 70}},
+      {{"a", 740, 740}, {"b", 9, 9}, {"c", 70, 70}},
       {{"a", 1, 1}, {"b", 1, 1}, {"c", 1, 1}},
       {{"a", 1, 1}, {"b", 0, 1}, {"c", 2, 2}},
       {{"a", 3, 3}, {"b", 1, 1}, {"c", 1, 1}},

@@ -102,6 +102,7 @@ class HfGlueTest(unittest.TestCase):
                     out, w = fn(model.layers[layer], q.to(device), kk, vv, None, scaling=1 / math.sqrt(D))
                     self.assertIsNone(w)
                     self.assertEqual(tuple(out.shape), (2, T, H, D))
+                    self.assertEqual(out.dtype, q.dtype)  # the model's dtype (on CUDA: written by the merge)
                     self.assertEqual(out.device.type, device.type)
                     out = out.cpu()
                     for b in range(2):

@@ -1,5 +1,9 @@
 // Exact LSE merge of attention partials on the GPU.
+#include <cstring>
+#include <type_traits>
+
 #include "cuda_common.cuh"
+#include "kvring/attention/cuda/merge_cuda.h"
 
 namespace kvring::cuda {
 namespace internal {
@@ -50,43 +54,115 @@ __global__ void MergeIntoKernel(float* __restrict__ acc_out, float* __restrict__
   if (lane == 0) acc_lse[warp] = M + __logf(wa + wb);
 }
 
-// One warp per (row, head): the row's contributions folded into acc.
+// Where MergeRowsKernel reads a row's contributions: device arrays, or the
+// launch's own parameters (MergeRowsInline).
+struct DeviceCsr {
+  const int32_t* begin;
+  const int32_t* contrib;
+  __device__ int Begin(int r) const { return begin[r]; }
+  __device__ int At(int i) const { return contrib[i]; }
+};
+struct InlineCsr {
+  int32_t v[kInlineCsrEntries];  // begin[rows + 1], then the contributions
+  int rows;
+  __device__ int Begin(int r) const { return v[r]; }
+  __device__ int At(int i) const { return v[rows + 1 + i]; }
+};
+
+struct NoCsr {  // no row has a contribution
+  __device__ int Begin(int) const { return 0; }
+  __device__ int At(int) const { return 0; }
+};
+
+template <typename T>
+__device__ void Store(T* p, float x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    *p = __float2bfloat16(x);
+  } else {
+    *p = __float2half(x);
+  }
+}
+
+// One warp per (row, head): the row's contributions folded into acc (and,
+// with Cast, O also written to cast in Cast).
+template <typename Csr, typename Cast>
 __global__ void MergeRowsKernel(float* __restrict__ acc_out, float* __restrict__ acc_lse, int rows,
                                 const float* __restrict__ parts_out, const float* __restrict__ parts_lse,
-                                const int32_t* __restrict__ begin, const int32_t* __restrict__ contrib, int q_heads,
-                                int head_dim, bool init) {
+                                const __grid_constant__ Csr csr, int q_heads, int head_dim, bool init,
+                                Cast* __restrict__ cast) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (warp >= rows * q_heads) return;
   const int r = warp / q_heads, h = warp % q_heads;
-  const int c0 = begin[r], c1 = begin[r + 1];
+  const int c0 = csr.Begin(r), c1 = csr.Begin(r + 1);
   float* o = acc_out + (size_t)warp * head_dim;
-  if (c0 == c1 && !init) return;
+  Cast* oc = nullptr;
+  if constexpr (!std::is_void_v<Cast>) oc = cast + (size_t)warp * head_dim;
+  if (c0 == c1 && !init) {
+    if constexpr (!std::is_void_v<Cast>) {
+      for (int d = lane; d < head_dim; d += 32) Store(oc + d, o[d]);
+    }
+    return;
+  }
   const float own = init ? -INFINITY : acc_lse[warp];
   float M = own;
-  for (int c = c0; c < c1; ++c) M = fmaxf(M, parts_lse[(size_t)contrib[c] * q_heads + h]);
+  for (int c = c0; c < c1; ++c) M = fmaxf(M, parts_lse[(size_t)csr.At(c) * q_heads + h]);
   if (M == -INFINITY) {  // nothing seen: O = 0, LSE = -inf
-    for (int d = lane; d < head_dim; d += 32) o[d] = 0.f;
+    for (int d = lane; d < head_dim; d += 32) {
+      o[d] = 0.f;
+      if constexpr (!std::is_void_v<Cast>) Store(oc + d, 0.f);
+    }
     if (lane == 0) acc_lse[warp] = -INFINITY;
     return;
   }
   const float w_own = own == -INFINITY ? 0.f : __expf(own - M);
   float L = w_own;
   for (int c = c0; c < c1; ++c) {
-    const float x = parts_lse[(size_t)contrib[c] * q_heads + h];
+    const float x = parts_lse[(size_t)csr.At(c) * q_heads + h];
     L += x == -INFINITY ? 0.f : __expf(x - M);
   }
   const float inv = 1.f / L;
   for (int d = lane; d < head_dim; d += 32) {
     float acc = w_own > 0.f ? w_own * o[d] : 0.f;
     for (int c = c0; c < c1; ++c) {
-      const float x = parts_lse[(size_t)contrib[c] * q_heads + h];
-      if (x != -INFINITY) acc += __expf(x - M) * parts_out[((size_t)contrib[c] * q_heads + h) * head_dim + d];
+      const int p = csr.At(c);
+      const float x = parts_lse[(size_t)p * q_heads + h];
+      if (x != -INFINITY) acc += __expf(x - M) * parts_out[((size_t)p * q_heads + h) * head_dim + d];
     }
     o[d] = acc * inv;
+    if constexpr (!std::is_void_v<Cast>) Store(oc + d, acc * inv);
   }
   __syncwarp();
   if (lane == 0) acc_lse[warp] = M + __logf(L);
+}
+
+template <typename Csr>
+cudaError_t LaunchMergeRows(OutputView acc, int rows, const float* parts_out, const float* parts_lse, const Csr& csr,
+                            int q_heads, int head_dim, bool init, CastOutput cast, cudaStream_t stream) {
+  const int threads = 256, warps_per_block = threads / 32;
+  const long long warps = (long long)rows * q_heads;
+  const unsigned blocks = (unsigned)((warps + warps_per_block - 1) / warps_per_block);
+  switch (cast.dtype) {
+    case CastOutput::kNone:
+      MergeRowsKernel<Csr, void><<<blocks, threads, 0, stream>>>(acc.out, acc.lse, rows, parts_out, parts_lse, csr,
+                                                                 q_heads, head_dim, init, nullptr);
+      break;
+    case CastOutput::kF16:
+      MergeRowsKernel<Csr, __half><<<blocks, threads, 0, stream>>>(
+          acc.out, acc.lse, rows, parts_out, parts_lse, csr, q_heads, head_dim, init, static_cast<__half*>(cast.out));
+      break;
+    case CastOutput::kBf16:
+      MergeRowsKernel<Csr, __nv_bfloat16><<<blocks, threads, 0, stream>>>(acc.out, acc.lse, rows, parts_out, parts_lse,
+                                                                          csr, q_heads, head_dim, init,
+                                                                          static_cast<__nv_bfloat16*>(cast.out));
+      break;
+  }
+  return cudaGetLastError();
+}
+
+bool BadCast(const CastOutput& c) {
+  return (c.dtype != CastOutput::kNone && c.out == nullptr) ||
+         (c.dtype != CastOutput::kNone && c.dtype != CastOutput::kF16 && c.dtype != CastOutput::kBf16);
 }
 
 }  // namespace
@@ -94,17 +170,34 @@ __global__ void MergeRowsKernel(float* __restrict__ acc_out, float* __restrict__
 
 cudaError_t MergeRows(OutputView acc, int rows, const float* parts_out, const float* parts_lse,
                       const int32_t* contrib_begin, const int32_t* contrib, int q_heads, int head_dim, bool init,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, CastOutput cast) {
   if (acc.out == nullptr || acc.lse == nullptr || contrib_begin == nullptr || rows < 0 || q_heads <= 0 ||
-      head_dim <= 0) {
+      head_dim <= 0 || internal::BadCast(cast)) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
-  const int threads = 256, warps_per_block = threads / 32;
-  const long long warps = (long long)rows * q_heads;
-  internal::MergeRowsKernel<<<(unsigned)((warps + warps_per_block - 1) / warps_per_block), threads, 0, stream>>>(
-      acc.out, acc.lse, rows, parts_out, parts_lse, contrib_begin, contrib, q_heads, head_dim, init);
-  return cudaGetLastError();
+  return internal::LaunchMergeRows(acc, rows, parts_out, parts_lse, internal::DeviceCsr{contrib_begin, contrib},
+                                   q_heads, head_dim, init, cast, stream);
+}
+
+cudaError_t MergeRowsInline(OutputView acc, int rows, const float* parts_out, const float* parts_lse,
+                            const int32_t* csr, int csr_entries, int q_heads, int head_dim, bool init,
+                            cudaStream_t stream, CastOutput cast) {
+  const bool none = csr == nullptr && csr_entries == 0;
+  if (acc.out == nullptr || acc.lse == nullptr || rows < 0 || q_heads <= 0 || head_dim <= 0 ||
+      (!none && (csr == nullptr || csr_entries < rows + 1 || csr_entries > kInlineCsrEntries)) ||
+      internal::BadCast(cast)) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0) return cudaSuccess;
+  if (none) {
+    return internal::LaunchMergeRows(acc, rows, parts_out, parts_lse, internal::NoCsr{}, q_heads, head_dim, init, cast,
+                                     stream);
+  }
+  internal::InlineCsr c;
+  std::memcpy(c.v, csr, sizeof(int32_t) * (size_t)csr_entries);
+  c.rows = rows;
+  return internal::LaunchMergeRows(acc, rows, parts_out, parts_lse, c, q_heads, head_dim, init, cast, stream);
 }
 
 cudaError_t MergePartials(const float* out_parts, const float* lse_parts, int num_parts, int rows_heads, int head_dim,

@@ -290,6 +290,14 @@ int kvring_step(kvring_client* c, const kvring_step_args* a, float* out, float* 
   st.device_buffers = a->device_buffers != 0;
   st.stream_ordered = a->stream_ordered != 0;
   st.stream = a->stream;
+  if (a->out_cast != nullptr) {
+    if (a->out_cast_dtype != static_cast<uint32_t>(DType::kF16) &&
+        a->out_cast_dtype != static_cast<uint32_t>(DType::kBF16)) {
+      return Code(absl::InvalidArgumentError("out_cast_dtype must be 1 (f16) or 2 (bf16)"));
+    }
+    st.out_cast = a->out_cast;
+    st.out_cast_dtype = static_cast<DType>(a->out_cast_dtype);
+  }
   AttendReport rep;
   absl::Status s = c->c->StepInto(st, PartialOutput{out, lse}, &rep);
   if (!s.ok()) return Code(s);

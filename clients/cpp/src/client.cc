@@ -914,15 +914,10 @@ class ClientImpl {
       KVRING_RETURN_IF_ERROR(StepOnHost(in, out, report, &dx));
       if (!dx.initialized && in.q.num_rows > 0) {
         // No round had rows to attend (sequences without tokens): O = 0, LSE = -inf.
-        const size_t n = (size_t{in.q.num_rows} + 1) * sizeof(int32_t);
-        KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging zeros, dev->Pinned(n));
-        std::memset(zeros.data(), 0, n);
-        KVRING_ASSIGN_OR_RETURN(DeviceMemory::Exchange xb, dev->ExchangeBuffer(n, stream));
-        KVRING_RETURN_IF_ERROR(dev->CopyAsync(xb.data(), zeros.data(), n, stream));
-        const int32_t* begin = reinterpret_cast<const int32_t*>(xb.data());
-        KVRING_RETURN_IF_ERROR(dev->MergeRows(out.out, out.lse, shape.num_rows, nullptr, nullptr, begin, begin,
-                                              shape.q_heads, shape.head_dim, /*init=*/true, stream));
-        return dev->Wait(stream);
+        KVRING_RETURN_IF_ERROR(dev->MergeRows(out.out, out.lse, shape.num_rows, nullptr, nullptr, {}, nullptr,
+                                              shape.q_heads, shape.head_dim, /*init=*/true, in.out_cast,
+                                              in.out_cast_dtype, stream));
+        return in.stream_ordered ? absl::OkStatus() : dev->Wait(stream);
       }
       return absl::OkStatus();
     }
@@ -933,6 +928,7 @@ class ClientImpl {
     KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging stage, dev->Pinned(qb + 2 * kvb + ob + lb));
     AttendStep st = in;
     st.device_buffers = false;
+    st.out_cast = nullptr;  // (cast on the device below, once the output is there)
     uint8_t* p = stage.data();
     // Queued on one stream and waited for once (a decode step's three small
     // copies each paid a synchronous cudaMemcpy's round trip before).
@@ -951,6 +947,11 @@ class ClientImpl {
     if (ob == 0) return absl::OkStatus();  // an append-only step
     KVRING_RETURN_IF_ERROR(dev->CopyAsync(out.out, ho, ob, stream));
     KVRING_RETURN_IF_ERROR(dev->CopyAsync(out.lse, hl, lb, stream));
+    if (in.out_cast != nullptr) {  // (no contributions, no init: O as it is, cast)
+      KVRING_RETURN_IF_ERROR(dev->MergeRows(out.out, out.lse, shape.num_rows, nullptr, nullptr, {}, nullptr,
+                                            shape.q_heads, shape.head_dim, /*init=*/false, in.out_cast,
+                                            in.out_cast_dtype, stream));
+    }
     if (in.stream_ordered) {
       stage.UseOn(stream);  // (not reused before the copies out of it are done)
       return absl::OkStatus();
@@ -1090,6 +1091,13 @@ class ClientImpl {
     }
     if (appended > 0 && (st.new_k == nullptr || st.new_v == nullptr)) {
       return absl::InvalidArgumentError("appending needs new_k and new_v");
+    }
+    if (st.out_cast != nullptr && !st.device_buffers) {
+      return absl::InvalidArgumentError("out_cast is for steps on device buffers (the model's output on its GPU)");
+    }
+    if (st.out_cast != nullptr && st.out_cast_dtype != DType::kBF16 && st.out_cast_dtype != DType::kF16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("out_cast_dtype must be bf16 or f16, not ", DTypeName(st.out_cast_dtype)));
     }
     return absl::OkStatus();
   }
@@ -1401,6 +1409,8 @@ class ClientImpl {
         runs.push_back(Run{tensor, dst, from, n});
       }
     };
+    // (All of them in one launch: as cudaMemcpyAsync calls, a 4-node decode
+    // step's queries and K/V were 9 API calls on the engine's thread.)
     for (size_t j = 0; j < jobs.size(); ++j) {
       uint64_t qo = place[j].q, ko = place[j].k, vo = place[j].v;
       for (const SeqPart& p : jobs[j].parts) {
@@ -1421,8 +1431,10 @@ class ClientImpl {
         }
       }
     }
-    for (const Run& r : runs) KVRING_RETURN_IF_ERROR(dx->dev->CopyAsync(r.dst, r.src, r.n, dx->stream));
-    return absl::OkStatus();
+    std::vector<DeviceMemory::DeviceCopy> copies;
+    copies.reserve(runs.size());
+    for (const Run& r : runs) copies.push_back(DeviceMemory::DeviceCopy{r.dst, r.src, r.n});
+    return dx->dev->CopyDevice(copies, dx->stream);
   }
 
   // Plans the exchange buffer of `jobs` and copies the engine's rows into it
@@ -1960,18 +1972,14 @@ class ClientImpl {
       std::vector<int32_t> csr(size_t{shape_.num_rows} + 1);
       for (uint32_t r = 0; r < shape_.num_rows; ++r) csr[r + 1] = csr[r] + static_cast<int32_t>(contrib[r].size());
       for (const auto& c : contrib) csr.insert(csr.end(), c.begin(), c.end());
-      const size_t n = csr.size() * sizeof(int32_t);
       DeviceMemory& dev = *dx_->dev;
       uint8_t* xb = ex_.xb.data();
-      KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging stage, dev.Pinned(n));
-      if (dx_->stream_ordered) stage.UseOn(dx_->stream);
-      std::memcpy(stage.data(), csr.data(), n);
-      KVRING_RETURN_IF_ERROR(dev.CopyAsync(xb + ex_.csr_off, stage.data(), n, dx_->stream));
-      const int32_t* begin = reinterpret_cast<const int32_t*>(xb + ex_.csr_off);
-      KVRING_RETURN_IF_ERROR(dev.MergeRows(k_.out.out, k_.out.lse, shape_.num_rows, reinterpret_cast<const float*>(xb),
-                                           reinterpret_cast<const float*>(xb + ex_.l_base), begin,
-                                           begin + shape_.num_rows + 1, shape_.q_heads, shape_.head_dim,
-                                           !dx_->initialized, dx_->stream));
+      // (The indexes travel in the merge's launch; a large set goes through
+      // the buffer's csr area.)
+      KVRING_RETURN_IF_ERROR(dev.MergeRows(
+          k_.out.out, k_.out.lse, shape_.num_rows, reinterpret_cast<const float*>(xb),
+          reinterpret_cast<const float*>(xb + ex_.l_base), csr, reinterpret_cast<int32_t*>(xb + ex_.csr_off),
+          shape_.q_heads, shape_.head_dim, !dx_->initialized, st_.out_cast, st_.out_cast_dtype, dx_->stream));
       // (On the caller's stream, the buffers go back to their pools marked in
       // use until the stream has passed the merge.)
       if (!dx_->stream_ordered) KVRING_RETURN_IF_ERROR(dev.Wait(dx_->stream));

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kvring/attention/cuda/copy_runs_cuda.h"
 #include "kvring/attention/cuda/merge_cuda.h"
 #include "kvring/client/device_memory.h"
 #include "kvring/common/cuda_ipc.h"
@@ -68,12 +69,43 @@ class CudaDeviceMemory final : public DeviceMemory {
     if (bytes == 0) return absl::OkStatus();
     return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, S(stream)), "an async copy");
   }
+  absl::Status CopyDevice(absl::Span<const DeviceCopy> copies, void* stream) override {
+    if (copies.empty()) return absl::OkStatus();
+    if (copies.size() == 1) return CopyAsync(copies[0].dst, copies[0].src, copies[0].bytes, stream);
+    std::vector<cuda::CopyRun> runs;
+    runs.reserve(copies.size());
+    for (const DeviceCopy& c : copies) runs.push_back(cuda::CopyRun{c.dst, c.src, c.bytes});
+    return CudaStatus(cuda::CopyRuns(runs.data(), static_cast<int>(runs.size()), S(stream)),
+                      "gathering a step's rows on the device");
+  }
   absl::Status MergeRows(float* acc_out, float* acc_lse, uint32_t rows, const float* parts_out, const float* parts_lse,
-                         const int32_t* contrib_begin, const int32_t* contrib, uint32_t q_heads, uint32_t head_dim,
-                         bool init, void* stream) override {
+                         absl::Span<const int32_t> csr, int32_t* csr_scratch, uint32_t q_heads, uint32_t head_dim,
+                         bool init, void* cast, DType cast_dtype, void* stream) override {
+    if (!csr.empty() && csr.size() < size_t{rows} + 1) {
+      return absl::InvalidArgumentError(absl::StrCat("a merge of ", rows, " rows with ", csr.size(), " index entries"));
+    }
+    cuda::CastOutput c;
+    if (cast != nullptr) {
+      if (cast_dtype != DType::kBF16 && cast_dtype != DType::kF16) {
+        return absl::InvalidArgumentError("a merge casts its output to bf16 or f16 only");
+      }
+      c = cuda::CastOutput{cast, cast_dtype == DType::kBF16 ? cuda::CastOutput::kBf16 : cuda::CastOutput::kF16};
+    }
+    const cuda::OutputView acc{acc_out, acc_lse};
+    const auto r = static_cast<int>(rows);
+    const auto h = static_cast<int>(q_heads), d = static_cast<int>(head_dim);
+    if (csr.size() <= static_cast<size_t>(cuda::kInlineCsrEntries)) {  // (empty: no contributions)
+      return CudaStatus(cuda::MergeRowsInline(acc, r, parts_out, parts_lse, csr.empty() ? nullptr : csr.data(),
+                                              static_cast<int>(csr.size()), h, d, init, S(stream), c),
+                        "merging the shards' partials on the device");
+    }
+    const size_t n = csr.size() * sizeof(int32_t);
+    KVRING_ASSIGN_OR_RETURN(Staging stage, Pinned(n));
+    stage.UseOn(stream);  // (not handed out again before the copy out of it is done)
+    std::memcpy(stage.data(), csr.data(), n);
+    KVRING_RETURN_IF_ERROR(CopyAsync(csr_scratch, stage.data(), n, stream));
     return CudaStatus(
-        cuda::MergeRows(cuda::OutputView{acc_out, acc_lse}, static_cast<int>(rows), parts_out, parts_lse, contrib_begin,
-                        contrib, static_cast<int>(q_heads), static_cast<int>(head_dim), init, S(stream)),
+        cuda::MergeRows(acc, r, parts_out, parts_lse, csr_scratch, csr_scratch + rows + 1, h, d, init, S(stream), c),
         "merging the shards' partials on the device");
   }
   absl::Status Wait(void* stream) override {

@@ -39,7 +39,7 @@ class StepArgs(ctypes.Structure):
                 ("num_rows", c_u32), ("q_heads", c_u32), ("head_dim", c_u32), ("positions", P(c_i64)),
                 ("new_k", c_void_p), ("new_v", c_void_p), ("layer", c_u32), ("causal", c_int), ("window", c_i64),
                 ("softmax_scale", c_float), ("device_buffers", c_int), ("stream_ordered", c_int),
-                ("stream", c_void_p)]
+                ("stream", c_void_p), ("out_cast", c_void_p), ("out_cast_dtype", c_u32)]
 
 
 class AttendReport(ctypes.Structure):
@@ -146,8 +146,8 @@ def _load():
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
-    if lib.kvring_api_version() != 8:
-        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 8" % lib.kvring_api_version())
+    if lib.kvring_api_version() != 9:
+        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 9" % lib.kvring_api_version())
     return lib
 
 

@@ -180,6 +180,9 @@ def _cache_classes():
     return PassQCache
 
 
+_CAST_DTYPES = (torch.bfloat16, torch.float16)  # the model dtypes a step's merge writes (StepPlan's out=)
+
+
 class PassQSession:
     """Pass-Q attention for one batch of sequences (one per batch row) of `model` over `client`."""
 
@@ -359,9 +362,14 @@ class PassQSession:
         rep = plan.report
         if T == 1 and key.dtype == torch.bfloat16 and query.is_contiguous() and key.is_contiguous() \
                 and value.is_contiguous():
-            # A decode step as the model hands it over: its memory is the step's rows as they are.
-            o, _ = plan.decode(layer, tokens, query, key, value)
-            result = o.view(B, 1, Hq, D).to(query.dtype)
+            # A decode step as the model hands it over: its memory is the step's rows as they are, and the
+            # step's merge writes the output in the model's dtype (no conversion after it).
+            if query.dtype in _CAST_DTYPES:
+                result = torch.empty((B, 1, Hq, D), dtype=query.dtype, device=query.device)
+                plan.decode(layer, tokens, query, key, value, out=result)
+            else:
+                o, _ = plan.decode(layer, tokens, query, key, value)
+                result = o.view(B, 1, Hq, D).to(query.dtype)
             self._account(tokens, 1, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
         else:
             q = query.transpose(1, 2)  # [B, T, Hq, D]
@@ -371,7 +379,12 @@ class PassQSession:
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             if k.dtype != torch.bfloat16:
                 k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
-            if T <= self.max_rows:
+            if T <= self.max_rows and query.dtype in _CAST_DTYPES:
+                result = torch.empty((B, T, Hq, D), dtype=query.dtype, device=query.device)
+                plan.run(layer, tokens, T, q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D),
+                         out=result)
+                self._account(tokens, T, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
+            elif T <= self.max_rows:
                 o, _ = plan.run(layer, tokens, T, q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D),
                                 v.reshape(B * T, -1, D))
                 result = o.view(B, T, Hq, D).to(query.dtype)

@@ -22,6 +22,7 @@ from . import Layout, _check, _int, _invalid, _keys, _lib, _native, _parent, _pt
 
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _LAYOUT_DT = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
+_CAST_DT = {torch.float16: 1, torch.bfloat16: 2}  # StepPlan's out=: the C ABI's out_cast_dtype
 
 
 def layout_dtype(layout):
@@ -149,12 +150,14 @@ class StepPlan:
         self._report_ref = ctypes.byref(self.report)
         self._out = {}  # (rows, device) -> (out, lse, out pointer, lse pointer)
 
-    def run(self, layer, contexts, rows, q, new_k, new_v):
+    def run(self, layer, contexts, rows, q, new_k, new_v, out=None):
         """Appends `rows` tokens to each sequence on `layer` (sequence b holds contexts[b] tokens there before the
         call) and attends their queries: q [batch * rows, q_heads, head_dim] (bf16/f16/f32), new_k / new_v
         [batch * rows, kv_heads, head_dim] in the layout's dtype, rows grouped by sequence, CUDA tensors on one
         device, contiguous. Returns (out [batch * rows, q_heads, head_dim] f32, lse [batch * rows, q_heads] f32)
-        on that device."""
+        on that device. out: a contiguous bf16 or f16 CUDA tensor of batch * rows * q_heads * head_dim elements on
+        that device (any shape), the caller's own: the step's last merge also writes O there in its dtype (no
+        conversion after the step), and (out, lse) is returned."""
         B, L = self.batch, self._layout
         if not 0 < rows <= self.max_rows:
             _invalid("rows must be in [1, %d], got %d" % (self.max_rows, rows))
@@ -170,13 +173,15 @@ class StepPlan:
                          (what, self._dtype, kv, tuple(t.shape), t.dtype))
         if len(contexts) != B:
             _invalid("contexts: one token count per sequence (%d), got %d" % (B, len(contexts)))
-        return self._launch(layer, contexts, rows, n, qd, q.data_ptr(), new_k.data_ptr(), new_v.data_ptr(), q.device)
+        return self._launch(layer, contexts, rows, n, qd, q.data_ptr(), new_k.data_ptr(), new_v.data_ptr(), q.device,
+                            self._cast(out, n, q.device))
 
-    def decode(self, layer, contexts, query, key, value):
+    def decode(self, layer, contexts, query, key, value, out=None):
         """run() for one token a sequence, in the attention layout of transformers' models: query
         [batch, q_heads, 1, head_dim], key / value [batch, kv_heads, 1, head_dim] (the layout's dtype), CUDA
         tensors on one device, each contiguous (then their memory is exactly run()'s q, new_k, new_v: no copy).
-        Returns run()'s (out [batch, q_heads, head_dim] f32, lse)."""
+        Returns run()'s (out [batch, q_heads, head_dim] f32, lse); with out (as for run(), e.g. the model's
+        [batch, 1, q_heads, head_dim] attention output), (out, lse)."""
         B, L = self.batch, self._layout
         qd = _DT.get(query.dtype)
         kv = (B, L.kv_heads, 1, L.head_dim)
@@ -191,9 +196,20 @@ class StepPlan:
         if len(contexts) != B:
             _invalid("contexts: one token count per sequence (%d), got %d" % (B, len(contexts)))
         return self._launch(layer, contexts, 1, B, qd, query.data_ptr(), key.data_ptr(), value.data_ptr(),
-                            query.device)
+                            query.device, self._cast(out, B, query.device))
 
-    def _launch(self, layer, contexts, rows, n, qd, q_ptr, k_ptr, v_ptr, device):
+    def _cast(self, out, n, device):
+        """(out, its C dtype code) for run()'s out, checked; None without one."""
+        if out is None:
+            return None
+        code = _CAST_DT.get(out.dtype)
+        if (code is None or out.numel() != n * self.q_heads * self._layout.head_dim or not out.is_contiguous()
+                or out.device != device):
+            _invalid("out must be a contiguous bfloat16 or float16 tensor of %d elements on %s, got %s %s on %s" %
+                     (n * self.q_heads * self._layout.head_dim, device, tuple(out.shape), out.dtype, out.device))
+        return out, code
+
+    def _launch(self, layer, contexts, rows, n, qd, q_ptr, k_ptr, v_ptr, device, cast=None):
         L = self._layout
         seqs, pos = self._seqs, self._pos
         for b in range(self.batch):
@@ -215,6 +231,10 @@ class StepPlan:
         a = self._args
         a.q, a.q_dtype, a.num_rows, a.layer = q_ptr, qd, n, layer
         a.new_k, a.new_v = k_ptr, v_ptr
+        if cast is None:
+            a.out_cast = None
+        else:
+            a.out_cast, a.out_cast_dtype = cast[0].data_ptr(), cast[1]
         if self.stream_ordered:
             a.stream = _current_stream(device)
         else:
@@ -223,7 +243,7 @@ class StepPlan:
         code = _lib.kvring_step(self._client._h, self._args_ref, buf[2], buf[3], self._report_ref)
         self.call_seconds = time.perf_counter() - t0
         _check(code)
-        return buf[0], buf[1]
+        return (buf[0] if cast is None else cast[0]), buf[1]
 
 
 def _current_stream(device):

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KVRING_C_API_VERSION 8
+#define KVRING_C_API_VERSION 9
 
 typedef struct kvring_client kvring_client;
 
@@ -86,6 +86,13 @@ typedef struct {
    * host reads out/lse. */
   int stream_ordered;
   void* stream;
+  /* With device_buffers (version 9): the merged O also written into
+   * out_cast, device memory of [num_rows, q_heads, head_dim] in
+   * out_cast_dtype (1 f16, 2 bf16), the model's attention output in its own
+   * dtype (AttendStep::out_cast); NULL: not. out and lse are written as
+   * always. */
+  void* out_cast;
+  uint32_t out_cast_dtype;
 } kvring_step_args;
 
 typedef struct {

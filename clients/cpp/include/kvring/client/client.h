@@ -229,6 +229,13 @@ struct AttendStep {
   // Unset: the client orders the step on its own stream and waits for it.
   bool stream_ordered = false;
   void* stream = nullptr;
+  // With device_buffers: the merged O is also written here, GPU memory of
+  // [num_rows, q_heads, head_dim] in out_cast_dtype (kBF16 or kF16): the
+  // model's attention output in its own dtype, written by the step's last
+  // merge instead of a conversion after it. The float32 output and LSE are
+  // written as always. Null: not.
+  void* out_cast = nullptr;
+  DType out_cast_dtype = DType::kBF16;
 };
 
 struct NodeStats {

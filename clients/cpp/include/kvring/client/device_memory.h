@@ -27,6 +27,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kvring/layout/block_layout.h"
 
 namespace kvring {
 
@@ -124,12 +126,29 @@ class DeviceMemory {
   // Asynchronous copies (any direction; host memory pinned) and merges, in
   // order on `stream`; Wait(stream) waits for all of them.
   virtual absl::Status CopyAsync(void* dst, const void* src, size_t bytes, void* stream) = 0;
-  // kvring::cuda::MergeRows (attention/cuda merge_cuda.h) over device
-  // arrays: acc rows <- their own partial (unless `init`) merged with the
-  // partial rows each one lists.
+  // Device-to-device copies (memory of this context or mapped into it; no
+  // two destinations overlap) queued on `stream` as one kernel launch per
+  // few dozen copies, not one API call each.
+  struct DeviceCopy {
+    void* dst = nullptr;
+    const void* src = nullptr;
+    size_t bytes = 0;
+  };
+  virtual absl::Status CopyDevice(absl::Span<const DeviceCopy> copies, void* stream) = 0;
+  // kvring::cuda::MergeRows (attention/cuda merge_cuda.h): acc rows <- their
+  // own partial (unless `init`) merged with the partial rows each one lists.
+  // `csr` (host memory, read before the call returns) is contrib_begin
+  // (rows + 1 entries) then contrib: small sets travel in the launch's
+  // parameters; larger ones are copied to `csr_scratch` (device memory of
+  // csr.size() entries, unused otherwise) on `stream` first. Empty: no row
+  // has a contribution (with init: O = 0, LSE = -inf; without: the rows
+  // stay as they are, and with `cast` are cast). `cast`: the
+  // merged O also written there in cast_dtype (kBF16 or kF16; the shape of
+  // acc_out), the engine's own dtype; null: not.
   virtual absl::Status MergeRows(float* acc_out, float* acc_lse, uint32_t rows, const float* parts_out,
-                                 const float* parts_lse, const int32_t* contrib_begin, const int32_t* contrib,
-                                 uint32_t q_heads, uint32_t head_dim, bool init, void* stream) = 0;
+                                 const float* parts_lse, absl::Span<const int32_t> csr, int32_t* csr_scratch,
+                                 uint32_t q_heads, uint32_t head_dim, bool init, void* cast, DType cast_dtype,
+                                 void* stream) = 0;
   virtual absl::Status Wait(void* stream) = 0;
   // Records an event on `stream` that a node on this host can wait on (CUDA
   // IPC): its cudaIpcEventHandle_t bytes. The events are pooled and
