@@ -248,6 +248,35 @@ TEST(ProbeTest, AttendOverHugeLengthsIsAnError) {
   EXPECT_NE(more.status().message().find("block 4 is not on this node"), std::string::npos) << more.status();
 }
 
+// A step's output in the model's dtype (AttendStep::out_cast) is written on
+// the device by the merge: asked of a step on host buffers, the step is
+// refused before anything is sent, naming the field, and the sequence is
+// untouched. (Other dtypes: test_api_fuzz.py, at the C ABI.)
+TEST(ProbeTest, ACastOutputIsRefusedOffTheDevice) {
+  Cluster cl(ClusterOptions{.nodes = 1, .replication = 1});
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("cast");
+  ASSERT_TRUE(token.ok());
+  auto c = cl.Connect(*token);
+  ASSERT_TRUE(c.ok());
+  std::vector<uint16_t> q(4 * 64, FloatToBf16(0.5f)), kv(2 * 64, FloatToBf16(0.25f)), cast(4 * 64);
+  std::vector<int64_t> pos = {0};
+  AttendStep step;
+  step.layout = SmallLayout();
+  step.sequences = {AttendSequence{"s", 0, 1, 1}};
+  step.q = QueryTensor{q.data(), DType::kBF16, 1, 4, 64, pos.data(), nullptr};
+  step.new_k = kv.data();
+  step.new_v = kv.data();
+  step.out_cast = cast.data();
+  std::vector<float> o(4 * 64), lse(4);
+  absl::Status st = (*c)->StepInto(step, PartialOutput{o.data(), lse.data()});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("out_cast is for steps on device buffers"), std::string::npos) << st;
+  // Nothing was appended: the same step without the cast output starts the sequence.
+  step.out_cast = nullptr;
+  ASSERT_TRUE((*c)->StepInto(step, PartialOutput{o.data(), lse.data()}).ok());
+}
+
 // One Get of 120 cold blocks from a node with 8 host pages, over UCX (which
 // holds the blocks it replies with): every block comes back right.
 TEST(ProbeTest, AGetOfMoreColdBlocksThanHostPagesSucceeds) {

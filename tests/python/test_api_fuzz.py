@@ -103,6 +103,28 @@ class ApiFuzz(unittest.TestCase):
             with self.subTest(case=i):
                 self.assertKvringError(f, inv)
 
+    def test_a_cast_output_is_refused_in_other_dtypes_and_off_the_device(self):
+        """kvring_step_args.out_cast (C ABI 9): a dtype other than f16/bf16, or host buffers, is an InvalidArgument
+        naming the field (checked by the C ABI and the client before anything is sent)."""
+        import ctypes
+        from kvring import _check, _lib, _native
+        L = self.L
+        q = np.zeros((1, 4, 64), np.float16)
+        kv = np.zeros((1, 2, 64), np.float16)
+        pos = np.zeros(1, np.int64)
+        cast = np.zeros((1, 4, 64), np.float16)
+        seqs = (_native.Seq * 1)(_native.Seq(b"cast-s", 0, 1, 1))
+        out = np.zeros((1, 4, 64), np.float32)
+        lse = np.zeros((1, 4), np.float32)
+        for dtype, what in ((0, "out_cast_dtype"), (7, "out_cast_dtype"), (1, "device buffers")):
+            a = _native.StepArgs(L._c(), seqs, 1, q.ctypes.data, 1, 1, 4, 64,
+                                 pos.ctypes.data_as(_native.P(ctypes.c_int64)), kv.ctypes.data, kv.ctypes.data, 0, 1, 0,
+                                 0.0, 0)
+            a.out_cast, a.out_cast_dtype = cast.ctypes.data, dtype
+            with self.assertRaises(kvring.InvalidArgumentError) as e:
+                _check(_lib.kvring_step(self.c._h, ctypes.byref(a), out.ctypes.data, lse.ctypes.data, None))
+            self.assertIn(what, str(e.exception))
+
     def test_refused_steps_change_nothing_and_the_sequence_stays_exact(self):
         c, L = self.c, self.L
         rng = np.random.default_rng(5)
