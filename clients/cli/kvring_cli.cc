@@ -385,6 +385,7 @@ int CmdTenant(const Opts& o, const std::string& cmd) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvring::DisableMutexDeadlockDetection();
   Opts o;
   FlagSet f(
       "kvring",

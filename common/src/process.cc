@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 
 namespace kvring {
 
@@ -21,6 +22,8 @@ void BlockTerminationSignals() {
   // EFBIG and reaches the caller as an error instead of killing the process.
   std::signal(SIGXFSZ, SIG_IGN);
 }
+
+void DisableMutexDeadlockDetection() { absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore); }
 
 int WaitForTerminationSignal() {
   sigset_t set;

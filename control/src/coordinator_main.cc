@@ -27,6 +27,7 @@ using namespace kvring;
 
 int main(int argc, char** argv) {
   BlockTerminationSignals();
+  DisableMutexDeadlockDetection();
   std::string listen = "0.0.0.0:7000", data_dir, admin_token, admin_token_file, cluster_token, cluster_token_file;
   std::string port_file, log_level = "info", metrics_listen;
   uint64_t replication = 2, write_quorum = 0, vnodes = 64, chunk_blocks = 64;

@@ -170,6 +170,7 @@ absl::Status PinUcxPort(const std::string& ucx_listen) {
 
 int main(int argc, char** argv) {
   BlockTerminationSignals();
+  DisableMutexDeadlockDetection();
   Flags f;
   FlagSet flags("kvringd", "the kvring node daemon: a shard of the KV-block store with attention where the KV lives");
   DefineFlags(flags, f);

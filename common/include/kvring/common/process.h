@@ -15,6 +15,14 @@ void BlockTerminationSignals();
 // Waits for SIGINT or SIGTERM; returns the signal number.
 int WaitForTerminationSignal();
 
+// Turns off abseil's mutex deadlock detection for this process. Debian's
+// abseil is built with it on: every Mutex::Lock then records lock-order
+// edges in a process-wide graph (behind one global lock) and, now and then,
+// a stack trace, which makes a lock 4x and a nested pair 7x as expensive
+// (bench/mutex_bench). The daemons, the CLI and the C ABI's clients (the
+// engine's process) call it once at start; the tests keep detection on.
+void DisableMutexDeadlockDetection();
+
 // The first line of a file, trimmed (for tokens kept out of argv).
 absl::StatusOr<std::string> ReadSecretFile(const std::string& path);
 
