@@ -11,13 +11,17 @@ struct CopyRunBatch {
   CopyRun runs[kCopyRunsPerLaunch];
 };
 
+// Whether a run copies 16 bytes a thread (its pointers and size 16-byte aligned).
+__host__ __device__ inline bool Aligned16(const CopyRun& r) {
+  return ((reinterpret_cast<uintptr_t>(r.dst) | reinterpret_cast<uintptr_t>(r.src) | r.bytes) & 15) == 0;
+}
+
 // blockIdx.y: the run; the blocks of x stride over its bytes.
 __global__ void CopyRunsKernel(const __grid_constant__ CopyRunBatch batch) {
   const CopyRun& r = batch.runs[blockIdx.y];
   const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(r.dst) | reinterpret_cast<uintptr_t>(r.src) | r.bytes;
-  if ((a & 15) == 0) {
+  if (Aligned16(r)) {
     uint4* d = static_cast<uint4*>(r.dst);
     const uint4* s = static_cast<const uint4*>(r.src);
     for (uint64_t i = tid; i < r.bytes / 16; i += stride) d[i] = s[i];
@@ -43,8 +47,7 @@ cudaError_t CopyRuns(const CopyRun* runs, int n, cudaStream_t stream) {
       if (r.bytes == 0) continue;
       if (r.dst == nullptr || r.src == nullptr) return cudaErrorInvalidValue;
       batch.runs[k++] = r;
-      const uintptr_t a = reinterpret_cast<uintptr_t>(r.dst) | reinterpret_cast<uintptr_t>(r.src) | r.bytes;
-      most = std::max<uint64_t>(most, (a & 15) == 0 ? r.bytes / 16 : r.bytes);
+      most = std::max<uint64_t>(most, internal::Aligned16(r) ? r.bytes / 16 : r.bytes);
     }
     if (k == 0) continue;
     // Enough blocks that the largest run is one pass at 4 units a thread,

@@ -1392,22 +1392,21 @@ class ClientImpl {
     // one of the caller's tensors whose sources and destinations follow
     // each other go as one. (Only within a tensor: two tensors may lie
     // back to back in memory, but one copy may not span two allocations.)
-    struct Run {
-      int tensor = 0;  // 0 q, 1 new_k, 2 new_v
-      uint8_t* dst = nullptr;
-      const uint8_t* src = nullptr;
-      uint64_t n = 0;
-    };
-    std::vector<Run> runs;
+    std::vector<DeviceMemory::DeviceCopy> copies;
+    int last_tensor = -1;  // the tensor of copies.back(): 0 q, 1 new_k, 2 new_v
     auto copy = [&](int tensor, uint64_t dst_off, const void* src, uint64_t n) {
       uint8_t* dst = xb.data() + dst_off;
       const auto* from = static_cast<const uint8_t*>(src);
-      const Run* last = runs.empty() ? nullptr : &runs.back();
-      if (last != nullptr && last->tensor == tensor && last->dst + last->n == dst && last->src + last->n == from) {
-        runs.back().n += n;
-      } else {
-        runs.push_back(Run{tensor, dst, from, n});
+      if (!copies.empty() && last_tensor == tensor) {
+        DeviceMemory::DeviceCopy& last = copies.back();
+        if (static_cast<uint8_t*>(last.dst) + last.bytes == dst &&
+            static_cast<const uint8_t*>(last.src) + last.bytes == from) {
+          last.bytes += n;
+          return;
+        }
       }
+      copies.push_back(DeviceMemory::DeviceCopy{dst, from, n});
+      last_tensor = tensor;
     };
     // (All of them in one launch: as cudaMemcpyAsync calls, a 4-node decode
     // step's queries and K/V were 9 API calls on the engine's thread.)
@@ -1431,9 +1430,6 @@ class ClientImpl {
         }
       }
     }
-    std::vector<DeviceMemory::DeviceCopy> copies;
-    copies.reserve(runs.size());
-    for (const Run& r : runs) copies.push_back(DeviceMemory::DeviceCopy{r.dst, r.src, r.n});
     return dx->dev->CopyDevice(copies, dx->stream);
   }
 
