@@ -180,9 +180,6 @@ def _cache_classes():
     return PassQCache
 
 
-_CAST_DTYPES = (torch.bfloat16, torch.float16)  # the model dtypes a step's merge writes (StepPlan's out=)
-
-
 class PassQSession:
     """Pass-Q attention for one batch of sequences (one per batch row) of `model` over `client`."""
 
@@ -364,7 +361,7 @@ class PassQSession:
                 and value.is_contiguous():
             # A decode step as the model hands it over: its memory is the step's rows as they are, and the
             # step's merge writes the output in the model's dtype (no conversion after it).
-            if query.dtype in _CAST_DTYPES:
+            if query.dtype in kt._CAST_DT:
                 result = torch.empty((B, 1, Hq, D), dtype=query.dtype, device=query.device)
                 plan.decode(layer, tokens, query, key, value, out=result)
             else:
@@ -379,15 +376,14 @@ class PassQSession:
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             if k.dtype != torch.bfloat16:
                 k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
-            if T <= self.max_rows and query.dtype in _CAST_DTYPES:
-                result = torch.empty((B, T, Hq, D), dtype=query.dtype, device=query.device)
-                plan.run(layer, tokens, T, q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D),
-                         out=result)
-                self._account(tokens, T, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
-            elif T <= self.max_rows:
-                o, _ = plan.run(layer, tokens, T, q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D),
-                                v.reshape(B * T, -1, D))
-                result = o.view(B, T, Hq, D).to(query.dtype)
+            if T <= self.max_rows:
+                rows = (q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D))
+                if query.dtype in kt._CAST_DT:  # (the step's merge writes the model's dtype)
+                    result = torch.empty((B, T, Hq, D), dtype=query.dtype, device=query.device)
+                    plan.run(layer, tokens, T, *rows, out=result)
+                else:
+                    o, _ = plan.run(layer, tokens, T, *rows)
+                    result = o.view(B, T, Hq, D).to(query.dtype)
                 self._account(tokens, T, rep.bytes_sent, rep.bytes_received, rep.shards, rep.shards_in_place)
             else:  # a long prompt: a chunked prefill
                 result = torch.empty((B, T, Hq, D), dtype=query.dtype, device=query.device)
