@@ -9,7 +9,16 @@
 #   .gpu/lib/       the libraries, the kernels' C API (+ the trace build), ucx/ (UCX's modules: UCX_MODULE_DIR)
 # and .gpu.tar.gz of it (what travels: carry [".gpu.tar.gz"]; the device
 # scripts unpack it when .gpu/ is not there).
+#   bash bench/gpu/pack.sh [--no-trace]   (--no-trace: without the trace build, which compiles
+#                                          every kernel a second time; decode_trace.py then cannot run)
 set -euo pipefail
+TRACE_BUILD=1
+for a in "$@"; do
+  case "$a" in
+    --no-trace) TRACE_BUILD=0;;
+    *) echo "unknown option $a (usage: pack.sh [--no-trace])" >&2; exit 2;;
+  esac
+done
 cd "$(dirname "$0")/../.."
 BUILD=${KVRING_BUILD_DIR:-build}
 ninja -C "$BUILD" gpu_test gpu_cluster_test nccl_probe ring_bench kvring_cuda_capi kvringd kvring-coordinator kvring kvring_c kvring_python
@@ -34,12 +43,14 @@ cp -rL /usr/lib/x86_64-linux-gnu/ucx .gpu/lib/ucx
 # The decode kernel's phase trace (a diagnostic build of the C API; run.sh
 # runs bench/gpu/decode_trace.py with it).
 TRACE=${KVRING_TRACE_BUILD_DIR:-build-trace}
-if [ ! -f "$TRACE/build.ninja" ]; then
-  cmake -S . -B "$TRACE" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVRING_GPU_ONLY=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-        -DCMAKE_CUDA_FLAGS=-DKVRING_DECODE_TRACE > /dev/null
+if [ $TRACE_BUILD = 1 ]; then
+  if [ ! -f "$TRACE/build.ninja" ]; then
+    cmake -S . -B "$TRACE" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVRING_GPU_ONLY=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+          -DCMAKE_CUDA_FLAGS=-DKVRING_DECODE_TRACE > /dev/null
+  fi
+  ninja -C "$TRACE" kvring_cuda_capi
+  cp "$TRACE/attention/cuda/libkvring_cuda_capi.so" .gpu/lib/libkvring_cuda_capi_trace.so
 fi
-ninja -C "$TRACE" kvring_cuda_capi
-cp "$TRACE/attention/cuda/libkvring_cuda_capi.so" .gpu/lib/libkvring_cuda_capi_trace.so
 # Strip: the carry limit is 64 MiB.
 find .gpu -type f \( -name '*.so*' -o -perm -u+x \) ! -name '*.py' ! -name '*.sh' -exec strip --strip-unneeded {} + 2>/dev/null || true
 tar czf .gpu.tar.gz .gpu

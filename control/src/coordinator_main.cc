@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
     eo.ttl = lease_ttl;
     eo.on_lead = [&, key = eo.key](int64_t fence) {
       etcd_store->SetFence(key, fence);
-      return (*service)->BecomeLeader([&] { return election->HoldsLease(); });
+      return (*service)->BecomeLeader([&] { return election->LeaseHeld(); });
     };
     eo.on_follow = [&, key = eo.key](const std::string& leader, const absl::Status& why) {
       (*service)->BecomeStandby(leader, why);

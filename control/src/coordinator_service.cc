@@ -151,7 +151,13 @@ absl::Status CoordinatorService::WriteWithNewMapVersionLocked(MetadataWrite w) {
 }
 
 absl::Status CoordinatorService::CheckLeadingLocked(grpc::ServerContext* ctx) {
-  if (leading_ && (!holds_lease_ || holds_lease_())) return absl::OkStatus();
+  if (leading_) {
+    absl::Status held = lease_held_ ? lease_held_() : absl::OkStatus();
+    if (held.ok()) return absl::OkStatus();
+    // (The election thread steps down once its renewal is answered; until
+    // then, the lease's own reason is the caller's.)
+    return absl::UnavailableError(absl::StrCat("no coordinator leads right now: ", held.message(), "; retry shortly"));
+  }
   if (!leader_.empty() && ctx != nullptr) ctx->AddTrailingMetadata("kvring-leader", leader_);
   if (!leader_.empty())
     return absl::UnavailableError(absl::StrCat("this coordinator is a standby; the leader is ", leader_));
@@ -167,11 +173,11 @@ absl::Status CoordinatorService::CheckLeading(grpc::ServerContext* ctx) {
   return CheckLeadingLocked(ctx);
 }
 
-absl::Status CoordinatorService::BecomeLeader(std::function<bool()> holds_lease) {
+absl::Status CoordinatorService::BecomeLeader(std::function<absl::Status()> lease_held) {
   absl::MutexLock w(&write_mu_);
   absl::MutexLock l(&mu_);
   leading_ = true;  // (the fence guards the store: a write that is not ours fails)
-  holds_lease_ = std::move(holds_lease);
+  lease_held_ = std::move(lease_held);
   absl::Status s = LoadLocked();
   if (s.ok()) s = WriteWithNewMapVersionLocked({});
   if (!s.ok()) {
@@ -197,7 +203,7 @@ void CoordinatorService::BecomeStandby(const std::string& leader, const absl::St
 
 bool CoordinatorService::leading() {
   absl::MutexLock l(&mu_);
-  return leading_ && (!holds_lease_ || holds_lease_());
+  return leading_ && (!lease_held_ || lease_held_().ok());
 }
 
 absl::Status CoordinatorService::CheckToken(const grpc::ServerContext& ctx, const std::string& expected,
@@ -363,7 +369,7 @@ void CoordinatorService::Tick() {
   absl::MutexLock wl(&write_mu_);
   absl::MutexLock l(&mu_);
   if (!leading_) return;
-  if (holds_lease_ && !holds_lease_()) return;  // (woken from a pause: the election decides first)
+  if (lease_held_ && !lease_held_().ok()) return;  // (woken from a pause: the election decides first)
   if (absl::Status s = FreshLocked(); !s.ok()) return;
   const absl::Time now = clock_->Now();
   MetadataWrite w;

@@ -1,5 +1,6 @@
 #include "kvring/control/leader_election.h"
 
+#include "absl/strings/str_cat.h"
 #include "kvring/common/logging.h"
 
 namespace kvring {
@@ -25,8 +26,18 @@ void LeaderElection::Stop() {
   leading_ = false;
 }
 
-bool LeaderElection::HoldsLease() const {
-  return leading_.load() && absl::Now() < absl::FromUnixNanos(lease_deadline_ns_.load()) - options_.ttl / 6;
+absl::Status LeaderElection::LeaseHeld() const {
+  if (!leading_.load()) return absl::UnavailableError("this coordinator does not hold the leadership lease");
+  if (absl::Now() < absl::FromUnixNanos(lease_deadline_ns_.load()) - options_.ttl / 6) return absl::OkStatus();
+  absl::MutexLock l(&renew_mu_);
+  return absl::UnavailableError(absl::StrCat(
+      "this coordinator's leadership lease ran out before the metadata store (etcd) renewed it",
+      renew_error_.empty() ? std::string(" (the renewal is unanswered)") : absl::StrCat(": ", renew_error_)));
+}
+
+void LeaderElection::SetRenewError(std::string error) {
+  absl::MutexLock l(&renew_mu_);
+  renew_error_ = std::move(error);
 }
 
 void LeaderElection::Follow(const std::string& leader, const absl::Status& why) {
@@ -68,8 +79,10 @@ void LeaderElection::Round() {
     lease_ = g->id();
     lease_deadline_ = now + absl::Seconds(g->ttl());
     lease_deadline_ns_ = absl::ToUnixNanos(lease_deadline_);
+    SetRenewError("");
   } else {
     absl::StatusOr<int64_t> left = etcd_->LeaseKeepAlive(lease_);
+    SetRenewError(left.ok() ? std::string() : std::string(left.status().message()));
     if (left.ok() && *left > 0) {
       lease_deadline_ = now + absl::Seconds(*left);
       lease_deadline_ns_ = absl::ToUnixNanos(lease_deadline_);

@@ -308,7 +308,7 @@ TEST_F(HaTest, EtcdStoreWritesAtomicallyOnlyUnderItsFenceAndScansInPages) {
   election.Start();
   for (int i = 0; i < 100 && fence == 0; ++i) absl::SleepFor(absl::Milliseconds(50));
   ASSERT_GT(fence.load(), 0);
-  EXPECT_TRUE(election.HoldsLease());
+  EXPECT_TRUE(election.LeaseHeld().ok()) << election.LeaseHeld();
   store.SetFence("/unit/leader", fence);
   MetadataWrite w;
   for (int i = 0; i < 1200; ++i) w.Put(absl::StrCat("k/", absl::Dec(i, absl::kZeroPad4)), absl::StrCat(i));

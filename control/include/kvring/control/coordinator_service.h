@@ -97,9 +97,10 @@ class CoordinatorService final : public v1::Coordinator::Service {
   v1::ShardMap CurrentMap() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Starts leading: reloads the state, grants the grace, moves the map
-  // version forward. Writes are accepted while `holds_lease()` (null:
-  // always). An error leaves it a standby.
-  absl::Status BecomeLeader(std::function<bool()> holds_lease) ABSL_LOCKS_EXCLUDED(mu_);
+  // version forward. Writes are accepted while `lease_held()` is OK (null:
+  // always); when it is not, callers are told its reason. An error leaves it
+  // a standby.
+  absl::Status BecomeLeader(std::function<absl::Status()> lease_held) ABSL_LOCKS_EXCLUDED(mu_);
   // Stops leading; `leader` ("" when unknown) is named to callers of writes.
   // While none is known, `why_none` (the election's error reaching the
   // metadata store, OK if it answered) is told them too.
@@ -167,7 +168,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   std::map<std::string, v1::TenantTable::Entry> tenants_ ABSL_GUARDED_BY(mu_);  // by name
   std::vector<uint32_t> deleted_ids_ ABSL_GUARDED_BY(mu_);
   bool leading_ ABSL_GUARDED_BY(mu_) = true;
-  std::function<bool()> holds_lease_ ABSL_GUARDED_BY(mu_);
+  std::function<absl::Status()> lease_held_ ABSL_GUARDED_BY(mu_);
   std::string leader_ ABSL_GUARDED_BY(mu_);
   std::string why_no_leader_ ABSL_GUARDED_BY(mu_);
   // The state must be reloaded before it is used for a write (a standby's

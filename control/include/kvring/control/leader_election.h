@@ -58,10 +58,12 @@ class LeaderElection {
   void Start();
   void Stop();
   bool leading() const { return leading_.load(); }
-  // Leading, and by this clock the lease has more than ttl/6 left: what a
-  // leader checks before it acts (after a pause, its thread may not yet have
-  // noticed that the lease is gone).
-  bool HoldsLease() const;
+  // OK while leading with, by this clock, more than ttl/6 of the lease left:
+  // what a leader checks before it acts (after a pause, or while a renewal is
+  // unanswered, the election thread may not yet have noticed that the lease
+  // is gone). Otherwise Unavailable, saying why: not leading, or the lease ran
+  // out unrenewed, with etcd's last renewal error when it answered one.
+  absl::Status LeaseHeld() const;
 
  private:
   void Loop();
@@ -72,6 +74,7 @@ class LeaderElection {
   // on_follow the new cause.
   void Unanswered(const absl::Status& cause);
   void Follow(const std::string& leader, const absl::Status& why);
+  void SetRenewError(std::string error) ABSL_LOCKS_EXCLUDED(renew_mu_);
 
   EtcdClient* const etcd_;
   const LeaderElectionOptions options_;
@@ -79,7 +82,9 @@ class LeaderElection {
   // The election thread's own state.
   int64_t lease_ = 0;
   absl::Time lease_deadline_ = absl::InfinitePast();  // by this clock, with the send time as its start
-  std::atomic<int64_t> lease_deadline_ns_{0};         // the same, for HoldsLease
+  std::atomic<int64_t> lease_deadline_ns_{0};         // the same, for LeaseHeld
+  mutable absl::Mutex renew_mu_;
+  std::string renew_error_ ABSL_GUARDED_BY(renew_mu_);  // the last failed renewal's error ("" once one succeeds)
   std::string leader_seen_ = "?";
   std::string cause_seen_;  // the message last given to on_follow with leader_seen_ ""
   absl::Notification stop_;
