@@ -835,6 +835,59 @@ absl::Status NodeCore::Finish(OpScope& op, std::chrono::steady_clock::time_point
   return op.Done(absl::OkStatus());
 }
 
+namespace {
+
+// A step's reads of one sequence (NodeCore::PlanSequence): each range's
+// blocks are full here, or open with exactly the tokens the request expects
+// (`filled_after`: the blocks this request appends to, and their tokens
+// after it). Open blocks are few (the tail); the rest is checked against the
+// runs of full blocks, O(log n) a range. Adds the ranges to `ss`.
+absl::Status PlanReads(const SequenceState& st, const AttendSequenceSpec& spec,
+                       const absl::flat_hash_map<uint64_t, uint32_t>& filled_after, uint32_t layer, uint32_t bt,
+                       StepSequence* ss) {
+  const uint64_t last_block = (spec.tokens + bt - 1) / bt;
+  const bool last_partial = spec.tokens % bt != 0;
+  for (const BlockRange& rg : spec.ranges) {
+    if (rg.end > last_block) {
+      return absl::InvalidArgumentError(absl::StrCat("block range ends at ", rg.end, " but ", spec.tokens,
+                                                     " tokens fill only ", last_block, " blocks"));
+    }
+    std::vector<uint64_t> opens_here;
+    for (auto it = st.open.lower_bound(rg.begin); it != st.open.end() && it->first < rg.end; ++it) {
+      opens_here.push_back(it->first);
+    }
+    for (const auto& [idx, n] : filled_after) {
+      if (idx >= rg.begin && idx < rg.end && !st.open.count(idx)) opens_here.push_back(idx);
+    }
+    std::sort(opens_here.begin(), opens_here.end());
+    uint64_t from = rg.begin;
+    for (uint64_t idx : opens_here) {
+      const uint32_t expect = ss->BlockTokens(idx, bt);
+      auto fa = filled_after.find(idx);
+      const uint32_t have = fa != filled_after.end() ? fa->second : st.open.at(idx).filled[layer];
+      if (have != expect) {
+        return absl::NotFoundError(
+            absl::StrCat("block ", idx, " holds ", have, " of ", expect, " tokens of layer ", layer, " on this node"));
+      }
+      if (!st.runs.Covers(from, idx)) {
+        return absl::NotFoundError(absl::StrCat("block ", st.runs.FirstMissing(from, idx), " is not on this node"));
+      }
+      from = idx + 1;
+    }
+    if (!st.runs.Covers(from, rg.end)) {
+      return absl::NotFoundError(absl::StrCat("block ", st.runs.FirstMissing(from, rg.end), " is not on this node"));
+    }
+    if (last_partial && last_block - 1 >= from && last_block - 1 < rg.end) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("block ", last_block - 1, " is complete here, but ", spec.tokens, " tokens end inside it"));
+    }
+    ss->ranges.push_back(rg);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status NodeCore::PlanSequence(NamespaceId ns, TenantId tenant, const AttendBatch& b, size_t i, uint32_t row,
                                     uint32_t arow, const BlockLayout& L, SequenceTable::Handle& h, StepSequence* ss,
                                     std::vector<uint64_t>* opens) {
@@ -880,48 +933,8 @@ absl::Status NodeCore::PlanSequence(NamespaceId ns, TenantId tenant, const Atten
     left -= cnt;
     src += cnt;
   }
-  // Reads: each range's blocks are full here, or open with exactly the
-  // tokens the request expects. Open blocks are few (the tail); the rest is
-  // checked against the runs of full blocks, O(log n) a range.
   ss->tokens = spec.tokens;
-  const uint64_t last_block = (spec.tokens + bt - 1) / bt;
-  const bool last_partial = spec.tokens % bt != 0;
-  for (const BlockRange& rg : spec.ranges) {
-    if (rg.end > last_block) {
-      return absl::InvalidArgumentError(absl::StrCat("block range ends at ", rg.end, " but ", spec.tokens,
-                                                     " tokens fill only ", last_block, " blocks"));
-    }
-    std::vector<uint64_t> opens_here;
-    for (auto it = st.open.lower_bound(rg.begin); it != st.open.end() && it->first < rg.end; ++it) {
-      opens_here.push_back(it->first);
-    }
-    for (const auto& [idx, n] : filled_after) {
-      if (idx >= rg.begin && idx < rg.end && !st.open.count(idx)) opens_here.push_back(idx);
-    }
-    std::sort(opens_here.begin(), opens_here.end());
-    uint64_t from = rg.begin;
-    for (uint64_t idx : opens_here) {
-      const uint32_t expect = ss->BlockTokens(idx, bt);
-      auto fa = filled_after.find(idx);
-      const uint32_t have = fa != filled_after.end() ? fa->second : st.open.at(idx).filled[layer];
-      if (have != expect) {
-        return absl::NotFoundError(
-            absl::StrCat("block ", idx, " holds ", have, " of ", expect, " tokens of layer ", layer, " on this node"));
-      }
-      if (!st.runs.Covers(from, idx)) {
-        return absl::NotFoundError(absl::StrCat("block ", st.runs.FirstMissing(from, idx), " is not on this node"));
-      }
-      from = idx + 1;
-    }
-    if (!st.runs.Covers(from, rg.end)) {
-      return absl::NotFoundError(absl::StrCat("block ", st.runs.FirstMissing(from, rg.end), " is not on this node"));
-    }
-    if (last_partial && last_block - 1 >= from && last_block - 1 < rg.end) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("block ", last_block - 1, " is complete here, but ", spec.tokens, " tokens end inside it"));
-    }
-    ss->ranges.push_back(rg);
-  }
+  KVRING_RETURN_IF_ERROR(PlanReads(st, spec, filled_after, layer, bt, ss));
   ss->full = &st.blocks;
   return absl::OkStatus();
 }

@@ -149,10 +149,12 @@ AttendPayloadSizes AttendPayloadSizesOf(const v1::AttendRequest& r) {
   return z;
 }
 
-absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const RequestLimits& limits,
-                                               std::optional<absl::Span<const uint8_t>> external) {
+namespace {
+
+// The step's shape, layout and encoding (the parts of an Attend before its
+// sequences).
+absl::Status ParseAttendShape(const v1::AttendRequest& r, const RequestLimits& limits, AttendBatch* b) {
   KVRING_RETURN_IF_ERROR(ValidateHeader(r.header(), limits));
-  AttendBatch b;
   // (Before the narrowing into DType, which CheckStepShape's own dtype rule
   // would see wrapped: 258 would read as bf16.)
   if (r.q_dtype() > static_cast<uint32_t>(DType::kBF16)) {
@@ -162,7 +164,7 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
     return absl::InvalidArgumentError(
         absl::StrCat("num_rows ", r.num_rows(), " is over the limit of ", limits.max_attend_rows));
   }
-  StepShape& shape = b.shape;
+  StepShape& shape = b->shape;
   shape.options.layer = r.layer();
   shape.options.causal = r.causal();
   shape.options.window = r.window();
@@ -173,78 +175,93 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
   shape.q_dtype = static_cast<DType>(r.q_dtype());
   if (r.has_layout()) {
     KVRING_ASSIGN_OR_RETURN(BlockLayout l, LayoutFromProto(r.layout()));
-    b.layout = l;
+    b->layout = l;
   }
-  KVRING_RETURN_IF_ERROR(CheckStepShape(shape, b.layout.has_value() ? &*b.layout : nullptr));
+  KVRING_RETURN_IF_ERROR(CheckStepShape(shape, b->layout.has_value() ? &*b->layout : nullptr));
   if (!r.quantize().empty()) {
     if (r.quantize().size() > 64) return absl::InvalidArgumentError("quantize is longer than 64 bytes");
     KvEncoding e;
     if (absl::Status s = ParseKvEncoding(r.quantize(), &e); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("quantize: ", s.message()));
     }
-    b.quantize = e;
+    b->quantize = e;
   }
+  return absl::OkStatus();
+}
+
+// Sequence `i` of an Attend: its id (not in `seen`, then added), block
+// ranges (sorted, disjoint, within its tokens), rows and appends. `blocks`
+// counts the ranges' blocks over the whole request.
+absl::StatusOr<AttendSequenceSpec> ParseAttendSequence(const v1::AttendSequence& s, int i,
+                                                       const std::optional<BlockLayout>& layout,
+                                                       const RequestLimits& limits,
+                                                       absl::flat_hash_set<std::string>* seen, uint64_t* blocks) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence ", i, " ('", s.sequence_id().substr(0, 64), "'): ", why));
+  };
+  if (absl::Status st = ValidateSequenceId(s.sequence_id(), limits.max_sequence_id_bytes); !st.ok()) {
+    return bad(st.message());
+  }
+  if (!seen->insert(s.sequence_id()).second) return bad("named twice in one Attend");
+  AttendSequenceSpec spec;
+  spec.sequence_id = s.sequence_id();
+  spec.tokens = s.tokens();
+  spec.rows = s.rows();
+  spec.append_tokens = s.append_tokens();
+  spec.append_position = s.append_position();
+  spec.placement_digest = s.placement_digest();
+  if (spec.tokens > kMaxSequenceTokens) return bad(absl::StrCat("tokens over the limit of ", kMaxSequenceTokens));
+  const uint64_t filled = layout.has_value() ? (spec.tokens + layout->block_tokens - 1) / layout->block_tokens : 0;
+  uint64_t prev_end = 0;
+  for (int k = 0; k < s.ranges_size(); ++k) {
+    const BlockRange rg{s.ranges(k).begin(), s.ranges(k).end()};
+    if (rg.begin >= rg.end) return bad(absl::StrCat("block range ", k, " [", rg.begin, ", ", rg.end, ") is empty"));
+    if (k > 0 && rg.begin < prev_end) {
+      return bad(absl::StrCat("block range ", k,
+                              " overlaps or precedes the one before it: ranges must be sorted and disjoint"));
+    }
+    if (layout.has_value() && rg.end > filled) {
+      return bad(absl::StrCat("block range ", k, " ends at ", rg.end, " but ", spec.tokens, " tokens fill only ",
+                              filled, " blocks"));
+    }
+    if (rg.end > kMaxSequenceTokens) return bad("block range beyond the longest sequence");
+    *blocks += rg.size();
+    if (*blocks > limits.max_attend_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat("over ", limits.max_attend_blocks, " blocks in one Attend"));
+    }
+    prev_end = rg.end;
+    spec.ranges.push_back(rg);
+  }
+  if (spec.rows > 0 && spec.ranges.empty()) return bad("query rows but no blocks to attend over");
+  if (spec.rows == 0 && !spec.ranges.empty()) return bad("blocks to attend over but no query rows");
+  if (spec.rows == 0 && spec.append_tokens == 0) return bad("neither query rows nor appended tokens");
+  if (spec.append_tokens > 0) {
+    if (!layout.has_value()) return bad("appending needs the request's layout");
+    if (spec.append_position + spec.append_tokens > spec.tokens) {
+      return bad(absl::StrCat("appends tokens [", spec.append_position, ", ", spec.append_position + spec.append_tokens,
+                              ") beyond the sequence's ", spec.tokens, " tokens"));
+    }
+  }
+  return spec;
+}
+
+// The sequences (each named once), their row and append totals, and the
+// rows' positions.
+absl::Status ParseAttendSequences(const v1::AttendRequest& r, const RequestLimits& limits, AttendBatch* b) {
   if (r.sequences_size() == 0) return absl::InvalidArgumentError("an Attend names at least one sequence");
   if (static_cast<uint64_t>(r.sequences_size()) > limits.max_attend_sequences) {
     return absl::InvalidArgumentError(
         absl::StrCat(r.sequences_size(), " sequences in one Attend; the limit is ", limits.max_attend_sequences));
   }
-  // Sequences: ids, ranges, rows and appends.
   uint64_t rows = 0, blocks = 0, append = 0;
   absl::flat_hash_set<std::string> seen;
-  b.sequences.reserve(r.sequences_size());
+  b->sequences.reserve(r.sequences_size());
   for (int i = 0; i < r.sequences_size(); ++i) {
-    const v1::AttendSequence& s = r.sequences(i);
-    auto bad = [&](absl::string_view why) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sequence ", i, " ('", s.sequence_id().substr(0, 64), "'): ", why));
-    };
-    if (absl::Status st = ValidateSequenceId(s.sequence_id(), limits.max_sequence_id_bytes); !st.ok()) {
-      return bad(st.message());
-    }
-    if (!seen.insert(s.sequence_id()).second) return bad("named twice in one Attend");
-    AttendSequenceSpec spec;
-    spec.sequence_id = s.sequence_id();
-    spec.tokens = s.tokens();
-    spec.rows = s.rows();
-    spec.append_tokens = s.append_tokens();
-    spec.append_position = s.append_position();
-    spec.placement_digest = s.placement_digest();
-    if (spec.tokens > kMaxSequenceTokens) return bad(absl::StrCat("tokens over the limit of ", kMaxSequenceTokens));
-    uint64_t prev_end = 0;
-    for (int k = 0; k < s.ranges_size(); ++k) {
-      const BlockRange rg{s.ranges(k).begin(), s.ranges(k).end()};
-      if (rg.begin >= rg.end) return bad(absl::StrCat("block range ", k, " [", rg.begin, ", ", rg.end, ") is empty"));
-      if (k > 0 && rg.begin < prev_end) {
-        return bad(absl::StrCat("block range ", k,
-                                " overlaps or precedes the one before it: ranges must be sorted and disjoint"));
-      }
-      if (b.layout.has_value() && rg.end > (spec.tokens + b.layout->block_tokens - 1) / b.layout->block_tokens) {
-        return bad(absl::StrCat("block range ", k, " ends at ", rg.end, " but ", spec.tokens, " tokens fill only ",
-                                (spec.tokens + b.layout->block_tokens - 1) / b.layout->block_tokens, " blocks"));
-      }
-      if (rg.end > kMaxSequenceTokens) return bad("block range beyond the longest sequence");
-      blocks += rg.size();
-      if (blocks > limits.max_attend_blocks) {
-        return absl::InvalidArgumentError(absl::StrCat("over ", limits.max_attend_blocks, " blocks in one Attend"));
-      }
-      prev_end = rg.end;
-      spec.ranges.push_back(rg);
-    }
-    if (spec.rows > 0 && spec.ranges.empty()) return bad("query rows but no blocks to attend over");
-    if (spec.rows == 0 && !spec.ranges.empty()) return bad("blocks to attend over but no query rows");
-    if (spec.rows == 0 && spec.append_tokens == 0) return bad("neither query rows nor appended tokens");
-    if (spec.append_tokens > 0) {
-      if (!b.layout.has_value()) return bad("appending needs the request's layout");
-      if (spec.append_position + spec.append_tokens > spec.tokens) {
-        return bad(absl::StrCat("appends tokens [", spec.append_position, ", ",
-                                spec.append_position + spec.append_tokens, ") beyond the sequence's ", spec.tokens,
-                                " tokens"));
-      }
-    }
+    KVRING_ASSIGN_OR_RETURN(AttendSequenceSpec spec,
+                            ParseAttendSequence(r.sequences(i), i, b->layout, limits, &seen, &blocks));
     rows += spec.rows;
     append += spec.append_tokens;
-    b.sequences.push_back(std::move(spec));
+    b->sequences.push_back(std::move(spec));
   }
   if (rows != r.num_rows()) {
     return absl::InvalidArgumentError(
@@ -256,38 +273,46 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
   if (static_cast<uint64_t>(r.positions_size()) != rows) {
     return absl::InvalidArgumentError(absl::StrCat(r.positions_size(), " positions for ", rows, " query rows"));
   }
-  b.positions.assign(r.positions().begin(), r.positions().end());
-  for (int64_t p : b.positions) {
+  b->positions.assign(r.positions().begin(), r.positions().end());
+  for (int64_t p : b->positions) {
     if (p < 0 || p >= static_cast<int64_t>(kMaxSequenceTokens)) {
       return absl::InvalidArgumentError(absl::StrCat("query position ", p, " out of [0, ", kMaxSequenceTokens, ")"));
     }
   }
-  // Bulk bytes: sizes as declared.
-  const AttendPayloadSizes z = AttendPayloadSizesOf(r);
-  if (r.has_device()) {
-    // In the caller's GPU memory: the wire layer maps and range-checks the
-    // regions (AttendDeviceIo); nothing travels beside the message.
-    const v1::DeviceExchange& d = r.device();
-    if (!r.queries().empty() || !r.new_k().empty() || !r.new_v().empty() ||
-        (external.has_value() && !external->empty())) {
-      return absl::InvalidArgumentError("an Attend with a device exchange carries no query or K/V bytes");
-    }
-    if (d.ipc_handle().size() != kIpcHandleBytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("device exchange: the IPC handle has ", d.ipc_handle().size(), " bytes, not ", kIpcHandleBytes));
-    }
-    if (!d.inputs_ready_event().empty() && d.inputs_ready_event().size() != kIpcHandleBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("device exchange: the inputs-ready event handle has ",
-                                                     d.inputs_ready_event().size(), " bytes, not ", kIpcHandleBytes));
-    }
-    for (uint64_t off : {d.queries_offset(), d.new_k_offset(), d.new_v_offset(), d.out_offset(), d.lse_offset()}) {
-      if (off % kDeviceExchangeAlign != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("device exchange: offset ", off, " is not a multiple of ", kDeviceExchangeAlign));
-      }
-    }
-    return b;
+  return absl::OkStatus();
+}
+
+// A device exchange: the bytes stay in the caller's GPU memory (the wire
+// layer maps and range-checks the regions: AttendDeviceIo), so nothing may
+// travel beside the message; handles and offsets well formed.
+absl::Status CheckDeviceExchange(const v1::AttendRequest& r, std::optional<absl::Span<const uint8_t>> external) {
+  const v1::DeviceExchange& d = r.device();
+  if (!r.queries().empty() || !r.new_k().empty() || !r.new_v().empty() ||
+      (external.has_value() && !external->empty())) {
+    return absl::InvalidArgumentError("an Attend with a device exchange carries no query or K/V bytes");
   }
+  if (d.ipc_handle().size() != kIpcHandleBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device exchange: the IPC handle has ", d.ipc_handle().size(), " bytes, not ", kIpcHandleBytes));
+  }
+  if (!d.inputs_ready_event().empty() && d.inputs_ready_event().size() != kIpcHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("device exchange: the inputs-ready event handle has ",
+                                                   d.inputs_ready_event().size(), " bytes, not ", kIpcHandleBytes));
+  }
+  for (uint64_t off : {d.queries_offset(), d.new_k_offset(), d.new_v_offset(), d.out_offset(), d.lse_offset()}) {
+    if (off % kDeviceExchangeAlign != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device exchange: offset ", off, " is not a multiple of ", kDeviceExchangeAlign));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The queries, new K and new V, cut from `external` (queries || new_k ||
+// new_v) or viewed in the message's own fields, each of the declared size.
+absl::Status CutAttendPayload(const v1::AttendRequest& r, std::optional<absl::Span<const uint8_t>> external,
+                              AttendBatch* b) {
+  const AttendPayloadSizes z = AttendPayloadSizesOf(r);
   if (external.has_value()) {
     if (!r.queries().empty() || !r.new_k().empty() || !r.new_v().empty()) {
       return absl::InvalidArgumentError("bulk bytes both in the message and beside it");
@@ -297,45 +322,65 @@ absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const
       return absl::InvalidArgumentError(absl::StrCat("payload has ", p.size(), " bytes; queries, new_k and new_v need ",
                                                      z.queries + z.new_k + z.new_v));
     }
-    b.queries = p.subspan(0, z.queries);
-    b.new_k = p.subspan(z.queries, z.new_k);
-    b.new_v = p.subspan(z.queries + z.new_k, z.new_v);
-  } else {
-    auto span = [](const std::string& s) {
-      return absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(s.data()), s.size());
-    };
-    if (r.queries().size() != z.queries) {
-      return absl::InvalidArgumentError(absl::StrCat("queries have ", r.queries().size(),
-                                                     " bytes; num_rows x q_heads x head_dim x dtype = ", z.queries));
-    }
-    if (r.new_k().size() != z.new_k || r.new_v().size() != z.new_v) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("new_k / new_v have ", r.new_k().size(), " / ", r.new_v().size(),
-                       " bytes; appended tokens x kv_heads x head_dim x dtype = ", z.new_k));
-    }
-    b.queries = span(r.queries());
-    b.new_k = span(r.new_k());
-    b.new_v = span(r.new_v());
+    b->queries = p.subspan(0, z.queries);
+    b->new_k = p.subspan(z.queries, z.new_k);
+    b->new_v = p.subspan(z.queries + z.new_k, z.new_v);
+    return absl::OkStatus();
   }
-  if (limits.finite_appends && b.layout.has_value() && !b.new_k.empty()) {
-    const size_t per_token = size_t{b.layout->kv_heads} * b.layout->head_dim;
-    for (auto [name, bytes] : {std::pair<const char*, absl::Span<const uint8_t>>{"K", b.new_k}, {"V", b.new_v}}) {
-      const int64_t bad = FirstNonFinite(bytes, b.layout->dtype);
-      if (bad < 0) continue;
-      // Which sequence and token: appended rows are grouped by sequence.
-      uint64_t row = static_cast<uint64_t>(bad) / per_token;
-      std::string who;
-      for (const AttendSequenceSpec& sp : b.sequences) {
-        if (row < sp.append_tokens) {
-          who = absl::StrCat("sequence '", sp.sequence_id.substr(0, 64), "' token ", sp.append_position + row);
-          break;
-        }
-        row -= sp.append_tokens;
+  auto span = [](const std::string& s) {
+    return absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+  };
+  if (r.queries().size() != z.queries) {
+    return absl::InvalidArgumentError(absl::StrCat("queries have ", r.queries().size(),
+                                                   " bytes; num_rows x q_heads x head_dim x dtype = ", z.queries));
+  }
+  if (r.new_k().size() != z.new_k || r.new_v().size() != z.new_v) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("new_k / new_v have ", r.new_k().size(), " / ", r.new_v().size(),
+                     " bytes; appended tokens x kv_heads x head_dim x dtype = ", z.new_k));
+  }
+  b->queries = span(r.queries());
+  b->new_k = span(r.new_k());
+  b->new_v = span(r.new_v());
+  return absl::OkStatus();
+}
+
+// Appended K and V hold no NaN or infinity (RequestLimits::finite_appends);
+// the error names the sequence and token.
+absl::Status CheckAppendsFinite(const AttendBatch& b) {
+  const size_t per_token = size_t{b.layout->kv_heads} * b.layout->head_dim;
+  for (auto [name, bytes] : {std::pair<const char*, absl::Span<const uint8_t>>{"K", b.new_k}, {"V", b.new_v}}) {
+    const int64_t bad = FirstNonFinite(bytes, b.layout->dtype);
+    if (bad < 0) continue;
+    // Which sequence and token: appended rows are grouped by sequence.
+    uint64_t row = static_cast<uint64_t>(bad) / per_token;
+    std::string who;
+    for (const AttendSequenceSpec& sp : b.sequences) {
+      if (row < sp.append_tokens) {
+        who = absl::StrCat("sequence '", sp.sequence_id.substr(0, 64), "' token ", sp.append_position + row);
+        break;
       }
-      return absl::InvalidArgumentError(
-          absl::StrCat("appended ", name, " of ", who, " holds NaN or Inf: refused, nothing was appended"));
+      row -= sp.append_tokens;
     }
+    return absl::InvalidArgumentError(
+        absl::StrCat("appended ", name, " of ", who, " holds NaN or Inf: refused, nothing was appended"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<AttendBatch> ParseAttendRequest(const v1::AttendRequest& r, const RequestLimits& limits,
+                                               std::optional<absl::Span<const uint8_t>> external) {
+  AttendBatch b;
+  KVRING_RETURN_IF_ERROR(ParseAttendShape(r, limits, &b));
+  KVRING_RETURN_IF_ERROR(ParseAttendSequences(r, limits, &b));
+  if (r.has_device()) {
+    KVRING_RETURN_IF_ERROR(CheckDeviceExchange(r, external));
+    return b;
+  }
+  KVRING_RETURN_IF_ERROR(CutAttendPayload(r, external, &b));
+  if (limits.finite_appends && b.layout.has_value() && !b.new_k.empty()) KVRING_RETURN_IF_ERROR(CheckAppendsFinite(b));
   return b;
 }
 
