@@ -17,6 +17,7 @@
 #include "kvring/common/logging.h"
 #include "kvring/common/metrics.h"
 #include "kvring/common/process.h"
+#include "kvring/common/status_macros.h"
 #include "kvring/control/coordinator_service.h"
 #include "kvring/control/etcd_client.h"
 #include "kvring/control/etcd_metadata_store.h"
@@ -25,9 +26,18 @@
 
 using namespace kvring;
 
-int main(int argc, char** argv) {
-  BlockTerminationSignals();
-  DisableMutexDeadlockDetection();
+namespace {
+
+// Exit statuses: 2 when the flags are wrong, 1 when the coordinator could
+// not start.
+int Fail(const absl::Status& s, const char* what, int code) {
+  KVRING_LOG(ERROR) << what << ": " << s.message();
+  return code;
+}
+
+// The command line as the flag parser fills it in, with the defaults the
+// coordinator documents.
+struct Flags {
   std::string listen = "0.0.0.0:7000", data_dir, admin_token, admin_token_file, cluster_token, cluster_token_file;
   std::string port_file, log_level = "info", metrics_listen;
   uint64_t replication = 2, write_quorum = 0, vnodes = 64, chunk_blocks = 64;
@@ -35,38 +45,204 @@ int main(int argc, char** argv) {
   bool check_config = false;
   std::string etcd, etcd_prefix = "/kvring/", advertise;
   absl::Duration lease_ttl = absl::Seconds(5);
-  TlsConfig etcd_tls;
-  FlagSet flags("kvring-coordinator", "membership, shard map and tenants of a kvring cluster");
-  flags.AddString("listen", &listen, "gRPC listen address host:port");
-  flags.AddString("data_dir", &data_dir, "directory of the metadata database (required without --etcd)");
-  flags.AddString("etcd", &etcd,
+  TlsConfig etcd_tls, tls;
+};
+
+void DefineFlags(FlagSet& flags, Flags& f) {
+  flags.AddString("listen", &f.listen, "gRPC listen address host:port");
+  flags.AddString("data_dir", &f.data_dir, "directory of the metadata database (required without --etcd)");
+  flags.AddString("etcd", &f.etcd,
                   "etcd members host:port,... : keep the metadata in etcd and lead or stand by (empty: RocksDB in "
                   "--data_dir, one coordinator)");
-  flags.AddString("etcd_prefix", &etcd_prefix, "key prefix of this cluster in etcd (clusters may share an etcd)");
-  flags.AddString("etcd_ca", &etcd_tls.ca_file, "CA that signed etcd's certificates (TLS towards etcd)");
-  flags.AddString("etcd_cert", &etcd_tls.cert_file, "client certificate presented to etcd");
-  flags.AddString("etcd_key", &etcd_tls.key_file, "key of --etcd_cert");
-  flags.AddString("advertise", &advertise,
+  flags.AddString("etcd_prefix", &f.etcd_prefix, "key prefix of this cluster in etcd (clusters may share an etcd)");
+  flags.AddString("etcd_ca", &f.etcd_tls.ca_file, "CA that signed etcd's certificates (TLS towards etcd)");
+  flags.AddString("etcd_cert", &f.etcd_tls.cert_file, "client certificate presented to etcd");
+  flags.AddString("etcd_key", &f.etcd_tls.key_file, "key of --etcd_cert");
+  flags.AddString("advertise", &f.advertise,
                   "host:port standbys name as the leader when this one leads (default: --listen's host, or this "
                   "machine's name for 0.0.0.0, with the bound port)");
-  flags.AddDuration("lease_ttl", &lease_ttl,
+  flags.AddDuration("lease_ttl", &f.lease_ttl,
                     "leadership lease in etcd: a standby leads within about this long of the leader's death (>= 2s)");
-  flags.AddString("admin_token", &admin_token, "token for tenant administration (prefer --admin_token_file)");
-  flags.AddString("admin_token_file", &admin_token_file, "file holding the admin token");
-  flags.AddString("cluster_token", &cluster_token, "token nodes present (prefer --cluster_token_file)");
-  flags.AddString("cluster_token_file", &cluster_token_file, "file holding the cluster token");
-  flags.AddUint("replication", &replication, "replicas per block (R)");
-  flags.AddUint("write_quorum", &write_quorum, "acknowledgements a write needs (0: R)");
-  flags.AddUint("virtual_nodes", &vnodes, "hash-ring points per node");
-  flags.AddUint("sequence_chunk_blocks", &chunk_blocks, "blocks per contiguous chunk of an attention sequence");
-  flags.AddDuration("heartbeat_interval", &hb_interval, "how often nodes heartbeat");
-  flags.AddDuration("heartbeat_timeout", &hb_timeout, "silence after which a node is marked DOWN");
-  flags.AddString("metrics_listen", &metrics_listen, "Prometheus /metrics address host:port (empty: off)");
-  flags.AddString("port_file", &port_file, "write the bound port here once serving");
-  flags.AddString("log_level", &log_level, "debug, info, warning or error");
-  TlsConfig tls;
-  AddTlsFlags(&flags, &tls, /*server=*/true);
-  flags.AddBool("check_config", &check_config, "parse and check the flags and config file, then exit");
+  flags.AddString("admin_token", &f.admin_token, "token for tenant administration (prefer --admin_token_file)");
+  flags.AddString("admin_token_file", &f.admin_token_file, "file holding the admin token");
+  flags.AddString("cluster_token", &f.cluster_token, "token nodes present (prefer --cluster_token_file)");
+  flags.AddString("cluster_token_file", &f.cluster_token_file, "file holding the cluster token");
+  flags.AddUint("replication", &f.replication, "replicas per block (R)");
+  flags.AddUint("write_quorum", &f.write_quorum, "acknowledgements a write needs (0: R)");
+  flags.AddUint("virtual_nodes", &f.vnodes, "hash-ring points per node");
+  flags.AddUint("sequence_chunk_blocks", &f.chunk_blocks, "blocks per contiguous chunk of an attention sequence");
+  flags.AddDuration("heartbeat_interval", &f.hb_interval, "how often nodes heartbeat");
+  flags.AddDuration("heartbeat_timeout", &f.hb_timeout, "silence after which a node is marked DOWN");
+  flags.AddString("metrics_listen", &f.metrics_listen, "Prometheus /metrics address host:port (empty: off)");
+  flags.AddString("port_file", &f.port_file, "write the bound port here once serving");
+  flags.AddString("log_level", &f.log_level, "debug, info, warning or error");
+  AddTlsFlags(&flags, &f.tls, /*server=*/true);
+  flags.AddBool("check_config", &f.check_config, "parse and check the flags and config file, then exit");
+}
+
+// A token from its flag or its file (the file is not read under
+// --check_config).
+absl::Status ReadToken(std::string* token, const std::string& file, const char* name, bool check_config) {
+  if (!file.empty() && check_config) return absl::OkStatus();
+  if (!file.empty()) {
+    absl::StatusOr<std::string> t = ReadSecretFile(file);
+    if (!t.ok()) return absl::Status(t.status().code(), absl::StrCat("--", name, "_file: ", t.status().message()));
+    *token = *t;
+  }
+  if (token->empty()) return absl::InvalidArgumentError(absl::StrCat("--", name, " or --", name, "_file is required"));
+  return absl::OkStatus();
+}
+
+// The tokens read and the flags checked; what is wrong names its flag.
+absl::Status CheckFlags(Flags& f) {
+  KVRING_RETURN_IF_ERROR(ReadToken(&f.admin_token, f.admin_token_file, "admin_token", f.check_config));
+  KVRING_RETURN_IF_ERROR(ReadToken(&f.cluster_token, f.cluster_token_file, "cluster_token", f.check_config));
+  if (f.data_dir.empty() && f.etcd.empty()) return absl::InvalidArgumentError("--data_dir (or --etcd) is required");
+  if (!f.etcd.empty()) {
+    if (auto e = EtcdClient::ParseEndpoints(f.etcd); !e.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--etcd: ", e.status().message()));
+    }
+    if (f.lease_ttl < absl::Seconds(2)) {
+      return absl::InvalidArgumentError("--lease_ttl must be at least 2s (etcd refuses shorter leases)");
+    }
+    if (f.etcd_prefix.empty() || f.etcd_prefix.back() != '/') {
+      return absl::InvalidArgumentError("--etcd_prefix must end with '/'");
+    }
+  }
+  if (f.replication == 0 || f.replication > 16 || f.write_quorum > f.replication || f.hb_timeout <= f.hb_interval ||
+      !ParseHostPort(f.listen).ok()) {
+    return absl::InvalidArgumentError(
+        "replication in [1,16], write_quorum <= replication, heartbeat_timeout > heartbeat_interval, listen "
+        "host:port");
+  }
+  if (!f.metrics_listen.empty()) {
+    if (auto hp = ParseHostPort(f.metrics_listen); !hp.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--metrics_listen: ", hp.status().message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Where the metadata lives: RocksDB in --data_dir, or etcd (then `etcd`
+// and `etcd_store`, the same object as `store`, are set).
+struct Store {
+  std::unique_ptr<EtcdClient> etcd;
+  std::unique_ptr<MetadataStore> store;
+  EtcdMetadataStore* etcd_store = nullptr;
+};
+
+absl::StatusOr<Store> OpenStore(const Flags& f) {
+  Store st;
+  if (f.etcd.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(f.data_dir, ec);
+    KVRING_ASSIGN_OR_RETURN(st.store, MetadataStore::Open(f.data_dir + "/meta"));
+    return st;
+  }
+  EtcdOptions eo;
+  eo.endpoints = *EtcdClient::ParseEndpoints(f.etcd);
+  if (f.etcd_tls.enabled()) {
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> c = MakeChannelCredentials(f.etcd_tls);
+    if (!c.ok()) return absl::Status(c.status().code(), absl::StrCat("etcd TLS: ", c.status().message()));
+    eo.credentials = *c;
+  }
+  KVRING_ASSIGN_OR_RETURN(st.etcd, EtcdClient::Create(eo));
+  auto s = std::make_unique<EtcdMetadataStore>(st.etcd.get(), f.etcd_prefix);
+  st.etcd_store = s.get();
+  st.store = std::move(s);
+  return st;
+}
+
+CoordinatorOptions OptionsFrom(const Flags& f, bool standby) {
+  CoordinatorOptions o;
+  o.replication = static_cast<uint32_t>(f.replication);
+  o.write_quorum = static_cast<uint32_t>(f.write_quorum);
+  o.virtual_nodes = static_cast<uint32_t>(f.vnodes);
+  o.sequence_chunk_blocks = static_cast<uint32_t>(f.chunk_blocks);
+  o.heartbeat_interval = f.hb_interval;
+  o.heartbeat_timeout = f.hb_timeout;
+  o.admin_token = f.admin_token;
+  o.cluster_token = f.cluster_token;
+  o.standby = standby;
+  return o;
+}
+
+// /metrics on `listen`: the map's version, its nodes UP and in all, and
+// whether this coordinator leads, read at each scrape.
+absl::Status ServeMetrics(const std::string& listen, CoordinatorService* service, MetricsRegistry& metrics,
+                          HttpServer& http) {
+  KVRING_ASSIGN_OR_RETURN(HostPort hp, ParseHostPort(listen));
+  GaugeMetric* g_map = metrics.Gauge("kvring_map_version", "Version of the shard map");
+  GaugeMetric* g_up = metrics.Gauge("kvring_nodes_up", "Nodes UP in the shard map");
+  GaugeMetric* g_nodes = metrics.Gauge("kvring_nodes", "Nodes in the shard map, UP or DOWN");
+  GaugeMetric* g_leading =
+      metrics.Gauge("kvring_coordinator_leading", "1 while this coordinator leads (accepts writes)");
+  http.Handle(
+      "/metrics",
+      [=, &metrics] {
+        const v1::ShardMap m = service->CurrentMap();
+        int up = 0;
+        for (const auto& n : m.nodes()) up += n.state() == v1::NodeInfo::UP;
+        g_map->Set(static_cast<double>(m.version()));
+        g_up->Set(up);
+        g_nodes->Set(m.nodes_size());
+        g_leading->Set(service->leading() ? 1 : 0);
+        return metrics.Render();
+      },
+      MetricsRegistry::kContentType);
+  absl::StatusOr<int> port = http.Start(hp.host, hp.port);
+  if (!port.ok()) return port.status();
+  KVRING_LOG(INFO) << "metrics on port " << *port;
+  return absl::OkStatus();
+}
+
+// What standbys name as the leader while this one leads: --advertise, else
+// --listen's host (this machine's name for a wildcard) and the bound port.
+std::string Advertised(const Flags& f, int port) {
+  if (!f.advertise.empty()) return f.advertise;
+  std::string host = ParseHostPort(f.listen)->host;
+  if (host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]") {
+    char name[256] = {0};
+    host = gethostname(name, sizeof(name) - 1) == 0 ? name : "127.0.0.1";
+  }
+  return absl::StrCat(host, ":", port);
+}
+
+// The etcd mode: campaigns for the lead; the service leads while its lease
+// holds and stands by otherwise.
+std::unique_ptr<LeaderElection> StartElection(const Flags& f, int port, Store& st, CoordinatorService* service) {
+  LeaderElectionOptions eo;
+  eo.key = f.etcd_prefix + "leader";
+  eo.candidate = Advertised(f, port);
+  eo.ttl = f.lease_ttl;
+  // (on_lead runs on the election's own thread, after Start: the slot is
+  // filled by then.)
+  auto election_slot = std::make_shared<LeaderElection*>(nullptr);
+  eo.on_lead = [election_slot, service, store = st.etcd_store, key = eo.key](int64_t fence) {
+    store->SetFence(key, fence);
+    LeaderElection* election = *election_slot;
+    return service->BecomeLeader([election] { return election->LeaseHeld(); });
+  };
+  eo.on_follow = [service, store = st.etcd_store, key = eo.key](const std::string& leader, const absl::Status& why) {
+    service->BecomeStandby(leader, why);
+    store->SetFence(key, 0);
+  };
+  KVRING_LOG(INFO) << "etcd mode: " << f.etcd << " (prefix " << f.etcd_prefix << "), advertised as " << eo.candidate
+                   << ", lease " << absl::FormatDuration(f.lease_ttl);
+  auto election = std::make_unique<LeaderElection>(st.etcd.get(), std::move(eo));
+  *election_slot = election.get();
+  election->Start();
+  return election;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  BlockTerminationSignals();
+  DisableMutexDeadlockDetection();
+  Flags f;
+  FlagSet flags("kvring-coordinator", "membership, shard map and tenants of a kvring cluster");
+  DefineFlags(flags, f);
   if (absl::Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "kvring-coordinator: %s\n", std::string(s.message()).c_str());
     return 2;
@@ -76,189 +252,46 @@ int main(int argc, char** argv) {
     return 0;
   }
   LogLevel lvl;
-  if (ParseLogLevel(log_level, &lvl)) SetLogLevel(lvl);
-  auto secret = [&](std::string* v, const std::string& file, const char* name) -> bool {
-    if (!file.empty() && check_config) return true;
-    if (!file.empty()) {
-      auto t = ReadSecretFile(file);
-      if (!t.ok()) {
-        KVRING_LOG(ERROR) << name << ": " << t.status();
-        return false;
-      }
-      *v = *t;
-    }
-    if (v->empty()) {
-      KVRING_LOG(ERROR) << "--" << name << " or --" << name << "_file is required";
-      return false;
-    }
-    return true;
-  };
-  if (!secret(&admin_token, admin_token_file, "admin_token") ||
-      !secret(&cluster_token, cluster_token_file, "cluster_token"))
-    return 2;
-  if (data_dir.empty() && etcd.empty()) {
-    KVRING_LOG(ERROR) << "--data_dir (or --etcd) is required";
-    return 2;
-  }
-  if (!etcd.empty()) {
-    if (auto e = EtcdClient::ParseEndpoints(etcd); !e.ok()) {
-      KVRING_LOG(ERROR) << "--etcd: " << e.status().message();
-      return 2;
-    }
-    if (lease_ttl < absl::Seconds(2)) {
-      KVRING_LOG(ERROR) << "--lease_ttl must be at least 2s (etcd refuses shorter leases)";
-      return 2;
-    }
-    if (etcd_prefix.empty() || etcd_prefix.back() != '/') {
-      KVRING_LOG(ERROR) << "--etcd_prefix must end with '/'";
-      return 2;
-    }
-  }
-  if (replication == 0 || replication > 16 || write_quorum > replication || hb_timeout <= hb_interval ||
-      !ParseHostPort(listen).ok()) {
-    KVRING_LOG(ERROR) << "bad flags: replication in [1,16], write_quorum <= replication, heartbeat_timeout > "
-                         "heartbeat_interval, listen host:port";
-    return 2;
-  }
-  if (check_config) {
+  if (!ParseLogLevel(f.log_level, &lvl)) return Fail(absl::InvalidArgumentError(f.log_level), "--log_level", 2);
+  SetLogLevel(lvl);
+  if (absl::Status s = CheckFlags(f); !s.ok()) return Fail(s, "flags", 2);
+  if (f.check_config) {
     std::printf("kvring-coordinator: config OK\n");
     return 0;
   }
-  std::error_code ec;
-  std::unique_ptr<MetadataStore> store;
-  std::unique_ptr<EtcdClient> etcd_client;
-  EtcdMetadataStore* etcd_store = nullptr;
-  if (etcd.empty()) {
-    std::filesystem::create_directories(data_dir, ec);
-    auto opened = MetadataStore::Open(data_dir + "/meta");
-    if (!opened.ok()) {
-      KVRING_LOG(ERROR) << opened.status();
-      return 1;
-    }
-    store = std::move(*opened);
-  } else {
-    EtcdOptions eo;
-    eo.endpoints = *EtcdClient::ParseEndpoints(etcd);
-    if (etcd_tls.enabled()) {
-      auto c = MakeChannelCredentials(etcd_tls);
-      if (!c.ok()) {
-        KVRING_LOG(ERROR) << "etcd TLS: " << c.status().message();
-        return 2;
-      }
-      eo.credentials = *c;
-    }
-    auto client = EtcdClient::Create(eo);
-    if (!client.ok()) {
-      KVRING_LOG(ERROR) << client.status();
-      return 2;
-    }
-    etcd_client = std::move(*client);
-    auto s = std::make_unique<EtcdMetadataStore>(etcd_client.get(), etcd_prefix);
-    etcd_store = s.get();
-    store = std::move(s);
-  }
-  CoordinatorOptions o;
-  o.replication = static_cast<uint32_t>(replication);
-  o.write_quorum = static_cast<uint32_t>(write_quorum);
-  o.virtual_nodes = static_cast<uint32_t>(vnodes);
-  o.sequence_chunk_blocks = static_cast<uint32_t>(chunk_blocks);
-  o.heartbeat_interval = hb_interval;
-  o.heartbeat_timeout = hb_timeout;
-  o.admin_token = admin_token;
-  o.cluster_token = cluster_token;
-  o.standby = etcd_store != nullptr;
+  absl::StatusOr<Store> st = OpenStore(f);
+  if (!st.ok()) return Fail(st.status(), "metadata store", 1);
   SystemClock clock;
-  auto service = CoordinatorService::Create(o, std::move(store), &clock);
-  if (!service.ok()) {
-    KVRING_LOG(ERROR) << service.status();
-    return 1;
-  }
+  const bool standby = st->etcd_store != nullptr;
+  auto service = CoordinatorService::Create(OptionsFrom(f, standby), std::move(st->store), &clock);
+  if (!service.ok()) return Fail(service.status(), "coordinator", 1);
+  auto creds = MakeServerCredentials(f.tls);
+  if (!creds.ok()) return Fail(creds.status(), "TLS", 1);
   grpc::ServerBuilder builder;
   int port = 0;
-  auto creds = MakeServerCredentials(tls);
-  if (!creds.ok()) {
-    KVRING_LOG(ERROR) << creds.status();
-    return 1;
-  }
-  builder.AddListeningPort(listen, *creds, &port);
+  builder.AddListeningPort(f.listen, *creds, &port);
   builder.RegisterService(service->get());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    KVRING_LOG(ERROR) << "cannot listen on " << listen;
-    return 1;
-  }
-  HttpServer http;
+  if (!server || port == 0) return Fail(absl::UnavailableError(f.listen), "cannot listen on", 1);
   MetricsRegistry metrics;
-  GaugeMetric* g_map = metrics.Gauge("kvring_map_version", "Version of the shard map");
-  GaugeMetric* g_up = metrics.Gauge("kvring_nodes_up", "Nodes UP in the shard map");
-  GaugeMetric* g_nodes = metrics.Gauge("kvring_nodes", "Nodes in the shard map, UP or DOWN");
-  GaugeMetric* g_leading =
-      metrics.Gauge("kvring_coordinator_leading", "1 while this coordinator leads (accepts writes)");
-  if (!metrics_listen.empty()) {
-    auto hp = ParseHostPort(metrics_listen);
-    if (!hp.ok()) {
-      KVRING_LOG(ERROR) << "--metrics_listen: " << hp.status().message();
-      return 2;
+  HttpServer http;
+  if (!f.metrics_listen.empty()) {
+    if (absl::Status s = ServeMetrics(f.metrics_listen, service->get(), metrics, http); !s.ok()) {
+      return Fail(s, "metrics server", 1);
     }
-    http.Handle(
-        "/metrics",
-        [&] {
-          const v1::ShardMap m = (*service)->CurrentMap();
-          int up = 0;
-          for (const auto& n : m.nodes()) up += n.state() == v1::NodeInfo::UP;
-          g_map->Set(static_cast<double>(m.version()));
-          g_up->Set(up);
-          g_nodes->Set(m.nodes_size());
-          g_leading->Set((*service)->leading() ? 1 : 0);
-          return metrics.Render();
-        },
-        MetricsRegistry::kContentType);
-    absl::StatusOr<int> mp = http.Start(hp->host, hp->port);
-    if (!mp.ok()) {
-      KVRING_LOG(ERROR) << "metrics server on " << metrics_listen << ": " << mp.status().message();
-      return 1;
-    }
-    KVRING_LOG(INFO) << "metrics on port " << *mp;
   }
-  // The etcd mode: lead or stand by.
-  std::unique_ptr<LeaderElection> election;
-  if (etcd_store != nullptr) {
-    if (advertise.empty()) {
-      auto hp = ParseHostPort(listen);
-      std::string host = hp->host;
-      if (host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]") {
-        char name[256] = {0};
-        host = gethostname(name, sizeof(name) - 1) == 0 ? name : "127.0.0.1";
-      }
-      advertise = absl::StrCat(host, ":", port);
-    }
-    LeaderElectionOptions eo;
-    eo.key = etcd_prefix + "leader";
-    eo.candidate = advertise;
-    eo.ttl = lease_ttl;
-    eo.on_lead = [&, key = eo.key](int64_t fence) {
-      etcd_store->SetFence(key, fence);
-      return (*service)->BecomeLeader([&] { return election->LeaseHeld(); });
-    };
-    eo.on_follow = [&, key = eo.key](const std::string& leader, const absl::Status& why) {
-      (*service)->BecomeStandby(leader, why);
-      etcd_store->SetFence(key, 0);
-    };
-    election = std::make_unique<LeaderElection>(etcd_client.get(), eo);
-    election->Start();
-    KVRING_LOG(INFO) << "etcd mode: " << etcd << " (prefix " << etcd_prefix << "), advertised as " << advertise
-                     << ", lease " << absl::FormatDuration(lease_ttl);
-  }
+  std::unique_ptr<LeaderElection> election = standby ? StartElection(f, port, *st, service->get()) : nullptr;
   absl::Notification stop;
   std::thread monitor([&] {
-    while (!stop.WaitForNotificationWithTimeout(hb_interval / 2)) (*service)->Tick();
+    while (!stop.WaitForNotificationWithTimeout(f.hb_interval / 2)) (*service)->Tick();
   });
-  if (!port_file.empty()) {
-    std::ofstream(port_file + ".tmp") << port << "\n";
-    std::filesystem::rename(port_file + ".tmp", port_file, ec);
+  if (!f.port_file.empty()) {
+    std::error_code ec;
+    std::ofstream(f.port_file + ".tmp") << port << "\n";
+    std::filesystem::rename(f.port_file + ".tmp", f.port_file, ec);
   }
-  KVRING_LOG(INFO) << "kvring-coordinator ready on port " << port << " (R=" << replication << ", timeout "
-                   << absl::FormatDuration(hb_timeout) << ")";
+  KVRING_LOG(INFO) << "kvring-coordinator ready on port " << port << " (R=" << f.replication << ", timeout "
+                   << absl::FormatDuration(f.hb_timeout) << ")";
   const int sig = WaitForTerminationSignal();
   KVRING_LOG(INFO) << "signal " << sig << ": shutting down";
   if (election) election->Stop();  // resign: a standby leads at its next round
