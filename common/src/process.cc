@@ -45,6 +45,17 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& path) {
   return out;
 }
 
+absl::StatusOr<std::string> TokenFromFlags(const std::string& value, const std::string& file, const std::string& flag,
+                                           bool check_config) {
+  if (file.empty() && value.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " or --", flag, "_file is required"));
+  }
+  if (file.empty() || check_config) return value;
+  absl::StatusOr<std::string> t = ReadSecretFile(file);
+  if (!t.ok()) return absl::Status(t.status().code(), absl::StrCat("--", flag, "_file: ", t.status().message()));
+  return t;
+}
+
 absl::StatusOr<std::string> HostBootId() {
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   std::string line;

@@ -80,23 +80,12 @@ void DefineFlags(FlagSet& flags, Flags& f) {
   flags.AddBool("check_config", &f.check_config, "parse and check the flags and config file, then exit");
 }
 
-// A token from its flag or its file (the file is not read under
-// --check_config).
-absl::Status ReadToken(std::string* token, const std::string& file, const char* name, bool check_config) {
-  if (!file.empty() && check_config) return absl::OkStatus();
-  if (!file.empty()) {
-    absl::StatusOr<std::string> t = ReadSecretFile(file);
-    if (!t.ok()) return absl::Status(t.status().code(), absl::StrCat("--", name, "_file: ", t.status().message()));
-    *token = *t;
-  }
-  if (token->empty()) return absl::InvalidArgumentError(absl::StrCat("--", name, " or --", name, "_file is required"));
-  return absl::OkStatus();
-}
-
 // The tokens read and the flags checked; what is wrong names its flag.
 absl::Status CheckFlags(Flags& f) {
-  KVRING_RETURN_IF_ERROR(ReadToken(&f.admin_token, f.admin_token_file, "admin_token", f.check_config));
-  KVRING_RETURN_IF_ERROR(ReadToken(&f.cluster_token, f.cluster_token_file, "cluster_token", f.check_config));
+  KVRING_ASSIGN_OR_RETURN(f.admin_token,
+                          TokenFromFlags(f.admin_token, f.admin_token_file, "admin_token", f.check_config));
+  KVRING_ASSIGN_OR_RETURN(f.cluster_token,
+                          TokenFromFlags(f.cluster_token, f.cluster_token_file, "cluster_token", f.check_config));
   if (f.data_dir.empty() && f.etcd.empty()) return absl::InvalidArgumentError("--data_dir (or --etcd) is required");
   if (!f.etcd.empty()) {
     if (auto e = EtcdClient::ParseEndpoints(f.etcd); !e.ok()) {

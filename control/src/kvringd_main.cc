@@ -103,15 +103,8 @@ void DefineFlags(FlagSet& flags, Flags& f) {
 // The daemon's options from its flags (the cluster token read from its file
 // unless --check_config), checked; what is wrong names its flag.
 absl::StatusOr<NodeDaemonOptions> OptionsFrom(const Flags& f) {
-  std::string cluster_token = f.cluster_token;
-  if (!f.cluster_token_file.empty() && !f.check_config) {
-    auto t = ReadSecretFile(f.cluster_token_file);
-    if (!t.ok()) return absl::Status(t.status().code(), absl::StrCat("--cluster_token_file: ", t.status().message()));
-    cluster_token = *t;
-  }
-  if (cluster_token.empty() && f.cluster_token_file.empty()) {
-    return absl::InvalidArgumentError("--cluster_token or --cluster_token_file is required");
-  }
+  KVRING_ASSIGN_OR_RETURN(std::string cluster_token,
+                          TokenFromFlags(f.cluster_token, f.cluster_token_file, "cluster_token", f.check_config));
   NodeDaemonOptions o;
   o.listen = f.listen;
   o.advertise = f.advertise;

@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "gtest/gtest.h"
+#include "kvring/common/process.h"
 
 namespace kvring {
 namespace {
@@ -107,6 +108,24 @@ TEST(ByteSizeTest, ParsesSuffixesAndRejectsGarbage) {
   EXPECT_FALSE(ParseByteSize("12Q", &v).ok());
   EXPECT_FALSE(ParseByteSize("", &v).ok());
   EXPECT_FALSE(ParseByteSize("99999999999999999999T", &v).ok());
+}
+
+// A token from --<flag> or --<flag>_file: the file wins, one is required,
+// --check_config reads no file, and errors name the flag.
+TEST(TokenFromFlagsTest, TheFileWinsOneIsRequiredAndCheckConfigReadsNoFile) {
+  const std::string path = ::testing::TempDir() + "/token_from_flags";
+  std::ofstream(path) << "  from-file \n";
+  EXPECT_EQ(*TokenFromFlags("from-flag", "", "admin_token", false), "from-flag");
+  EXPECT_EQ(*TokenFromFlags("from-flag", path, "admin_token", false), "from-file");
+  EXPECT_EQ(*TokenFromFlags("", path, "admin_token", /*check_config=*/true), "");
+  absl::StatusOr<std::string> none = TokenFromFlags("", "", "admin_token", false);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().message(), "--admin_token or --admin_token_file is required");
+  absl::StatusOr<std::string> missing = TokenFromFlags("", path + ".absent", "cluster_token", false);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_TRUE(absl::IsNotFound(missing.status()));
+  EXPECT_EQ(missing.status().message().rfind("--cluster_token_file: ", 0), 0u) << missing.status();
+  std::remove(path.c_str());
 }
 
 }  // namespace

@@ -25,6 +25,12 @@ void DisableMutexDeadlockDetection();
 
 // The first line of a file, trimmed (for tokens kept out of argv).
 absl::StatusOr<std::string> ReadSecretFile(const std::string& path);
+// A token given as --<flag> (`value`) or --<flag>_file (`file`, read with
+// ReadSecretFile; the file wins). One of them is required. With
+// `check_config` the file is not read and `value` comes back as it is (""
+// when only the file was given). Errors name the flag.
+absl::StatusOr<std::string> TokenFromFlags(const std::string& value, const std::string& file, const std::string& flag,
+                                           bool check_config);
 
 // This host's identity for same-host checks: the kernel's boot id
 // (/proc/sys/kernel/random/boot_id; new at every boot, shared by every
