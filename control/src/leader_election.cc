@@ -27,9 +27,18 @@ void LeaderElection::Stop() {
 }
 
 absl::Status LeaderElection::LeaseHeld() const {
-  if (!leading_.load()) return absl::UnavailableError("this coordinator does not hold the leadership lease");
-  if (absl::Now() < absl::FromUnixNanos(lease_deadline_ns_.load()) - options_.ttl / 6) return absl::OkStatus();
+  const bool leading = leading_.load();
+  if (leading && absl::Now() < absl::FromUnixNanos(lease_deadline_ns_.load()) - options_.ttl / 6) {
+    return absl::OkStatus();
+  }
   absl::MutexLock l(&renew_mu_);
+  if (!leading) {
+    // (Lost since: when a renewal failed, that is why.)
+    return absl::UnavailableError(absl::StrCat(
+        "this coordinator does not hold the leadership lease",
+        renew_error_.empty() ? std::string()
+                             : absl::StrCat(": the metadata store (etcd) did not renew it: ", renew_error_)));
+  }
   return absl::UnavailableError(absl::StrCat(
       "this coordinator's leadership lease ran out before the metadata store (etcd) renewed it",
       renew_error_.empty() ? std::string(" (the renewal is unanswered)") : absl::StrCat(": ", renew_error_)));

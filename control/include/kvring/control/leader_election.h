@@ -62,7 +62,7 @@ class LeaderElection {
   // what a leader checks before it acts (after a pause, or while a renewal is
   // unanswered, the election thread may not yet have noticed that the lease
   // is gone). Otherwise Unavailable, saying why: not leading, or the lease ran
-  // out unrenewed, with etcd's last renewal error when it answered one.
+  // out unrenewed; either with etcd's last renewal error when it gave one.
   absl::Status LeaseHeld() const;
 
  private:
