@@ -191,6 +191,27 @@ class HaTest : public ::testing::Test {
     return -1;
   }
 
+  // Whether standby `c` names a leader within the timeout (its election
+  // reads the leader's key every ttl/6: right after an election it may not
+  // know yet, and says "no coordinator leads right now").
+  bool NamesLeader(int c, absl::Duration timeout = absl::Seconds(5)) {
+    const absl::Time end = absl::Now() + timeout;
+    auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(CoordAddress(c), grpc::InsecureChannelCredentials()));
+    while (absl::Now() < end) {
+      grpc::ClientContext ctx;
+      ctx.AddMetadata("authorization", std::string("Bearer ") + kAdmin);
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      v1::SetTenantQuotaRequest req;
+      req.set_version(1);
+      req.set_name("no-such-tenant-probe");
+      v1::SetTenantQuotaResponse resp;
+      stub->SetTenantQuota(&ctx, req, &resp);
+      if (ctx.GetServerTrailingMetadata().count("kvring-leader")) return true;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return false;
+  }
+
   std::unique_ptr<CoordinatorChannel> Channel(const std::string& addresses) {
     auto c = CoordinatorChannel::Create(addresses, nullptr);
     EXPECT_TRUE(c.ok()) << c.status();
@@ -480,6 +501,7 @@ TEST_F(HaTest, OneAddressInFrontOfTheCoordinatorsIsEnough) {
   // alone follow it to the leader it names.
   const int leader = Leader();
   ASSERT_GE(leader, 0);
+  ASSERT_TRUE(NamesLeader(1 - leader)) << Slurp(dir_ / absl::StrCat("c", 1 - leader, ".log"));
   const std::string standby = CoordAddress(1 - leader);
   auto t = CreateTenant(standby, "via-standby");
   ASSERT_TRUE(t.ok()) << t.status();
