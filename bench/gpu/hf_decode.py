@@ -137,9 +137,17 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
     r = {"shards": shards, "batch": batch, "context": ctx, "new_tokens": n_new}
 
     torch.cuda.synchronize()
-    with CpuMeter(me) as eng_local:
-        r["sdpa_tokens_per_s"] = generate_timed(model, ids, n_new, DynamicCache())
-    torch.cuda.empty_cache()
+    # The local peer, twice, its better run kept: a DynamicCache grows by
+    # concatenation, and one run's rate varies with what the allocator has
+    # cached (on the H100 the first run at 32K gave 12.6-45 tok/s between
+    # configs of one run, the second is steadier).
+    rates = []
+    for _ in range(2):
+        with CpuMeter(me) as eng_local:
+            rates.append(generate_timed(model, ids, n_new, DynamicCache()))
+        torch.cuda.empty_cache()
+    r["sdpa_runs_tokens_per_s"] = rates
+    r["sdpa_tokens_per_s"] = max(rates)
     try:
         r["sdpa_layer_p50_us"] = p50(sdpa_layer_times(model, ids, 4)) * 1e6
     except Exception as e:  # noqa: BLE001  (the per-layer peer only; the rates stand without it)
