@@ -19,6 +19,7 @@
 #include "kvring/common/cuda_status.h"
 #include "kvring/common/logging.h"
 #include "kvring/common/status_macros.h"
+#include "kvring/common/stream_words.h"
 #include "kvring/control/cpu_attention_backend.h"
 #include "kvring/layout/float_convert.h"
 
@@ -517,7 +518,11 @@ class CudaAttentionBackend final : public AttentionBackend {
   absl::Status EnqueueAttention(GpuStep& w);
   absl::Status LaunchDecode(GpuStep& w, const cuda::AttnParams& p, const cuda::QueryView& qv,
                             const cuda::PagedKvView& kv, cuda::OutputView out);
-  absl::Status HandOff(GpuStep& w, StepTimes* times) ABSL_LOCKS_EXCLUDED(mu_);
+  // The reply goes before the work is done: the caller's word (or an event)
+  // set after it on the lane's stream, the step's holds moved to the lane.
+  // False (nothing queued, nothing moved) when neither can be set: the
+  // caller then waits for the work.
+  absl::StatusOr<bool> HandOff(GpuStep& w, StepTimes* times) ABSL_LOCKS_EXCLUDED(mu_);
   void Finish(GpuStep& w, PartialOutput out, StepTimes* times) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Abandon(GpuStep& w, absl::Status s) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -724,6 +729,9 @@ class CudaAttentionBackend final : public AttentionBackend {
   std::unique_ptr<DevicePagePool> pool_;
   void* pool_base_ = nullptr;
   std::atomic<bool> healthy_{true};
+  // False once the driver refused a stream word write (a caller's done flag):
+  // later steps answer with events, or once their work is done.
+  std::atomic<bool> stream_words_ok_{true};
 
   absl::Mutex admin_mu_;  // the admin stream (block copies in and out of HBM)
   cudaStream_t admin_stream_ = nullptr;
@@ -808,12 +816,13 @@ absl::Status CudaAttentionBackend::Step(const StepPlan& plan, PartialOutput out,
   if (s.ok()) s = EnqueueAttention(w);
   if (s.ok()) s = Check(cudaEventRecord(w.lane->done, w.st), "event");
   // The caller's stream can wait for the work (its inputs were on it too):
-  // the reply goes now, with an event for that stream, and the step's holds
+  // the reply goes now, with the caller's word or an event for that stream, and the step's holds
   // stay until the work completes (Reap).
   if (s.ok() && w.dx != nullptr && w.dx->reply_when_queued && w.dx->inputs_ready != nullptr && times != nullptr &&
-      w.lane->done_ipc[0] != nullptr) {
-    s = HandOff(w, times);
-    if (s.ok()) {
+      (w.dx->done_flag != nullptr || w.lane->done_ipc[0] != nullptr)) {
+    absl::StatusOr<bool> handed = HandOff(w, times);
+    if (!handed.ok()) s = handed.status();
+    if (s.ok() && *handed) {
       guard.lane = nullptr;
       absl::MutexLock l(&lanes_mu_);
       flying_.push_back(w.lane);
@@ -1244,10 +1253,23 @@ absl::Status CudaAttentionBackend::LaunchDecode(GpuStep& w, const cuda::AttnPara
   return absl::OkStatus();
 }
 
-absl::Status CudaAttentionBackend::HandOff(GpuStep& w, StepTimes* times) {
+absl::StatusOr<bool> CudaAttentionBackend::HandOff(GpuStep& w, StepTimes* times) {
   Lane* lane = w.lane;
-  const int k = lane->next_done++ % Lane::kDoneEvents;
-  KVRING_RETURN_IF_ERROR(Check(cudaEventRecord(lane->done_ipc[k], w.st), "event"));
+  // The caller's word when it gave one (its stream waits on the device for
+  // the word, no event), else the next of the lane's interprocess events.
+  bool by_flag = w.dx->done_flag != nullptr && stream_words_ok_.load() && StreamWordsAvailable();
+  if (by_flag) {
+    if (absl::Status f = StreamWordWrite(w.st, w.dx->done_flag, w.dx->done_flag_value); !f.ok()) {
+      if (stream_words_ok_.exchange(false)) {
+        KVRING_LOG(WARNING) << "cannot set a caller's done flag on the device (" << f.message()
+                            << "): steps answer with an event, or once their work is done";
+      }
+      by_flag = false;
+    }
+  }
+  if (!by_flag && lane->done_ipc[0] == nullptr) return false;
+  const int k = by_flag ? -1 : lane->next_done++ % Lane::kDoneEvents;
+  if (!by_flag) KVRING_RETURN_IF_ERROR(Check(cudaEventRecord(lane->done_ipc[k], w.st), "event"));
   Lane::InFlight f;
   f.seqs = w.dseq;
   f.keepalive = w.dx->keepalive;
@@ -1263,10 +1285,14 @@ absl::Status CudaAttentionBackend::HandOff(GpuStep& w, StepTimes* times) {
     }
   }
   lane->in_flight = std::move(f);
-  times->done_event = lane->done_ipc_handle[k];
+  if (by_flag) {
+    times->done_flag = true;
+  } else {
+    times->done_event = lane->done_ipc_handle[k];
+  }
   times->kernel_seconds = last_kernel_seconds_.load();
   times->copy_seconds = last_copy_seconds_.load();
-  return absl::OkStatus();
+  return true;
 }
 
 void CudaAttentionBackend::Finish(GpuStep& w, PartialOutput out, StepTimes* times) {

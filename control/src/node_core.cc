@@ -363,6 +363,11 @@ absl::Status NodeCore::AttendOnDevice(const v1::Tenant& t, const std::string& re
   }
   io.read = [&m](const uint8_t* src, absl::Span<uint8_t> dst) { return m.Read(src, dst); };
   io.reply_when_queued = x.reply_when_queued && io.inputs_ready != nullptr;
+  if (io.reply_when_queued && x.done_flag_value != 0) {
+    KVRING_ASSIGN_OR_RETURN(uint8_t * f, m.Region(0, x.done_flag, sizeof(uint32_t)));
+    io.done_flag = reinterpret_cast<uint32_t*>(f);
+    io.done_flag_value = x.done_flag_value;
+  }
   io.keepalive = held;
   batch.device = &io;
   absl::Status s = Attend(t, requested_ns, batch, PartialOutput{nullptr, nullptr}, stats);
@@ -826,6 +831,7 @@ absl::Status NodeCore::Finish(OpScope& op, std::chrono::steady_clock::time_point
     stats->kernel_seconds = times.kernel_seconds;
     stats->copy_seconds = times.copy_seconds;
     stats->done_event = times.done_event;
+    stats->done_flag = times.done_flag;
     stats->compute_seconds = Since(t0);
     stats->backend = backend_->name();
     stats->sequence_status = seq_status;

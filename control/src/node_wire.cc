@@ -221,11 +221,11 @@ absl::Status WireAttend(NodeCore& core, const v1::Tenant& t, const v1::AttendReq
   absl::Status s;
   if (req.has_device()) {
     const v1::DeviceExchange& d = req.device();
-    s = core.AttendOnDevice(
-        t, req.header().namespace_(), batch,
-        DeviceExchangeIn{d.host_id(), d.ipc_handle(), d.queries_offset(), d.new_k_offset(), d.new_v_offset(),
-                         d.out_offset(), d.lse_offset(), d.inputs_ready_event(), d.reply_when_queued()},
-        &st);
+    s = core.AttendOnDevice(t, req.header().namespace_(), batch,
+                            DeviceExchangeIn{d.host_id(), d.ipc_handle(), d.queries_offset(), d.new_k_offset(),
+                                             d.new_v_offset(), d.out_offset(), d.lse_offset(), d.inputs_ready_event(),
+                                             d.reply_when_queued(), d.done_flag_offset(), d.done_flag_value()},
+                            &st);
   } else {
     s = core.Attend(t, req.header().namespace_(), batch, out, &st);
   }
@@ -246,6 +246,7 @@ absl::Status WireAttend(NodeCore& core, const v1::Tenant& t, const v1::AttendReq
   resp->set_completed_blocks(st.completed_blocks);
   resp->set_backend(st.backend);
   if (!st.done_event.empty()) resp->set_done_event(st.done_event);
+  if (st.done_flag) resp->set_done_flag(true);
   bool all_ok = true;
   for (const absl::Status& q : st.sequence_status) all_ok &= q.ok();
   if (!all_ok) {

@@ -299,6 +299,10 @@ absl::Status CheckDeviceExchange(const v1::AttendRequest& r, std::optional<absl:
     return absl::InvalidArgumentError(absl::StrCat("device exchange: the inputs-ready event handle has ",
                                                    d.inputs_ready_event().size(), " bytes, not ", kIpcHandleBytes));
   }
+  if (d.done_flag_value() != 0 && d.done_flag_offset() % sizeof(uint32_t) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device exchange: the done flag's offset ", d.done_flag_offset(), " is not a multiple of 4"));
+  }
   for (uint64_t off : {d.queries_offset(), d.new_k_offset(), d.new_v_offset(), d.out_offset(), d.lse_offset()}) {
     if (off % kDeviceExchangeAlign != 0) {
       return absl::InvalidArgumentError(

@@ -112,7 +112,9 @@ class HostIoBackend : public AttentionBackend {
   explicit HostIoBackend(BlockStore* store) : cpu_(store, nullptr) {}
   std::string refusal;  // DeviceIoRefusal's answer
   int device_steps = 0;
-  void* last_inputs_ready = nullptr;  // the last device step's AttendDeviceIo::inputs_ready
+  void* last_inputs_ready = nullptr;   // the last device step's AttendDeviceIo::inputs_ready
+  uint32_t* last_done_flag = nullptr;  // and its done_flag, done_flag_value
+  uint32_t last_done_flag_value = 0;
 
   std::string name() const override { return "host-io"; }
   absl::Status AdmitBlock(const SequenceRef& seq, uint64_t index, const BlockKey& key, const BlockMeta& meta,
@@ -129,6 +131,8 @@ class HostIoBackend : public AttentionBackend {
     if (dx == nullptr) return cpu_.Step(plan, out, times);
     ++device_steps;
     last_inputs_ready = dx->inputs_ready;
+    last_done_flag = dx->done_flag;
+    last_done_flag_value = dx->done_flag_value;
     StepPlan p = plan;
     p.device = nullptr;
     const size_t qrow = size_t{plan.shape.q_heads} * plan.shape.head_dim * DTypeSize(plan.shape.q_dtype);
@@ -1044,6 +1048,51 @@ TEST_F(NodeCoreExchangeTest, TheCallersInputsEventReachesTheBackendAndOneThatCan
   EXPECT_EQ(backend().device_steps, steps);
 }
 
+// A caller that takes replies once the work is queued names a word of its
+// buffer that the backend sets when the work is done (no event): it reaches
+// the backend as a pointer into the mapped buffer, only with the inputs'
+// event and reply_when_queued; a word outside the buffer is refused.
+TEST_F(NodeCoreExchangeTest, TheCallersDoneFlagReachesTheBackendInsideItsBuffer) {
+  for (uint32_t l = 0; l < 2; ++l) ASSERT_TRUE(Step(l, {{"s", 1, 5}}).ok());
+  const std::string ev(kIpcHandleBytes, 'e');
+  fake_.events[ev] = 0;
+  AttendBatch b = Batch(0);
+  b.layout.reset();
+  b.shape.num_rows = 1;
+  b.positions = {4};
+  b.sequences = {Row("s", 2, 5)};
+  std::vector<uint8_t>& x = fake_.allocs[kExchangeHandle].bytes;
+  const uint64_t flag = x.size() - 8;
+  AttendStats st;
+  ASSERT_TRUE(core_
+                  ->AttendOnDevice(tenant_, "", b,
+                                   DeviceExchangeIn{host_, kExchangeHandle, kQ, kK, kV, kO, kL, ev, true, flag, 77},
+                                   &st)
+                  .ok());
+  EXPECT_EQ(backend().last_done_flag, reinterpret_cast<uint32_t*>(x.data() + flag));
+  EXPECT_EQ(backend().last_done_flag_value, 77u);
+  // Without reply_when_queued (or without the inputs' event) the node
+  // answers once done: no word.
+  ASSERT_TRUE(core_
+                  ->AttendOnDevice(tenant_, "", b,
+                                   DeviceExchangeIn{host_, kExchangeHandle, kQ, kK, kV, kO, kL, ev, false, flag, 77},
+                                   &st)
+                  .ok());
+  EXPECT_EQ(backend().last_done_flag, nullptr);
+  ASSERT_TRUE(core_
+                  ->AttendOnDevice(tenant_, "", b,
+                                   DeviceExchangeIn{host_, kExchangeHandle, kQ, kK, kV, kO, kL, "", true, flag, 77},
+                                   &st)
+                  .ok());
+  EXPECT_EQ(backend().last_done_flag, nullptr);
+  // A word past the buffer's end: an error, nothing done.
+  const int steps = backend().device_steps;
+  absl::Status s = core_->AttendOnDevice(
+      tenant_, "", b, DeviceExchangeIn{host_, kExchangeHandle, kQ, kK, kV, kO, kL, ev, true, x.size() - 2, 77}, &st);
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(backend().device_steps, steps);
+}
+
 // A quantized sequence's open tail is merged on the host: its steps through
 // the exchange are refused, changing nothing (the client sends them again
 // staged), and steps over its quantized blocks alone are served in place.
@@ -1138,6 +1187,11 @@ TEST(AttendRequestValidation, MalformedDeviceExchangesAreInvalidArguments) {
       {"IPC handle has", [](v1::AttendRequest& r) { r.mutable_device()->set_ipc_handle("short"); }},
       {"not a multiple of 256", [](v1::AttendRequest& r) { r.mutable_device()->set_lse_offset(100); }},
       {"inputs-ready event handle has", [](v1::AttendRequest& r) { r.mutable_device()->set_inputs_ready_event("e"); }},
+      {"done flag's offset",
+       [](v1::AttendRequest& r) {
+         r.mutable_device()->set_done_flag_value(5);
+         r.mutable_device()->set_done_flag_offset(4098);
+       }},
   };
   for (auto& [why, mutate] : cases) {
     v1::AttendRequest m = r;

@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "gpu_test_util.h"
 #include "kvring/attention/reference.h"
+#include "kvring/common/stream_words.h"
 #include "kvring/layout/float_convert.h"
 
 namespace kvring {
@@ -286,7 +287,8 @@ TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice)
         {{a, 1, 1}, {b, 0, 1}},
         {{a, 2, 2}, {b, 1, 1}},
     };
-    int waited_on_device = 0, calls = 0, replied_queued = 0, decode_calls = 0, returned_early = 0;
+    int waited_on_device = 0, calls = 0, replied_queued = 0, decode_calls = 0, returned_early = 0, by_flag = 0,
+        shards_queued = 0;
     for (size_t s = 0; s < steps.size() + 4; ++s) {
       // (then 4 more decode steps, once every lane's buffers have grown)
       const bool decode = s >= steps.size();
@@ -300,6 +302,8 @@ TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice)
         // (a round refused before the sequences existed on a node counts as
         // a shard that did not answer with its work queued)
         if (r.report.shards_replied_queued > 0) ++replied_queued;
+        shards_queued += r.report.shards_replied_queued;
+        by_flag += r.report.shards_done_by_flag;
         if (decode) {
           ++decode_calls;
           // Every node answered with its work still queued behind the 30 ms
@@ -321,6 +325,9 @@ TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice)
       EXPECT_EQ(replied_queued, early ? calls : 0);
       if (early) {
         EXPECT_GE(returned_early, decode_calls * 3 / 4);
+        // Where the driver has stream memory operations, every node that
+        // answered early set the client's word, not an event.
+        if (StreamWordsAvailable()) EXPECT_EQ(by_flag, shards_queued);
       } else {
         EXPECT_EQ(returned_early, 0);
       }
@@ -328,7 +335,8 @@ TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice)
     std::cout << (early ? "replied when queued" : "replied when done") << ": IPC events: " << ipc_events
               << "; steps whose nodes waited on the device: " << waited_on_device << " of " << calls
               << "; answered with their work queued: " << replied_queued << "; decode steps that returned before "
-              << "the stream reached the inputs: " << returned_early << " of " << decode_calls << "\n";
+              << "the stream reached the inputs: " << returned_early << " of " << decode_calls
+              << "; shards whose work the stream waited for by a word: " << by_flag << " of " << shards_queued << "\n";
     // The legacy default stream works the same way.
     Engine e2(early ? 22 : 32);
     Engine::Result r = e2.Step(**c, 0, {{early ? "z" : "z0", 5, 5}}, cudaStreamLegacy);

@@ -336,6 +336,11 @@ class ClientImpl {
     DeviceMemory::Exchange xb;
     std::string inputs_event;  // the inputs' event (cudaIpcEventHandle_t bytes), or empty: waited for
     uint64_t l_base = 0, csr_off = 0;
+    // Per job, the 32-bit word a node sets when it answered before its work
+    // was done (DeviceExchange.done_flag_offset): at flags_off + 4 j, set to
+    // flag_base + j (never 0; a fresh range every round).
+    uint64_t flags_off = 0;
+    uint32_t flag_base = 0;
     std::vector<int> same_rows_as;  // per job: an earlier job whose copy of the queries it reads, or -1
   };
   // Plans the exchange buffer of `jobs` (ex->place, l_base, csr_off,
@@ -412,6 +417,8 @@ class ClientImpl {
   // (DeviceExchange.reply_when_queued); false once a node's event could not
   // be waited for here.
   std::atomic<bool> node_events_ok_{true};
+  // The values a round's done flags start from (ExchangeStage::flag_base).
+  std::atomic<uint32_t> next_flag_{1};
   absl::Mutex dev_mu_;
   std::unique_ptr<DeviceMemory> dev_ ABSL_GUARDED_BY(dev_mu_);
   ClientOptions o_;

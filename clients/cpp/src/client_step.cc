@@ -437,7 +437,9 @@ uint64_t ClientImpl::PlaceJobs(const PlannedStep& sh, const std::vector<NodeJob>
     off = align(off + uint64_t{jp.app} * kvrow);
   }
   ex->csr_off = off;
-  return off + (uint64_t{shape.num_rows} + 1 + part_rows) * sizeof(int32_t);
+  off += (uint64_t{shape.num_rows} + 1 + part_rows) * sizeof(int32_t);
+  ex->flags_off = align(off);
+  return ex->flags_off + jobs.size() * sizeof(uint32_t);
 }
 
 absl::Status ClientImpl::CopyIntoExchange(const PlannedStep& sh, const std::vector<NodeJob>& jobs, DeviceStep* dx,
@@ -497,6 +499,7 @@ absl::Status ClientImpl::CopyIntoExchange(const PlannedStep& sh, const std::vect
 absl::Status ClientImpl::StageExchange(const PlannedStep& sh, const std::vector<NodeJob>& jobs, DeviceStep* dx,
                                        ExchangeStage* ex) {
   const uint64_t bytes = PlaceJobs(sh, jobs, ex);
+  ex->flag_base = next_flag_.fetch_add(static_cast<uint32_t>(jobs.size()));
   KVRING_ASSIGN_OR_RETURN(ex->xb, dx->dev->ExchangeBuffer(bytes, dx->stream));
   // On the caller's stream, work on xb may still be queued when it goes.
   if (dx->stream_ordered) ex->xb.UseOn(dx->stream);
@@ -657,7 +660,8 @@ class ClientImpl::StepRound {
 
   // A job's request reads its inputs from, and writes its partial into,
   // the exchange buffer.
-  v1::DeviceExchange* SetDevice(v1::AttendRequest& req, const JobPlace& jp) const {
+  v1::DeviceExchange* SetDevice(v1::AttendRequest& req, size_t j) const {
+    const JobPlace& jp = ex_.place[j];
     v1::DeviceExchange* d = req.mutable_device();
     d->set_host_id(c_.host_id_);
     d->set_ipc_handle(ex_.xb.ipc_handle());
@@ -669,9 +673,22 @@ class ClientImpl::StepRound {
     if (!ex_.inputs_event.empty()) {
       d->set_inputs_ready_event(ex_.inputs_event);
       // (the merge waits for the node's work on the same stream)
-      if (c_.node_events_ok_.load()) d->set_reply_when_queued(true);
+      if (c_.node_events_ok_.load()) {
+        d->set_reply_when_queued(true);
+        // (the node sets the job's word when done; else it answers with an event)
+        if (dx_->dev->WaitsOnWords()) {
+          d->set_done_flag_offset(ex_.flags_off + j * sizeof(uint32_t));
+          d->set_done_flag_value(FlagValue(j));
+        }
+      }
     }
     return d;
+  }
+
+  // The value job j's node sets its done flag to.
+  uint32_t FlagValue(size_t j) const {
+    const uint32_t v = ex_.flag_base + static_cast<uint32_t>(j);
+    return v == 0 ? 1 : v;
   }
 
   // The inputs complete before the host reads them or a node that cannot
@@ -696,11 +713,12 @@ class ClientImpl::StepRound {
   // A job's request through the exchange buffer: the node reads and writes
   // it in place, or (a node that cannot) is sent the job's rows from it
   // and its partial goes back into it (Staged).
-  Result ThroughExchange(Node& node, v1::AttendRequest req, const JobPlace& jp) {
+  Result ThroughExchange(Node& node, v1::AttendRequest req, size_t j) {
+    const JobPlace& jp = ex_.place[j];
     Result out;
     out.rows = jp.rows;
     if (node.attend_device_refused.load()) return Staged(node, std::move(req), jp, std::move(out));
-    v1::DeviceExchange* d = SetDevice(req, jp);
+    v1::DeviceExchange* d = SetDevice(req, j);
     out.sent = req.ByteSizeLong();
     TimedAttend(out, node, req, {}, {}, {}, {});
     if (out.resp.ok() && !out.resp->device_refusal().empty() && !d->inputs_ready_event().empty()) {
@@ -770,7 +788,7 @@ class ClientImpl::StepRound {
   Result Call(size_t j, Node& node) {
     Prepared& pr = prepared_[j];
     if (dx_ != nullptr) {
-      Result out = ThroughExchange(node, std::move(pr.req), ex_.place[j]);
+      Result out = ThroughExchange(node, std::move(pr.req), j);
       out.rows = pr.rows;
       return out;
     }
@@ -808,7 +826,7 @@ class ClientImpl::StepRound {
       channels[j] = nodes[j]->Channel();
       sent_at[j] = Clock::now();
       if (dx_ != nullptr) {
-        SetDevice(pr.req, ex_.place[j]);
+        SetDevice(pr.req, j);
         r.sent = pr.req.ByteSizeLong();
         pending[j] = channels[j]->StartAttend(pr.req, {}, {}, {}, {});
       } else {
@@ -842,8 +860,23 @@ class ClientImpl::StepRound {
   // caller's next kernels, the exchange buffer's next user) and whatever
   // this round returns.
   absl::Status WaitQueuedNodes() {
-    for (const Result& r : res_) {
-      if (!r.in_place || !r.resp.ok() || r.resp->done_event().empty()) continue;
+    for (size_t j = 0; j < res_.size(); ++j) {
+      const Result& r = res_[j];
+      if (!r.in_place || !r.resp.ok()) continue;
+      if (r.resp->done_flag()) {
+        ++k_.rep->shards_replied_queued;
+        ++k_.rep->shards_done_by_flag;
+        const uint8_t* word = ex_.xb.data() + ex_.flags_off + j * sizeof(uint32_t);
+        if (absl::Status w = dx_->dev->WaitWord(word, FlagValue(j), dx_->stream); !w.ok()) {
+          c_.node_events_ok_ = false;  // not asked for again
+          ex_.xb.Drop();               // its node may still write into it
+          return absl::InternalError(
+              absl::StrCat("a node answered before its work was done and its done flag cannot be waited for here (",
+                           w.message(), "); later steps wait for the nodes' work"));
+        }
+        continue;
+      }
+      if (r.resp->done_event().empty()) continue;
       ++k_.rep->shards_replied_queued;
       if (absl::Status w = dx_->dev->WaitNodeEvent(r.resp->done_event(), dx_->stream); !w.ok()) {
         c_.node_events_ok_ = false;  // not asked for again

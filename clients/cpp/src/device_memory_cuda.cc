@@ -12,6 +12,7 @@
 #include "kvring/common/cuda_ipc.h"
 #include "kvring/common/cuda_status.h"
 #include "kvring/common/status_macros.h"
+#include "kvring/common/stream_words.h"
 
 namespace kvring {
 namespace {
@@ -141,6 +142,10 @@ class CudaDeviceMemory final : public DeviceMemory {
     KVRING_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(e, S(stream)), "recording the inputs' event"));
     return handle;
   }
+  absl::Status WaitWord(const void* word, uint32_t value, void* stream) override {
+    return StreamWordWait(S(stream), word, value);
+  }
+  bool WaitsOnWords() const override { return StreamWordsAvailable(); }
   absl::Status WaitNodeEvent(const std::string& ipc_event, void* stream) override {
     cudaEvent_t e = nullptr;
     {

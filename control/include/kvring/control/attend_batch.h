@@ -53,6 +53,11 @@ struct AttendDeviceIo {
   // backend may return once the work is queued (StepTimes::done_event),
   // holding `keepalive` (the mapped memory and event) until it completes.
   bool reply_when_queued = false;
+  // With reply_when_queued: a 32-bit word in the caller's memory that the
+  // backend's stream sets to done_flag_value once the work is done
+  // (StepTimes::done_flag), or null: an event instead.
+  uint32_t* done_flag = nullptr;
+  uint32_t done_flag_value = 0;
   std::shared_ptr<void> keepalive;
 };
 
@@ -94,6 +99,7 @@ struct AttendStats {
   // The step's device work was still queued when the node answered: a
   // cudaIpcEventHandle_t that completes with it (AttendResponse.done_event).
   std::string done_event;
+  bool done_flag = false;  // or: the caller's word (AttendDeviceIo::done_flag) is set when it is
 };
 
 }  // namespace kvring

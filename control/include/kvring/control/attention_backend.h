@@ -105,6 +105,9 @@ struct StepTimes {
   // with reply_when_queued, on a backend that can): a cudaIpcEventHandle_t
   // that completes with the work. The times are then an earlier step's.
   std::string done_event;
+  // Instead of done_event: AttendDeviceIo::done_flag is set to its value
+  // on the device once the work is done.
+  bool done_flag = false;
 };
 
 struct BackendStats {

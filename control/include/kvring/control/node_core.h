@@ -107,6 +107,10 @@ struct DeviceExchangeIn {
   uint64_t queries = 0, new_k = 0, new_v = 0, out = 0, lse = 0;
   std::string inputs_ready_event;  // cudaIpcEventHandle_t bytes, or empty
   bool reply_when_queued = false;  // with inputs_ready_event: AttendStats::done_event may answer
+  // With reply_when_queued: the word the node's stream sets to
+  // done_flag_value when the work is done (value 0: none, an event instead).
+  uint64_t done_flag = 0;
+  uint32_t done_flag_value = 0;
 };
 struct GetBlockOut {
   absl::Status status;

@@ -186,6 +186,10 @@ struct AttendReport {
   // stream (an event each), so the caller's thread never waits for a node's
   // kernel.
   uint32_t shards_replied_queued = 0;
+  // Of those, the shards whose work the stream waited for by a word the
+  // node's stream set in the exchange buffer (AttendResponse.done_flag), not
+  // by an interprocess event.
+  uint32_t shards_done_by_flag = 0;
 };
 
 // One sequence of an attention step.

@@ -159,6 +159,12 @@ class DeviceMemory {
   // cudaIpcEventHandle_t bytes: AttendResponse.done_event), opened here once
   // and kept. FAILED_PRECONDITION when it cannot be opened.
   virtual absl::Status WaitNodeEvent(const std::string& ipc_event, void* stream) = 0;
+  // Work queued on `stream` from now on waits until the 32-bit word at
+  // `word` (device memory of this process; a node on this host sets it:
+  // AttendResponse.done_flag) equals `value`. UNIMPLEMENTED where the
+  // driver has no stream memory operations (WaitsOnWords says so first).
+  virtual absl::Status WaitWord(const void* word, uint32_t value, void* stream) = 0;
+  virtual bool WaitsOnWords() const = 0;
   // Synchronous copies (complete on return).
   virtual absl::Status ToDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status ToHost(void* dst, const void* src, size_t bytes) = 0;
