@@ -105,8 +105,10 @@ struct ClientOptions {
   uint64_t device_exchange_min_bytes = 0;
   // A step on the caller's stream (AttendStep::stream_ordered) lets a GPU
   // node on this host answer once its work is queued: the stream waits on
-  // the node's event, not this thread on the node's kernel
-  // (DeviceExchange.reply_when_queued). It shortens the step on the stream
+  // the device for a word of the exchange buffer the node's stream sets
+  // (or, where the driver has no stream memory operations, the node's
+  // event), not this thread on the node's kernel
+  // (DeviceExchange.reply_when_queued, done_flag_offset). It shortens the step on the stream
   // (H100, 4 shards: 400 us against 434) but transformers decoded fewer
   // tokens/s with it (22.4 against 25.2; 1 shard: 24-28 against 30-31;
   // bench/RESULTS.md, docs/MPS.md), so it is not the default yet.
