@@ -259,9 +259,17 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(f.listen, *creds, &port);
+  // A port another process listens on is an error, not a port shared with
+  // it (gRPC sets SO_REUSEPORT otherwise, and the kernel would split the
+  // connections between the two).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(service->get());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) return Fail(absl::UnavailableError(f.listen), "cannot listen on", 1);
+  if (!server || port == 0) {
+    return Fail(
+        absl::UnavailableError(absl::StrCat(f.listen, " (in use by another process, or not an address of this host)")),
+        "cannot listen on", 1);
+  }
   MetricsRegistry metrics;
   HttpServer http;
   if (!f.metrics_listen.empty()) {

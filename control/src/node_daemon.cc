@@ -231,12 +231,19 @@ absl::Status NodeDaemon::Parts::StartServers() {
   }
   grpc::ServerBuilder builder;
   builder.AddListeningPort(o.listen, creds, &grpc_port);
+  // A port another process listens on is an error, not a port shared with
+  // it (gRPC sets SO_REUSEPORT otherwise, and the kernel would split the
+  // connections between the two).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   const int max_message = static_cast<int>(std::min<uint64_t>(o.max_message_bytes, INT32_MAX));
   builder.SetMaxReceiveMessageSize(max_message);
   builder.SetMaxSendMessageSize(max_message);
   builder.RegisterService(service.get());
   server = builder.BuildAndStart();
-  if (!server || grpc_port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", o.listen));
+  if (!server || grpc_port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", o.listen, " (in use by another process, or not an address of this host)"));
+  }
   advertise = o.advertise;
   if (advertise.empty()) {
     auto hp = ParseHostPort(o.listen);

@@ -337,6 +337,38 @@ TEST(ProbeTest, TheDaemonListensOnlyWhereItWasTold) {
   EXPECT_GE(listeners, 2);  // gRPC and at least one UCX listener
 }
 
+// A coordinator or daemon told to listen where another process listens
+// fails to start and says so; it never shares the port (gRPC's default
+// SO_REUSEPORT would have the kernel split the connections between them).
+TEST(ProbeTest, ADaemonOnAPortInUseFailsToStartAndSaysWhy) {
+  Cluster cl(ClusterOptions{.nodes = 1, .replication = 1});
+  ASSERT_TRUE(cl.Start());
+  const std::string taken = cl.coordinator_address();
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / absl::StrCat("kvring_port_", getpid());
+  std::filesystem::create_directories(dir);
+  std::string out;
+  // (under `timeout`: one that started anyway would serve until killed, 124)
+  EXPECT_EQ(RunProgram({"timeout", "20", Cluster::Bin("control/kvring-coordinator"), "--listen=" + taken,
+                        "--data_dir=" + (dir / "c").string(), "--admin_token=admin-token-0123456789abcdef",
+                        "--cluster_token=cluster-token-0123456789abcdef", "--metrics_listen="},
+                       &out),
+            1)
+      << out;
+  EXPECT_NE(out.find("cannot listen on: " + taken + " (in use by another process"), std::string::npos) << out;
+  EXPECT_EQ(RunProgram({"timeout", "20", Cluster::Bin("control/kvringd"), "--listen=" + taken, "--coordinator=" + taken,
+                        "--cluster_token=cluster-token-0123456789abcdef", "--data_dir=" + (dir / "n").string(),
+                        "--node_id=intruder", "--host_bytes=16M", "--page_bytes=1M", "--metrics_listen="},
+                       &out),
+            1)
+      << out;
+  EXPECT_NE(out.find("cannot listen on " + taken), std::string::npos) << out;
+  // The cluster's coordinator alone answers on its port.
+  auto token = cl.CreateTenant("after");
+  EXPECT_TRUE(token.ok()) << token.status();
+  std::filesystem::remove_all(dir);
+}
+
 // The CLI refuses bad flags with a message and exit code 2, before it
 // builds or sends anything (no crash, no hang, no silent success).
 TEST(ProbeTest, TheCliRefusesBadFlagsWithExitCodeTwo) {
