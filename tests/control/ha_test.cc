@@ -11,6 +11,8 @@
 #include <set>
 #include <tuple>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "cluster_fixture.h"
 #include "kvring/control/etcd_client.h"
@@ -118,7 +120,9 @@ class HaTest : public ::testing::Test {
     std::filesystem::create_directories(dir_);
     etcd_ = std::make_unique<Etcd>(dir_);
     ASSERT_TRUE(etcd_->Start());
-    for (int c = 0; c < 2; ++c) coord_port_.push_back(FreePort());
+    // (port 0: each coordinator's first start binds a port the kernel picks,
+    // read from its port file and kept for its restarts)
+    coord_port_.assign(2, 0);
     coordinators_.resize(2);
     for (int c = 0; c < 2; ++c) ASSERT_TRUE(StartCoordinator(c));
   }
@@ -141,10 +145,15 @@ class HaTest : public ::testing::Test {
          "--lease_ttl=2s", std::string("--admin_token=") + kAdmin, std::string("--cluster_token=") + kClusterToken,
          "--heartbeat_interval=100ms", "--heartbeat_timeout=1500ms", "--port_file=" + pf},
         (dir_ / absl::StrCat("c", c, ".log")).string());
-    for (int i = 0; i < 200 && !std::filesystem::exists(pf); ++i) absl::SleepFor(absl::Milliseconds(50));
-    if (!std::filesystem::exists(pf))
+    int port = 0;
+    for (int i = 0; i < 200 && port <= 0; ++i) {
+      absl::SleepFor(absl::Milliseconds(50));
+      if (std::filesystem::exists(pf)) (void)absl::SimpleAtoi(absl::StripAsciiWhitespace(Slurp(pf)), &port);
+    }
+    if (port <= 0)
       return ::testing::AssertionFailure()
              << "coordinator " << c << " did not start: " << Slurp(dir_ / absl::StrCat("c", c, ".log"));
+    coord_port_[c] = port;
     return ::testing::AssertionSuccess();
   }
 
