@@ -236,6 +236,136 @@ absl::Status ClientImpl::HeaderInto(const v1::BlockHeader& h, GetResult* r) {
   return absl::OkStatus();
 }
 
+absl::Span<uint8_t> ClientImpl::LandingFor(const NodeChannel& ch, bool device_places, DeviceMemory::Staging* staging,
+                                           size_t nkeys, const std::vector<absl::Span<uint8_t>>& dsts,
+                                           std::vector<GetResult>* out, bool* in_dsts) {
+  // Several blocks into host destinations that follow one another in
+  // memory (a tensor or array of blocks): the reply lands in them directly,
+  // and a block that landed early (a block before it missing or shorter)
+  // is moved to its place afterwards. Scattered destinations: the reply
+  // lands in this thread's landing buffer (kept, so its pages are not
+  // faulted in again for every call; not zeroed), then each block is
+  // copied to its destination.
+  struct Landing {
+    std::unique_ptr<uint8_t[]> p;
+    size_t n = 0;
+  };
+  thread_local Landing landing;
+  *in_dsts = false;
+  // inline in the reply (gRPC), or nothing to land (a refusing node's
+  // payloads come as their own buffer)
+  if (!ch.payloads_beside() || device_places) return {};
+  if (staging != nullptr) return absl::MakeSpan(staging->data(), staging->size());
+  if (nkeys > 1 && !dsts.empty()) {
+    size_t total = 0;
+    bool follow = true;
+    for (size_t i = 0; i < dsts.size(); ++i) {
+      follow &= i == 0 || dsts[i].data() == dsts[i - 1].data() + dsts[i - 1].size();
+      total += dsts[i].size();
+    }
+    *in_dsts = follow;
+    if (follow) return absl::MakeSpan(dsts[0].data(), total);
+    if (landing.n < total) {
+      landing.p.reset(new uint8_t[total]);
+      landing.n = total;
+    }
+    return absl::MakeSpan(landing.p.get(), total);
+  }
+  if (nkeys == 1) {
+    if (!dsts.empty()) return dsts[0];
+    (*out)[0].payload.resize(last_block_bytes_.load(std::memory_order_relaxed));
+    return absl::MakeSpan((*out)[0].payload);
+  }
+  return {};
+}
+
+void ClientImpl::PlaceBlocks(const Node& n, const std::vector<BlockKey>& keys,
+                             const std::vector<absl::Span<uint8_t>>& dsts, DeviceMemory* dev,
+                             const v1::GetResponse& resp, const ReplyPayloads& from, std::vector<GetResult>* out) {
+  // (a block that landed in the destinations, to be moved to its place)
+  struct Move {
+    size_t i;
+    const uint8_t* src;
+    size_t size;
+  };
+  std::vector<Move> moves;
+  size_t off = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const v1::GetBlock& b = resp.blocks(static_cast<int>(i));
+    GetResult& r = (*out)[i];
+    r.node_id = n.id();
+    r.status = StatusOf(b.status());
+    if (!r.status.ok()) {
+      r.payload.clear();
+      continue;
+    }
+    const size_t size = b.block().payload_bytes();
+    if (absl::Status h = HeaderInto(b.block(), &r); !h.ok()) {
+      r.status = h;
+      continue;
+    }
+    const uint8_t* src = nullptr;
+    if (from.landed) {
+      // already in place
+    } else if (from.via_ucx) {
+      if (off + size > from.bulk.size()) {
+        r.status = absl::DataLossError("UCX Get reply shorter than its headers");
+        continue;
+      }
+      src = from.bulk.data() + off;
+      off += size;
+    } else {
+      if (b.payload().size() != size) {
+        r.status = absl::DataLossError("Get reply payload has the wrong size");
+        continue;
+      }
+      src = reinterpret_cast<const uint8_t*>(b.payload().data());
+    }
+    uint8_t* dst;
+    if (!dsts.empty()) {
+      if (dsts[i].size() < size) {
+        r.status =
+            absl::InvalidArgumentError(absl::StrCat("destination of ", dsts[i].size(), " bytes for a block of ", size));
+        continue;
+      }
+      dst = dsts[i].data();
+      if (dev != nullptr) {
+        // Checked in host memory, then one copy to the device.
+        if (PayloadChecksum(src, size) != r.meta.checksum) {
+          r.status =
+              absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id(), " fails its checksum"));
+        } else {
+          r.status = dev->ToDevice(dst, src, size);
+        }
+        continue;
+      }
+    } else {
+      if (!from.landed) r.payload.resize(size);
+      dst = r.payload.data();
+    }
+    if (from.in_dsts && src != nullptr) {
+      moves.push_back({i, src, size});  // in place, or moved up to its place below
+      continue;
+    }
+    if (src != nullptr) std::memcpy(dst, src, size);
+    if (PayloadChecksum(dst, size) != r.meta.checksum) {
+      r.status = absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id(), " fails its checksum"));
+      r.payload.clear();
+    }
+  }
+  // Blocks that landed in the destinations: each lies at or before its
+  // place (the reply packs the found blocks back to back), so moving the
+  // last first never overwrites one not yet moved.
+  for (auto it = moves.rbegin(); it != moves.rend(); ++it) {
+    uint8_t* dst = dsts[it->i].data();
+    if (it->src != dst) std::memmove(dst, it->src, it->size);
+    if (PayloadChecksum(dst, it->size) != (*out)[it->i].meta.checksum) {
+      (*out)[it->i].status =
+          absl::DataLossError(absl::StrCat("block ", keys[it->i].ToHex(), " from ", n.id(), " fails its checksum"));
+    }
+  }
+}
+
 absl::StatusOr<std::vector<GetResult>> ClientImpl::GetOn(Node& n, const std::vector<BlockKey>& keys,
                                                          const std::vector<absl::Span<uint8_t>>& dsts, bool on_device) {
   // Device destinations: the payloads land in pinned staging (over UCX,
@@ -257,69 +387,26 @@ absl::StatusOr<std::vector<GetResult>> ClientImpl::GetOn(Node& n, const std::vec
       KVRING_ASSIGN_OR_RETURN(staging, dev->Pinned(total));
     }
   }
-  v1::GetResponse resp;
-  std::vector<uint8_t> bulk;
-  absl::Span<const uint8_t> bulk_view;  // the UCX payload: `bulk`, or the staging it landed in
-  bool via_ucx = false;
   std::vector<GetResult> out(keys.size());
-  bool landed = false;  // a single block landed straight in its destination
-  // Several blocks into host destinations that follow one another in
-  // memory (a tensor or array of blocks): the reply lands in them directly,
-  // and a block that landed early (a block before it missing or shorter)
-  // is moved to its place afterwards. Scattered destinations: the reply
-  // lands in this thread's landing buffer (kept, so its pages are not
-  // faulted in again for every call; not zeroed), then each block is
-  // copied to its destination.
-  struct Landing {
-    std::unique_ptr<uint8_t[]> p;
-    size_t n = 0;
-  };
-  thread_local Landing landing;
-  bool in_dsts = false;
   std::shared_ptr<NodeChannel> ch = n.Channel();
-  absl::Span<uint8_t> into;
-  if (!ch->payloads_beside() || device_places) {
-    // inline in the reply (gRPC), or nothing to land (a refusing node's
-    // payloads come as their own buffer)
-  } else if (on_device) {
-    into = absl::MakeSpan(staging.data(), staging.size());
-  } else if (keys.size() > 1 && !dsts.empty()) {
-    size_t total = 0;
-    in_dsts = true;
-    for (size_t i = 0; i < dsts.size(); ++i) {
-      in_dsts &= i == 0 || dsts[i].data() == dsts[i - 1].data() + dsts[i - 1].size();
-      total += dsts[i].size();
-    }
-    if (in_dsts) {
-      into = absl::MakeSpan(dsts[0].data(), total);
-    } else {
-      if (landing.n < total) {
-        landing.p.reset(new uint8_t[total]);
-        landing.n = total;
-      }
-      into = absl::MakeSpan(landing.p.get(), total);
-    }
-  } else if (keys.size() == 1) {
-    if (!dsts.empty()) {
-      into = dsts[0];
-    } else {
-      out[0].payload.resize(last_block_bytes_.load(std::memory_order_relaxed));
-      into = absl::MakeSpan(out[0].payload);
-    }
-  }
+  ReplyPayloads from;
+  const absl::Span<uint8_t> into =
+      LandingFor(*ch, device_places, on_device ? &staging : nullptr, keys.size(), dsts, &out, &from.in_dsts);
   KVRING_ASSIGN_OR_RETURN(GetReply g, ch->Get(req, into));
-  resp = std::move(g.resp);
+  std::vector<uint8_t> bulk;  // the UCX payload when it came as its own buffer
   if (g.bulk_reply) {
     if (g.in_into && (on_device || (keys.size() > 1 && !dsts.empty()))) {
-      bulk_view = absl::MakeConstSpan(into.data(), g.bulk_size);
+      from.bulk = absl::MakeConstSpan(into.data(), g.bulk_size);
     } else if (g.in_into) {
       if (dsts.empty()) out[0].payload.resize(g.bulk_size);
-      landed = true;
+      from.landed = true;  // a single block, straight in its destination
     } else {
       bulk = std::move(g.bulk);
+      from.bulk = bulk;
     }
-    via_ucx = true;
+    from.via_ucx = true;
   }
+  const v1::GetResponse& resp = g.resp;
   if (resp.blocks_size() != static_cast<int>(keys.size()))
     return absl::DataLossError("Get reply has the wrong number of blocks");
   if (device_places && !resp.delivered_to_device()) {
@@ -341,88 +428,7 @@ absl::StatusOr<std::vector<GetResult>> ClientImpl::GetOn(Node& n, const std::vec
     }
     return out;
   }
-  struct Move {
-    size_t i;
-    const uint8_t* src;
-    size_t size;
-  };
-  std::vector<Move> moves;
-  size_t off = 0;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    const v1::GetBlock& b = resp.blocks(static_cast<int>(i));
-    GetResult& r = out[i];
-    r.node_id = n.id();
-    r.status = StatusOf(b.status());
-    if (!r.status.ok()) {
-      r.payload.clear();
-      continue;
-    }
-    const size_t size = b.block().payload_bytes();
-    if (absl::Status h = HeaderInto(b.block(), &r); !h.ok()) {
-      r.status = h;
-      continue;
-    }
-    const uint8_t* src = nullptr;
-    if (landed) {
-      // already in place
-    } else if (via_ucx) {
-      if (bulk_view.data() == nullptr) bulk_view = bulk;
-      if (off + size > bulk_view.size()) {
-        r.status = absl::DataLossError("UCX Get reply shorter than its headers");
-        continue;
-      }
-      src = bulk_view.data() + off;
-      off += size;
-    } else {
-      if (b.payload().size() != size) {
-        r.status = absl::DataLossError("Get reply payload has the wrong size");
-        continue;
-      }
-      src = reinterpret_cast<const uint8_t*>(b.payload().data());
-    }
-    uint8_t* dst;
-    if (!dsts.empty()) {
-      if (dsts[i].size() < size) {
-        r.status =
-            absl::InvalidArgumentError(absl::StrCat("destination of ", dsts[i].size(), " bytes for a block of ", size));
-        continue;
-      }
-      dst = dsts[i].data();
-      if (on_device) {
-        // Checked in host memory, then one copy to the device.
-        if (PayloadChecksum(src, size) != r.meta.checksum) {
-          r.status =
-              absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id(), " fails its checksum"));
-        } else {
-          r.status = dev->ToDevice(dst, src, size);
-        }
-        continue;
-      }
-    } else {
-      if (!landed) r.payload.resize(size);
-      dst = r.payload.data();
-    }
-    if (in_dsts && src != nullptr) {
-      moves.push_back({i, src, size});  // in place, or moved up to its place below
-      continue;
-    }
-    if (src != nullptr) std::memcpy(dst, src, size);
-    if (PayloadChecksum(dst, size) != r.meta.checksum) {
-      r.status = absl::DataLossError(absl::StrCat("block ", keys[i].ToHex(), " from ", n.id(), " fails its checksum"));
-      r.payload.clear();
-    }
-  }
-  // Blocks that landed in the destinations: each lies at or before its
-  // place (the reply packs the found blocks back to back), so moving the
-  // last first never overwrites one not yet moved.
-  for (auto it = moves.rbegin(); it != moves.rend(); ++it) {
-    uint8_t* dst = dsts[it->i].data();
-    if (it->src != dst) std::memmove(dst, it->src, it->size);
-    if (PayloadChecksum(dst, it->size) != out[it->i].meta.checksum) {
-      out[it->i].status =
-          absl::DataLossError(absl::StrCat("block ", keys[it->i].ToHex(), " from ", n.id(), " fails its checksum"));
-    }
-  }
+  PlaceBlocks(n, keys, dsts, on_device ? dev : nullptr, resp, from, &out);
   return out;
 }
 
@@ -453,45 +459,84 @@ absl::StatusOr<v1::AttendResponse> ClientImpl::AttendOn(Node& n, v1::AttendReque
 absl::StatusOr<PutReport> ClientImpl::PutBlocks(absl::Span<const BlockData> blocks, const std::string* seq,
                                                 uint64_t first_block, std::vector<std::vector<int>>* missing_on) {
   if (missing_on != nullptr) missing_on->assign(blocks.size(), {});
-  // Payloads in GPU memory: one copy each into pinned staging, sent from there.
-  std::vector<BlockData> staged;
-  DeviceMemory::Staging staging;
   bool any_device = false;
   for (const BlockData& b : blocks) any_device |= b.payload_on_device;
-  if (any_device) {
-    KVRING_ASSIGN_OR_RETURN(DeviceMemory * dev, Dev());
-    size_t total = 0;
-    for (const BlockData& b : blocks) total += b.payload_on_device ? b.payload.size() : 0;
-    if (total > 4 * o_.max_batch_bytes && blocks.size() > 1) {
-      // Bounded staging: put the blocks in parts of up to four messages,
-      // each staged on its own (its messages go in parallel).
-      PutReport rep;
-      for (size_t i = 0; i < blocks.size();) {
-        size_t j = i, part = 0;
-        while (j < blocks.size() && (j == i || part + blocks[j].payload.size() <= 4 * o_.max_batch_bytes)) {
-          part += blocks[j++].payload.size();
-        }
-        KVRING_ASSIGN_OR_RETURN(PutReport r, PutBlocks(blocks.subspan(i, j - i), seq, first_block + i));
-        rep.blocks += r.blocks;
-        rep.inserted += r.inserted;
-        rep.replicas_written += r.replicas_written;
-        rep.bytes += r.bytes;
-        i = j;
+  if (!any_device) return PutPlaced(blocks, seq, first_block, missing_on);
+  // Payloads in GPU memory: one copy each into pinned staging, sent from there.
+  KVRING_ASSIGN_OR_RETURN(DeviceMemory * dev, Dev());
+  size_t total = 0;
+  for (const BlockData& b : blocks) total += b.payload_on_device ? b.payload.size() : 0;
+  if (total > 4 * o_.max_batch_bytes && blocks.size() > 1) {
+    // Bounded staging: put the blocks in parts of up to four messages,
+    // each staged on its own (its messages go in parallel).
+    PutReport rep;
+    for (size_t i = 0; i < blocks.size();) {
+      size_t j = i, part = 0;
+      while (j < blocks.size() && (j == i || part + blocks[j].payload.size() <= 4 * o_.max_batch_bytes)) {
+        part += blocks[j++].payload.size();
       }
-      return rep;
+      KVRING_ASSIGN_OR_RETURN(PutReport r, PutBlocks(blocks.subspan(i, j - i), seq, first_block + i));
+      rep.blocks += r.blocks;
+      rep.inserted += r.inserted;
+      rep.replicas_written += r.replicas_written;
+      rep.bytes += r.bytes;
+      i = j;
     }
-    KVRING_ASSIGN_OR_RETURN(staging, dev->Pinned(total));
-    staged.assign(blocks.begin(), blocks.end());
-    size_t off = 0;
-    for (BlockData& b : staged) {
-      if (!b.payload_on_device) continue;
-      KVRING_RETURN_IF_ERROR(dev->ToHost(staging.data() + off, b.payload.data(), b.payload.size()));
-      b.payload = absl::MakeConstSpan(staging.data() + off, b.payload.size());
-      b.payload_on_device = false;
-      off += b.payload.size();
-    }
-    blocks = staged;
+    return rep;
   }
+  KVRING_ASSIGN_OR_RETURN(DeviceMemory::Staging staging, dev->Pinned(total));
+  std::vector<BlockData> staged(blocks.begin(), blocks.end());
+  size_t off = 0;
+  for (BlockData& b : staged) {
+    if (!b.payload_on_device) continue;
+    KVRING_RETURN_IF_ERROR(dev->ToHost(staging.data() + off, b.payload.data(), b.payload.size()));
+    b.payload = absl::MakeConstSpan(staging.data() + off, b.payload.size());
+    b.payload_on_device = false;
+    off += b.payload.size();
+  }
+  return PutPlaced(staged, seq, first_block, missing_on);
+}
+
+std::vector<ClientImpl::PutOutcome> ClientImpl::PutJob(Node& node, absl::Span<const BlockData> blocks,
+                                                       const std::vector<size_t>& idx, const std::string* seq,
+                                                       uint64_t first_block, bool by_reference) {
+  std::vector<PutOutcome> res(idx.size());
+  v1::PutRequest req;
+  *req.mutable_header() = Header();
+  req.set_quantize(quantize_wire_);
+  std::vector<absl::Span<const uint8_t>> payloads;
+  for (size_t i : idx) {
+    const BlockData& b = blocks[i];
+    v1::PutBlock* pb = req.add_blocks();
+    if (by_reference) {
+      PutBlockToProto(b.key, b.parent, b.layout, b.encoding, {}, /*by_reference=*/true, pb);
+    } else {
+      PutBlockToProto(b.key, b.parent, b.layout, b.encoding, b.payload, /*by_reference=*/false, pb);
+      pb->set_pin(b.pin);
+    }
+    if (seq) {
+      pb->mutable_sequence()->set_sequence_id(*seq);
+      pb->mutable_sequence()->set_block_index(first_block + i);
+    }
+    payloads.push_back(b.payload);
+  }
+  absl::StatusOr<v1::PutResponse> resp = PutOn(node, std::move(req), payloads);
+  for (size_t k = 0; k < idx.size(); ++k) {
+    if (!resp.ok()) {
+      res[k].status = resp.status();
+    } else if (resp->results_size() != static_cast<int>(idx.size())) {
+      res[k].status = absl::DataLossError("Put reply has the wrong number of results");
+    } else {
+      const auto& r = resp->results(static_cast<int>(k));
+      res[k].status = StatusOf(r.status());
+      res[k].inserted = r.inserted();
+    }
+  }
+  return res;
+}
+
+absl::StatusOr<PutReport> ClientImpl::PutPlaced(absl::Span<const BlockData> blocks, const std::string* seq,
+                                                uint64_t first_block, std::vector<std::vector<int>>* missing_on) {
   auto ring = Ring();
   if (ring->num_nodes() == 0) return absl::UnavailableError("the shard map has no nodes");
   const int R = ring->replication(), W = ring->write_quorum();
@@ -531,55 +576,16 @@ absl::StatusOr<PutReport> ClientImpl::PutBlocks(absl::Span<const BlockData> bloc
     // 1.2 GB/s to a daemon on the H200 host with no thread busy).
     const std::vector<std::pair<int, std::vector<size_t>>> jobs =
         CutIntoMessages(plan, [&](size_t i) { return uint64_t{blocks[i].payload.size()}; });
-    struct Outcome {
-      absl::Status status;
-      bool inserted = false;
-    };
-    using Outcomes = std::vector<Outcome>;
-    auto any_node_failure = [](const Outcomes& os) {
-      return std::any_of(os.begin(), os.end(), [](const Outcome& o) { return IsNodeFailure(o.status); });
-    };
+    using Outcomes = std::vector<PutOutcome>;
     std::vector<Outcomes> results = FanOut<Outcomes>(
         *ring, NodesOf(jobs),
         [&](size_t j, Node& node) {
-          // One message: the job is cut to max_batch_bytes.
-          const auto& idx = jobs[j].second;
-          Outcomes res(idx.size());
-          v1::PutRequest req;
-          *req.mutable_header() = Header();
-          req.set_quantize(quantize_wire_);
-          std::vector<absl::Span<const uint8_t>> payloads;
-          for (size_t i : idx) {
-            const BlockData& b = blocks[i];
-            v1::PutBlock* pb = req.add_blocks();
-            if (missing_on != nullptr) {
-              PutBlockToProto(b.key, b.parent, b.layout, b.encoding, {}, /*by_reference=*/true, pb);
-            } else {
-              PutBlockToProto(b.key, b.parent, b.layout, b.encoding, b.payload, /*by_reference=*/false, pb);
-              pb->set_pin(b.pin);
-            }
-            if (seq) {
-              pb->mutable_sequence()->set_sequence_id(*seq);
-              pb->mutable_sequence()->set_block_index(first_block + i);
-            }
-            payloads.push_back(b.payload);
-          }
-          absl::StatusOr<v1::PutResponse> resp = PutOn(node, std::move(req), payloads);
-          for (size_t k = 0; k < idx.size(); ++k) {
-            if (!resp.ok()) {
-              res[k].status = resp.status();
-            } else if (resp->results_size() != static_cast<int>(idx.size())) {
-              res[k].status = absl::DataLossError("Put reply has the wrong number of results");
-            } else {
-              const auto& r = resp->results(static_cast<int>(k));
-              res[k].status = StatusOf(r.status());
-              res[k].inserted = r.inserted();
-            }
-          }
-          return res;
+          return PutJob(node, blocks, jobs[j].second, seq, first_block, /*by_reference=*/missing_on != nullptr);
         },
-        [&](size_t j) { return Outcomes(jobs[j].second.size(), Outcome{absl::UnavailableError("unknown node")}); },
-        any_node_failure);
+        [&](size_t j) { return Outcomes(jobs[j].second.size(), PutOutcome{absl::UnavailableError("unknown node")}); },
+        [](const Outcomes& os) {
+          return std::any_of(os.begin(), os.end(), [](const PutOutcome& o) { return IsNodeFailure(o.status); });
+        });
     for (size_t j = 0; j < jobs.size(); ++j) {
       for (size_t k = 0; k < jobs[j].second.size(); ++k) {
         const size_t i = jobs[j].second[k];
@@ -612,18 +618,16 @@ absl::StatusOr<PutReport> ClientImpl::PutBlocks(absl::Span<const BlockData> bloc
                        " required replicas", last_err[i].ok() ? "" : ": ", std::string(last_err[i].message())));
     }
   }
-  if (!first_error.ok()) {
-    // A failed Put leaves no pins: every pin it placed is taken back. The
-    // replicas that stored a block keep it as an ordinary cache block
-    // (content-addressed and checksummed, so never wrong; evictable), and
-    // a retry completes the put.
-    if (absl::Status u = UnpinPlaced(*ring, blocks, pinned_on); !u.ok()) {
-      first_error = absl::Status(
-          first_error.code(), absl::StrCat(first_error.message(), "; and taking its pins back failed: ", u.message()));
-    }
-    return first_error;
+  if (first_error.ok()) return rep;
+  // A failed Put leaves no pins: every pin it placed is taken back. The
+  // replicas that stored a block keep it as an ordinary cache block
+  // (content-addressed and checksummed, so never wrong; evictable), and a
+  // retry completes the put.
+  if (absl::Status u = UnpinPlaced(*ring, blocks, pinned_on); !u.ok()) {
+    first_error = absl::Status(first_error.code(),
+                               absl::StrCat(first_error.message(), "; and taking its pins back failed: ", u.message()));
   }
-  return rep;
+  return first_error;
 }
 
 absl::Status ClientImpl::UnpinPlaced(const ShardRing& ring, absl::Span<const BlockData> blocks,

@@ -172,6 +172,29 @@ class ClientImpl {
   // block size for sizing later replies. INVALID_ARGUMENT for a bad layout.
   absl::Status HeaderInto(const v1::BlockHeader& h, GetResult* r);
 
+  // Where a Get reply's payloads came: landed in a single destination
+  // already, or the bulk buffer of a UCX reply (in the destinations, the
+  // staging, the landing buffer or a buffer of its own), else inline in the
+  // reply; in_dsts: the bulk lies in the destinations themselves.
+  struct ReplyPayloads {
+    bool landed = false, via_ucx = false, in_dsts = false;
+    absl::Span<const uint8_t> bulk;
+  };
+  // Where a Get's UCX payload should land (GetOn): the staging (device
+  // destinations), the destinations themselves when they follow one another
+  // (*in_dsts), this thread's landing buffer, or a single block's
+  // destination (or its result's payload, sized by the last block seen);
+  // empty when the payloads come inline or as their own buffer.
+  absl::Span<uint8_t> LandingFor(const NodeChannel& ch, bool device_places, DeviceMemory::Staging* staging,
+                                 size_t nkeys, const std::vector<absl::Span<uint8_t>>& dsts,
+                                 std::vector<GetResult>* out, bool* in_dsts);
+  // A Get reply's blocks into their results or destinations (dev: device
+  // destinations, each checked in host memory, then copied), every payload
+  // checked against its checksum.
+  void PlaceBlocks(const Node& n, const std::vector<BlockKey>& keys, const std::vector<absl::Span<uint8_t>>& dsts,
+                   DeviceMemory* dev, const v1::GetResponse& resp, const ReplyPayloads& from,
+                   std::vector<GetResult>* out);
+
   // `dsts` (empty, or one per key): where payloads go; else into results.
   absl::StatusOr<std::vector<GetResult>> GetOn(Node& n, const std::vector<BlockKey>& keys,
                                                const std::vector<absl::Span<uint8_t>>& dsts, bool on_device = false);
@@ -195,6 +218,21 @@ class ClientImpl {
   // them the bytes).
   absl::StatusOr<PutReport> PutBlocks(absl::Span<const BlockData> blocks, const std::string* seq, uint64_t first_block,
                                       std::vector<std::vector<int>>* missing_on = nullptr);
+
+  // PutBlocks once every payload is in host memory: each block to its
+  // candidates in rounds (a node that failed: the next candidate), until R
+  // replicas hold it or none is left; an error when a block has fewer than
+  // W (the pins it placed then taken back).
+  absl::StatusOr<PutReport> PutPlaced(absl::Span<const BlockData> blocks, const std::string* seq, uint64_t first_block,
+                                      std::vector<std::vector<int>>* missing_on);
+  // One message of a Put to one node: blocks[idx] (by reference: no bytes,
+  // PutBlock.by_reference), and each one's outcome there.
+  struct PutOutcome {
+    absl::Status status;
+    bool inserted = false;
+  };
+  std::vector<PutOutcome> PutJob(Node& node, absl::Span<const BlockData> blocks, const std::vector<size_t>& idx,
+                                 const std::string* seq, uint64_t first_block, bool by_reference);
 
   // Unpins block i on each node of pinned_on[i] (one request per node).
   absl::Status UnpinPlaced(const ShardRing& ring, absl::Span<const BlockData> blocks,
