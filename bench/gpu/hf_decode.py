@@ -205,6 +205,16 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
                              "daemon": r["node_p50_us"] - (0 if queued else r["kernel_p50_us"]),
                              "kernel" + (" (after the reply)" if queued else ""): r["kernel_p50_us"]}
     r["ratio"] = r["passq_tokens_per_s"] / r["sdpa_tokens_per_s"]
+    # A token's time either way, and how much more a layer pass-Q's costs than
+    # the step's own excess over sdpa's attention explains: the rest is the
+    # overlap the engine lost (its thread waits for each layer's reply, so
+    # its CPU cannot run ahead of its GPU).
+    layers = model.config.num_hidden_layers
+    r["token_ms"] = {"passq": 1e3 / r["passq_tokens_per_s"], "sdpa": 1e3 / r["sdpa_tokens_per_s"]}
+    per_layer_us = (r["token_ms"]["passq"] - r["token_ms"]["sdpa"]) * 1e3 / layers
+    r["token_excess_per_layer_us"] = per_layer_us
+    if "step_p50_us" in r and r["sdpa_layer_p50_us"] == r["sdpa_layer_p50_us"]:
+        r["lost_overlap_per_layer_us"] = per_layer_us - (r["step_p50_us"] - r["sdpa_layer_p50_us"])
     r["cores_busy"] = {"daemons_decode": dm.cores, "daemons_idle": idle.cores, "engine_decode_passq": eng.cores,
                        "engine_decode_sdpa": eng_local.cores}
     torch.cuda.empty_cache()
@@ -216,7 +226,9 @@ def run_config(c, cl, model, shards, batch, ctx, n_new, before, label):
         f"breakdown "
         + ", ".join(f"{k} {v:.0f}" for k, v in r.get("breakdown_us", {}).items())
         + f"; cores busy: daemons {dm.cores:.2f} decoding, {idle.cores:.2f} idle; engine {eng.cores:.2f} "
-          f"(sdpa {eng_local.cores:.2f})")
+          f"(sdpa {eng_local.cores:.2f}); a token {r['token_ms']['passq']:.1f} ms against sdpa's "
+          f"{r['token_ms']['sdpa']:.1f}: +{r['token_excess_per_layer_us']:.0f} us a layer, of which the step's "
+          f"excess over sdpa's attention explains all but {r.get('lost_overlap_per_layer_us', float('nan')):.0f}")
     return r
 
 
