@@ -80,7 +80,15 @@ class Process {
     }
     Kill9();
   }
-  bool alive() const { return pid_ > 0 && kill(pid_, 0) == 0; }
+  // Running: started and not exited. (kill(pid, 0) also succeeds for a
+  // child that exited and was not reaped yet; waitid with WNOWAIT sees the
+  // exit without reaping it.)
+  bool alive() const {
+    if (pid_ <= 0) return false;
+    siginfo_t info{};
+    if (waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG | WNOWAIT) != 0) return false;
+    return info.si_pid != pid_;
+  }
   pid_t pid() const { return pid_; }
 
  private:

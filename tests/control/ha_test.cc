@@ -58,7 +58,22 @@ class Etcd {
   ::testing::AssertionResult Start() {
     if (!std::filesystem::exists(Binary()))
       return ::testing::AssertionFailure() << Binary() << " is missing: install etcd-server (deploy/setup.sh does)";
-    for (size_t i = 0; i < procs_.size(); ++i) StartMember(i);
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      for (size_t i = 0; i < procs_.size(); ++i) StartMember(i);
+      // A port FreePort() returned is free only when it returns: a member
+      // whose port another process took meanwhile exits at once. Then new
+      // ports and a new cluster.
+      absl::SleepFor(absl::Milliseconds(500));
+      bool all = true;
+      for (const auto& p : procs_) all &= p->alive();
+      if (all) break;
+      for (size_t i = 0; i < procs_.size(); ++i) {
+        procs_[i]->Kill9();
+        std::filesystem::remove_all(dir_ / absl::StrCat("m", i));
+        client_[i] = FreePort();
+        peer_[i] = FreePort();
+      }
+    }
     return WaitHealthy();
   }
   void StartMember(size_t i) {

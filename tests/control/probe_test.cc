@@ -337,6 +337,19 @@ TEST(ProbeTest, TheDaemonListensOnlyWhereItWasTold) {
   EXPECT_GE(listeners, 2);  // gRPC and at least one UCX listener
 }
 
+// The fixture's liveness check, which the crash tests rely on: a child
+// that exited is not alive, reaped or not.
+TEST(ProcessTest, AChildThatExitedIsNotAliveBeforeItIsReaped) {
+  const std::string log = (std::filesystem::path(::testing::TempDir()) / "kvring_process_test.log").string();
+  Process quits, runs;
+  ASSERT_TRUE(quits.Start({"/bin/sh", "-c", "exit 3"}, log));
+  ASSERT_TRUE(runs.Start({"/bin/sleep", "30"}, log));
+  EXPECT_TRUE(Eventually([&] { return !quits.alive(); }));
+  EXPECT_TRUE(runs.alive());
+  runs.Kill9();
+  EXPECT_FALSE(runs.alive());
+}
+
 // A coordinator or daemon told to listen where another process listens
 // fails to start and says so; it never shares the port (gRPC's default
 // SO_REUSEPORT would have the kernel split the connections between them).
