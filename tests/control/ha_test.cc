@@ -192,6 +192,19 @@ class HaTest : public ::testing::Test {
     return ::testing::AssertionSuccess();
   }
 
+  // A write that changes nothing: a quota change of a tenant that does not
+  // exist (NOT_FOUND from the leader, UNAVAILABLE from a standby, which
+  // names the leader in its trailers when it knows one).
+  static grpc::Status ProbeWrite(v1::Coordinator::Stub& stub, grpc::ClientContext* ctx) {
+    ctx->AddMetadata("authorization", std::string("Bearer ") + kAdmin);
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    v1::SetTenantQuotaRequest req;
+    req.set_version(1);
+    req.set_name("no-such-tenant-probe");
+    v1::SetTenantQuotaResponse resp;
+    return stub.SetTenantQuota(ctx, req, &resp);
+  }
+
   // Which coordinator leads (-1: none seen within the timeout): the one whose
   // writes are accepted. Probed with a quota change of a tenant that does
   // not exist: NOT_FOUND from the leader, UNAVAILABLE from a standby.
@@ -202,13 +215,7 @@ class HaTest : public ::testing::Test {
         if (!coordinators_[c] || !coordinators_[c]->alive()) continue;
         auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(CoordAddress(c), grpc::InsecureChannelCredentials()));
         grpc::ClientContext ctx;
-        ctx.AddMetadata("authorization", std::string("Bearer ") + kAdmin);
-        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-        v1::SetTenantQuotaRequest req;
-        req.set_version(1);
-        req.set_name("no-such-tenant-probe");
-        v1::SetTenantQuotaResponse resp;
-        if (stub->SetTenantQuota(&ctx, req, &resp).error_code() == grpc::StatusCode::NOT_FOUND) return c;
+        if (ProbeWrite(*stub, &ctx).error_code() == grpc::StatusCode::NOT_FOUND) return c;
       }
       absl::SleepFor(absl::Milliseconds(50));
     }
@@ -223,13 +230,7 @@ class HaTest : public ::testing::Test {
     auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(CoordAddress(c), grpc::InsecureChannelCredentials()));
     while (absl::Now() < end) {
       grpc::ClientContext ctx;
-      ctx.AddMetadata("authorization", std::string("Bearer ") + kAdmin);
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-      v1::SetTenantQuotaRequest req;
-      req.set_version(1);
-      req.set_name("no-such-tenant-probe");
-      v1::SetTenantQuotaResponse resp;
-      stub->SetTenantQuota(&ctx, req, &resp);
+      ProbeWrite(*stub, &ctx);
       if (ctx.GetServerTrailingMetadata().count("kvring-leader")) return true;
       absl::SleepFor(absl::Milliseconds(50));
     }

@@ -308,7 +308,9 @@ TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice)
           ++decode_calls;
           // Every node answered with its work still queued behind the 30 ms
           // host function: the call did not wait for it.
-          if (early) EXPECT_EQ(r.report.shards_replied_queued, r.report.shards) << what;
+          if (early) {
+            EXPECT_EQ(r.report.shards_replied_queued, r.report.shards) << what;
+          }
           returned_early += r.call_seconds < 0.025 ? 1 : 0;
         }
         ++calls;
@@ -327,7 +329,9 @@ TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice)
         EXPECT_GE(returned_early, decode_calls * 3 / 4);
         // Where the driver has stream memory operations, every node that
         // answered early set the client's word, not an event.
-        if (StreamWordsAvailable()) EXPECT_EQ(by_flag, shards_queued);
+        if (StreamWordsAvailable()) {
+          EXPECT_EQ(by_flag, shards_queued);
+        }
       } else {
         EXPECT_EQ(returned_early, 0);
       }
