@@ -863,28 +863,19 @@ class ClientImpl::StepRound {
     for (size_t j = 0; j < res_.size(); ++j) {
       const Result& r = res_[j];
       if (!r.in_place || !r.resp.ok()) continue;
-      if (r.resp->done_flag()) {
-        ++k_.rep->shards_replied_queued;
-        ++k_.rep->shards_done_by_flag;
-        const uint8_t* word = ex_.xb.data() + ex_.flags_off + j * sizeof(uint32_t);
-        if (absl::Status w = dx_->dev->WaitWord(word, FlagValue(j), dx_->stream); !w.ok()) {
-          c_.node_events_ok_ = false;  // not asked for again
-          ex_.xb.Drop();               // its node may still write into it
-          return absl::InternalError(
-              absl::StrCat("a node answered before its work was done and its done flag cannot be waited for here (",
-                           w.message(), "); later steps wait for the nodes' work"));
-        }
-        continue;
-      }
-      if (r.resp->done_event().empty()) continue;
+      const bool by_flag = r.resp->done_flag();
+      if (!by_flag && r.resp->done_event().empty()) continue;
       ++k_.rep->shards_replied_queued;
-      if (absl::Status w = dx_->dev->WaitNodeEvent(r.resp->done_event(), dx_->stream); !w.ok()) {
+      k_.rep->shards_done_by_flag += by_flag ? 1 : 0;
+      const absl::Status w =
+          by_flag ? dx_->dev->WaitWord(ex_.xb.data() + ex_.flags_off + j * sizeof(uint32_t), FlagValue(j), dx_->stream)
+                  : dx_->dev->WaitNodeEvent(r.resp->done_event(), dx_->stream);
+      if (!w.ok()) {
         c_.node_events_ok_ = false;  // not asked for again
         ex_.xb.Drop();               // its node may still write into it
-        return absl::InternalError(
-            absl::StrCat("a node answered before its work was done and its event cannot be "
-                         "waited for here (",
-                         w.message(), "); later steps wait for the nodes' work"));
+        return absl::InternalError(absl::StrCat("a node answered before its work was done and its ",
+                                                by_flag ? "done flag" : "event", " cannot be waited for here (",
+                                                w.message(), "); later steps wait for the nodes' work"));
       }
     }
     return absl::OkStatus();

@@ -44,6 +44,16 @@ inline Op Lookup(const char* symbol) {
   return reinterpret_cast<Op>(f);
 }
 
+// Both operations, looked up once (null where the driver lacks one).
+struct Ops {
+  Op write = Lookup("cuStreamWriteValue32");
+  Op wait = Lookup("cuStreamWaitValue32");
+};
+inline const Ops& Get() {
+  static const Ops ops;
+  return ops;
+}
+
 inline absl::Status Run(Op fn, absl::string_view what, void* stream, const void* word, uint32_t value,
                         unsigned int flags) {
   if (fn == nullptr) return absl::UnimplementedError(absl::StrCat("the CUDA driver has no ", what));
@@ -56,20 +66,19 @@ inline absl::Status Run(Op fn, absl::string_view what, void* stream, const void*
 }  // namespace stream_words_internal
 
 inline absl::Status StreamWordWrite(void* stream, void* word, uint32_t value) {
-  static const stream_words_internal::Op fn = stream_words_internal::Lookup("cuStreamWriteValue32");
-  return stream_words_internal::Run(fn, "cuStreamWriteValue32", stream, word, value, CU_STREAM_WRITE_VALUE_DEFAULT);
+  return stream_words_internal::Run(stream_words_internal::Get().write, "cuStreamWriteValue32", stream, word, value,
+                                    CU_STREAM_WRITE_VALUE_DEFAULT);
 }
 
 inline absl::Status StreamWordWait(void* stream, const void* word, uint32_t value) {
-  static const stream_words_internal::Op fn = stream_words_internal::Lookup("cuStreamWaitValue32");
-  return stream_words_internal::Run(fn, "cuStreamWaitValue32", stream, word, value, CU_STREAM_WAIT_VALUE_EQ);
+  return stream_words_internal::Run(stream_words_internal::Get().wait, "cuStreamWaitValue32", stream, word, value,
+                                    CU_STREAM_WAIT_VALUE_EQ);
 }
 
 // Whether this process's driver has both operations.
 inline bool StreamWordsAvailable() {
-  static const bool ok = stream_words_internal::Lookup("cuStreamWriteValue32") != nullptr &&
-                         stream_words_internal::Lookup("cuStreamWaitValue32") != nullptr;
-  return ok;
+  const stream_words_internal::Ops& ops = stream_words_internal::Get();
+  return ops.write != nullptr && ops.wait != nullptr;
 }
 
 }  // namespace kvring
