@@ -32,6 +32,8 @@ p.add_argument("--quant-only", action="store_true", help="only the int8/fp8 deco
 p.add_argument("--quant-shapes", default="", help="the int8/fp8 decode shapes: B:L[,...]")
 p.add_argument("--no-sweep", action="store_true", help="decode: time the default split count only (no split sweep)")
 p.add_argument("--block-tokens", type=int, default=16, help="tokens a page (kvring's pages; the peers read dense K/V)")
+p.add_argument("--d256-only", action="store_true",
+               help="only head_dim 256 (Gemma-class heads: 16 q, 8 kv): bf16 decode and prefill against SDPA")
 args = p.parse_args()
 
 lib = load_lib(args.lib)
@@ -129,7 +131,7 @@ print(f"{props.name}: device copy {copy_bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1
 
 # ------------------------------------------------------------------ decode
 decode_shapes = [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (16, 131072), (64, 4096), (64, 32768), (64, -32768)]
-if args.prefill_only or args.quant_only:
+if args.prefill_only or args.quant_only or args.d256_only:
     decode_shapes = []
 if args.quick:
     decode_shapes = [(1, 32768), (8, 32768)]
@@ -227,7 +229,7 @@ for B, L in decode_shapes:
 # the bf16 rows', so the peers are kvring's own bf16 decode over the same
 # pages dequantized to bf16 (same page ids, same split count rule: the
 # issue's target is tokens/s against it) and SDPA cuDNN on that bf16 cache.
-qshapes = [] if args.prefill_only or args.decode_only else [(1, 131072), (8, 32768), (64, 32768), (16, 131072)]
+qshapes = [] if args.prefill_only or args.decode_only or args.d256_only else [(1, 131072), (8, 32768), (64, 32768), (16, 131072)]
 if args.quick:
     qshapes = [(8, 32768)]
 if args.quant_shapes:
@@ -384,7 +386,7 @@ if args.quick:
     prefill_shapes = [(1, 8192)]
 if args.profile_one:
     prefill_shapes = [(1, 16384)]
-if args.decode_only or args.profile_decode or args.quant_only:
+if args.decode_only or args.profile_decode or args.quant_only or args.d256_only:
     prefill_shapes = []
 results["prefill"] = []
 for shape in prefill_shapes:
@@ -454,6 +456,69 @@ for shape in prefill_shapes:
           f"{row.get('sdpa_flash_ms_first_timing', 0) / row['ms_first_timing']:.2f})", flush=True)
     del kv, k, v, q, qt, out, ref
     torch.cuda.empty_cache()
+
+# ------------------------------------------------------------------ head_dim 256
+# Gemma-class heads (16 q, 8 kv, head_dim 256, bf16): decode (the pipelined
+# kernel, one CTA an SM) and prefill (kAuto: the mma.sync kernel, 64-row
+# tiles; the wgmma kernel takes 64 and 128), each checked against SDPA's math
+# backend and timed beside SDPA cuDNN and flash on the same K/V.
+results["d256"] = []
+if args.d256_only or not (args.prefill_only or args.decode_only or args.quant_only or args.profile_one
+                          or args.profile_decode or args.quick):
+    HQ2, HKV2, D2 = 16, 8, 256
+    for kind, B, L in [("decode", 1, 32768), ("decode", 8, 32768), ("decode", 1, 131072),
+                       ("prefill", 1, 8192), ("prefill", 1, 32768)]:
+        kv = Paged(B, L, BT, hkv=HKV2, d=D2)
+        k, v = kv.dense()
+        R = 1 if kind == "decode" else L  # query rows a sequence (decode: the last position; prefill: every one)
+        q = torch.randn(B, R, HQ2, D2, dtype=torch.bfloat16, device=dev)
+        pos = (torch.arange(L - R, L, dtype=torch.int32, device=dev)).repeat(B).contiguous()
+        rows = (torch.arange(B + 1, dtype=torch.int32, device=dev) * R).contiguous()
+        out = torch.empty(B * R, HQ2, D2, dtype=torch.float32, device=dev)
+        lse = torch.empty(B * R, HQ2, dtype=torch.float32, device=dev)
+        if kind == "decode":
+            splits = lib.kvring_cuda_decode_splits(B, HKV2, HQ2, 1, kv.pages_per_seq, BT, SMS)
+            wsb = lib.kvring_cuda_decode_workspace(B, HQ2, splits, D2)
+            ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)
+
+            def ours():
+                e = lib.kvring_cuda_decode(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B, HQ2, 1,
+                                           0.0, 1, 0, splits, ws.data_ptr(), wsb, out.data_ptr(), lse.data_ptr(),
+                                           stream(), 1)
+                assert e == 0, f"decode error {e}"
+        else:
+            def ours():
+                e = lib.kvring_cuda_prefill(*kv.kv_args(), q.data_ptr(), pos.data_ptr(), rows.data_ptr(), B * R, HQ2,
+                                            R, 0.0, 1, 0, out.data_ptr(), lse.data_ptr(), stream(), 0)
+                assert e == 0, f"prefill error {e}"
+        qt = q.permute(0, 2, 1, 3).contiguous()  # [B, HQ, R, D]
+        causal = kind == "prefill"
+        out.fill_(float("nan"))
+        ours()
+        ref = sdpa(qt, k, v, causal, SDPBackend.FLASH_ATTENTION if causal else SDPBackend.MATH)
+        err = rel(out.view(B, R, HQ2, D2).permute(0, 2, 1, 3), ref)
+        assert err < 2e-2, f"head_dim 256 {kind} wrong: rel err {err}"
+        reps = 5 if causal and L >= 32768 else 20
+        t = timed(ours, reps=reps)
+        row = {"kind": kind, "batch": B, "kv_len": L, "ms": t, "rel_err": err}
+        if kind == "decode":
+            kv_bytes = B * L * HKV2 * D2 * 2 * 2
+            row.update({"splits": splits, "frac_copy": kv_bytes / (t * 1e-3) / copy_bw})
+        else:
+            row["TFLOPs"] = 4 * B * HQ2 * D2 * (L * (L + 1) / 2) / (t * 1e-3) / 1e12
+        for name, be in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]:
+            try:
+                tp = timed(lambda: sdpa(qt, k, v, causal, be), reps=reps)
+                row[f"sdpa_{name}_ms"], row[f"vs_{name}"] = tp, tp / t
+            except Exception as ex:  # a backend may refuse a shape
+                row[f"sdpa_{name}_ms"], row[f"sdpa_{name}_error"] = None, str(ex)[:120]
+        results["d256"].append(row)
+        extra = (f"{row['frac_copy']:.2f} of copy, {splits} splits" if kind == "decode"
+                 else f"{row['TFLOPs']:.0f} TFLOP/s")
+        print(f"head_dim 256 {kind} B={B} L={L}: {t:.3f} ms ({extra}), err {err:.1e}; "
+              f"x cudnn {row.get('vs_cudnn') or 0:.2f}, x flash {row.get('vs_flash') or 0:.2f}", flush=True)
+        del kv, k, v, q, qt, out, lse, ref
+        torch.cuda.empty_cache()
 
 os.makedirs(args.out, exist_ok=True)
 with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:

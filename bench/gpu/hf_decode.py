@@ -275,9 +275,9 @@ def main():
     p.add_argument("--exchange-min-bytes", type=int, default=-1,
                    help="the client's device_exchange_min_bytes (-1: its default; 0: every step through the "
                         "device exchange, for comparison)")
-    p.add_argument("--reply-when-queued", action="store_true",
-                   help="the client's node_reply_when_queued=True: GPU nodes answer once their work is queued "
-                        "(for comparison with the default)")
+    p.add_argument("--reply-when-done", action="store_true",
+                   help="the client's node_reply_when_queued=False: GPU nodes answer once their work is done, not "
+                        "once it is queued (for comparison with the default)")
     p.add_argument("--tag", default="",
                    help="a name for this run's binaries (e.g. base: an earlier build beside the current one, same "
                         "call); it names the output file and moves the cluster to its own ports")
@@ -308,8 +308,8 @@ def main():
     dflags = "--ucx_spin_us=20 --ucx_spin_max_us=0" if before else ""
     copts = {"ucx_spin_max_us": 0} if before else {}
     copts["device_exchange_min_bytes"] = args.exchange_min_bytes
-    if args.reply_when_queued:
-        copts["node_reply_when_queued"] = True
+    if args.reply_when_done:
+        copts["node_reply_when_queued"] = False
     results["device_exchange_min_bytes"] = args.exchange_min_bytes
     path = out / (f"hf_decode_{args.deployment}{'' if args.exchange_min_bytes < 0 else '_x%d' % args.exchange_min_bytes}"
                   f"{'_' + args.tag if args.tag else ''}.json")

@@ -31,27 +31,28 @@ class Paged:
     """KV of B sequences of L tokens as bf16 pages [page][K|V][kv_head][bt][D],
     at shuffled page ids (or in order), positions 0 .. L - 1."""
 
-    def __init__(self, B, L, bt=16, shuffle=True, device="cuda"):
+    def __init__(self, B, L, bt=16, shuffle=True, device="cuda", hkv=HKV, d=D):
         dev = torch.device(device)
-        self.B, self.L, self.bt = B, L, bt
+        self.B, self.L, self.bt, self.hkv, self.d = B, L, bt, hkv, d
         self.pages_per_seq = (L + bt - 1) // bt
         n = B * self.pages_per_seq
-        self.pool = torch.randn(n, 2, HKV, bt, D, dtype=torch.bfloat16, device=dev)
+        self.pool = torch.randn(n, 2, hkv, bt, d, dtype=torch.bfloat16, device=dev)
         perm = (torch.randperm(n, device=dev) if shuffle else torch.arange(n, device=dev)).to(torch.int32)
         self.page_ids = perm.contiguous()
         self.page_pos = (torch.arange(self.pages_per_seq, device=dev, dtype=torch.int32) * bt).repeat(B).contiguous()
         self.seq_page_begin = (torch.arange(B + 1, device=dev, dtype=torch.int32) * self.pages_per_seq).contiguous()
         self.seq_tokens = torch.full((B,), L, dtype=torch.int32, device=dev)
-        self.stride = 2 * HKV * bt * D * 2
+        self.stride = 2 * hkv * bt * d * 2
 
     def dense(self):
         """[B, HKV, L, D] K and V in position order (what SDPA reads)."""
-        pg = self.pool[self.page_ids.long()].view(self.B, self.pages_per_seq, 2, HKV, self.bt, D)
-        k = pg[:, :, 0].permute(0, 2, 1, 3, 4).reshape(self.B, HKV, -1, D)[:, :, : self.L]
-        v = pg[:, :, 1].permute(0, 2, 1, 3, 4).reshape(self.B, HKV, -1, D)[:, :, : self.L]
+        hkv, d = self.hkv, self.d
+        pg = self.pool[self.page_ids.long()].view(self.B, self.pages_per_seq, 2, hkv, self.bt, d)
+        k = pg[:, :, 0].permute(0, 2, 1, 3, 4).reshape(self.B, hkv, -1, d)[:, :, : self.L]
+        v = pg[:, :, 1].permute(0, 2, 1, 3, 4).reshape(self.B, hkv, -1, d)[:, :, : self.L]
         return k.contiguous(), v.contiguous()
 
     def kv_args(self):
         """The KV view's arguments of kvring_cuda_decode / kvring_cuda_prefill (layer 0 of 1, bf16)."""
-        return [self.pool.data_ptr(), self.stride, self.bt, 1, HKV, D, 0, 0, self.page_ids.data_ptr(),
+        return [self.pool.data_ptr(), self.stride, self.bt, 1, self.hkv, self.d, 0, 0, self.page_ids.data_ptr(),
                 self.page_pos.data_ptr(), self.seq_page_begin.data_ptr(), self.seq_tokens.data_ptr(), self.B]

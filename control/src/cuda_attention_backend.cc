@@ -228,7 +228,8 @@ struct GpuStep {
 };
 
 bool KernelsTake(const BlockLayout& l) {
-  return (l.dtype == DType::kBF16 || l.dtype == DType::kF16) && (l.head_dim == 64 || l.head_dim == 128);
+  return (l.dtype == DType::kBF16 || l.dtype == DType::kF16) &&
+         (l.head_dim == 64 || l.head_dim == 128 || l.head_dim == 256);
 }
 
 class CudaAttentionBackend final : public AttentionBackend {
@@ -501,7 +502,7 @@ class CudaAttentionBackend final : public AttentionBackend {
   absl::Status Step(const StepPlan& plan, PartialOutput out, StepTimes* times) override;
   std::string DeviceIoRefusal(const BlockLayout& l, const KvEncoding& e, DType q_dtype) const override {
     if (!KernelsTake(l))
-      return "this node attends over these blocks on the CPU (its kernels take bf16/f16, head_dim 64/128)";
+      return "this node attends over these blocks on the CPU (its kernels take bf16/f16, head_dim 64/128/256)";
     if (q_dtype != l.dtype) return "queries in GPU memory must be in the blocks' dtype";
     return "";
   }

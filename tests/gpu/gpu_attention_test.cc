@@ -84,7 +84,7 @@ TEST(GpuViewsTest, MisalignedViewsAreRefused) {
 TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 1;
-  for (int D : {64, 128})
+  for (int D : {64, 128, 256})
     for (int ratio : {1, 4, 8})
       for (int bt : {16, 64})
         for (int splits : {1, 7}) {
@@ -128,43 +128,44 @@ TEST(GpuDecodeTest, MatchesReferenceAcrossShapes) {
 TEST(GpuDecodeTest, LongSequencesMatchTheReference) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 500;
-  for (int bt : {4, 16, 48})
-    for (int splits : {1, 3, 40}) {
-      std::mt19937_64 rng(seed++);
-      const bool bf16 = seed % 2;
-      std::vector<int> toks = {5000 + (int)(rng() % 700), 2100};
-      auto kvb = MakeBatch(rng, bt, 1, 2, 128, bf16, toks, {0, 0}, /*gap=*/bt == 16, 0);
-      std::vector<std::vector<int32_t>> qpos;
-      for (const auto& sq : kvb.seqs) qpos.push_back({sq.dense.positions.back() + 1, sq.dense.positions.back() + 2});
-      auto qb = MakeQueries(rng, 8, 128, bf16, qpos);
-      Dev<float> out((size_t)qb.pos.size() * 8 * 128), lse((size_t)qb.pos.size() * 8);
-      out.Poison();
-      lse.Poison();
-      const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, 128);
-      Dev<uint8_t> work(ws);
-      work.Zero();  // the split merge's counters start at 0
-      cuda::AttnParams p;
-      // Twice on one workspace: the fused split merge's counters must be
-      // back at zero after a call (else the second merges too early or never).
-      for (int call = 0; call < 2; ++call) {
+  for (int D : {128, 256})  // (256: a ring of 8 stages of 16 KB)
+    for (int bt : {4, 16, 48})
+      for (int splits : {1, 3, 40}) {
+        std::mt19937_64 rng(seed++);
+        const bool bf16 = seed % 2;
+        std::vector<int> toks = {5000 + (int)(rng() % 700), 2100};
+        auto kvb = MakeBatch(rng, bt, 1, 2, D, bf16, toks, {0, 0}, /*gap=*/bt == 16, 0);
+        std::vector<std::vector<int32_t>> qpos;
+        for (const auto& sq : kvb.seqs) qpos.push_back({sq.dense.positions.back() + 1, sq.dense.positions.back() + 2});
+        auto qb = MakeQueries(rng, 8, D, bf16, qpos);
+        Dev<float> out((size_t)qb.pos.size() * 8 * D), lse((size_t)qb.pos.size() * 8);
         out.Poison();
         lse.Poison();
-        CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
-        CUDA_OK(cudaDeviceSynchronize());
-        ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
-                      absl::StrCat("long decode bt=", bt, " splits=", splits, " call ", call));
+        const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
+        Dev<uint8_t> work(ws);
+        work.Zero();  // the split merge's counters start at 0
+        cuda::AttnParams p;
+        // Twice on one workspace: the fused split merge's counters must be
+        // back at zero after a call (else the second merges too early or never).
+        for (int call = 0; call < 2; ++call) {
+          out.Poison();
+          lse.Poison();
+          CUDA_OK(cuda::PagedDecode(p, qb.View(), kvb.View(0), {out.p, lse.p}, splits, work.p, ws, nullptr));
+          CUDA_OK(cudaDeviceSynchronize());
+          ExpectMatches(out.Host(), lse.Host(), qb, kvb, {}, bf16 ? 1e-2 : 3e-3,
+                        absl::StrCat("long decode D=", D, " bt=", bt, " splits=", splits, " call ", call));
+        }
       }
-    }
 }
 
 // The fused split merge loads as many splits' partial rows as fit in shared
 // memory at once: full 16-vector row groups (2 rows x GQA 8) and up to
-// kMaxDecodeSplits splits (most of them empty) take several chunks, both
-// head sizes.
+// kMaxDecodeSplits splits (most of them empty) take several chunks, every
+// head size.
 TEST(GpuDecodeTest, ManySplitsMergeInChunks) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 700;
-  for (int D : {64, 128})
+  for (int D : {64, 128, 256})
     for (int splits : {100, cuda::kMaxDecodeSplits}) {
       std::mt19937_64 rng(seed++);
       auto kvb = MakeBatch(rng, 16, 1, 2, D, /*bf16=*/true, {1900 + (int)(rng() % 300), 40}, {0, 0}, false, 0);
@@ -330,7 +331,7 @@ TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
   uint64_t seed = 500;
   // 16-token pages: the pipelined TMA kernel (on sm_90); 24: the CUDA-core one.
   for (int bt : {16, 24})
-    for (int D : {64, 128})
+    for (int D : {64, 128, 256})
       for (const char* name :
            {"int8/per-head", "int8/per-token", "int8/kivi", "fp8/per-head", "fp8/per-token", "fp8/kivi"})
         for (int splits : {1, 5}) {
@@ -367,10 +368,11 @@ TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
           CUDA_OK(cudaDeviceSynchronize());
           AttentionOptions o;
           o.layer = 1;
-          // The CUDA-core kernel: fp32 arithmetic over exact code * scale
-          // values. The pipelined one: tensor cores on 16-bit operands (codes
-          // are exact in 16 bits, P and per-channel-scaled K are rounded).
-          const double tol = bt % 16 == 0 ? (bf16 ? 1e-2 : 3e-3) : 1e-4;
+          // The CUDA-core kernel (pages not of 16-token multiples, and head_dim
+          // 256): fp32 arithmetic over exact code * scale values. The pipelined
+          // one: tensor cores on 16-bit operands (codes are exact in 16 bits, P
+          // and per-channel-scaled K are rounded).
+          const double tol = bt % 16 == 0 && D <= 128 ? (bf16 ? 1e-2 : 3e-3) : 1e-4;
           ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, tol,
                         absl::StrCat("quantized decode ", name, " bt=", bt, " D=", D, " splits=", splits));
         }
@@ -462,7 +464,7 @@ TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 100;
   for (cuda::PrefillKernel kernel : PrefillKernels())
-    for (int D : {64, 128})
+    for (int D : {64, 128, 256})
       for (int ratio : {1, 4})
         for (int bt : {16, 64})
           for (bool gap : {false, true}) {
@@ -472,10 +474,18 @@ TEST(GpuPrefillTest, MatchesReferenceAcrossShapes) {
             std::vector<int> toks = {300 + (int)(rng() % 200), 129};
             auto kvb = MakeBatch(rng, bt, 1, kv_heads, D, bf16, toks, {0, 40}, gap, 0);
             auto qb = MakeQueries(rng, q_heads, D, bf16, PrefillRows(kvb));
+            cuda::PrefillKernel run = kernel;
+            if (D == 256 && kernel == cuda::PrefillKernel::kWgmma) {  // kAuto serves it with the mma.sync kernel
+              Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
+              EXPECT_EQ(cuda::PagedPrefill({}, qb.View(), kvb.View(0), {out.p, lse.p}, nullptr, kernel),
+                        cudaErrorNotSupported);
+              (void)cudaGetLastError();
+              run = cuda::PrefillKernel::kAuto;
+            }
             // P is rounded to 16 bits for the second matmul: tolerance of bf16 operands.
             ASSERT_NO_FATAL_FAILURE(ExpectPrefillMatches(
-                {}, {}, qb, kvb, kernel, bf16 ? 1e-2 : 3e-3,
-                absl::StrCat("prefill ", KernelName(kernel), " D=", D, " ratio=", ratio, " bt=", bt, " gap=", gap)));
+                {}, {}, qb, kvb, run, bf16 ? 1e-2 : 3e-3,
+                absl::StrCat("prefill ", KernelName(run), " D=", D, " ratio=", ratio, " bt=", bt, " gap=", gap)));
           }
 }
 
@@ -488,7 +498,7 @@ TEST(GpuPrefillTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 900;
   for (int bt : {16, 24})
-    for (int D : {64, 128})
+    for (int D : {64, 128, 256})
       for (const char* name :
            {"int8/per-head", "int8/per-token", "int8/kivi", "fp8/per-head", "fp8/per-token", "fp8/kivi"}) {
         std::mt19937_64 rng(seed++);
@@ -523,16 +533,17 @@ TEST(GpuPrefillTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
 // Long chunks: many 128-row tiles and KV streams that go round the wgmma
 // kernel's stage ring many times (its barrier phases flip), page sizes that
 // are not a power of two (48: TMA boxes at offsets inside a page; 24: not a
-// multiple of 16, where kAuto must fall back to the mma.sync kernel),
-// several sequences of different lengths.
+// multiple of 16, where kAuto must fall back to the mma.sync kernel, as it
+// must at head_dim 256), several sequences of different lengths.
 TEST(GpuPrefillTest, LongChunksMatchTheReference) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 300;
   for (cuda::PrefillKernel requested : PrefillKernels())
-    for (int D : {64, 128})
+    for (int D : {64, 128, 256})
       for (int bt : {16, 24, 48}) {
-        const cuda::PrefillKernel kernel =
-            requested == cuda::PrefillKernel::kWgmma && bt % 16 != 0 ? cuda::PrefillKernel::kAuto : requested;
+        const cuda::PrefillKernel kernel = requested == cuda::PrefillKernel::kWgmma && (bt % 16 != 0 || D == 256)
+                                               ? cuda::PrefillKernel::kAuto
+                                               : requested;
         std::mt19937_64 rng(seed++);
         const int kv_heads = 2, q_heads = 8;
         const bool bf16 = seed % 2;

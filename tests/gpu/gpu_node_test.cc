@@ -277,7 +277,7 @@ TEST(GpuNodeTest, AQuantizedSequenceAppendsAndAttendsOverItsCodesAndItsPlainTail
 
 TEST(GpuNodeTest, DecodeInPlaceInHbmMatchesTheReference) {
   KVRING_REQUIRE_GPU();
-  for (uint32_t D : {128u, 64u}) {
+  for (uint32_t D : {128u, 64u, 256u}) {  // (256: Gemma's head dim)
     GpuNode node(BlockLayout{16, 2, 2, D, DType::kBF16}, 8, 64);
     ASSERT_TRUE(node.status().ok()) << node.status();
     // Prefill chunks (many rows: the prefill kernel), three sequences in one

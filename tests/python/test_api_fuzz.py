@@ -53,6 +53,7 @@ class ApiFuzz(unittest.TestCase):
             lambda: kvring.Client(co, tok, ucx_spin_us=2 ** 40),
             lambda: kvring.Client(co, tok, ucx_spin_max_us=2 ** 40),
             lambda: kvring.Client(co, tok, ucx_spin_max_us=-2),
+            lambda: kvring.Client(co, tok, node_reply_when_queued="yes"),
             lambda: kvring.Client(co, tok + "\0junk"),
             lambda: kvring.Layout(dtype=["bf16"]),
             lambda: kvring.Layout(head_dim="64"),

@@ -204,9 +204,14 @@ constexpr int kPStage = 16, kPConsumers = 4, kPThreads = (kPConsumers + 1) * 32;
 
 template <int D>
 struct PipeCfg {
-  static constexpr int kPlaneBytes = kPStage * D * 2;        // K (or V) of one stage: [D/64][16 rows][128 B]
-  static constexpr int kStageBytes = 2 * kPlaneBytes;        // K, then V
-  static constexpr int kStages = (96 * 1024) / kStageBytes;  // 12 (D=128) or 24 (D=64)
+  static constexpr int kPlaneBytes = kPStage * D * 2;  // K (or V) of one stage: [D/64][16 rows][128 B]
+  static constexpr int kStageBytes = 2 * kPlaneBytes;  // K, then V
+  // 12 (D=128) or 24 (D=64) stages in ~96 KB, two CTAs an SM; D=256: 8 in
+  // 128 KB, one CTA an SM (its 32 x 4 accumulators a thread leave no room for
+  // a second CTA's registers; 96 KB would make 6 stages, not a multiple of the
+  // 4 consumers).
+  static constexpr int kStages = D > 128 ? 8 : (96 * 1024) / kStageBytes;
+  static constexpr int kCtasPerSm = D > 128 ? 1 : 2;
   // Stages prefetched into L2 before the grid-dependency wait (stable
   // tables): half the ring, ~12 MB over a batch-1 Llama-3 launch's 264 CTAs
   // (half and the whole ring measured alike, two rings slower; the
@@ -284,7 +289,7 @@ __device__ __forceinline__ void ProduceDecodeStages(const PagedKvView& kv, PageW
 }
 
 template <int D, typename T, bool kTma>
-__global__ void __launch_bounds__(kPThreads, 2)
+__global__ void __launch_bounds__(kPThreads, PipeCfg<D>::kCtasPerSm)
     DecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                           float* part_lse, int* counters, float* out, float* lse,
                           const __grid_constant__ CUtensorMap pool_map) {
@@ -505,7 +510,7 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
     return "KV view has null pointers";
   }
   if (q.q == nullptr || q.positions == nullptr || q.seq_row_begin == nullptr) return "query view has null pointers";
-  if (kv.head_dim != 64 && kv.head_dim != 128) return "head_dim must be 64 or 128";
+  if (!internal::KernelHeadDim(kv.head_dim)) return "head_dim must be 64, 128 or 256";
   if (kv.kv_heads <= 0 || q.q_heads <= 0 || q.q_heads % kv.kv_heads != 0)
     return "q_heads must be a multiple of kv_heads";
   if (kv.layer < 0 || kv.layer >= kv.layers) return "layer out of range";
@@ -537,14 +542,14 @@ extern "C" int kvring_cuda_decode_trace(unsigned long long* host, int max_ctas) 
 #endif
 
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count) {
-  // At least one full wave of the two CTAs an SM holds, and splits of at
+  // At least one full wave of the CTAs an SM holds (two; one at head_dim 256), and splits of at
   // most ~8K tokens: the split sweep on the H200 put a batch of 1 best at
   // exactly one wave and long streams best cut to 4-8K tokens a CTA
   // (docs/PERFORMANCE-NOTES.md).
   const int G = q.q_heads / kv.kv_heads;
   const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
   const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;
-  const long slots = 2L * sm_count;
+  const long slots = (kv.head_dim > 128 ? 1L : 2L) * sm_count;
   const long tokens = (long)max_pages_per_seq * std::max(1, kv.block_tokens);
   long splits = std::max<long>(std::max<long>(1, slots / ctas), (tokens + 8191) / 8192);
   splits = std::min<long>(splits, std::max(1, max_pages_per_seq / 4));  // >= 4 pages per split
@@ -591,12 +596,9 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
     return MergePartials(po, pl, num_splits, q.num_rows * q.q_heads, D, out, stream);
   }
   if (num_splits > 1 && reinterpret_cast<uintptr_t>(out.out) % 16 != 0) return cudaErrorInvalidValue;  // float4 merge
-  if (kv.dtype == KvType::kBF16) {
-    return D == 128 ? internal::LaunchPipelined<128, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream)
-                    : internal::LaunchPipelined<64, __nv_bfloat16>(p, q, kv, out, num_splits, po, pl, counters, stream);
-  }
-  return D == 128 ? internal::LaunchPipelined<128, __half>(p, q, kv, out, num_splits, po, pl, counters, stream)
-                  : internal::LaunchPipelined<64, __half>(p, q, kv, out, num_splits, po, pl, counters, stream);
+  return internal::WithHeadDim(kv, [&]<int kD, typename T>() {
+    return internal::LaunchPipelined<kD, T>(p, q, kv, out, num_splits, po, pl, counters, stream);
+  });
 }
 
 }  // namespace kvring::cuda

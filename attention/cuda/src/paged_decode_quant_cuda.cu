@@ -1,8 +1,8 @@
 // Paged decode attention over quantized pages (int8 or fp8-e4m3 codes with
 // fp32 scales, cache/layout kv_encoding.h). Two kernels: on sm_90 with pages
-// of a multiple of 16 tokens, a pipelined one on the tensor cores (below,
-// "Pipelined variant"); otherwise this one, on the CUDA cores (0.06-0.11 of
-// copy in bytes of codes):
+// of a multiple of 16 tokens and head_dim 64 or 128, a pipelined one on the
+// tensor cores (below, "Pipelined variant"); otherwise (head_dim 256 too)
+// this one, on the CUDA cores (0.06-0.11 of copy in bytes of codes):
 //
 // The codes are read straight from the page pool and dequantized in
 // registers; there is never a full-precision copy of the KV in memory.
@@ -44,8 +44,10 @@ __device__ __forceinline__ float ToF<__half>(__half x) {
   return __half2float(x);
 }
 
+// (Four CTAs an SM cap a thread at 128 registers: at head_dim 256 a lane's
+// K row and V accumulators alone take 128, so two.)
 template <int D, KvCodec kCodec, ScaleMode kMode, typename T>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, D > 128 ? 2 : 4)
     QDecodeKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                   float* part_lse, float* out, float* lse) {
   constexpr int kDpl = D / 32;  // V dims per lane
@@ -616,11 +618,13 @@ cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& k
 template <int D, typename T>
 cudaError_t ByEncoding(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                        float* po, float* pl, cudaStream_t s) {
-  alignas(64) CUtensorMap codes{};
-  if (MakeQuantCodeMap(kv, kQPStage, &codes)) {  // sm_90, pages of a multiple of 16 tokens
-    return WithEncoding(kv.encoding, [&]<KvCodec kCodec, ScaleMode kMode>() {
-      return LaunchPipelined<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, codes, s);
-    });
+  if constexpr (D <= 128) {  // (the pipelined kernel's code tiles are one 128-byte swizzled row a token at most)
+    alignas(64) CUtensorMap codes{};
+    if (MakeQuantCodeMap(kv, kQPStage, &codes)) {  // sm_90, pages of a multiple of 16 tokens
+      return WithEncoding(kv.encoding, [&]<KvCodec kCodec, ScaleMode kMode>() {
+        return LaunchPipelined<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, codes, s);
+      });
+    }
   }
   return WithEncoding(kv.encoding, [&]<KvCodec kCodec, ScaleMode kMode>() {
     return Launch<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, s);
@@ -631,13 +635,7 @@ cudaError_t ByEncoding(const AttnParams& p, const QueryView& q, const PagedKvVie
 
 cudaError_t QuantizedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                             float* po, float* pl, cudaStream_t stream) {
-  const int D = kv.head_dim;
-  if (kv.dtype == KvType::kBF16) {
-    return D == 128 ? ByEncoding<128, __nv_bfloat16>(p, q, kv, out, splits, po, pl, stream)
-                    : ByEncoding<64, __nv_bfloat16>(p, q, kv, out, splits, po, pl, stream);
-  }
-  return D == 128 ? ByEncoding<128, __half>(p, q, kv, out, splits, po, pl, stream)
-                  : ByEncoding<64, __half>(p, q, kv, out, splits, po, pl, stream);
+  return WithHeadDim(kv, [&]<int D, typename T>() { return ByEncoding<D, T>(p, q, kv, out, splits, po, pl, stream); });
 }
 
 }  // namespace internal

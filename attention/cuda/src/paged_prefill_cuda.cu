@@ -4,7 +4,7 @@
 //
 // CTA: 128 query rows of one (sequence, q head), 4 warps x 32 rows (two m16
 // tiles each, so every K/V fragment loaded from shared memory feeds four
-// MMAs); the KV
+// MMAs; at head_dim 256, 64 rows, one m16 tile a warp); the KV
 // stream of the sequence (its listed pages, in position order) in tiles of
 // 64 tokens, double-buffered in shared memory with cp.async (gathered page by
 // page, 16-byte chunks, XOR-swizzled rows so ldmatrix is conflict-free).
@@ -24,21 +24,28 @@ namespace kvring::cuda {
 namespace internal {
 namespace {
 
-constexpr int kBM = 128, kBN = 64, kWarps = 4, kThreads = kWarps * 32, kMT = 2;
+constexpr int kBN = 64, kWarps = 4, kThreads = kWarps * 32;
+// m16 row tiles a warp: two (every K/V fragment feeds four MMAs), one at
+// head_dim 256 (two tiles' 32 x 256 fp32 accumulators do not fit a thread's
+// registers); a CTA's rows.
+template <int D>
+inline constexpr int kMT = D > 128 ? 1 : 2;
+template <int D>
+inline constexpr int kBM = kWarps * 16 * kMT<D>;
 
 // Epilogue of a row tile: each thread's rows of O normalized by their
 // softmax sums (completed across the quad), and their LSE.
 template <int D>
 __device__ __forceinline__ void StoreRowTile(const QueryView& q, OutputView& out, int hq, int r0, int nrows, int warp,
-                                             int g, int tig, const float (&o)[kMT][D / 8][4], const float (&m)[kMT][2],
-                                             const float (&l)[kMT][2]) {
+                                             int g, int tig, const float (&o)[kMT<D>][D / 8][4],
+                                             const float (&m)[kMT<D>][2], const float (&l)[kMT<D>][2]) {
   constexpr int kDTiles = D / 8;
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
+  for (int mt = 0; mt < kMT<D>; ++mt) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const float lv = QuadSum(l[mt][hf]);
-      const int r = warp * 32 + mt * 16 + g + hf * 8;
+      const int r = warp * 16 * kMT<D> + mt * 16 + g + hf * 8;
       if (r >= nrows) continue;
       const float inv = lv > 0.f ? 1.f / lv : 0.f;
       float* dst = out.out + ((size_t)(r0 + r) * q.q_heads + hq) * D;
@@ -59,23 +66,23 @@ __device__ __forceinline__ void StoreRowTile(const QueryView& q, OutputView& out
 template <int D, typename T>
 __device__ __forceinline__ void TileStep(const AttnParams& p, const PagedKvView& kv, const uint8_t* sq,
                                          const uint8_t* kt, const uint8_t* vt, int n0, int n_end, int pb, bool edge,
-                                         const int (&qpos)[kMT][2], float scale, int warp, int lane,
-                                         float (&o)[kMT][D / 8][4], float (&m)[kMT][2], float (&l)[kMT][2]) {
+                                         const int (&qpos)[kMT<D>][2], float scale, int warp, int lane,
+                                         float (&o)[kMT<D>][D / 8][4], float (&m)[kMT<D>][2], float (&l)[kMT<D>][2]) {
   constexpr int kKChunks = D / 16, kDTiles = D / 8;
   const int tig = lane & 3;
   const int mi = lane >> 3, rr = lane & 7;
   // S = Q K^T : 32 x 64 per warp.
-  float sc[kMT][8][4];
+  float sc[kMT<D>][8][4];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int mt = 0; mt < kMT<D>; ++mt)
 #pragma unroll
     for (int j = 0; j < 8; ++j) sc[mt][j][0] = sc[mt][j][1] = sc[mt][j][2] = sc[mt][j][3] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < kKChunks; ++kk) {
-    uint32_t qa[kMT][4];
+    uint32_t qa[kMT<D>][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      LdMatrixX4(SmemAddr(sq + Swz<D>(warp * 32 + mt * 16 + (mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[mt][0],
+    for (int mt = 0; mt < kMT<D>; ++mt) {
+      LdMatrixX4(SmemAddr(sq + Swz<D>(warp * 16 * kMT<D> + mt * 16 + (mi & 1) * 8 + rr, 2 * kk + (mi >> 1))), qa[mt][0],
                  qa[mt][1], qa[mt][2], qa[mt][3]);
     }
 #pragma unroll
@@ -83,7 +90,7 @@ __device__ __forceinline__ void TileStep(const AttnParams& p, const PagedKvView&
       uint32_t b0, b1, b2, b3;
       LdMatrixX4(SmemAddr(kt + Swz<D>((j + (mi >> 1)) * 8 + rr, 2 * kk + (mi & 1))), b0, b1, b2, b3);
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
+      for (int mt = 0; mt < kMT<D>; ++mt) {
         Mma<T>(sc[mt][j], qa[mt], b0, b1);
         Mma<T>(sc[mt][j + 1], qa[mt], b2, b3);
       }
@@ -91,9 +98,9 @@ __device__ __forceinline__ void TileStep(const AttnParams& p, const PagedKvView&
   }
   // Masks: only tiles that straddle the causal diagonal / window edge / end
   // (positions increase along the stream).
-  float pa_c[kMT][2];
+  float pa_c[kMT<D>][2];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
+  for (int mt = 0; mt < kMT<D>; ++mt) {
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -147,9 +154,9 @@ __device__ __forceinline__ void TileStep(const AttnParams& p, const PagedKvView&
   // O += P V over the 4 k16 token chunks of the tile.
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
-    uint32_t pa[kMT][4];
+    uint32_t pa[kMT<D>][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
+    for (int mt = 0; mt < kMT<D>; ++mt) {
       pa[mt][0] = Pack<T>(sc[mt][2 * t][0], sc[mt][2 * t][1]);
       pa[mt][1] = Pack<T>(sc[mt][2 * t][2], sc[mt][2 * t][3]);
       pa[mt][2] = Pack<T>(sc[mt][2 * t + 1][0], sc[mt][2 * t + 1][1]);
@@ -160,7 +167,7 @@ __device__ __forceinline__ void TileStep(const AttnParams& p, const PagedKvView&
       uint32_t b0, b1, b2, b3;
       LdMatrixX4T(SmemAddr(vt + Swz<D>(16 * t + (mi & 1) * 8 + rr, dn + (mi >> 1))), b0, b1, b2, b3);
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
+      for (int mt = 0; mt < kMT<D>; ++mt) {
         Mma<T>(o[mt][dn], pa[mt], b0, b1);
         Mma<T>(o[mt][dn + 1], pa[mt], b2, b3);
       }
@@ -173,8 +180,8 @@ __device__ __forceinline__ void TileStep(const AttnParams& p, const PagedKvView&
 // whose codes are double-buffered instead, 1 byte each).
 template <int D, KvCodec kCodec>
 constexpr size_t SmemBytes() {
-  return kCodec == KvCodec::kPlain ? (size_t)(kBM + 4 * kBN) * D * 2
-                                   : (size_t)(kBM + 2 * kBN) * D * 2 + 4 * (size_t)kBN * D;
+  return kCodec == KvCodec::kPlain ? (size_t)(kBM<D> + 4 * kBN) * D * 2
+                                   : (size_t)(kBM<D> + 2 * kBN) * D * 2 + 4 * (size_t)kBN * D;
 }
 
 // kCodec kPlain: plain pages of T. kInt8 / kFp8E4M3 with kMode (the scale
@@ -190,8 +197,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr bool kQuant = kCodec != KvCodec::kPlain;
   constexpr int kKvBufs = kQuant ? 1 : 2;
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* sq = smem;                        // kBM x D
-  uint8_t* sk = smem + kBM * D * 2;          // kKvBufs x kBN x D
+  uint8_t* sq = smem;                        // kBM<D> x D
+  uint8_t* sk = smem + kBM<D> * D * 2;       // kKvBufs x kBN x D
   uint8_t* sv = sk + kKvBufs * kBN * D * 2;  // kKvBufs x kBN x D
   uint8_t* ck = sv + kKvBufs * kBN * D * 2;  // quantized: 2 x kBN x D codes of K
   uint8_t* cv = ck + 2 * kBN * D;            // and of V
@@ -201,9 +208,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int G = q.q_heads / kv.kv_heads;
   const int hk = hq / G;
   const int rb = q.seq_row_begin[s], re = q.seq_row_begin[s + 1];
-  const int r0 = rb + tile * kBM;
+  const int r0 = rb + tile * kBM<D>;
   if (r0 >= re) return;
-  const int nrows = min(kBM, re - r0);
+  const int nrows = min(kBM<D>, re - r0);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
@@ -211,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // Q tile -> smem (rows past the end zero-filled).
   {
     const T* qbase = static_cast<const T*>(q.q);
-    for (int c = tid; c < kBM * (D / 8); c += kThreads) {
+    for (int c = tid; c < kBM<D> * (D / 8); c += kThreads) {
       const int r = c / (D / 8), ch = c % (D / 8);
       const bool valid = r < nrows;
       const T* src = qbase + ((size_t)(r0 + (valid ? r : 0)) * q.q_heads + hq) * D + ch * 8;
@@ -221,10 +228,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   const int2 qrange = BlockMinMax(q.positions + r0, nrows, &s_qmin, &s_qmax);
   const int qmin = qrange.x, qmax = qrange.y;
-  int qpos[kMT][2];
+  int qpos[kMT<D>][2];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-    const int r = warp * 32 + mt * 16 + g;
+  for (int mt = 0; mt < kMT<D>; ++mt) {
+    const int r = warp * 16 * kMT<D> + mt * 16 + g;
     qpos[mt][0] = r < nrows ? q.positions[r0 + r] : INT32_MIN;
     qpos[mt][1] = r + 8 < nrows ? q.positions[r0 + r + 8] : INT32_MIN;
   }
@@ -334,24 +341,27 @@ __global__ void __launch_bounds__(kThreads, 2)
       *reinterpret_cast<uint4*>(sv + Swz<D>(r, 2 * cch + 1)) = make_uint4(vw[4], vw[5], vw[6], vw[7]);
     }
   };
+  // (At head_dim 256 a thread's 16 row addresses, held a tile ahead, would
+  // spill beside the accumulators: looked up when the tile is loaded.)
+  constexpr bool kLookAhead = D <= 128;
   Bases next_bases{};
   if constexpr (kQuant) {
     if (n_begin < n_end) load_codes(n_begin, 0);
   } else {
     if (n_begin < n_end) load_kv(row_bases(n_begin), 0);
-    next_bases = row_bases(n_begin + kBN);
+    if constexpr (kLookAhead) next_bases = row_bases(n_begin + kBN);
   }
   bool edge_cur = tile_edge(n_begin);
   CpAsyncWait<0>();  // Q and the first KV tile
   __syncthreads();
-  float o[kMT][kDTiles][4];
+  float o[kMT<D>][kDTiles][4];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int mt = 0; mt < kMT<D>; ++mt)
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
-  float m[kMT][2], l[kMT][2];
+  float m[kMT<D>][2], l[kMT<D>][2];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
+  for (int mt = 0; mt < kMT<D>; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
 
   int buf = 0;
   for (int n0 = n_begin; n0 < n_end; n0 += kBN, buf ^= 1) {
@@ -360,8 +370,12 @@ __global__ void __launch_bounds__(kThreads, 2)
       if constexpr (kQuant) {
         load_codes(n0 + kBN, buf ^ 1);
       } else {
-        load_kv(next_bases, buf ^ 1);
-        next_bases = row_bases(n0 + 2 * kBN);
+        if constexpr (kLookAhead) {
+          load_kv(next_bases, buf ^ 1);
+          next_bases = row_bases(n0 + 2 * kBN);
+        } else {
+          load_kv(row_bases(n0 + kBN), buf ^ 1);
+        }
       }
       CpAsyncWait<1>();
     } else {
@@ -388,7 +402,7 @@ cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& k
   auto* kernel = PrefillKernel<D, T, kCodec, kMode>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;
-  dim3 grid((q.max_rows_per_seq + kBM - 1) / kBM, q.q_heads, kv.num_seqs);
+  dim3 grid((q.max_rows_per_seq + kBM<D> - 1) / kBM<D>, q.q_heads, kv.num_seqs);
   kernel<<<grid, kThreads, smem, stream>>>(p, q, kv, out);
   return cudaGetLastError();
 }
@@ -414,12 +428,8 @@ cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvV
   if (q.num_rows == 0) return cudaSuccess;
   if (kv.encoding.quantized()) {  // quantized pages: the mma.sync kernel, codes converted in shared memory
     if (kernel == PrefillKernel::kWgmma) return cudaErrorNotSupported;
-    if (kv.dtype == KvType::kBF16) {
-      return kv.head_dim == 128 ? internal::LaunchQuantized<128, __nv_bfloat16>(p, q, kv, out, stream)
-                                : internal::LaunchQuantized<64, __nv_bfloat16>(p, q, kv, out, stream);
-    }
-    return kv.head_dim == 128 ? internal::LaunchQuantized<128, __half>(p, q, kv, out, stream)
-                              : internal::LaunchQuantized<64, __half>(p, q, kv, out, stream);
+    return internal::WithHeadDim(
+        kv, [&]<int D, typename T>() { return internal::LaunchQuantized<D, T>(p, q, kv, out, stream); });
   }
   if (kernel != PrefillKernel::kMmaSync) {
     int dev = 0, major = 0, minor = 0;
@@ -435,12 +445,7 @@ cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvV
       return cudaErrorNotSupported;
     }
   }
-  if (kv.dtype == KvType::kBF16) {
-    return kv.head_dim == 128 ? internal::Launch<128, __nv_bfloat16>(p, q, kv, out, stream)
-                              : internal::Launch<64, __nv_bfloat16>(p, q, kv, out, stream);
-  }
-  return kv.head_dim == 128 ? internal::Launch<128, __half>(p, q, kv, out, stream)
-                            : internal::Launch<64, __half>(p, q, kv, out, stream);
+  return internal::WithHeadDim(kv, [&]<int D, typename T>() { return internal::Launch<D, T>(p, q, kv, out, stream); });
 }
 
 }  // namespace kvring::cuda

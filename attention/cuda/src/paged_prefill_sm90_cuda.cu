@@ -495,14 +495,16 @@ cudaError_t LaunchSm90(const AttnParams& p, const QueryView& q, const PagedKvVie
 cudaError_t PagedPrefillSm90(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                              cudaStream_t stream) {
   alignas(64) CUtensorMap map{}, q_map{};
-  // Not supported (the caller falls back): pages not a multiple of 16 tokens, a Q array TMA cannot read.
+  // Not supported (the caller falls back): pages not a multiple of 16 tokens, a Q array TMA cannot read,
+  // head_dim 256.
   if (!MakePoolMap(kv, kBox, &map) || !MakeQueryMap(q, kv.head_dim, kBM, &q_map)) return cudaErrorNotSupported;
-  if (kv.dtype == KvType::kBF16) {
-    return kv.head_dim == 128 ? LaunchSm90<128, __nv_bfloat16>(p, q, kv, out, map, q_map, stream)
-                              : LaunchSm90<64, __nv_bfloat16>(p, q, kv, out, map, q_map, stream);
-  }
-  return kv.head_dim == 128 ? LaunchSm90<128, __half>(p, q, kv, out, map, q_map, stream)
-                            : LaunchSm90<64, __half>(p, q, kv, out, map, q_map, stream);
+  return WithHeadDim(kv, [&]<int D, typename T>() {
+    if constexpr (D > 128) {
+      return cudaErrorNotSupported;  // (Q's fragments and O's accumulators of 256 dims exceed a consumer's registers)
+    } else {
+      return LaunchSm90<D, T>(p, q, kv, out, map, q_map, stream);
+    }
+  });
 }
 
 }  // namespace internal

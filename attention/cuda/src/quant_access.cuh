@@ -36,31 +36,4 @@ __device__ __forceinline__ uint64_t CodeBytes(const PagedKvView& kv) {
   return 2ull * kv.layers * kv.kv_heads * kv.block_tokens * kv.head_dim;
 }
 
-// Calls launch.template operator()<kCodec, kMode>() with `e`'s codec and
-// scale mode as template arguments (a host-side dispatch to the kernels'
-// instantiations); cudaErrorInvalidValue for plain pages or values outside
-// the enums.
-template <typename F>
-cudaError_t WithEncoding(KvEncoding e, F&& launch) {
-  auto by_mode = [&]<KvCodec kCodec>() -> cudaError_t {
-    switch (e.scales) {
-      case ScaleMode::kPerHead:
-        return launch.template operator()<kCodec, ScaleMode::kPerHead>();
-      case ScaleMode::kPerToken:
-        return launch.template operator()<kCodec, ScaleMode::kPerToken>();
-      case ScaleMode::kKChannelVToken:
-        return launch.template operator()<kCodec, ScaleMode::kKChannelVToken>();
-    }
-    return cudaErrorInvalidValue;
-  };
-  switch (e.codec) {
-    case KvCodec::kInt8:
-      return by_mode.template operator()<KvCodec::kInt8>();
-    case KvCodec::kFp8E4M3:
-      return by_mode.template operator()<KvCodec::kFp8E4M3>();
-    default:
-      return cudaErrorInvalidValue;
-  }
-}
-
 }  // namespace kvring::cuda::internal

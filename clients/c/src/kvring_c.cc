@@ -81,7 +81,7 @@ int kvring_connect(const kvring_options* o, kvring_client** out) {
   co.ucx_loop.wakeup = o->ucx_busy_poll == 0;
   co.ucx_loop.spin_max_us = o->ucx_spin_max_us;
   co.device_delivery = o->no_device_delivery == 0;
-  co.node_reply_when_queued = o->node_reply_when_queued != 0;
+  if (o->node_reply_when_queued != 0) co.node_reply_when_queued = o->node_reply_when_queued > 0;
   if (o->device_exchange_min_bytes >= 0)
     co.device_exchange_min_bytes = static_cast<uint64_t>(o->device_exchange_min_bytes);
   auto c = Client::Connect(co);

@@ -673,13 +673,13 @@ class ClientImpl::StepRound {
     if (!ex_.inputs_event.empty()) {
       d->set_inputs_ready_event(ex_.inputs_event);
       // (the merge waits for the node's work on the same stream)
-      if (c_.node_events_ok_.load()) {
+      // Early answers only by the word: waiting on another process's event
+      // cost the engine more than it saved (docs/MPS.md). (The node sets the
+      // job's word when done; one that cannot answers with an event.)
+      if (c_.node_events_ok_.load() && dx_->dev->WaitsOnWords()) {
         d->set_reply_when_queued(true);
-        // (the node sets the job's word when done; else it answers with an event)
-        if (dx_->dev->WaitsOnWords()) {
-          d->set_done_flag_offset(ex_.flags_off + j * sizeof(uint32_t));
-          d->set_done_flag_value(FlagValue(j));
-        }
+        d->set_done_flag_offset(ex_.flags_off + j * sizeof(uint32_t));
+        d->set_done_flag_value(FlagValue(j));
       }
     }
     return d;

@@ -146,8 +146,8 @@ def _load():
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
-    if lib.kvring_api_version() != 9:
-        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 9" % lib.kvring_api_version())
+    if lib.kvring_api_version() != 10:
+        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 10" % lib.kvring_api_version())
     return lib
 
 

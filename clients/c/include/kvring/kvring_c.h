@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KVRING_C_API_VERSION 9
+#define KVRING_C_API_VERSION 10
 
 typedef struct kvring_client kvring_client;
 
@@ -50,7 +50,8 @@ typedef struct {
   int64_t device_exchange_min_bytes; /* ClientOptions::device_exchange_min_bytes; < 0: its default (version 3) */
   int32_t ucx_spin_max_us; /* UCX adaptive spin window (UcxLoopOptions::spin_max_us; -1: by core count, 0: off; version
                               6) */
-  int32_t node_reply_when_queued; /* ClientOptions::node_reply_when_queued (version 8) */
+  int32_t node_reply_when_queued; /* ClientOptions::node_reply_when_queued: 0 its default (on), > 0 on, < 0 off
+                                     (version 10; in 8-9 nonzero was on, 0 off) */
 } kvring_options;
 
 typedef struct {

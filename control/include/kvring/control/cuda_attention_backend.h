@@ -30,7 +30,7 @@
 // supervisor restarts it; the host and cold tiers keep their blocks).
 //
 // Layouts the kernels do not take (KV dtypes other than bf16/fp16, head_dim
-// other than 64/128) are served by a CPU backend inside this one, per
+// other than 64/128/256) are served by a CPU backend inside this one, per
 // sequence, so a GPU node answers every request a CPU node answers.
 //
 // Thread-safe as the interface requires. In a build without CUDA,

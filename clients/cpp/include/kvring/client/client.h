@@ -104,16 +104,17 @@ struct ClientOptions {
   // a GPU context switch: there, 1 MiB keeps decode steps staged.
   uint64_t device_exchange_min_bytes = 0;
   // A step on the caller's stream (AttendStep::stream_ordered) lets a GPU
-  // node on this host answer once its work is queued: the stream waits on
-  // the device for a word of the exchange buffer the node's stream sets
-  // (or, where the driver has no stream memory operations, the node's
-  // event), not this thread on the node's kernel
-  // (DeviceExchange.reply_when_queued, done_flag_offset). It shortens the step on the stream
-  // (H100, 4 shards: 400 us against 434) but transformers decoded fewer
-  // tokens/s with it (22.4 against 25.2; 1 shard: 24-28 against 30-31;
-  // bench/RESULTS.md, docs/MPS.md), so it is not the default yet.
-  // Default: false.
-  bool node_reply_when_queued = false;
+  // node on this host answer once its work is queued: the caller's stream
+  // waits on the device for a word of the exchange buffer that the node's
+  // stream sets when the work is done (DeviceExchange.reply_when_queued,
+  // done_flag_offset), not this thread on the node's kernel. Asked only
+  // where this process's driver has stream memory operations (the word);
+  // a node that cannot set it answers with an event or once done. Inside
+  // transformers' generate (H200, 32K): the step on the stream 301 us
+  // against 418 answered once done on 1 shard, 388 against 432 on 4, and
+  // tokens/s 1-7% higher (bench/RESULTS.md). (Answering early by an
+  // interprocess event instead cost tokens/s: docs/MPS.md.) Default: true.
+  bool node_reply_when_queued = true;
   // TLS towards the coordinator and the nodes (common/tls_config.h): set
   // tls.ca_file (and cert_file/key_file for mutual TLS). With TLS on,
   // payloads go over gRPC: use_ucx is ignored (UCX is not encrypted).

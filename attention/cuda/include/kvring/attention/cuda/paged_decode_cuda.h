@@ -12,7 +12,8 @@
 namespace kvring::cuda {
 
 // Decode: few query rows per sequence, KV split across CTAs (flash-decoding)
-// Rows per sequence: 1..64 (any); q_heads % kv_heads == 0; head_dim 64 or 128.
+// Rows per sequence: 1..64 (any); q_heads % kv_heads == 0; head_dim 64, 128
+// or 256 (quantized pages at 256: the CUDA-core kernel).
 // With num_splits > 1 the splits' partials go to `workspace` and the last
 // CTA of each (sequence, kv head) to finish merges them into `out` (quantized
 // pages: a second kernel merges). The workspace (DecodeWorkspaceBytes; none

@@ -12,7 +12,8 @@
 namespace kvring::cuda {
 
 // Prefill: many query rows per sequence, on the tensor cores (bf16/fp16
-// operands, fp32 accumulate), causal by absolute position; head_dim 64 or 128.
+// operands, fp32 accumulate), causal by absolute position; head_dim 64, 128
+// or 256 (256: kMmaSync only, with 64-row tiles; kWgmma refuses it).
 // Two kernels: kWgmma (Hopper warpgroup MMA fed by TMA, sm_90 only, pages of a
 // multiple of 16 tokens, a 16-byte-aligned query array: a persistent kernel,
 // one CTA an SM, whose producer warp streams Q and KV tiles through a 5-stage
