@@ -351,7 +351,21 @@ for B, L in qshapes:
                                             pout.data_ptr(), plse.data_ptr(), stream(), kern)
                 assert e == 0, f"prefill error {e}"
 
-            pre(pool.data_ptr(), stride, dtype_arg, 0)
+            # The default path of a GPU node (cuda::PagedPrefillDequantized): the step's pages dequantized
+            # into a workspace, then the bf16 kernel (wgmma).
+            npg = B * ppseq
+            dqb = lib.kvring_cuda_prefill_dequantized_workspace(BT, 1, HKV, D, dtype_arg, npg)
+            dqws = torch.empty(max(1, dqb), dtype=torch.uint8, device=dev)
+
+            def pre_dq():
+                e = lib.kvring_cuda_prefill_dequantized(pool.data_ptr(), stride, BT, 1, HKV, D, dtype_arg, 0,
+                                                        perm.data_ptr(), page_pos.data_ptr(), spb.data_ptr(),
+                                                        stok.data_ptr(), B, npg, qp.data_ptr(), ppos.data_ptr(),
+                                                        prow.data_ptr(), B * R, HQ, R, 0.0, 1, 0, dqws.data_ptr(), dqb,
+                                                        pout.data_ptr(), plse.data_ptr(), stream(), 0)
+                assert e == 0, f"dequantized prefill error {e}"
+
+            pre_dq()
             # Reference: sequence 0's last 64 rows, float32 over the dequantized values.
             k0, v0 = seq_kv(0, torch.float32)
             kk, vv = k0.repeat_interleave(HQ // HKV, 0), v0.repeat_interleave(HQ // HKV, 0)
@@ -360,21 +374,28 @@ for B, L in qshapes:
             keyp = torch.arange(L, device=dev)[None, None, :]
             sc = sc.masked_fill(keyp > ppos[R - 64:R].long()[None, :, None], float("-inf"))
             pref = (torch.softmax(sc, -1) @ vv).permute(1, 0, 2)
+            perr_dq = rel(pout[R - 64:R], pref)
+            pre(pool.data_ptr(), stride, dtype_arg, 0)
             perr = rel(pout[R - 64:R], pref)
+            assert perr < 2e-2 and perr_dq < 2e-2, f"quantized prefill wrong: rel err {perr}, dequantized {perr_dq}"
             del k0, v0, kk, vv, qr, sc, pref
             t_qp = timed(lambda: pre(pool.data_ptr(), stride, dtype_arg, 0), reps=10)
             t_bp = timed(lambda: pre(bpool.data_ptr(), bstride, 0, 0), reps=10)
             t_bm = timed(lambda: pre(bpool.data_ptr(), bstride, 0, PREFILL_KERNELS["mma.sync"]), reps=10)
+            t_dq = timed(pre_dq, reps=10)
             flops = 4 * B * HQ * D * R * (L - R / 2)
             prow_ = {"codec": codec_name, "batch": B, "kv_len": L, "rows": R, "ms": t_qp,
                      "TFLOPs": flops / (t_qp * 1e-3) / 1e12, "rel_err": perr, "kvring_bf16_ms": t_bp,
                      "kvring_bf16_mma_sync_ms": t_bm, "vs_kvring_bf16": t_bp / t_qp,
-                     "vs_kvring_bf16_mma_sync": t_bm / t_qp}
+                     "vs_kvring_bf16_mma_sync": t_bm / t_qp, "dequantized_ms": t_dq, "dequantized_rel_err": perr_dq,
+                     "dequantized_vs_kvring_bf16": t_bp / t_dq, "dequantized_vs_codes_kernel": t_qp / t_dq}
             results.setdefault("prefill_quant", []).append(prow_)
             print(f"prefill {codec_name} B={B} L={L} rows={R}: {t_qp:.3f} ms ({prow_['TFLOPs']:.0f} TFLOP/s, err "
                   f"{perr:.1e}); kvring bf16 {t_bp:.3f} ms (x{t_bp / t_qp:.2f}), bf16 mma.sync {t_bm:.3f} ms "
-                  f"(x{t_bm / t_qp:.2f})", flush=True)
-            del qp, pout, plse
+                  f"(x{t_bm / t_qp:.2f}); dequantized + bf16 kernel (a GPU node's path) {t_dq:.3f} ms, "
+                  f"x{t_bp / t_dq:.2f} of kvring bf16, x{t_qp / t_dq:.2f} of the codes kernel, err {perr_dq:.1e}",
+                  flush=True)
+            del qp, pout, plse, dqws
         del pool, codes, scales, bpool, ws, refs
         torch.cuda.empty_cache()
 

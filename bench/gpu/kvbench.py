@@ -19,6 +19,10 @@ def load_lib(path):
                                        U64, VP, VP, VP, I]
     lib.kvring_cuda_prefill.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, VP, VP, VP, I, I, I, F32, I, I, VP,
                                         VP, VP, I]
+    lib.kvring_cuda_prefill_dequantized.argtypes = [VP, U64, I, I, I, I, I, I, VP, VP, VP, VP, I, I, VP, VP, VP, I, I, I,
+                                                    F32, I, I, VP, U64, VP, VP, VP, I]
+    lib.kvring_cuda_prefill_dequantized_workspace.argtypes = [I, I, I, I, I, I]
+    lib.kvring_cuda_prefill_dequantized_workspace.restype = U64
     lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I, I]
     lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
     lib.kvring_cuda_decode_workspace.restype = U64

@@ -61,6 +61,8 @@ struct Lane {
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, kernel_begin = nullptr, kernel_end = nullptr, done = nullptr;
   Buffer h_in{.pinned = true}, d_in, h_out{.pinned = true}, d_out, d_tables, d_workspace;
+  // A prefill step's quantized pages dequantized (cuda::PagedPrefillDequantized).
+  Buffer d_dequantized;
   // Bytes at the start of d_workspace known to be zero (the decode merge's
   // counters must be; earlier calls leave partials after their own).
   size_t counters_clean = 0;
@@ -83,7 +85,7 @@ struct Lane {
   };
   std::optional<InFlight> in_flight;
   ~Lane() {
-    for (Buffer* b : {&h_in, &d_in, &h_out, &d_out, &d_tables, &d_workspace}) b->Free();
+    for (Buffer* b : {&h_in, &d_in, &h_out, &d_out, &d_tables, &d_workspace, &d_dequantized}) b->Free();
     for (cudaEvent_t e : {start, kernel_begin, kernel_end, done}) {
       if (e != nullptr) (void)cudaEventDestroy(e);
     }
@@ -222,7 +224,7 @@ struct GpuStep {
   bool direct = false, in_place = false;
   Sections off;
   size_t blob_bytes = 0, out_o = 0, out_bytes = 0, ids_bytes = 0;
-  int max_count = 0, max_pages = 0;
+  int max_count = 0, max_pages = 0, listed_pages = 0;
   const int32_t* direct_ids = nullptr;  // direct: the one run of the one sequence's table
   const int32_t* direct_pos = nullptr;
 };
@@ -519,6 +521,8 @@ class CudaAttentionBackend final : public AttentionBackend {
   absl::Status EnqueueAttention(GpuStep& w);
   absl::Status LaunchDecode(GpuStep& w, const cuda::AttnParams& p, const cuda::QueryView& qv,
                             const cuda::PagedKvView& kv, cuda::OutputView out);
+  absl::Status LaunchPrefill(GpuStep& w, const cuda::AttnParams& p, const cuda::QueryView& qv,
+                             const cuda::PagedKvView& kv, cuda::OutputView out);
   // The reply goes before the work is done: the caller's word (or an event)
   // set after it on the lane's stream, the step's holds moved to the lane.
   // False (nothing queued, nothing moved) when neither can be set: the
@@ -1030,6 +1034,7 @@ absl::Status CudaAttentionBackend::Pack(GpuStep& w) {
   w.out_o = AlignUp(w.q_elems * 4);
   w.out_bytes = w.out_o + AlignUp(plan.shape.lse_floats() * 4);
   w.ids_bytes = AlignUp(size_t(total_pages) * 4);
+  w.listed_pages = total_pages;
   Lane* lane = w.lane;
   for (auto [buf, n, what] :
        {std::tuple{&lane->h_in, w.blob_bytes, "pinned staging"},
@@ -1202,8 +1207,7 @@ absl::Status CudaAttentionBackend::EnqueueAttention(GpuStep& w) {
   if (w.decode) {
     KVRING_RETURN_IF_ERROR(LaunchDecode(w, p, qv, kv, cuda::OutputView{d_o, d_l}));
   } else {
-    KVRING_RETURN_IF_ERROR(
-        Check(cuda::PagedPrefill(p, qv, kv, cuda::OutputView{d_o, d_l}, st), "prefill attention kernel"));
+    KVRING_RETURN_IF_ERROR(LaunchPrefill(w, p, qv, kv, cuda::OutputView{d_o, d_l}));
   }
   KVRING_RETURN_IF_ERROR(Check(cudaEventRecord(lane->kernel_end, st), "event"));
   if (dx == nullptr) {
@@ -1226,6 +1230,27 @@ absl::Status CudaAttentionBackend::EnqueueAttention(GpuStep& w) {
               "copy of LSE into the caller's GPU memory"));
   }
   return absl::OkStatus();
+}
+
+// Quantized pages are prefilled through the 16-bit kernels over a
+// dequantized copy of the step's pages (wgmma on sm_90: ~3x the kernel that
+// reads the codes, bench/RESULTS.md) where that copy fits the lane's cap;
+// longer steps, or a copy that cannot be allocated, run the kernel over the
+// codes.
+constexpr size_t kMaxDequantizedPrefillBytes = size_t{512} << 20;  // a lane's: 128K tokens of Llama-3-8B heads
+
+absl::Status CudaAttentionBackend::LaunchPrefill(GpuStep& w, const cuda::AttnParams& p, const cuda::QueryView& qv,
+                                                 const cuda::PagedKvView& kv, cuda::OutputView out) {
+  Buffer& scratch = w.lane->d_dequantized;
+  const size_t need = cuda::DequantizedPrefillWorkspaceBytes(kv, w.listed_pages);
+  if (need > 0 && need <= kMaxDequantizedPrefillBytes) {
+    if (scratch.Reserve(need) == cudaSuccess) {
+      return Check(cuda::PagedPrefillDequantized(p, qv, kv, w.listed_pages, scratch.p, scratch.cap, out, w.st),
+                   "prefill attention kernel (dequantized pages)");
+    }
+    (void)cudaGetLastError();  // no memory for the copy: the kernel over the codes serves the step
+  }
+  return Check(cuda::PagedPrefill(p, qv, kv, out, w.st), "prefill attention kernel");
 }
 
 absl::Status CudaAttentionBackend::LaunchDecode(GpuStep& w, const cuda::AttnParams& p, const cuda::QueryView& qv,

@@ -527,6 +527,18 @@ TEST(GpuPrefillTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
         o.layer = 1;
         // The dequantized values and P are rounded to 16 bits for the MMAs.
         ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, bf16 ? 1e-2 : 3e-3, what);
+        // Through the 16-bit kernels: the codes dequantized into a workspace
+        // (too small a one is refused), then kAuto (wgmma where it serves).
+        const int listed = static_cast<int>(kvb.page_ids.n);
+        const size_t wsb = cuda::DequantizedPrefillWorkspaceBytes(view, listed);
+        Dev<uint8_t> ws(wsb);
+        EXPECT_EQ(cuda::PagedPrefillDequantized({}, qb.View(), view, listed, ws.p, wsb - 1, {out.p, lse.p}, nullptr),
+                  cudaErrorInvalidValue);
+        out.Poison();
+        lse.Poison();
+        CUDA_OK(cuda::PagedPrefillDequantized({}, qb.View(), view, listed, ws.p, wsb, {out.p, lse.p}, nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, bf16 ? 1e-2 : 3e-3, what + " (dequantized)");
       }
 }
 

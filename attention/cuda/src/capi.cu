@@ -95,6 +95,30 @@ int kvring_cuda_prefill(const void* pool, uint64_t stride, int bt, int layers, i
                       OutputView{out, lse}, static_cast<cudaStream_t>(stream), static_cast<PrefillKernel>(kernel));
 }
 
+// kvring_cuda_prefill over quantized pages through the 16-bit kernels
+// (PagedPrefillDequantized): listed_pages entries in page_ids, a workspace of
+// kvring_cuda_prefill_dequantized_workspace bytes.
+uint64_t kvring_cuda_prefill_dequantized_workspace(int bt, int layers, int kv_heads, int head_dim, int dtype,
+                                                   int listed_pages) {
+  return DequantizedPrefillWorkspaceBytes(
+      Kv(nullptr, 0, bt, layers, kv_heads, head_dim, dtype, 0, nullptr, nullptr, nullptr, nullptr, 0), listed_pages);
+}
+
+int kvring_cuda_prefill_dequantized(const void* pool, uint64_t stride, int bt, int layers, int kv_heads, int head_dim,
+                                    int dtype, int layer, const int32_t* page_ids, const int32_t* page_pos,
+                                    const int32_t* seq_page_begin, const int32_t* seq_tokens, int num_seqs,
+                                    int listed_pages, const void* q, const int32_t* pos, const int32_t* seq_row_begin,
+                                    int num_rows, int q_heads, int max_rows, float scale, int causal, int window,
+                                    void* workspace, uint64_t workspace_bytes, float* out, float* lse, void* stream,
+                                    int kernel) {
+  AttnParams p{scale, causal != 0, window};
+  return PagedPrefillDequantized(p, Q(q, pos, seq_row_begin, num_rows, q_heads, max_rows),
+                                 Kv(pool, stride, bt, layers, kv_heads, head_dim, dtype, layer, page_ids, page_pos,
+                                    seq_page_begin, seq_tokens, num_seqs),
+                                 listed_pages, workspace, workspace_bytes, OutputView{out, lse},
+                                 static_cast<cudaStream_t>(stream), static_cast<PrefillKernel>(kernel));
+}
+
 int kvring_cuda_merge(const float* out_parts, const float* lse_parts, int num_parts, int rows_heads, int head_dim,
                       float* out, float* lse, void* stream) {
   return MergePartials(out_parts, lse_parts, num_parts, rows_heads, head_dim, OutputView{out, lse},

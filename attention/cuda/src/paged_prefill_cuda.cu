@@ -407,6 +407,41 @@ cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& k
   return cudaGetLastError();
 }
 
+// Listed page i's codes of kv.layer, dequantized (code x scale, rounded to
+// T as the quantized kernel rounds them) into plain page i of `dst` (one
+// layer: [K|V][kv_head][token][D], dst_stride bytes apart), and ids[i] = i.
+// A CTA a page; a thread converts 8 codes at a time.
+template <int D, typename T, KvCodec kCodec, ScaleMode kMode>
+__global__ void __launch_bounds__(256)
+    DequantizePagesKernel(PagedKvView kv, int n, int32_t* ids, uint8_t* dst, uint64_t dst_stride) {
+  const int i = blockIdx.x;
+  if (i >= n) return;
+  if (threadIdx.x == 0) ids[i] = i;
+  const char* page = static_cast<const char*>(kv.pool) + (uint64_t)kv.page_ids[i] * kv.page_stride;
+  const float* scales = reinterpret_cast<const float*>(page + CodeBytes(kv));
+  T* out = reinterpret_cast<T*>(dst + (uint64_t)i * dst_stride);
+  const int bt = kv.block_tokens, H = kv.kv_heads;
+  for (int c = threadIdx.x; c < 2 * H * bt * (D / 8); c += blockDim.x) {
+    const int d0 = (c % (D / 8)) * 8, r = c / (D / 8), tok = r % bt, h = (r / bt) % H, which = r / (bt * H);
+    const uint2 raw = *reinterpret_cast<const uint2*>(page + PlaneOffset(kv, which, h) + (uint64_t)tok * D + d0);
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
+    uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float s0 = scales[ScaleAt<kMode>(kv, which, h, tok, d0 + 2 * e)];
+      const float s1 = scales[ScaleAt<kMode>(kv, which, h, tok, d0 + 2 * e + 1)];
+      w[e] = Pack<T>(Code<kCodec>(b[2 * e]) * s0, Code<kCodec>(b[2 * e + 1]) * s1);
+    }
+    *reinterpret_cast<uint4*>(out + ((uint64_t)(which * H + h) * bt + tok) * D + d0) =
+        make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// Bytes of a dequantized prefill's workspace: the listed pages' ids (rounded
+// up to 1024 bytes), then a plain one-layer page a listed page.
+uint64_t DequantizedPageBytes(const PagedKvView& kv) { return 2ull * kv.kv_heads * kv.block_tokens * kv.head_dim * 2; }
+uint64_t IdsBytes(int listed_pages) { return ((uint64_t)listed_pages * 4 + 1023) / 1024 * 1024; }
+
 template <int D, typename T>
 cudaError_t LaunchQuantized(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                             cudaStream_t stream) {
@@ -446,6 +481,42 @@ cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvV
     }
   }
   return internal::WithHeadDim(kv, [&]<int D, typename T>() { return internal::Launch<D, T>(p, q, kv, out, stream); });
+}
+
+size_t DequantizedPrefillWorkspaceBytes(const PagedKvView& kv, int listed_pages) {
+  if (!kv.encoding.quantized() || listed_pages <= 0) return 0;
+  return internal::IdsBytes(listed_pages) + (uint64_t)listed_pages * internal::DequantizedPageBytes(kv);
+}
+
+cudaError_t PagedPrefillDequantized(const AttnParams& p, const QueryView& q, const PagedKvView& kv, int listed_pages,
+                                    void* workspace, size_t workspace_bytes, OutputView out, cudaStream_t stream,
+                                    PrefillKernel kernel) {
+  if (!kv.encoding.quantized()) return PagedPrefill(p, q, kv, out, stream, kernel);
+  if (CheckViews(q, kv) != nullptr || out.out == nullptr || out.lse == nullptr || listed_pages <= 0 ||
+      workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 256 != 0 ||
+      workspace_bytes < DequantizedPrefillWorkspaceBytes(kv, listed_pages)) {
+    return cudaErrorInvalidValue;
+  }
+  if (q.num_rows == 0) return cudaSuccess;
+  int32_t* ids = static_cast<int32_t*>(workspace);
+  uint8_t* pool = static_cast<uint8_t*>(workspace) + internal::IdsBytes(listed_pages);
+  const uint64_t page_bytes = internal::DequantizedPageBytes(kv);
+  const cudaError_t e = internal::WithHeadDim(kv, [&]<int D, typename T>() {
+    return internal::WithEncoding(kv.encoding, [&]<KvCodec kCodec, ScaleMode kMode>() {
+      internal::DequantizePagesKernel<D, T, kCodec, kMode>
+          <<<listed_pages, 256, 0, stream>>>(kv, listed_pages, ids, pool, page_bytes);
+      return cudaGetLastError();
+    });
+  });
+  if (e != cudaSuccess) return e;
+  PagedKvView plain = kv;
+  plain.pool = pool;
+  plain.page_stride = page_bytes;
+  plain.layers = 1;
+  plain.layer = 0;
+  plain.encoding = KvEncoding{};
+  plain.page_ids = ids;
+  return PagedPrefill(p, q, plain, out, stream, kernel);
 }
 
 }  // namespace kvring::cuda

@@ -26,4 +26,20 @@ enum class PrefillKernel : int32_t { kAuto = 0, kMmaSync = 1, kWgmma = 2 };
 cudaError_t PagedPrefill(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out,
                          cudaStream_t stream, PrefillKernel kernel = PrefillKernel::kAuto);
 
+// Prefill over quantized pages through the 16-bit kernels: the codes of
+// kv.layer of every listed page (listed_pages: the view's page list,
+// seq_page_begin[num_seqs] entries) are dequantized into `workspace`
+// (code x scale rounded to the queries' dtype, as the quantized kernel
+// rounds them) and PagedPrefill runs over that plain copy with `kernel`
+// (kAuto: wgmma on sm_90): one pass over the codes, then the bf16 kernel's
+// speed. Same results as PagedPrefill over the codes, within the kernels'
+// rounding. The workspace: DequantizedPrefillWorkspaceBytes (a one-layer
+// 16-bit page a listed page, and their ids), 256-byte aligned (as cudaMalloc
+// gives), not used by another call until this one completes on `stream`.
+// Plain pages: PagedPrefill (no workspace needed).
+size_t DequantizedPrefillWorkspaceBytes(const PagedKvView& kv, int listed_pages);
+cudaError_t PagedPrefillDequantized(const AttnParams& p, const QueryView& q, const PagedKvView& kv, int listed_pages,
+                                    void* workspace, size_t workspace_bytes, OutputView out, cudaStream_t stream,
+                                    PrefillKernel kernel = PrefillKernel::kAuto);
+
 }  // namespace kvring::cuda
