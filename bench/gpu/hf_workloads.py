@@ -4,17 +4,19 @@
 daemons (kvringd --gpu) sharing the GPU.
 
   python3 bench/gpu/hf_workloads.py --bin .gpu --out $OUT [--only chat,agent,batch] [--agent-tokens N]
+                                    [--agent-quantize int8|fp8|...]
 
   chat   multi-tenant chat: tenants with a system prompt shared by their
          sessions, multi-turn sessions (Zipf popularity) whose context grows
          every turn; kvring is the prefix cache (kvring.hf.PrefixCache).
          Reports the prefix hit rate, prefill tokens saved, turn latency
          against recompute, and checks the first turns' tokens against it.
-  agent  one context that grows to --agent-tokens (default 128K) through
+  agent  one context that grows to --agent-tokens (default 128K; 1M: 1048576, stored int8 with
+         --agent-quantize int8) through
          pass-Q attention (kvring.hf.PassQSession, 4 shards): the engine
          holds no KV. At each milestone: decode tokens/s, the engine's peak
          GPU memory, bytes moved; at the end the same against local sdpa
-         with the whole KV in the engine.
+         with the KV of its first min(N, 128K) tokens in the engine (bf16).
   batch  a cache-backend batch job: requests over a few long shared
          documents, each with its own question; wall time and tokens/s with
          kvring against recompute, hit rate, bytes loaded.
@@ -134,7 +136,8 @@ def decode_tps(model, cache, n, first_token):
     return n / (time.perf_counter() - t0)
 
 
-def agent(c, model, results, total, chunk=8192, milestones=(32768, 65536, 131072, 262144, 524288)):
+def agent(c, model, results, total, chunk=8192, milestones=(32768, 65536, 131072, 262144, 524288, 1048576),
+          quantize=""):
     import kvring.hf as khf
     from transformers import DynamicCache
     g = torch.Generator().manual_seed(7)
@@ -171,26 +174,29 @@ def agent(c, model, results, total, chunk=8192, milestones=(32768, 65536, 131072
                         f"{sess.shard_steps_in_place} of {sess.shard_steps} shard steps in this GPU's memory")
     finally:
         sess.detach()
-    res = {"tokens": total, "shards": 4, "rows": rows}
-    # The same context with its KV in the engine (local sdpa), where it fits.
-    kv_bytes = total * model.config.num_hidden_layers * 2 * model.config.num_key_value_heads * 128 * 2
+    res = {"tokens": total, "shards": 4, "rows": rows, "stored_as": quantize or "bf16"}
+    # Its first min(total, 128K) tokens with their KV in the engine (local sdpa, bf16), where they fit: the peer of
+    # the pass-Q rows at that length.
+    local_n = min(total, 131072)
+    kv_bytes = local_n * model.config.num_hidden_layers * 2 * model.config.num_key_value_heads * 128 * 2
     free = torch.cuda.mem_get_info()[0]
     if kv_bytes * 1.5 < free:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         local = DynamicCache()
         with torch.no_grad():
-            for s0 in range(0, total, chunk):
-                model(ids[:, s0:s0 + chunk], past_key_values=local, use_cache=True)
+            for s0 in range(0, local_n, chunk):
+                model(ids[:, s0:min(local_n, s0 + chunk)], past_key_values=local, use_cache=True)
         tps = decode_tps(model, local, 8, ids[:, :1])
         peak = torch.cuda.max_memory_allocated() - weights
-        res["local_sdpa"] = {"decode_tokens_per_s": tps, "engine_peak_bytes_above_weights": peak}
-        log(f"  agent: the same {total // 1024}K context with local sdpa: decode {tps:.1f} tok/s, engine peak "
-            f"{peak / 1e9:.2f} GB above the weights")
+        res["local_sdpa"] = {"context": local_n, "decode_tokens_per_s": tps, "engine_peak_bytes_above_weights": peak}
+        log(f"  agent: {local_n // 1024}K tokens of that context with local sdpa: decode {tps:.1f} tok/s, engine "
+            f"peak {peak / 1e9:.2f} GB above the weights")
         del local
         torch.cuda.empty_cache()
     else:
-        log(f"  agent: {total // 1024}K tokens of KV ({kv_bytes / 1e9:.0f} GB) do not fit beside the engine: no local run")
+        log(f"  agent: {local_n // 1024}K tokens of KV ({kv_bytes / 1e9:.0f} GB) do not fit beside the engine: "
+            f"no local run")
     results["agent"] = res
 
 
@@ -236,6 +242,9 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
     p.add_argument("--only", default="chat,agent,batch")
     p.add_argument("--agent-tokens", type=int, default=131072)
+    p.add_argument("--agent-quantize", default="",
+                   help="the agent's sequence stored in this encoding (int8, fp8, ...: ClientOptions::quantize); "
+                        "its open blocks stay bf16")
     p.add_argument("--chat-turns", type=int, default=12)
     p.add_argument("--cudnn-sdpa", action="store_true", help="leave SDPA's cuDNN backend on (see main)")
     args = p.parse_args()
@@ -261,7 +270,8 @@ def main():
     model = build_model(32, 32, 8, 4096, 14336, seed=1)
     page = str(2 << 20)
     # HBM: 4 daemons x 12 GB hold a 128K context 3x over (16 GiB of KV).
-    # Beyond 256K (64 GiB of KV at 512K: 16 GiB a daemon), 20 GB of HBM and of host tier a daemon.
+    # Beyond 256K (64 GiB of KV at 512K: 16 GiB a daemon), 20 GB of HBM and of host tier a daemon (1M tokens
+    # stored int8 or fp8: ~69 GB with their scales, 17 GB a daemon).
     hbm = host = "12G" if args.agent_tokens <= 262144 else "20G"
     if args.agent_tokens <= 262144:
         host = "8G"
@@ -279,7 +289,11 @@ def main():
         if "batch" in parts:
             section("batch", lambda: batch(c, model, results))
         if "agent" in parts:
-            section("agent", lambda: agent(c, model, results, args.agent_tokens))
+            ca = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=300, quantize=args.agent_quantize) \
+                if args.agent_quantize else c
+            section("agent", lambda: agent(ca, model, results, args.agent_tokens, quantize=args.agent_quantize))
+            if ca is not c:
+                ca.close()
         c.close()
     log("hf_workloads: " + ("done" if section.ok else "SOME SECTIONS FAILED"))
     section.save()
