@@ -82,6 +82,7 @@ struct Lane {
     std::vector<std::pair<BlockKey, int32_t>> keyed;  // promoted pages: shared once their bytes landed
     std::vector<PinnedBlock> sources;                 // the promotions' host copies
     std::shared_ptr<void> keepalive;                  // the caller's mapped memory and event
+    bool kernel = false;                              // kernel_begin / kernel_end were recorded (rows to attend)
   };
   std::optional<InFlight> in_flight;
   ~Lane() {
@@ -704,7 +705,10 @@ class CudaAttentionBackend final : public AttentionBackend {
       (void)Check(cudaEventSynchronize(lane->done), "a step replied to before its work was done");
       float total_ms = 0, kernel_ms = 0;
       (void)cudaEventElapsedTime(&total_ms, lane->start, lane->done);
-      (void)cudaEventElapsedTime(&kernel_ms, lane->kernel_begin, lane->kernel_end);
+      // Only events this step recorded: a step of appends alone records no
+      // kernel, and timing an event never recorded fails, leaving its error
+      // for the next launch's cudaGetLastError on this thread.
+      if (lane->in_flight->kernel) (void)cudaEventElapsedTime(&kernel_ms, lane->kernel_begin, lane->kernel_end);
       last_kernel_seconds_ = kernel_ms * 1e-3;
       last_copy_seconds_ = std::max(0.f, total_ms - kernel_ms) * 1e-3;
     }
@@ -1299,6 +1303,7 @@ absl::StatusOr<bool> CudaAttentionBackend::HandOff(GpuStep& w, StepTimes* times)
   Lane::InFlight f;
   f.seqs = w.dseq;
   f.keepalive = w.dx->keepalive;
+  f.kernel = !w.kseqs.empty();
   for (GpuStep::Missing& m : w.missing) {
     f.keyed.emplace_back(m.key, m.page);
     f.sources.push_back(std::move(m.host));

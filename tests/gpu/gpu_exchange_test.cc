@@ -270,8 +270,8 @@ TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice)
   ASSERT_TRUE(token.ok()) << token.status();
   int ipc_events = 0;
   cudaDeviceGetAttribute(&ipc_events, cudaDevAttrIpcEventSupport, 0);
-  // The nodes answer once their work is done (the default), or once it is
-  // queued (ClientOptions::node_reply_when_queued).
+  // The nodes answer once their work is done, or once it is queued
+  // (ClientOptions::node_reply_when_queued, the default).
   for (bool early : {false, true}) {
     ClientOptions co = Options(cl, *token, true);
     co.node_reply_when_queued = early;
@@ -347,6 +347,38 @@ TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice)
     ExpectMatchesReference(r, "on the legacy default stream");
     cudaStreamDestroy(stream);
   }
+}
+
+// Two replicas (R=2) answering once queued, the default: every append goes
+// to both nodes, the rows to one, so each step sends one node appends alone
+// (no kernel on its lane). Such a step's lane, reaped after the reply, must
+// not time a kernel it never recorded (that left cudaErrorInvalidResourceHandle
+// for the next launch on the node's thread: "appending K/V into HBM pages",
+// hf_e2e on 2026-12-07). Exact at every step.
+TEST(GpuExchangeTest, StepsOrderedOnTwoReplicasAnsweredOnceQueuedStayExact) {
+  KVRING_REQUIRE_GPU();
+  ClusterOptions o{.nodes = 2, .replication = 2, .page_bytes = "1M"};
+  o.extra_daemon_flags = GpuFlags();
+  o.extra_coordinator_flags = {"--sequence_chunk_blocks=2"};
+  Cluster cl(o);
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("engine");
+  ASSERT_TRUE(token.ok()) << token.status();
+  auto c = Client::Connect(Options(cl, *token, true));
+  ASSERT_TRUE(c.ok());
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  Engine e(41);
+  for (int s = 0; s < 12; ++s) {
+    for (uint32_t l = 0; l < kLayout.layers; ++l) {
+      const std::string what = absl::StrCat("R=2, step ", s, " layer ", l);
+      const std::vector<Engine::Part> parts = s == 0 ? std::vector<Engine::Part>{{"r", 40, 40}, {"q", 9, 9}}
+                                                     : std::vector<Engine::Part>{{"r", 1, 1}, {"q", 1, 1}};
+      Engine::Result r = e.Step(**c, l, parts, stream);
+      ASSERT_NO_FATAL_FAILURE(ExpectMatchesReference(r, what));
+    }
+  }
+  cudaStreamDestroy(stream);
 }
 
 TEST(GpuExchangeTest, ACpuNodeRefusesTheExchangeAndIsServedThroughStaging) {

@@ -22,6 +22,7 @@
 #include <cuda_fp8.h>
 
 #include <cfloat>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 #include "quant_access.cuh"
@@ -163,16 +164,16 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 2 : 4)
     const int nt = min(32, tok_hi - c0);
     // Every token's V codes of this lane's dims first (32 independent loads
     // in flight), then the weighted sums.
-    uint32_t vraw[32];
+    // (A lane's kDpl codes of a row in one load: 2, 4 or 8 bytes.)
+    using VCodes =
+        std::conditional_t<kDpl == 8, unsigned long long, std::conditional_t<kDpl == 4, unsigned int, unsigned short>>;
+    static_assert(kDpl == 2 || kDpl == 4 || kDpl == 8, "head_dim 64, 128 or 256");
+    VCodes vraw[32];
 #pragma unroll
     for (int t = 0; t < 32; ++t) {
       const uint64_t vb = __shfl_sync(0xffffffffu, vbase, t);
       const uint8_t* vrow = reinterpret_cast<const uint8_t*>(pool) + vb + lane * kDpl;
-      if constexpr (kDpl == 4) {
-        vraw[t] = t < nt ? __ldg(reinterpret_cast<const unsigned int*>(vrow)) : 0u;
-      } else {
-        vraw[t] = t < nt ? __ldg(reinterpret_cast<const unsigned short*>(vrow)) : 0u;
-      }
+      vraw[t] = t < nt ? __ldg(reinterpret_cast<const VCodes*>(vrow)) : VCodes{0};
     }
 #pragma unroll
     for (int t = 0; t < 32; ++t) {
