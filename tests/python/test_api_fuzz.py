@@ -159,6 +159,14 @@ class ApiFuzz(unittest.TestCase):
         # Every replica answers NOT_FOUND: so does the step (not UNAVAILABLE).
         self.assertKvringError(lambda: self.c.attend("never-stored", self.L, 32, q, [31]), kvring.NotFoundError)
 
+    def test_node_reply_when_queued_takes_its_default_on_and_off(self):
+        # (C ABI 10: 0 the default, > 0 on, < 0 off; a CPU cluster answers every step once done either way.)
+        q = np.zeros((1, 4, 64), np.float16)
+        for v in (None, True, False):
+            c = kvring.Client(self.cluster.coordinator, self.tok, node_reply_when_queued=v)
+            self.assertKvringError(lambda: c.attend("never-stored", self.L, 32, q, [31]), kvring.NotFoundError)
+            c.close()
+
     def test_a_closed_client_raises(self):
         c = kvring.Client(self.cluster.coordinator, self.tok)
         c.close()
