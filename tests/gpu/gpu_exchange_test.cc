@@ -202,14 +202,20 @@ ClientOptions Options(const Cluster& cl, const std::string& token, bool device_d
 
 std::vector<std::string> GpuFlags() { return {"--gpu=0", "--hbm_bytes=256M"}; }
 
+// Two nodes with `replication` replicas and 2-block chunks (a sequence's
+// blocks alternate between them), GPU daemons unless `gpu` is false (the
+// test starts its daemons itself then).
+ClusterOptions TwoNodes(int replication, bool gpu = true) {
+  ClusterOptions o{.nodes = 2, .replication = replication, .page_bytes = "1M"};
+  if (gpu) o.extra_daemon_flags = GpuFlags();
+  o.extra_coordinator_flags = {"--sequence_chunk_blocks=2"};
+  return o;
+}
+
 TEST(GpuExchangeTest, StepsWithDeviceTensorsRunInTheClientsMemoryAndMatchTheReference) {
   KVRING_REQUIRE_GPU();
-  // Two GPU nodes, R=1, 2-block chunks: a sequence's blocks alternate
-  // between them, and every step's rows are merged from both.
-  ClusterOptions o{.nodes = 2, .replication = 1, .page_bytes = "1M"};
-  o.extra_daemon_flags = GpuFlags();
-  o.extra_coordinator_flags = {"--sequence_chunk_blocks=2"};
-  Cluster cl(o);
+  // Two GPU nodes, R=1: every step's rows are merged from both.
+  Cluster cl(TwoNodes(1));
   ASSERT_TRUE(cl.Start());
   auto token = cl.CreateTenant("engine");
   ASSERT_TRUE(token.ok()) << token.status();
@@ -261,10 +267,7 @@ TEST(GpuExchangeTest, StepsWithDeviceTensorsRunInTheClientsMemoryAndMatchTheRefe
 
 TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice) {
   KVRING_REQUIRE_GPU();
-  ClusterOptions o{.nodes = 2, .replication = 1, .page_bytes = "1M"};
-  o.extra_daemon_flags = GpuFlags();
-  o.extra_coordinator_flags = {"--sequence_chunk_blocks=2"};
-  Cluster cl(o);
+  Cluster cl(TwoNodes(1));
   ASSERT_TRUE(cl.Start());
   auto token = cl.CreateTenant("engine");
   ASSERT_TRUE(token.ok()) << token.status();
@@ -357,10 +360,7 @@ TEST(GpuExchangeTest, StepsOrderedOnTheCallersStreamWaitForItsInputsOnTheDevice)
 // hf_e2e on 2026-12-07). Exact at every step.
 TEST(GpuExchangeTest, StepsOrderedOnTwoReplicasAnsweredOnceQueuedStayExact) {
   KVRING_REQUIRE_GPU();
-  ClusterOptions o{.nodes = 2, .replication = 2, .page_bytes = "1M"};
-  o.extra_daemon_flags = GpuFlags();
-  o.extra_coordinator_flags = {"--sequence_chunk_blocks=2"};
-  Cluster cl(o);
+  Cluster cl(TwoNodes(2));
   ASSERT_TRUE(cl.Start());
   auto token = cl.CreateTenant("engine");
   ASSERT_TRUE(token.ok()) << token.status();
@@ -383,9 +383,7 @@ TEST(GpuExchangeTest, StepsOrderedOnTwoReplicasAnsweredOnceQueuedStayExact) {
 
 TEST(GpuExchangeTest, ACpuNodeRefusesTheExchangeAndIsServedThroughStaging) {
   KVRING_REQUIRE_GPU();
-  ClusterOptions o{.nodes = 2, .replication = 1, .page_bytes = "1M"};
-  o.extra_coordinator_flags = {"--sequence_chunk_blocks=2"};
-  Cluster cl(o);
+  Cluster cl(TwoNodes(1, /*gpu=*/false));
   ASSERT_TRUE(cl.StartCoordinator());
   ASSERT_TRUE(cl.StartDaemon(0, GpuFlags()));
   ASSERT_TRUE(cl.StartDaemon(1));
