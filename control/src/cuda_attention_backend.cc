@@ -82,9 +82,22 @@ struct Lane {
     std::vector<std::pair<BlockKey, int32_t>> keyed;  // promoted pages: shared once their bytes landed
     std::vector<PinnedBlock> sources;                 // the promotions' host copies
     std::shared_ptr<void> keepalive;                  // the caller's mapped memory and event
-    bool kernel = false;                              // kernel_begin / kernel_end were recorded (rows to attend)
   };
   std::optional<InFlight> in_flight;
+  // The lane's current step recorded kernel_begin / kernel_end (it had rows
+  // to attend; a step of appends alone records none).
+  bool attended = false;
+  // The current step's device time (its events complete): the kernel's, and
+  // the rest. Only events the step recorded are timed: timing one never
+  // recorded fails and leaves its error for this thread's next launch (whose
+  // cudaGetLastError would report it).
+  void Elapsed(double* kernel_seconds, double* copy_seconds) const {
+    float total_ms = 0, kernel_ms = 0;
+    (void)cudaEventElapsedTime(&total_ms, start, done);
+    if (attended) (void)cudaEventElapsedTime(&kernel_ms, kernel_begin, kernel_end);
+    *kernel_seconds = kernel_ms * 1e-3;
+    *copy_seconds = std::max(0.f, total_ms - kernel_ms) * 1e-3;
+  }
   ~Lane() {
     for (Buffer* b : {&h_in, &d_in, &h_out, &d_out, &d_tables, &d_workspace, &d_dequantized}) b->Free();
     for (cudaEvent_t e : {start, kernel_begin, kernel_end, done}) {
@@ -231,8 +244,7 @@ struct GpuStep {
 };
 
 bool KernelsTake(const BlockLayout& l) {
-  return (l.dtype == DType::kBF16 || l.dtype == DType::kF16) &&
-         (l.head_dim == 64 || l.head_dim == 128 || l.head_dim == 256);
+  return (l.dtype == DType::kBF16 || l.dtype == DType::kF16) && cuda::KernelsTakeHeadDim(static_cast<int>(l.head_dim));
 }
 
 class CudaAttentionBackend final : public AttentionBackend {
@@ -703,14 +715,10 @@ class CudaAttentionBackend final : public AttentionBackend {
       // (a failure here poisoned the context: Check reports it; the step's
       // caller met it on its own stream)
       (void)Check(cudaEventSynchronize(lane->done), "a step replied to before its work was done");
-      float total_ms = 0, kernel_ms = 0;
-      (void)cudaEventElapsedTime(&total_ms, lane->start, lane->done);
-      // Only events this step recorded: a step of appends alone records no
-      // kernel, and timing an event never recorded fails, leaving its error
-      // for the next launch's cudaGetLastError on this thread.
-      if (lane->in_flight->kernel) (void)cudaEventElapsedTime(&kernel_ms, lane->kernel_begin, lane->kernel_end);
-      last_kernel_seconds_ = kernel_ms * 1e-3;
-      last_copy_seconds_ = std::max(0.f, total_ms - kernel_ms) * 1e-3;
+      double kernel_s = 0, copy_s = 0;
+      lane->Elapsed(&kernel_s, &copy_s);
+      last_kernel_seconds_ = kernel_s;
+      last_copy_seconds_ = copy_s;
     }
     {
       absl::MutexLock l(&mu_);
@@ -1136,6 +1144,7 @@ absl::Status CudaAttentionBackend::EnqueueInputs(GpuStep& w) {
     KVRING_RETURN_IF_ERROR(Check(cudaStreamWaitEvent(st, e, 0), "ordering after a step still on the device"));
   }
   KVRING_RETURN_IF_ERROR(Check(cudaEventRecord(w.lane->start, st), "event"));
+  w.lane->attended = false;  // (until EnqueueAttention records the kernel's events)
   for (const GpuStep::Missing& m : w.missing) {
     KVRING_RETURN_IF_ERROR(Check(cudaMemcpyAsync(PageAddress(m.page), m.host.payload().data(), m.host.payload().size(),
                                                  cudaMemcpyHostToDevice, st),
@@ -1208,6 +1217,7 @@ absl::Status CudaAttentionBackend::EnqueueAttention(GpuStep& w) {
     return absl::InvalidArgumentError(absl::StrCat("attention on the GPU: ", why));
   }
   KVRING_RETURN_IF_ERROR(Check(cudaEventRecord(lane->kernel_begin, st), "event"));
+  lane->attended = true;
   if (w.decode) {
     KVRING_RETURN_IF_ERROR(LaunchDecode(w, p, qv, kv, cuda::OutputView{d_o, d_l}));
   } else {
@@ -1303,7 +1313,6 @@ absl::StatusOr<bool> CudaAttentionBackend::HandOff(GpuStep& w, StepTimes* times)
   Lane::InFlight f;
   f.seqs = w.dseq;
   f.keepalive = w.dx->keepalive;
-  f.kernel = !w.kseqs.empty();
   for (GpuStep::Missing& m : w.missing) {
     f.keyed.emplace_back(m.key, m.page);
     f.sources.push_back(std::move(m.host));
@@ -1332,13 +1341,7 @@ void CudaAttentionBackend::Finish(GpuStep& w, PartialOutput out, StepTimes* time
     std::memcpy(out.out, lane->h_out.p, w.q_elems * 4);
     std::memcpy(out.lse, lane->h_out.p + w.out_o, w.plan.shape.lse_floats() * 4);
   }
-  if (times != nullptr) {
-    float total_ms = 0, kernel_ms = 0;
-    (void)cudaEventElapsedTime(&total_ms, lane->start, lane->done);  // both recorded and complete
-    if (!w.kseqs.empty()) (void)cudaEventElapsedTime(&kernel_ms, lane->kernel_begin, lane->kernel_end);
-    times->kernel_seconds = kernel_ms * 1e-3;
-    times->copy_seconds = std::max(0.f, total_ms - kernel_ms) * 1e-3;
-  }
+  if (times != nullptr) lane->Elapsed(&times->kernel_seconds, &times->copy_seconds);
   absl::MutexLock l(&mu_);
   for (DevSeq* d : w.dseq) {
     d->synced = d->idx.size();

@@ -12,12 +12,9 @@
 
 namespace kvring::cuda::internal {
 
-// The head dims the kernels are built for (CheckViews refuses the others).
-inline bool KernelHeadDim(int d) { return d == 64 || d == 128 || d == 256; }
-
 // Calls launch.template operator()<D, T>() with kv's head dim as D and its
 // 16-bit type (kv.dtype) as T; cudaErrorInvalidValue for a head dim outside
-// KernelHeadDim.
+// KernelsTakeHeadDim (the cases below are exactly its dims).
 template <typename F>
 cudaError_t WithHeadDim(const PagedKvView& kv, F&& launch) {
   auto by_type = [&]<int D>() -> cudaError_t {

@@ -510,7 +510,7 @@ const char* CheckViews(const QueryView& q, const PagedKvView& kv) {
     return "KV view has null pointers";
   }
   if (q.q == nullptr || q.positions == nullptr || q.seq_row_begin == nullptr) return "query view has null pointers";
-  if (!internal::KernelHeadDim(kv.head_dim)) return "head_dim must be 64, 128 or 256";
+  if (!KernelsTakeHeadDim(kv.head_dim)) return "head_dim must be 64, 128 or 256";
   if (kv.kv_heads <= 0 || q.q_heads <= 0 || q.q_heads % kv.kv_heads != 0)
     return "q_heads must be a multiple of kv_heads";
   if (kv.layer < 0 || kv.layer >= kv.layers) return "layer out of range";

@@ -25,6 +25,9 @@ namespace kvring::cuda {
 
 enum class KvType : int32_t { kBF16 = 0, kF16 = 1 };
 
+// The head dims the kernels are built for (CheckViews refuses the others).
+constexpr bool KernelsTakeHeadDim(int d) { return d == 64 || d == 128 || d == 256; }
+
 struct PagedKvView {
   const void* pool = nullptr;  // base address of the page pool
   uint64_t page_stride = 0;    // bytes between consecutive pages
