@@ -263,8 +263,12 @@ for B, L in qshapes:
         out = torch.empty(B, HQ, D, dtype=torch.float32, device=dev)
         lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
         dtype_arg = 0 | (codec << 8) | (0 << 12)
-        splits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, BT, SMS)
-        wsb = lib.kvring_cuda_decode_workspace(B, HQ, splits, D)
+        # The split count the GPU node uses for these pages (the bf16 peer
+        # keeps its own below).
+        bsplits = lib.kvring_cuda_decode_splits(B, HKV, HQ, 1, ppseq, BT, SMS)
+        splits = (lib.kvring_cuda_decode_splits_for(B, HKV, HQ, 1, ppseq, BT, D, dtype_arg, SMS)
+                  if hasattr(lib, "kvring_cuda_decode_splits_for") else bsplits)
+        wsb = lib.kvring_cuda_decode_workspace(B, HQ, max(splits, bsplits), D)
         ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)  # zeroed once: the split-merge counters
 
         def ours_q():
@@ -316,7 +320,7 @@ for B, L in qshapes:
         def ours_bf16():
             e = lib.kvring_cuda_decode(bpool.data_ptr(), bstride, BT, 1, HKV, D, 0, 0, perm.data_ptr(),
                                        page_pos.data_ptr(), spb.data_ptr(), stok.data_ptr(), B, q.data_ptr(),
-                                       pos.data_ptr(), rows.data_ptr(), B, HQ, 1, 0.0, 1, 0, splits, ws.data_ptr(), wsb,
+                                       pos.data_ptr(), rows.data_ptr(), B, HQ, 1, 0.0, 1, 0, bsplits, ws.data_ptr(), wsb,
                                        bout.data_ptr(), blse.data_ptr(), stream(), 1)
             assert e == 0, f"bf16 decode error {e}"
 
@@ -324,7 +328,7 @@ for B, L in qshapes:
         err_bf16 = rel(bout[:nref], torch.stack(refs))
         t_bf16 = timed(ours_bf16)
         ms = timed(ours_q)  # (again, after the peers: the first timing of a process reads slow)
-        row = {"codec": codec_name, "batch": B, "kv_len": L, "ms": ms, "GBps": qbytes / (ms * 1e-3) / 1e9,
+        row = {"codec": codec_name, "batch": B, "kv_len": L, "splits": splits, "bf16_splits": bsplits, "ms": ms, "GBps": qbytes / (ms * 1e-3) / 1e9,
                "frac_copy": qbytes / (ms * 1e-3) / copy_bw, "rel_err": err, "kvring_bf16_ms": t_bf16,
                "kvring_bf16_rel_err": err_bf16, "speedup_vs_kvring_bf16": t_bf16 / ms, "sdpa_cudnn_bf16_ms": t_cudnn,
                "speedup_vs_sdpa_bf16": (t_cudnn / ms) if t_cudnn else None}

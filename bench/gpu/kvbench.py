@@ -24,6 +24,8 @@ def load_lib(path):
     lib.kvring_cuda_prefill_dequantized_workspace.argtypes = [I, I, I, I, I, I]
     lib.kvring_cuda_prefill_dequantized_workspace.restype = U64
     lib.kvring_cuda_decode_splits.argtypes = [I, I, I, I, I, I, I]
+    if hasattr(lib, "kvring_cuda_decode_splits_for"):  # (builds before 2026-12-07 lack it)
+        lib.kvring_cuda_decode_splits_for.argtypes = [I, I, I, I, I, I, I, I, I]
     lib.kvring_cuda_decode_workspace.argtypes = [I, I, I, I]
     lib.kvring_cuda_decode_workspace.restype = U64
     if hasattr(lib, "kvring_cuda_decode_trace"):  # diagnostic builds (-DKVRING_DECODE_TRACE)

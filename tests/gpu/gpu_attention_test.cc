@@ -329,53 +329,61 @@ void QuantizePages(PagedBatch& kvb, const std::vector<int>& toks, KvEncoding enc
 TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
   KVRING_REQUIRE_GPU();
   uint64_t seed = 500;
-  // 16-token pages: the pipelined TMA kernel (on sm_90); 24: the CUDA-core one.
+  // 16-token pages: the pipelined TMA kernels (on sm_90); 24: the CUDA-core
+  // one. Up to 2 rows a sequence (G = 4: at most 8 vectors a kv head) take
+  // the kernel of small GQA groups at head_dim <= 128, up to 4 the 16-row
+  // one; the small groups' cases also run the window and non-causal masks.
   for (int bt : {16, 24})
     for (int D : {64, 128, 256})
       for (const char* name :
            {"int8/per-head", "int8/per-token", "int8/kivi", "fp8/per-head", "fp8/per-token", "fp8/kivi"})
-        for (int splits : {1, 5}) {
-          std::mt19937_64 rng(seed++);
-          const int kv_heads = 2, q_heads = 8, layers = 2;
-          const bool bf16 = seed % 2;
-          KvEncoding enc;
-          ASSERT_TRUE(ParseKvEncoding(name, &enc).ok());
-          std::vector<int> toks = {1 + (int)(rng() % 600), 40, 16 * 5};
-          std::vector<int> starts = {0, 3, 64};
-          // (QuantizeBlock refuses NaN: finite junk past the ends here.)
-          auto kvb =
-              MakeBatch(rng, bt, layers, kv_heads, D, bf16, toks, starts, /*gap=*/false, /*layer=*/1, /*junk=*/7.0);
-          Dev<uint8_t> dq;
-          cuda::PagedKvView view;
-          ASSERT_NO_FATAL_FAILURE(QuantizePages(kvb, toks, enc, /*layer=*/1, &dq, &view));
-          std::vector<std::vector<int32_t>> qpos;
-          for (size_t s = 0; s < toks.size(); ++s) {
-            const auto& kp = kvb.seqs[s].dense.positions;
-            std::vector<int32_t> rows;
-            const int nr = 1 + rng() % 4;
-            for (int r = 0; r < nr; ++r) rows.push_back(kp.back() - (int)(rng() % 20));
-            if (s == 1) rows[0] = 1;  // before every key of sequence 1
-            qpos.push_back(rows);
+        for (int splits : {1, 5})
+          for (int max_rows : {2, 4}) {
+            std::mt19937_64 rng(seed++);
+            const int kv_heads = 2, q_heads = 8, layers = 2;
+            const int mask = max_rows == 2 ? static_cast<int>(seed % 3) : 2;  // 0 window, 1 non-causal, 2 causal
+            const bool bf16 = seed % 2;
+            KvEncoding enc;
+            ASSERT_TRUE(ParseKvEncoding(name, &enc).ok());
+            std::vector<int> toks = {1 + (int)(rng() % 600), 40, 16 * 5};
+            std::vector<int> starts = {0, 3, 64};
+            // (QuantizeBlock refuses NaN: finite junk past the ends here.)
+            auto kvb =
+                MakeBatch(rng, bt, layers, kv_heads, D, bf16, toks, starts, /*gap=*/false, /*layer=*/1, /*junk=*/7.0);
+            Dev<uint8_t> dq;
+            cuda::PagedKvView view;
+            ASSERT_NO_FATAL_FAILURE(QuantizePages(kvb, toks, enc, /*layer=*/1, &dq, &view));
+            std::vector<std::vector<int32_t>> qpos;
+            for (size_t s = 0; s < toks.size(); ++s) {
+              const auto& kp = kvb.seqs[s].dense.positions;
+              std::vector<int32_t> rows;
+              const int nr = 1 + rng() % max_rows;
+              for (int r = 0; r < nr; ++r) rows.push_back(kp.back() - (int)(rng() % 20));
+              if (s == 1) rows[0] = 1;  // before every key of sequence 1
+              qpos.push_back(rows);
+            }
+            auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
+            Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
+            out.Poison();
+            lse.Poison();
+            const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
+            Dev<uint8_t> work(ws);
+            work.Zero();  // the split merge's counters start at 0
+            cuda::AttnParams p;
+            AttentionOptions o;
+            o.layer = 1;
+            if (mask < 2) SetMaskMode(mask, 50, &p, &o);
+            CUDA_OK(cuda::PagedDecode(p, qb.View(), view, {out.p, lse.p}, splits, work.p, ws, nullptr));
+            CUDA_OK(cudaDeviceSynchronize());
+            // The CUDA-core kernel (pages not of 16-token multiples, and head_dim
+            // 256): fp32 arithmetic over exact code * scale values. The pipelined
+            // one: tensor cores on 16-bit operands (codes are exact in 16 bits, P
+            // and per-channel-scaled K are rounded).
+            const double tol = bt % 16 == 0 && D <= 128 ? (bf16 ? 1e-2 : 3e-3) : 1e-4;
+            ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, tol,
+                          absl::StrCat("quantized decode ", name, " bt=", bt, " D=", D, " splits=", splits,
+                                       " max_rows=", max_rows, " mask=", mask));
           }
-          auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-          Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
-          out.Poison();
-          lse.Poison();
-          const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
-          Dev<uint8_t> work(ws);
-          work.Zero();  // the split merge's counters start at 0
-          CUDA_OK(cuda::PagedDecode(cuda::AttnParams{}, qb.View(), view, {out.p, lse.p}, splits, work.p, ws, nullptr));
-          CUDA_OK(cudaDeviceSynchronize());
-          AttentionOptions o;
-          o.layer = 1;
-          // The CUDA-core kernel (pages not of 16-token multiples, and head_dim
-          // 256): fp32 arithmetic over exact code * scale values. The pipelined
-          // one: tensor cores on 16-bit operands (codes are exact in 16 bits, P
-          // and per-channel-scaled K are rounded).
-          const double tol = bt % 16 == 0 && D <= 128 ? (bf16 ? 1e-2 : 3e-3) : 1e-4;
-          ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, tol,
-                        absl::StrCat("quantized decode ", name, " bt=", bt, " D=", D, " splits=", splits));
-        }
 }
 
 TEST(GpuDecodeTest, SlidingWindowAndNonCausal) {

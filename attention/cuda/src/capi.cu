@@ -76,6 +76,18 @@ int kvring_cuda_decode_splits(int num_seqs, int kv_heads, int q_heads, int max_r
   return DefaultDecodeSplits(q, kv, max_pages, sm_count);
 }
 
+// The same for pages of head_dim and `dtype` (kvring_cuda_decode's packed
+// dtype and encoding): the split count kvringd's GPU node uses for them.
+int kvring_cuda_decode_splits_for(int num_seqs, int kv_heads, int q_heads, int max_rows, int max_pages,
+                                  int block_tokens, int head_dim, int dtype, int sm_count) {
+  PagedKvView kv =
+      Kv(nullptr, 0, block_tokens, 1, kv_heads, head_dim, dtype, 0, nullptr, nullptr, nullptr, nullptr, num_seqs);
+  QueryView q;
+  q.q_heads = q_heads;
+  q.max_rows_per_seq = max_rows;
+  return DefaultDecodeSplits(q, kv, max_pages, sm_count);
+}
+
 uint64_t kvring_cuda_decode_workspace(int num_rows, int q_heads, int num_splits, int head_dim) {
   QueryView q;
   q.num_rows = num_rows;

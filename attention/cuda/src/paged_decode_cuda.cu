@@ -542,14 +542,19 @@ extern "C" int kvring_cuda_decode_trace(unsigned long long* host, int max_ctas) 
 #endif
 
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count) {
-  // At least one full wave of the CTAs an SM holds (two; one at head_dim 256), and splits of at
+  // At least one full wave of the CTAs an SM holds (two; one at head_dim 256; three for the quantized
+  // kernel of small GQA groups), and splits of at
   // most ~8K tokens: the split sweep on the H200 put a batch of 1 best at
   // exactly one wave and long streams best cut to 4-8K tokens a CTA
   // (docs/PERFORMANCE-NOTES.md).
+  // (Quantized pages with small GQA groups: 8 vectors a CTA, three CTAs an SM.)
   const int G = q.q_heads / kv.kv_heads;
-  const int row_groups = (q.max_rows_per_seq * G + 15) / 16;
+  const bool quantized = kv.encoding.quantized();
+  const int vectors = quantized ? internal::QuantizedDecodeVectorsPerCta(q, kv) : 16;
+  const int row_groups = (q.max_rows_per_seq * G + vectors - 1) / vectors;
   const long ctas = (long)kv.num_seqs * kv.kv_heads * row_groups;
-  const long slots = (kv.head_dim > 128 ? 1L : 2L) * sm_count;
+  const long per_sm = kv.head_dim > 128 ? 1 : quantized ? internal::QuantizedDecodeCtasPerSm(q, kv) : 2;
+  const long slots = per_sm * sm_count;
   const long tokens = (long)max_pages_per_seq * std::max(1, kv.block_tokens);
   long splits = std::max<long>(std::max<long>(1, slots / ctas), (tokens + 8191) / 8192);
   splits = std::min<long>(splits, std::max(1, max_pages_per_seq / 4));  // >= 4 pages per split

@@ -245,7 +245,8 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 2 : 4)
 constexpr int kPRows = 16;  // (row, q head) vectors a CTA: the 16 rows of an m16n8k16 tile
 constexpr int kQPStage = 16, kQPConsumers = 4, kQPThreads = (kQPConsumers + 1) * 32, kQPStages = 20;
 
-template <int D, ScaleMode kMode>
+// The shared memory of a pipelined CTA with a ring of kStages stages.
+template <int D, ScaleMode kMode, int kStages = kQPStages>
 struct QPipeCfg {
   static_assert(D == 64 || D == 128, "the swizzled code tiles are for head_dim 64 or 128");
   static constexpr int kCodeBytes = kQPStage * D;  // K (or V) codes of a stage
@@ -262,16 +263,17 @@ struct QPipeCfg {
   // The stages' codes (each stage at a multiple of 1024 bytes, the
   // swizzle's period), then their scales.
   static constexpr int kStageBytes = 2 * kCodeBytes;
-  static constexpr int kScaleOff = kQPStages * kStageBytes;
-  static constexpr int kRing = kScaleOff + kQPStages * kScaleBytes;
+  static constexpr int kScaleOff = kStages * kStageBytes;
+  static constexpr int kRing = kScaleOff + kStages * kScaleBytes;
   static constexpr int kQOff = kRing;
   static constexpr int kBarOff = kQOff + kPRows * D * 2;
-  static constexpr int kBytes = kBarOff + 2 * kQPStages * 8;
+  static constexpr int kBytes = kBarOff + 2 * kStages * 8;
   static constexpr int kDynamic = kBytes + 1024;
   static constexpr uint32_t kTxBytes = 2 * kCodeBytes + (kKWords + kVWords) * 4;
   static_assert(kQPConsumers * kPRows * D * 4 <= kRing, "the warps' merge buffer reuses the ring");
-  static_assert(kQPStages % kQPConsumers == 0,
+  static_assert(kStages % kQPConsumers == 0,
                 "each stage belongs to one consumer warp (its barriers' waits are in order)");
+  static constexpr int kRingStages = kStages;
 };
 
 // Byte offset of byte `b` (of a 16-byte-aligned piece) of row r in a stage's
@@ -353,6 +355,111 @@ __device__ __forceinline__ void LoadPermutedQ(const uint8_t* sq, uint32_t (&qa)[
   }
 }
 
+// A consumer lane (g, tig)'s codes of a stage (K and V code tiles at kc, vc;
+// valid_rows of its 16 tokens real) into registers: kw[r] holds dims
+// [tig D/4, (tig + 1) D/4) of token g + 8 r's K row, 4 codes a word;
+// vw[i] dims [g D/8, (g + 1) D/8) of token (i / 2) 8 + 2 tig + i % 2's V row
+// (zeros past valid_rows: never a junk NaN code times P = 0).
+template <int D>
+__device__ __forceinline__ void LoadStageCodes(const uint8_t* kc, const uint8_t* vc, int valid_rows,
+                                               uint32_t (&kw)[2][D / 16], uint32_t (&vw)[4][D / 32]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) {
+      const uint4 v = *reinterpret_cast<const uint4*>(kc + CodeAt<D>(g + 8 * r, tig * (D / 4) + 16 * c));
+      kw[r][4 * c] = v.x;
+      kw[r][4 * c + 1] = v.y;
+      kw[r][4 * c + 2] = v.z;
+      kw[r][4 * c + 3] = v.w;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int tok = (i >> 1) * 8 + 2 * tig + (i & 1);
+    const bool ok = tok < valid_rows;
+    if constexpr (D == 128) {
+      const uint4 v = ok ? *reinterpret_cast<const uint4*>(vc + CodeAt<D>(tok, g * 16)) : make_uint4(0, 0, 0, 0);
+      vw[i][0] = v.x;
+      vw[i][1] = v.y;
+      vw[i][2] = v.z;
+      vw[i][3] = v.w;
+    } else {
+      const uint2 v = ok ? *reinterpret_cast<const uint2*>(vc + CodeAt<D>(tok, g * 8)) : make_uint2(0, 0);
+      vw[i][0] = v.x;
+      vw[i][1] = v.y;
+    }
+  }
+}
+
+// Barriers of a pipelined CTA's ring (thread 0): full (the producer's
+// expect-tx arrival) and empty (the consumer warp that took the stage).
+template <class C>
+__device__ __forceinline__ void QInitRing(uint32_t full0, uint32_t empty0) {
+  for (int i = 0; i < C::kRingStages; ++i) {
+    MbarInit(full0 + 8 * i, 1);
+    MbarInit(empty0 + 8 * i, 1);
+  }
+}
+
+// The producer warp of a pipelined CTA (every lane calls it): streams the
+// CTA's ntiles 16-token stages of K and V codes (TMA boxes of code_map) and
+// their scales (bulk copies) through the ring of config C at smem, stage t
+// into slot t % stages once its consumer has released the slot's previous
+// stage (empty0), completing on full0's barriers. The page ids come from a
+// window of 64 in registers, as in the bf16 kernel.
+template <class C, int D, ScaleMode kMode>
+__device__ __forceinline__ void QProduceStages(const PagedKvView& kv, const DecodeWork& w, uint8_t* smem,
+                                               uint32_t full0, uint32_t empty0, const CUtensorMap* code_map,
+                                               int ntiles) {
+  const int h = w.h, pb = w.pb, npages = w.npages, tok_lo = w.tok_lo, bt = kv.block_tokens;
+  const int L = kv.layer, H = kv.kv_heads, lane = threadIdx.x & 31;
+  const int E = (int)(((uint64_t)2 * kv.layers * H * bt * D) / 4);  // first scale word of a page
+  const int kplane = (L * 2) * H + h, vplane = kplane + H;
+  // The codes are read once: their lines leave L2 first.
+  const uint64_t evict_first = L2EvictFirstPolicy();
+  PageWindow win;
+  win.Load(kv, pb, npages, tok_lo / bt);
+  for (int t = 0; t < ntiles; ++t) {
+    const int st = t % C::kRingStages;
+    const int i0 = tok_lo + t * kQPStage, pg = i0 / bt, off = i0 - pg * bt;
+    const int page = win.Page(pg);
+    win.Advance(kv, pb, npages, (i0 + kQPStage) / bt);
+    if (t >= C::kRingStages) MbarWait(empty0 + 8 * st, ((t / C::kRingStages) - 1) & 1);
+    if (lane == 0) {
+      const uint32_t kc = SmemAddr(smem + st * C::kStageBytes), vc = kc + C::kCodeBytes;
+      const uint32_t sc = SmemAddr(smem + C::kScaleOff + st * C::kScaleBytes);
+      const uint32_t bar = full0 + 8 * st;
+      MbarArriveExpectTx(bar, C::kTxBytes);
+      TmaLoad5dHint(kc, code_map, 0, off, kplane, 0, page, bar, evict_first);
+      TmaLoad5dHint(vc, code_map, 0, off, vplane, 0, page, bar, evict_first);
+      int kidx, vidx;  // word indices of the stage's first K and V scale in the page
+      if constexpr (kMode == ScaleMode::kPerHead) {
+        kidx = E + (L * 2) * H + h;
+        vidx = E + (L * 2 + 1) * H + h;
+      } else if constexpr (kMode == ScaleMode::kPerToken) {
+        kidx = E + ((L * 2) * H + h) * bt + off;
+        vidx = E + ((L * 2 + 1) * H + h) * bt + off;
+      } else {
+        const int base = E + L * H * (D + bt);
+        kidx = base + h * D;
+        vidx = base + H * D + h * bt + off;
+      }
+      // (Per head: the aligned run of 4 words holding the scale; the
+      // consumers read word kidx % 4, vidx % 4 of it.)
+      const char* pg_base = static_cast<const char*>(kv.pool) + (uint64_t)page * kv.page_stride;
+      if constexpr (kMode == ScaleMode::kPerHead) {
+        kidx &= ~3;
+        vidx &= ~3;
+      }
+      BulkLoad(sc, pg_base + 4 * (uint64_t)kidx, 4 * C::kKWords, bar);
+      BulkLoad(sc + 4 * C::kVWord, pg_base + 4 * (uint64_t)vidx, 4 * C::kVWords, bar);
+    }
+    __syncwarp();
+  }
+}
+
 template <int D, typename T, KvCodec kCodec, ScaleMode kMode>
 __global__ void __launch_bounds__(kQPThreads, 2)
     QDecodePipelinedKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
@@ -363,21 +470,18 @@ __global__ void __launch_bounds__(kQPThreads, 2)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + (SmemBase1024(smem_raw) - SmemAddr(smem_raw));
   uint8_t* sq = smem + C::kQOff;
-  const uint32_t full0 = SmemAddr(smem + C::kBarOff), empty0 = full0 + 8 * kQPStages;
+  const uint32_t full0 = SmemAddr(smem + C::kBarOff), empty0 = full0 + 8 * C::kRingStages;
   __shared__ int s_qpos[kPRows];
   __shared__ int s_qmin, s_qmax;
   __shared__ float s_m[kQPConsumers][kPRows], s_l[kQPConsumers][kPRows], s_fac[kQPConsumers][kPRows];
 
   if (threadIdx.x == 0) {
     TmaPrefetchMap(&code_map);
-    for (int i = 0; i < kQPStages; ++i) {
-      MbarInit(full0 + 8 * i, 1);   // the producer lane's expect-tx arrival
-      MbarInit(empty0 + 8 * i, 1);  // the consumer warp that took the stage
-    }
+    QInitRing<C>(full0, empty0);
   }
   DecodeWork w;
   if (!DecodeWorkOf(q, kv, num_splits, row_groups, kPRows, &w)) return;
-  const int h = w.h, pb = w.pb, npages = w.npages;
+  const int h = w.h, pb = w.pb;
   const int tok_lo = w.tok_lo, tok_hi = w.tok_hi, bt = kv.block_tokens;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
   const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
@@ -394,51 +498,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
   // (a page's scales start at a multiple of 4 words).
   const int k_sub = ((L * 2) * H + h) & 3, v_sub = ((L * 2 + 1) * H + h) & 3;
   if (warp == kQPConsumers) {
-    // ---- producer: the page ids from a window of 64 in registers, as in
-    // the bf16 kernel.
-    const int E = (int)(((uint64_t)2 * kv.layers * H * bt * D) / 4);  // first scale word of a page
-    const int kplane = (L * 2) * H + h, vplane = kplane + H;
-    // The codes are read once: their lines leave L2 first.
-    const uint64_t evict_first = L2EvictFirstPolicy();
-    PageWindow win;
-    win.Load(kv, pb, npages, tok_lo / bt);
-    for (int t = 0; t < ntiles; ++t) {
-      const int st = t % kQPStages;
-      const int i0 = tok_lo + t * kQPStage, pg = i0 / bt, off = i0 - pg * bt;
-      const int page = win.Page(pg);
-      win.Advance(kv, pb, npages, (i0 + kQPStage) / bt);
-      if (t >= kQPStages) MbarWait(empty0 + 8 * st, ((t / kQPStages) - 1) & 1);
-      if (lane == 0) {
-        const uint32_t kc = SmemAddr(smem + st * C::kStageBytes), vc = kc + C::kCodeBytes;
-        const uint32_t sc = SmemAddr(smem + C::kScaleOff + st * C::kScaleBytes);
-        const uint32_t bar = full0 + 8 * st;
-        MbarArriveExpectTx(bar, C::kTxBytes);
-        TmaLoad5dHint(kc, &code_map, 0, off, kplane, 0, page, bar, evict_first);
-        TmaLoad5dHint(vc, &code_map, 0, off, vplane, 0, page, bar, evict_first);
-        int kidx, vidx;  // word indices of the stage's first K and V scale in the page
-        if constexpr (kMode == ScaleMode::kPerHead) {
-          kidx = E + (L * 2) * H + h;
-          vidx = E + (L * 2 + 1) * H + h;
-        } else if constexpr (kMode == ScaleMode::kPerToken) {
-          kidx = E + ((L * 2) * H + h) * bt + off;
-          vidx = E + ((L * 2 + 1) * H + h) * bt + off;
-        } else {
-          const int base = E + L * H * (D + bt);
-          kidx = base + h * D;
-          vidx = base + H * D + h * bt + off;
-        }
-        // (Per head: the aligned run of 4 words holding the scale; the
-        // consumers read word kidx % 4, vidx % 4 of it.)
-        const char* pg_base = static_cast<const char*>(kv.pool) + (uint64_t)page * kv.page_stride;
-        if constexpr (kMode == ScaleMode::kPerHead) {
-          kidx &= ~3;
-          vidx &= ~3;
-        }
-        BulkLoad(sc, pg_base + 4 * (uint64_t)kidx, 4 * C::kKWords, bar);
-        BulkLoad(sc + 4 * C::kVWord, pg_base + 4 * (uint64_t)vidx, 4 * C::kVWords, bar);
-      }
-      __syncwarp();
-    }
+    QProduceStages<C, D, kMode>(kv, w, smem, full0, empty0, &code_map, ntiles);
   } else {
     // ---- consumers
     uint32_t qa[kKSteps][4];
@@ -451,8 +511,8 @@ __global__ void __launch_bounds__(kQPThreads, 2)
     const bool cta_pos_mask =
         DecodeMaskMayHide(p, tok_lo, tok_hi, DecodeStreamEnds(p, kv, pb, tok_lo, tok_hi), qmin, qmax);
     for (int t = warp; t < ntiles; t += kQPConsumers) {
-      const int st = t % kQPStages;
-      MbarWait(full0 + 8 * st, (t / kQPStages) & 1);
+      const int st = t % C::kRingStages;
+      MbarWait(full0 + 8 * st, (t / C::kRingStages) & 1);
       const uint8_t* kc = smem + st * C::kStageBytes;
       const uint8_t* vc = kc + C::kCodeBytes;
       const float* scl = reinterpret_cast<const float*>(smem + C::kScaleOff + st * C::kScaleBytes);
@@ -460,33 +520,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
       const int valid_rows = min(kQPStage, tok_hi - tile_first);
       // The lane's codes and scales into registers, then the stage goes back.
       uint32_t kw[2][kKWordsLane], vw[4][kVWordsLane];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int c = 0; c < kKWordsLane / 4; ++c) {
-          const uint4 v = *reinterpret_cast<const uint4*>(kc + CodeAt<D>(g + 8 * r, tig * (D / 4) + 16 * c));
-          kw[r][4 * c] = v.x;
-          kw[r][4 * c + 1] = v.y;
-          kw[r][4 * c + 2] = v.z;
-          kw[r][4 * c + 3] = v.w;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int tok = (i >> 1) * 8 + 2 * tig + (i & 1);
-        const bool ok = tok < valid_rows;  // (rows past the end: zeros, never a junk NaN times P = 0)
-        if constexpr (kVWordsLane == 4) {
-          const uint4 v = ok ? *reinterpret_cast<const uint4*>(vc + CodeAt<D>(tok, g * 16)) : make_uint4(0, 0, 0, 0);
-          vw[i][0] = v.x;
-          vw[i][1] = v.y;
-          vw[i][2] = v.z;
-          vw[i][3] = v.w;
-        } else {
-          const uint2 v = ok ? *reinterpret_cast<const uint2*>(vc + CodeAt<D>(tok, g * 8)) : make_uint2(0, 0);
-          vw[i][0] = v.x;
-          vw[i][1] = v.y;
-        }
-      }
+      LoadStageCodes<D>(kc, vc, valid_rows, kw, vw);
       // This lane's tokens' scales: S columns (K per token / page) and P (V).
       float ks[4], vs[4];
 #pragma unroll
@@ -590,6 +624,277 @@ __global__ void __launch_bounds__(kQPThreads, 2)
                                       part_lse, out, lse);
 }
 
+// ---- The pipelined kernel for small GQA groups (up to 8 (row, q head)
+// vectors a kv head and sequence: a decode step of Llama-3-8B heads has 4):
+// the same producer, ring and stage format, but the MMAs swap their operands
+// so that the 16 rows of an m16n8k16 tile are the stage's 16 tokens and its
+// 8 columns the vectors (the 16-row kernel above fills 4 of its 16 rows with
+// queries at G = 4 and computes on zeros for the rest):
+//   S^T = K Q^T: A is the lane's K codes as they are loaded (tokens g, g + 8;
+//     the permuted dims of the 16-row kernel), B the Q fragments of vector g
+//     (D/16 x 2 registers, against D/16 x 4 there).
+//   P^T: S^T's accumulator (tokens g, g + 8 x vectors 2 tig, 2 tig + 1) in
+//     fp16 is two 8 x 8 matrices in the A/C fragment layout; movmatrix.trans
+//     turns each into the B fragment of P V (tokens 2 tig, 2 tig + 1 x
+//     vector g) in registers.
+//   O^T += V^T P^T: A is V's codes as loaded (the interleaved token pairs of
+//     the 16-row kernel's B operand), rows of m-tile mt being dims
+//     g D/8 + 2 mt + {0, 1}.
+// Half the MMAs and half the accumulator registers of the 16-row kernel
+// (O: D/16 x 4 floats a lane), which with a 12-stage ring leaves room for 3
+// CTAs an SM instead of 2: the 16-row kernel is latency-bound at 10 warps an
+// SM (docs/QUANTIZED-DECODE.md).
+constexpr int kSRows = 8, kSStages = 12;
+
+__device__ __forceinline__ uint32_t MovTrans(uint32_t x) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(x));
+  return d;
+}
+
+// A consumer lane (g, tig)'s Q fragments for S^T = K Q^T (B operands, vector
+// g; k-step s, register 0: dims tig D/4 + 4 s + {0, 1}, 1: + {2, 3}) in fp16,
+// times the power of two *q_mul that keeps them within 2^14.
+template <int D, typename T>
+__device__ __forceinline__ void LoadPermutedQT(const uint8_t* sq, uint32_t (&qb)[D / 16][2], float* q_mul) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  float f[D / 16][4];
+  float mx = 0.f;
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    const int d = tig * (D / 4) + 4 * s;
+    const T* at = reinterpret_cast<const T*>(sq + Swz<D>(g, d >> 3)) + (d & 7);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[s][i] = ToF<T>(at[i]);
+      mx = fmaxf(mx, fabsf(f[s][i]));
+    }
+  }
+  mx = WarpMax(mx);
+  const float m = mx > 16384.f ? exp2f(-ceilf(log2f(mx / 16384.f))) : 1.f;
+  *q_mul = m;
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    qb[s][0] = Pack<__half>(f[s][0] * m, f[s][1] * m);
+    qb[s][1] = Pack<__half>(f[s][2] * m, f[s][3] * m);
+  }
+}
+
+// The maximum of x over the 8 lanes of a column of an m16n8 fragment (the
+// lanes of one tig).
+__device__ __forceinline__ float ColMax(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+__device__ __forceinline__ float ColSum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+
+template <int D, typename T, KvCodec kCodec, ScaleMode kMode>
+__global__ void __launch_bounds__(kQPThreads, 3)
+    QDecodeSwapKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
+                      float* part_lse, float* out, float* lse, const __grid_constant__ CUtensorMap code_map) {
+  using C = QPipeCfg<D, kMode, kSStages>;
+  constexpr int kKSteps = D / 16, kMTiles = D / 16;
+  constexpr int kKWordsLane = D / 16, kVWordsLane = D / 32;  // a lane's words of a K / V row
+  constexpr bool kChannel = kMode == ScaleMode::kKChannelVToken;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + (SmemBase1024(smem_raw) - SmemAddr(smem_raw));
+  uint8_t* sq = smem + C::kQOff;
+  const uint32_t full0 = SmemAddr(smem + C::kBarOff), empty0 = full0 + 8 * C::kRingStages;
+  __shared__ int s_qpos[kPRows];  // (LoadDecodeQueries fills 16; vectors 8 .. 15 are never this CTA's)
+  __shared__ int s_qmin, s_qmax;
+  __shared__ float s_m[kQPConsumers][kSRows], s_l[kQPConsumers][kSRows], s_fac[kQPConsumers][kSRows];
+
+  if (threadIdx.x == 0) {
+    TmaPrefetchMap(&code_map);
+    QInitRing<C>(full0, empty0);
+  }
+  DecodeWork w;
+  if (!DecodeWorkOf(q, kv, num_splits, row_groups, kSRows, &w)) return;
+  const int h = w.h, pb = w.pb, tok_lo = w.tok_lo, tok_hi = w.tok_hi;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
+  const float scale = (p.softmax_scale > 0 ? p.softmax_scale : rsqrtf((float)D)) * kLog2e;
+  const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + kQPStage - 1) / kQPStage : 0;
+
+  LoadDecodeQueries<D, T>(q, w, sq, s_qpos, &s_qmin, &s_qmax, kQPThreads);
+  __syncthreads();
+
+  float o[kMTiles][4];  // O^T: m-tile mt rows g / g + 8 = dims g D/8 + 2 mt + 0 / 1, columns vectors 2 tig + {0, 1}
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // vectors 2 tig, 2 tig + 1 (l: this lane's tokens)
+  float vref = 1.f;                                          // O's factor back (the V scales' reference)
+  const int L = kv.layer, H = kv.kv_heads;
+  const int k_sub = ((L * 2) * H + h) & 3, v_sub = ((L * 2 + 1) * H + h) & 3;
+  if (warp == kQPConsumers) {
+    QProduceStages<C, D, kMode>(kv, w, smem, full0, empty0, &code_map, ntiles);
+  } else {
+    uint32_t qb[kKSteps][2];
+    float q_mul;
+    LoadPermutedQT<D, T>(sq, qb, &q_mul);
+    float sscale = scale / q_mul, inv_vref = 1.f, inv_kref = 1.f;
+    const int qpos0 = s_qpos[2 * tig], qpos1 = s_qpos[2 * tig + 1], qmin = s_qmin, qmax = s_qmax;
+#pragma unroll
+    for (int j = 0; j < kMTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    const bool cta_pos_mask =
+        DecodeMaskMayHide(p, tok_lo, tok_hi, DecodeStreamEnds(p, kv, pb, tok_lo, tok_hi), qmin, qmax);
+    for (int t = warp; t < ntiles; t += kQPConsumers) {
+      const int st = t % C::kRingStages;
+      MbarWait(full0 + 8 * st, (t / C::kRingStages) & 1);
+      const uint8_t* kc = smem + st * C::kStageBytes;
+      const uint8_t* vc = kc + C::kCodeBytes;
+      const float* scl = reinterpret_cast<const float*>(smem + C::kScaleOff + st * C::kScaleBytes);
+      const int tile_first = tok_lo + t * kQPStage;
+      const int valid_rows = min(kQPStage, tok_hi - tile_first);
+      uint32_t kw[2][kKWordsLane], vw[4][kVWordsLane];
+      LoadStageCodes<D>(kc, vc, valid_rows, kw, vw);
+      // The scales of this lane's tokens g and g + 8 (rows of S^T and P^T).
+      float ks[2], vs[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int tok = g + 8 * r;
+        ks[r] = kMode == ScaleMode::kPerToken ? scl[tok] : kMode == ScaleMode::kPerHead ? scl[k_sub] : 1.f;
+        // (0 past the end: P is 0 there, but 0 x a junk slot's NaN scale is not)
+        vs[r] = tok < valid_rows ? (kMode == ScaleMode::kPerHead ? scl[C::kVWord + v_sub] : scl[C::kVWord + tok]) : 0.f;
+      }
+      // Per channel: the K scales fold into Q (S = sum over d of q_d ks_d k_d):
+      // this stage's Q fragments, over the lane's dims.
+      uint32_t qs[kChannel ? kKSteps : 1][2];
+      if constexpr (kChannel) {
+        if (t == warp) {  // the warp's first stage sets K's reference (uniform in the warp)
+          float kmax = 0.f;
+#pragma unroll
+          for (int i = 0; i < D / 4; ++i) kmax = fmaxf(kmax, fabsf(scl[tig * (D / 4) + i]));
+          kmax = WarpMax(kmax);
+          const float kref = kmax > 0.f && kmax < INFINITY ? kmax : 1.f;
+          inv_kref = 1.f / kref;
+          sscale *= kref;
+        }
+#pragma unroll
+        for (int s = 0; s < kKSteps; ++s) {
+          const float4 c = *reinterpret_cast<const float4*>(scl + tig * (D / 4) + 4 * s);
+          qs[s][0] = HMul2(qb[s][0], Pack<__half>(c.x * inv_kref, c.y * inv_kref));
+          qs[s][1] = HMul2(qb[s][1], Pack<__half>(c.z * inv_kref, c.w * inv_kref));
+        }
+      }
+      __syncwarp();
+      if (lane == 0) MbarArrive(empty0 + 8 * st);
+      if (t == warp) {  // the warp's first stage sets V's reference (uniform in the warp)
+        const float vmax = WarpMax(fmaxf(vs[0], vs[1]));
+        vref = vmax > 0.f && vmax < INFINITY ? vmax : 1.f;
+        inv_vref = 1.f / vref;
+      }
+      // S^T = K Q^T, the k-steps in two independent chains.
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int s = 0; s < kKSteps; ++s) {
+        uint32_t a[4];
+        CodesToHalf2<kCodec>(kw[0][s], a[0], a[2]);
+        CodesToHalf2<kCodec>(kw[1][s], a[1], a[3]);
+        if constexpr (kChannel) {
+          Mma<__half>(sc[s & 1], a, qs[s][0], qs[s][1]);
+        } else {
+          Mma<__half>(sc[s & 1], a, qb[s][0], qb[s][1]);
+        }
+      }
+      // Scale and mask: element e is token g + 8 (e / 2), vector 2 tig + e % 2.
+      float x[4];
+      {
+        const int tile_last = min(tile_first + kQPStage, tok_hi) - 1;
+        const bool pos_mask = cta_pos_mask && ((p.causal && TokenPos(kv, pb, tile_last) > qmin) ||
+                                               (p.window > 0 && TokenPos(kv, pb, tile_first) <= qmax - p.window));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int i = tile_first + g + 8 * r;
+          const bool in = g + 8 * r < valid_rows;
+          const int kp = in && pos_mask ? TokenPos(kv, pb, i) : 0;
+          const float f = kMode == ScaleMode::kKChannelVToken ? sscale : sscale * ks[r];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int qp = c == 0 ? qpos0 : qpos1;
+            bool vis = in && qp != INT32_MIN;
+            if (vis && pos_mask) {
+              if (p.causal) vis = kp <= qp;
+              if (p.window > 0) vis = vis && kp > qp - p.window;
+            }
+            x[2 * r + c] = vis ? (sc[0][2 * r + c] + sc[1][2 * r + c]) * f : -INFINITY;
+          }
+        }
+      }
+      // Online softmax per vector (a column: the 8 lanes of this tig).
+      const float mx0 = ColMax(fmaxf(x[0], x[2])), mx1 = ColMax(fmaxf(x[1], x[3]));
+      const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);
+      const float c0 = nm0 == -INFINITY ? 1.f : exp2f(m0 - nm0);
+      const float c1 = nm1 == -INFINITY ? 1.f : exp2f(m1 - nm1);
+      const float b0f = nm0 == -INFINITY ? 0.f : nm0, b1f = nm1 == -INFINITY ? 0.f : nm1;
+      x[0] = exp2f(x[0] - b0f);
+      x[2] = exp2f(x[2] - b0f);
+      x[1] = exp2f(x[1] - b1f);
+      x[3] = exp2f(x[3] - b1f);
+      l0 = l0 * c0 + x[0] + x[2];
+      l1 = l1 * c1 + x[1] + x[3];
+      m0 = nm0;
+      m1 = nm1;
+      if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+        for (int j = 0; j < kMTiles; ++j) {
+          o[j][0] *= c0;
+          o[j][1] *= c1;
+          o[j][2] *= c0;
+          o[j][3] *= c1;
+        }
+      }
+      // P^T times the tokens' V scales, as P V's B fragments.
+      const float p0 = vs[0] * inv_vref, p1 = vs[1] * inv_vref;
+      const uint32_t pb0 = MovTrans(Pack<__half>(x[0] * p0, x[1] * p0));
+      const uint32_t pb1 = MovTrans(Pack<__half>(x[2] * p1, x[3] * p1));
+      // O^T += V^T P^T: per word of the lane's V run, tokens (2 tig, 2 tig + 1)
+      // interleaved byte by byte, and (8 + those): dims 4 wd + {0, 1} are
+      // m-tile 2 wd, + {2, 3} m-tile 2 wd + 1.
+#pragma unroll
+      for (int wd = 0; wd < kVWordsLane; ++wd) {
+        uint32_t a0[4], a1[4];  // [e]: dim 4 wd + e of tokens (2 tig, 2 tig + 1) / (8 + 2 tig, 9 + 2 tig)
+        CodesToHalf2<kCodec>(__byte_perm(vw[0][wd], vw[1][wd], 0x5140), a0[0], a0[1]);
+        CodesToHalf2<kCodec>(__byte_perm(vw[0][wd], vw[1][wd], 0x7362), a0[2], a0[3]);
+        CodesToHalf2<kCodec>(__byte_perm(vw[2][wd], vw[3][wd], 0x5140), a1[0], a1[1]);
+        CodesToHalf2<kCodec>(__byte_perm(vw[2][wd], vw[3][wd], 0x7362), a1[2], a1[3]);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint32_t a[4] = {a0[2 * hh], a0[2 * hh + 1], a1[2 * hh], a1[2 * hh + 1]};
+          Mma<__half>(o[2 * wd + hh], a, pb0, pb1);
+        }
+      }
+    }
+    l0 = ColSum(l0);
+    l1 = ColSum(l1);
+  }
+  __syncthreads();                             // every stage consumed: the ring is free for the consumers' (m, l, O)
+  float* so = reinterpret_cast<float*>(smem);  // [kQPConsumers][kSRows][D]
+  if (warp < kQPConsumers) {
+    if (g == 0) {
+      s_m[warp][2 * tig] = m0;
+      s_m[warp][2 * tig + 1] = m1;
+      s_l[warp][2 * tig] = l0;
+      s_l[warp][2 * tig + 1] = l1;
+    }
+    float* v0p = so + ((size_t)warp * kSRows + 2 * tig) * D;
+    float* v1p = v0p + D;
+#pragma unroll
+    for (int j = 0; j < kMTiles; ++j) {
+      const int d = g * (D / 8) + 2 * j;
+      v0p[d] = o[j][0] * vref;
+      v1p[d] = o[j][1] * vref;
+      v0p[d + 1] = o[j][2] * vref;
+      v1p[d + 1] = o[j][3] * vref;
+    }
+  }
+  __syncthreads();
+  StoreDecodeRows<kQPConsumers, D, D>(w, q, kSRows, num_splits, &s_m[0][0], &s_l[0][0], so, &s_fac[0][0], part_out,
+                                      part_lse, out, lse);
+}
+
 template <int D, KvCodec kCodec, ScaleMode kMode, typename T>
 cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
                             float* po, float* pl, const CUtensorMap& codes, cudaStream_t stream) {
@@ -601,6 +906,21 @@ cudaError_t LaunchPipelined(const AttnParams& p, const QueryView& q, const Paged
   if (e != cudaSuccess) return e;
   dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
   QDecodePipelinedKernel<D, T, kCodec, kMode>
+      <<<grid, kQPThreads, smem, stream>>>(p, q, kv, splits, row_groups, po, pl, out.out, out.lse, codes);
+  return cudaGetLastError();
+}
+
+template <int D, KvCodec kCodec, ScaleMode kMode, typename T>
+cudaError_t LaunchSwap(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
+                       float* po, float* pl, const CUtensorMap& codes, cudaStream_t stream) {
+  const int G = q.q_heads / kv.kv_heads;
+  const int row_groups = (q.max_rows_per_seq * G + kSRows - 1) / kSRows;
+  const int smem = QPipeCfg<D, kMode, kSStages>::kDynamic;
+  cudaError_t e =
+      cudaFuncSetAttribute(QDecodeSwapKernel<D, T, kCodec, kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid(splits, kv.kv_heads * row_groups, kv.num_seqs);
+  QDecodeSwapKernel<D, T, kCodec, kMode>
       <<<grid, kQPThreads, smem, stream>>>(p, q, kv, splits, row_groups, po, pl, out.out, out.lse, codes);
   return cudaGetLastError();
 }
@@ -622,8 +942,10 @@ cudaError_t ByEncoding(const AttnParams& p, const QueryView& q, const PagedKvVie
   if constexpr (D <= 128) {  // (the pipelined kernel's code tiles are one 128-byte swizzled row a token at most)
     alignas(64) CUtensorMap codes{};
     if (MakeQuantCodeMap(kv, kQPStage, &codes)) {  // sm_90, pages of a multiple of 16 tokens
+      const bool small_groups = QuantizedDecodeVectorsPerCta(q, kv) == kSRows;
       return WithEncoding(kv.encoding, [&]<KvCodec kCodec, ScaleMode kMode>() {
-        return LaunchPipelined<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, codes, s);
+        return small_groups ? LaunchSwap<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, codes, s)
+                            : LaunchPipelined<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, codes, s);
       });
     }
   }
