@@ -271,11 +271,11 @@ for B, L in qshapes:
         wsb = lib.kvring_cuda_decode_workspace(B, HQ, max(splits, bsplits), D)
         ws = torch.zeros(max(1, wsb), dtype=torch.uint8, device=dev)  # zeroed once: the split-merge counters
 
-        def ours_q():
+        def ours_q(kernel=0):  # kernel: QuantDecodeKernel (0 auto, 1 sixteen rows, 2 small groups)
             e = lib.kvring_cuda_decode(pool.data_ptr(), stride, BT, 1, HKV, D, dtype_arg, 0, perm.data_ptr(),
                                        page_pos.data_ptr(), spb.data_ptr(), stok.data_ptr(), B, q.data_ptr(), pos.data_ptr(),
                                        rows.data_ptr(), B, HQ, 1, 0.0, 1, 0, splits, ws.data_ptr(), wsb, out.data_ptr(),
-                                       lse.data_ptr(), stream(), 0)
+                                       lse.data_ptr(), stream(), kernel << 1)
             assert e == 0, f"quantized decode error {e}"
 
         ours_q()
@@ -327,15 +327,25 @@ for B, L in qshapes:
         ours_bf16()
         err_bf16 = rel(bout[:nref], torch.stack(refs))
         t_bf16 = timed(ours_bf16)
-        ms = timed(ours_q)  # (again, after the peers: the first timing of a process reads slow)
+        # Each sm_90 kernel on its own (builds before 2026-12-07 ignore the choice), then the default again
+        # (after the peers: the first timing of a process reads slow).
+        by_kernel = {}
+        for kname, kid in (("sixteen_rows", 1), ("small_groups", 2)):
+            ours_q(kid)
+            by_kernel[kname] = {"ms": timed(lambda: ours_q(kid)), "rel_err": rel(out[:nref], torch.stack(refs))}
+        ours_q()
+        ms = timed(ours_q)
         row = {"codec": codec_name, "batch": B, "kv_len": L, "splits": splits, "bf16_splits": bsplits, "ms": ms, "GBps": qbytes / (ms * 1e-3) / 1e9,
                "frac_copy": qbytes / (ms * 1e-3) / copy_bw, "rel_err": err, "kvring_bf16_ms": t_bf16,
                "kvring_bf16_rel_err": err_bf16, "speedup_vs_kvring_bf16": t_bf16 / ms, "sdpa_cudnn_bf16_ms": t_cudnn,
-               "speedup_vs_sdpa_bf16": (t_cudnn / ms) if t_cudnn else None}
+               "speedup_vs_sdpa_bf16": (t_cudnn / ms) if t_cudnn else None,
+               "kernels": {k: dict(v, speedup_vs_kvring_bf16=t_bf16 / v["ms"]) for k, v in by_kernel.items()}}
         results["decode_quant"].append(row)
         print(f"decode {codec_name} B={B:3d} L={L:6d}: {ms:.3f} ms, {row['GBps']:.0f} GB/s = {row['frac_copy']:.2f} of copy, "
               f"err {err:.1e}; kvring bf16 {t_bf16:.3f} ms (x{t_bf16 / ms:.2f}, err {err_bf16:.1e}); "
-              f"SDPA cuDNN on bf16 {t_cudnn}", flush=True)
+              f"SDPA cuDNN on bf16 {t_cudnn}; " +
+              ", ".join(f"{k} {v['ms']:.3f} ms (x{t_bf16 / v['ms']:.2f}, err {v['rel_err']:.1e})" for k, v in by_kernel.items()),
+              flush=True)
         # A chunked-prefill step over the same pages: the last R positions of
         # each sequence as query rows (causal) over its whole context, against
         # kvring's bf16 prefill over the dequantized pages (its default kernel,

@@ -18,6 +18,15 @@ namespace {
 
 using namespace gpu_testing;
 
+// Whether the device is sm_90 (the TMA / wgmma kernels').
+bool Sm90() {
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return major == 9 && minor == 0;
+}
+
 // The two non-default masks the window tests run, set alike on the kernel's
 // and the reference's options: mode 0 a sliding window of `window`
 // positions (causal), mode 1 no mask (not causal).
@@ -363,9 +372,6 @@ TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
               qpos.push_back(rows);
             }
             auto qb = MakeQueries(rng, q_heads, D, bf16, qpos);
-            Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
-            out.Poison();
-            lse.Poison();
             const size_t ws = cuda::DecodeWorkspaceBytes(qb.View(), splits, D);
             Dev<uint8_t> work(ws);
             work.Zero();  // the split merge's counters start at 0
@@ -373,16 +379,30 @@ TEST(GpuDecodeTest, QuantizedPagesMatchTheReferenceOverTheCodes) {
             AttentionOptions o;
             o.layer = 1;
             if (mask < 2) SetMaskMode(mask, 50, &p, &o);
-            CUDA_OK(cuda::PagedDecode(p, qb.View(), view, {out.p, lse.p}, splits, work.p, ws, nullptr));
-            CUDA_OK(cudaDeviceSynchronize());
-            // The CUDA-core kernel (pages not of 16-token multiples, and head_dim
-            // 256): fp32 arithmetic over exact code * scale values. The pipelined
-            // one: tensor cores on 16-bit operands (codes are exact in 16 bits, P
-            // and per-channel-scaled K are rounded).
-            const double tol = bt % 16 == 0 && D <= 128 ? (bf16 ? 1e-2 : 3e-3) : 1e-4;
-            ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, tol,
-                          absl::StrCat("quantized decode ", name, " bt=", bt, " D=", D, " splits=", splits,
-                                       " max_rows=", max_rows, " mask=", mask));
+            // The pipelined kernels (pages of 16-token multiples, head_dim <= 128 on sm_90): tensor cores on 16-bit
+            // operands (codes are exact in 16 bits, P and per-channel-scaled K or Q are rounded). The CUDA-core
+            // kernel: fp32 arithmetic over exact code * scale values.
+            const bool pipelined = bt % 16 == 0 && D <= 128 && Sm90();
+            const double tol = pipelined ? (bf16 ? 1e-2 : 3e-3) : 1e-4;
+            const bool small_fits = qb.View().max_rows_per_seq * (q_heads / kv_heads) <= 8;
+            using K = cuda::QuantDecodeKernel;
+            for (K kernel : {K::kAuto, K::kSixteenRows, K::kSmallGroups}) {
+              const std::string what =
+                  absl::StrCat("quantized decode ", name, " bt=", bt, " D=", D, " splits=", splits,
+                               " max_rows=", max_rows, " mask=", mask, " kernel=", static_cast<int>(kernel));
+              Dev<float> out((size_t)qb.pos.size() * q_heads * D), lse((size_t)qb.pos.size() * q_heads);
+              out.Poison();
+              lse.Poison();
+              const cudaError_t e =
+                  cuda::PagedDecode(p, qb.View(), view, {out.p, lse.p}, splits, work.p, ws, nullptr, kernel);
+              if (kernel != K::kAuto && (!pipelined || (kernel == K::kSmallGroups && !small_fits))) {
+                EXPECT_EQ(e, cudaErrorNotSupported) << what;  // a kernel that cannot serve the view says so
+                continue;
+              }
+              CUDA_OK(e);
+              CUDA_OK(cudaDeviceSynchronize());
+              ExpectMatches(out.Host(), lse.Host(), qb, kvb, o, tol, what);
+            }
           }
 }
 
@@ -441,11 +461,7 @@ TEST(GpuDecodeTest, SplitLimitsAreCheckedAtTheBoundary) {
 // the mma.sync one everywhere.
 std::vector<cuda::PrefillKernel> PrefillKernels() {
   std::vector<cuda::PrefillKernel> ks = {cuda::PrefillKernel::kMmaSync};
-  int dev = 0, major = 0, minor = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  if (major == 9 && minor == 0) ks.push_back(cuda::PrefillKernel::kWgmma);
+  if (Sm90()) ks.push_back(cuda::PrefillKernel::kWgmma);
   return ks;
 }
 const char* KernelName(cuda::PrefillKernel k) {

@@ -5,7 +5,8 @@
 // zeroed once before its first use (torch.zeros); each call leaves it so.
 // Its `flags`: bit 0 PagedKvView::tables_stable (the caller promises that no
 // kernel still running writes page_ids, page_pos, seq_page_begin, seq_tokens
-// or seq_row_begin).
+// or seq_row_begin); bits 1-2 the QuantDecodeKernel for quantized pages (0
+// kAuto, 1 kSixteenRows, 2 kSmallGroups).
 #include "kvring/attention/cuda/paged_attention_cuda.h"
 
 using namespace kvring::cuda;
@@ -60,7 +61,8 @@ int kvring_cuda_decode(const void* pool, uint64_t stride, int bt, int layers, in
                       seq_tokens, num_seqs);
   kv.tables_stable = (flags & 1) != 0;
   return PagedDecode(p, Q(q, pos, seq_row_begin, num_rows, q_heads, max_rows), kv, OutputView{out, lse}, num_splits,
-                     workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
+                     workspace, workspace_bytes, static_cast<cudaStream_t>(stream),
+                     static_cast<QuantDecodeKernel>((flags >> 1) & 3));
 }
 
 // DefaultDecodeSplits for sequences of up to max_pages pages of block_tokens tokens.

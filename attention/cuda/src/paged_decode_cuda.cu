@@ -14,7 +14,7 @@ namespace kvring::cuda {
 namespace internal {
 // paged_decode_quant_cuda.cu: the same contract over int8/fp8 pages.
 cudaError_t QuantizedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                            float* po, float* pl, cudaStream_t stream);
+                            float* po, float* pl, cudaStream_t stream, QuantDecodeKernel kernel);
 namespace {
 
 #ifdef KVRING_DECODE_TRACE
@@ -579,9 +579,9 @@ size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim) {
 }
 
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream, QuantDecodeKernel kernel) {
   if (CheckViews(q, kv) != nullptr || out.out == nullptr || out.lse == nullptr || num_splits < 1 ||
-      num_splits > kMaxDecodeSplits) {
+      num_splits > kMaxDecodeSplits || static_cast<uint32_t>(kernel) > 2) {
     return cudaErrorInvalidValue;
   }
   if (q.num_rows == 0) return cudaSuccess;
@@ -596,7 +596,7 @@ cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvVi
     pl = po + (size_t)num_splits * q.num_rows * q.q_heads * D;
   }
   if (kv.encoding.quantized()) {  // quantized pages: the splits' partials are merged by a second kernel
-    const cudaError_t e = internal::QuantizedDecode(p, q, kv, out, num_splits, po, pl, stream);
+    const cudaError_t e = internal::QuantizedDecode(p, q, kv, out, num_splits, po, pl, stream, kernel);
     if (e != cudaSuccess || num_splits == 1) return e;
     return MergePartials(po, pl, num_splits, q.num_rows * q.q_heads, D, out, stream);
   }

@@ -938,17 +938,20 @@ cudaError_t Launch(const AttnParams& p, const QueryView& q, const PagedKvView& k
 
 template <int D, typename T>
 cudaError_t ByEncoding(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                       float* po, float* pl, cudaStream_t s) {
-  if constexpr (D <= 128) {  // (the pipelined kernel's code tiles are one 128-byte swizzled row a token at most)
+                       float* po, float* pl, cudaStream_t s, QuantDecodeKernel kernel) {
+  if constexpr (D <= 128) {  // (the pipelined kernels' code tiles are one 128-byte swizzled row a token at most)
     alignas(64) CUtensorMap codes{};
     if (MakeQuantCodeMap(kv, kQPStage, &codes)) {  // sm_90, pages of a multiple of 16 tokens
-      const bool small_groups = QuantizedDecodeVectorsPerCta(q, kv) == kSRows;
+      const bool fits = QuantizedDecodeVectorsPerCta(q, kv) == kSRows;
+      if (kernel == QuantDecodeKernel::kSmallGroups && !fits) return cudaErrorNotSupported;
+      const bool small = kernel == QuantDecodeKernel::kSmallGroups || (kernel == QuantDecodeKernel::kAuto && fits);
       return WithEncoding(kv.encoding, [&]<KvCodec kCodec, ScaleMode kMode>() {
-        return small_groups ? LaunchSwap<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, codes, s)
-                            : LaunchPipelined<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, codes, s);
+        return small ? LaunchSwap<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, codes, s)
+                     : LaunchPipelined<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, codes, s);
       });
     }
   }
+  if (kernel != QuantDecodeKernel::kAuto) return cudaErrorNotSupported;
   return WithEncoding(kv.encoding, [&]<KvCodec kCodec, ScaleMode kMode>() {
     return Launch<D, kCodec, kMode, T>(p, q, kv, out, splits, po, pl, s);
   });
@@ -957,8 +960,9 @@ cudaError_t ByEncoding(const AttnParams& p, const QueryView& q, const PagedKvVie
 }  // namespace
 
 cudaError_t QuantizedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int splits,
-                            float* po, float* pl, cudaStream_t stream) {
-  return WithHeadDim(kv, [&]<int D, typename T>() { return ByEncoding<D, T>(p, q, kv, out, splits, po, pl, stream); });
+                            float* po, float* pl, cudaStream_t stream, QuantDecodeKernel kernel) {
+  return WithHeadDim(
+      kv, [&]<int D, typename T>() { return ByEncoding<D, T>(p, q, kv, out, splits, po, pl, stream, kernel); });
 }
 
 }  // namespace internal

@@ -34,11 +34,21 @@ namespace kvring::cuda {
 // deep mbarrier ring (TMA boxes for pages of a multiple of 16 tokens on
 // sm_90, cp.async gathers otherwise), four consumer warps take them in turn.
 // Quantized pages have a kernel of their own (paged_decode_quant_cuda.cu).
+// Quantized pages have three kernels (paged_decode_quant_cuda.cu,
+// docs/QUANTIZED-DECODE.md): on sm_90 with pages of a multiple of 16 tokens
+// and head_dim <= 128, kSmallGroups (tokens as the MMAs' rows; up to 8 (row,
+// q head) vectors a kv head and sequence, which a decode step of most GQA
+// models has) and kSixteenRows (16 vectors a CTA); otherwise a CUDA-core
+// kernel. kAuto picks kSmallGroups where it serves, else kSixteenRows, else
+// the CUDA-core one; an explicit choice that cannot serve the view returns
+// cudaErrorNotSupported. Plain pages ignore the choice.
+enum class QuantDecodeKernel : int32_t { kAuto = 0, kSixteenRows = 1, kSmallGroups = 2 };
 inline constexpr int kMaxDecodeSplits = 1024;  // the fused merge keeps (splits + 1) x 16 weights in shared memory
 int DefaultDecodeSplits(const QueryView& q, const PagedKvView& kv, int max_pages_per_seq, int sm_count);
 size_t DecodeWorkspaceBytes(const QueryView& q, int num_splits, int head_dim);
 size_t DecodeCounterBytes(const QueryView& q);
 cudaError_t PagedDecode(const AttnParams& p, const QueryView& q, const PagedKvView& kv, OutputView out, int num_splits,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                        QuantDecodeKernel kernel = QuantDecodeKernel::kAuto);
 
 }  // namespace kvring::cuda
