@@ -1,8 +1,10 @@
 // Paged decode attention over quantized pages (int8 or fp8-e4m3 codes with
-// fp32 scales, cache/layout kv_encoding.h). Two kernels: on sm_90 with pages
-// of a multiple of 16 tokens and head_dim 64 or 128, a pipelined one on the
-// tensor cores (below, "Pipelined variant"); otherwise (head_dim 256 too)
-// this one, on the CUDA cores (0.06-0.11 of copy in bytes of codes):
+// fp32 scales, cache/layout kv_encoding.h). Three kernels (QuantDecodeKernel):
+// on sm_90 with pages of a multiple of 16 tokens and head_dim 64 or 128, two
+// pipelined ones on the tensor cores (below: "Pipelined variant", 16 vectors
+// a CTA, and QDecodeSwapKernel, up to 8, the MMAs' rows being tokens);
+// otherwise (head_dim 256 too) this one, on the CUDA cores (0.06-0.11 of copy
+// in bytes of codes):
 //
 // The codes are read straight from the page pool and dequantized in
 // registers; there is never a full-precision copy of the KV in memory.
@@ -215,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, D > 128 ? 2 : 4)
 }
 
 // ---- Pipelined variant (sm_90, pages of a multiple of 16 tokens). A
-// producer warp streams 16-token stages through a 12-deep mbarrier ring: K
+// producer warp streams 16-token stages through a 20-deep mbarrier ring: K
 // and V codes ([16][D] each, 128-byte swizzled for D = 128, 64-byte for
 // D = 64) by TMA boxes of a 5-d code map, the scales the stage needs by 1-d
 // bulk copies of 16-byte-aligned runs of the page's scale words (a 2-d
