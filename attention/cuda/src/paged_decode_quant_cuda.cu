@@ -395,6 +395,25 @@ __device__ __forceinline__ void LoadStageCodes(const uint8_t* kc, const uint8_t*
   }
 }
 
+// Stage t of a consumer warp, once landed (waits on its full barrier): its
+// ring slot, code tiles and scales, its first token and how many of its 16
+// tokens are real.
+template <class C>
+struct QStage {
+  int slot, tile_first, valid_rows;
+  const uint8_t *kc, *vc;
+  const float* scl;
+  __device__ __forceinline__ QStage(uint8_t* smem, uint32_t full0, int t, int tok_lo, int tok_hi) {
+    slot = t % C::kRingStages;
+    MbarWait(full0 + 8 * slot, (t / C::kRingStages) & 1);
+    kc = smem + slot * C::kStageBytes;
+    vc = kc + C::kCodeBytes;
+    scl = reinterpret_cast<const float*>(smem + C::kScaleOff + slot * C::kScaleBytes);
+    tile_first = tok_lo + t * kQPStage;
+    valid_rows = min(kQPStage, tok_hi - tile_first);
+  }
+};
+
 // Barriers of a pipelined CTA's ring (thread 0): full (the producer's
 // expect-tx arrival) and empty (the consumer warp that took the stage).
 template <class C>
@@ -513,13 +532,10 @@ __global__ void __launch_bounds__(kQPThreads, 2)
     const bool cta_pos_mask =
         DecodeMaskMayHide(p, tok_lo, tok_hi, DecodeStreamEnds(p, kv, pb, tok_lo, tok_hi), qmin, qmax);
     for (int t = warp; t < ntiles; t += kQPConsumers) {
-      const int st = t % C::kRingStages;
-      MbarWait(full0 + 8 * st, (t / C::kRingStages) & 1);
-      const uint8_t* kc = smem + st * C::kStageBytes;
-      const uint8_t* vc = kc + C::kCodeBytes;
-      const float* scl = reinterpret_cast<const float*>(smem + C::kScaleOff + st * C::kScaleBytes);
-      const int tile_first = tok_lo + t * kQPStage;
-      const int valid_rows = min(kQPStage, tok_hi - tile_first);
+      const QStage<C> sg(smem, full0, t, tok_lo, tok_hi);
+      const int st = sg.slot, tile_first = sg.tile_first, valid_rows = sg.valid_rows;
+      const uint8_t *kc = sg.kc, *vc = sg.vc;
+      const float* scl = sg.scl;
       // The lane's codes and scales into registers, then the stage goes back.
       uint32_t kw[2][kKWordsLane], vw[4][kVWordsLane];
       LoadStageCodes<D>(kc, vc, valid_rows, kw, vw);
@@ -743,13 +759,10 @@ __global__ void __launch_bounds__(kQPThreads, 3)
     const bool cta_pos_mask =
         DecodeMaskMayHide(p, tok_lo, tok_hi, DecodeStreamEnds(p, kv, pb, tok_lo, tok_hi), qmin, qmax);
     for (int t = warp; t < ntiles; t += kQPConsumers) {
-      const int st = t % C::kRingStages;
-      MbarWait(full0 + 8 * st, (t / C::kRingStages) & 1);
-      const uint8_t* kc = smem + st * C::kStageBytes;
-      const uint8_t* vc = kc + C::kCodeBytes;
-      const float* scl = reinterpret_cast<const float*>(smem + C::kScaleOff + st * C::kScaleBytes);
-      const int tile_first = tok_lo + t * kQPStage;
-      const int valid_rows = min(kQPStage, tok_hi - tile_first);
+      const QStage<C> sg(smem, full0, t, tok_lo, tok_hi);
+      const int st = sg.slot, tile_first = sg.tile_first, valid_rows = sg.valid_rows;
+      const uint8_t *kc = sg.kc, *vc = sg.vc;
+      const float* scl = sg.scl;
       uint32_t kw[2][kKWordsLane], vw[4][kVWordsLane];
       LoadStageCodes<D>(kc, vc, valid_rows, kw, vw);
       // The scales of this lane's tokens g and g + 8 (rows of S^T and P^T).
