@@ -36,16 +36,20 @@ __device__ __forceinline__ bool DecodeWorkOf(const QueryView& q, const PagedKvVi
   w->tok_hi = min(w->ntok, min(w->npages, w->sp * pps + pps) * bt);
   return true;
 }
-// The (row, q head) vectors a CTA of the pipelined decode over quantized
-// pages holds: 8 when a kv head of a sequence has at most 8 and head_dim is
-// at most 128 (QDecodeSwapKernel: the stage's tokens are the MMAs' 16 rows),
-// else 16 (QDecodePipelinedKernel). Host and device.
+// The pipelined decode over quantized pages for small GQA groups
+// (QDecodeSwapKernel): the (row, q head) vectors a CTA holds and the CTAs an
+// SM runs (its launch bounds); the 16-row kernel holds 16 and runs 2.
+inline constexpr int kSmallGroupVectors = 8, kSmallGroupCtasPerSm = 3;
+// The vectors a CTA of that decode holds: kSmallGroupVectors when a kv head
+// of a sequence has at most that many and head_dim is at most 128, else 16.
+// Host and device.
 __host__ __device__ inline int QuantizedDecodeVectorsPerCta(const QueryView& q, const PagedKvView& kv) {
-  return kv.head_dim <= 128 && q.max_rows_per_seq * (q.q_heads / kv.kv_heads) <= 8 ? 8 : 16;
+  return kv.head_dim <= 128 && q.max_rows_per_seq * (q.q_heads / kv.kv_heads) <= kSmallGroupVectors ? kSmallGroupVectors
+                                                                                                    : 16;
 }
 // CTAs of that kernel an SM runs at once.
 __host__ __device__ inline int QuantizedDecodeCtasPerSm(const QueryView& q, const PagedKvView& kv) {
-  return QuantizedDecodeVectorsPerCta(q, kv) == 8 ? 3 : 2;
+  return QuantizedDecodeVectorsPerCta(q, kv) == kSmallGroupVectors ? kSmallGroupCtasPerSm : 2;
 }
 
 // The listed pages of a decode CTA's stream as a window of 64 page ids in the

@@ -414,6 +414,17 @@ struct QStage {
   }
 };
 
+// The K and V scales of token `tok` of a stage (scales at scl; k_sub,
+// v_sub: the per-head scales' words in their aligned runs): K's per token or
+// head (1 per channel: those are per dim), V's per token or head, 0 past the
+// stage's valid_rows (P is 0 there, but 0 x a junk slot's NaN scale is not).
+template <class C, ScaleMode kMode>
+__device__ __forceinline__ void TokenScales(const float* scl, int tok, int valid_rows, int k_sub, int v_sub, float* ks,
+                                            float* vs) {
+  *ks = kMode == ScaleMode::kPerToken ? scl[tok] : kMode == ScaleMode::kPerHead ? scl[k_sub] : 1.f;
+  *vs = tok < valid_rows ? (kMode == ScaleMode::kPerHead ? scl[C::kVWord + v_sub] : scl[C::kVWord + tok]) : 0.f;
+}
+
 // Barriers of a pipelined CTA's ring (thread 0): full (the producer's
 // expect-tx arrival) and empty (the consumer warp that took the stage).
 template <class C>
@@ -543,10 +554,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
       float ks[4], vs[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int tok = (e >> 1) * 8 + tig * 2 + (e & 1);
-        ks[e] = kMode == ScaleMode::kPerToken ? scl[tok] : kMode == ScaleMode::kPerHead ? scl[k_sub] : 1.f;
-        // (0 past the end: P is 0 there, but 0 x a junk slot's NaN scale is not)
-        vs[e] = tok < valid_rows ? (kMode == ScaleMode::kPerHead ? scl[C::kVWord + v_sub] : scl[C::kVWord + tok]) : 0.f;
+        TokenScales<C, kMode>(scl, (e >> 1) * 8 + tig * 2 + (e & 1), valid_rows, k_sub, v_sub, &ks[e], &vs[e]);
       }
       float kch[kMode == ScaleMode::kKChannelVToken ? D / 4 : 1];  // per channel: the lane's dims' K scales
       if constexpr (kMode == ScaleMode::kKChannelVToken) {
@@ -662,7 +670,7 @@ __global__ void __launch_bounds__(kQPThreads, 2)
 // (O: D/16 x 4 floats a lane), which with a 12-stage ring leaves room for 3
 // CTAs an SM instead of 2: the 16-row kernel is latency-bound at 10 warps an
 // SM (docs/QUANTIZED-DECODE.md).
-constexpr int kSRows = 8, kSStages = 12;
+constexpr int kSRows = kSmallGroupVectors, kSStages = 12;
 
 __device__ __forceinline__ uint32_t MovTrans(uint32_t x) {
   uint32_t d;
@@ -712,7 +720,7 @@ __device__ __forceinline__ float ColSum(float x) {
 }
 
 template <int D, typename T, KvCodec kCodec, ScaleMode kMode>
-__global__ void __launch_bounds__(kQPThreads, 3)
+__global__ void __launch_bounds__(kQPThreads, kSmallGroupCtasPerSm)
     QDecodeSwapKernel(AttnParams p, QueryView q, PagedKvView kv, int num_splits, int row_groups, float* part_out,
                       float* part_lse, float* out, float* lse, const __grid_constant__ CUtensorMap code_map) {
   using C = QPipeCfg<D, kMode, kSStages>;
@@ -768,12 +776,7 @@ __global__ void __launch_bounds__(kQPThreads, 3)
       // The scales of this lane's tokens g and g + 8 (rows of S^T and P^T).
       float ks[2], vs[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int tok = g + 8 * r;
-        ks[r] = kMode == ScaleMode::kPerToken ? scl[tok] : kMode == ScaleMode::kPerHead ? scl[k_sub] : 1.f;
-        // (0 past the end: P is 0 there, but 0 x a junk slot's NaN scale is not)
-        vs[r] = tok < valid_rows ? (kMode == ScaleMode::kPerHead ? scl[C::kVWord + v_sub] : scl[C::kVWord + tok]) : 0.f;
-      }
+      for (int r = 0; r < 2; ++r) TokenScales<C, kMode>(scl, g + 8 * r, valid_rows, k_sub, v_sub, &ks[r], &vs[r]);
       // Per channel: the K scales fold into Q (S = sum over d of q_d ks_d k_d):
       // this stage's Q fragments, over the lane's dims.
       uint32_t qs[kChannel ? kKSteps : 1][2];
