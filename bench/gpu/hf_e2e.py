@@ -339,8 +339,10 @@ def main():
     if parts & {"passq", "prefix", "evicted", "kill", "ttft", "decode"}:
         log("== Llama-3-8B shapes (random weights)")
         model = build_model(32, 32, 8, 4096, 14336, seed=1)
+        # The checks hold at most an 8K prefix at R=2 (~2 GB over the 4 daemons): 6 GB of HBM each leaves room
+        # for the engine's model and logits on an 80 GB card.
         with LocalCluster(nodes=4, port=8200, replication=2, write_quorum=1, host_bytes="12G", page_bytes=page, gpu=0,
-                          hbm_bytes="12G", chunk_blocks=256, bin=args.bin, root=ROOT) if parts & {
+                          hbm_bytes="6G", chunk_blocks=256, bin=args.bin, root=ROOT) if parts & {
                               "passq", "prefix", "evicted", "kill"} else contextlib.nullcontext() as cl:
             c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60) if cl else None
             if "passq" in parts:
