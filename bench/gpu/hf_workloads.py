@@ -4,7 +4,7 @@
 daemons (kvringd --gpu) sharing the GPU.
 
   python3 bench/gpu/hf_workloads.py --bin .gpu --out $OUT [--only chat,agent,batch] [--agent-tokens N]
-                                    [--agent-quantize int8|fp8|...]
+                                    [--agent-quantize int8|fp8|...] [--agent-prefill N] [--agent-check N]
 
   chat   multi-tenant chat: tenants with a system prompt shared by their
          sessions, multi-turn sessions (Zipf popularity) whose context grows
@@ -17,6 +17,11 @@ daemons (kvringd --gpu) sharing the GPU.
          holds no KV. At each milestone: decode tokens/s, the engine's peak
          GPU memory, bytes moved; at the end the same against local sdpa
          with the KV of its first min(N, 128K) tokens in the engine (bf16).
+         --agent-prefill N: past N tokens the context is stored by
+         PutSequence from K/V the engine computes chunk by chunk (each
+         chunk alone), for a 1M context whose prefill outlasts the device
+         time. With --agent-quantize, first the teacher-forced logits of
+         pass-Q over a context stored in that encoding against sdpa.
   batch  a cache-backend batch job: requests over a few long shared
          documents, each with its own question; wall time and tokens/s with
          kvring against recompute, hit rate, bytes loaded.
@@ -136,8 +141,37 @@ def decode_tps(model, cache, n, first_token):
     return n / (time.perf_counter() - t0)
 
 
+def fill_chunk(c, model, sid, ids, done, n, layout):
+    """Stores tokens [done, done + n) of sequence `sid` (which holds exactly `done` tokens, block-aligned) by
+    PutSequence, from K/V the engine computes over this chunk alone (local sdpa, positions done.., no attention to
+    the tokens before it). Not the K/V a full prefill gives past the first layer: a stand-in for contexts whose
+    prefill does not fit the device time (hf_workloads --agent-prefill); decode over them costs the same."""
+    import kvring.hf as khf
+    from kvring import torch as kt
+    cache = khf._dynamic_cache(model)
+    pos = torch.arange(done, done + n, device=ids.device).unsqueeze(0)
+    model(ids[:, done:done + n], position_ids=pos, past_key_values=cache, use_cache=True)
+    bt = layout.block_tokens
+    parts = []
+    for layer in range(layout.layers):
+        kk = cache.layers[layer].keys[0].reshape(layout.kv_heads, n // bt, bt, -1).permute(1, 0, 2, 3)
+        vv = cache.layers[layer].values[0].reshape(layout.kv_heads, n // bt, bt, -1).permute(1, 0, 2, 3)
+        parts.append(torch.stack([kk, vv], dim=1))
+    blocks = torch.stack(parts, dim=1).contiguous()  # [n / bt, layers, 2, kv_heads, bt, head_dim]
+    del cache, parts
+    b0 = done // bt
+    keys = np.zeros((n // bt, 2), np.uint64)
+    keys[:, 0] = np.arange(b0 + 1, b0 + n // bt + 1, dtype=np.uint64)
+    keys[:, 1] = np.uint64(0xA6E47F111ED00000)  # the fill's blocks: keys no chain or other sequence uses
+    for i in range(0, n // bt, 2048):
+        j = min(n // bt, i + 2048)
+        kt.put_sequence(c, sid, b0 + i, keys[i:j], blocks[i:j], layout)
+    return blocks.numel() * blocks.element_size()
+
+
 def agent(c, model, results, total, chunk=8192, milestones=(32768, 65536, 131072, 262144, 524288, 1048576),
-          quantize=""):
+          quantize="", prefill=None):
+    """prefill: tokens past this many are stored by fill_chunk instead of pass-Q prefill (None: all prefilled)."""
     import kvring.hf as khf
     from transformers import DynamicCache
     g = torch.Generator().manual_seed(7)
@@ -145,36 +179,63 @@ def agent(c, model, results, total, chunk=8192, milestones=(32768, 65536, 131072
     ids = rand_tokens(g, total, V).cuda()
     weights = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    sess = khf.PassQSession(c, model, ["agent-0"])
+    prefill = total if prefill is None else max(0, min(total, prefill // chunk * chunk))
+    sid = "agent-0"
+    sess = khf.PassQSession(c, model, [sid])
     rows = []
+    t_prefill = t_fill = 0.0
+    fill_bytes = 0
     try:
         cache = sess.cache()
-        t_prefill = 0.0
         done = 0
         with torch.no_grad():
             while done < total:
                 n = min(chunk, total - done)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                model(ids[:, done:done + n], past_key_values=cache, use_cache=True)
+                if done < prefill:
+                    model(ids[:, done:done + n], past_key_values=cache, use_cache=True)
+                else:
+                    # The session's attention off for the local computation, then a session over the longer
+                    # sequence (keep=True: the same sequence, not a new one).
+                    if min(sess.tokens[0]) != done:  # the tokens decoded at milestones of the prefill
+                        sess.truncate(done)
+                    sess.detach()
+                    fill_bytes += fill_chunk(c, model, sid, ids, done, n // 16 * 16, sess.layout)
+                    n = n // 16 * 16
+                    sess = khf.PassQSession(c, model, [sid], keep=True, start_tokens=done + n)
+                    cache = sess.cache()
                 torch.cuda.synchronize()
-                t_prefill += time.perf_counter() - t0
+                if done < prefill:
+                    t_prefill += time.perf_counter() - t0
+                else:
+                    t_fill += time.perf_counter() - t0
                 done += n
+                if n == 0:
+                    break
                 if done in milestones or done == total:
                     tps = decode_tps(model, cache, 8, ids[:, :1])
-                    # (the 9 decoded tokens extend the context; the next chunk continues after them)
+                    # (the 9 decoded tokens extend the context; a prefill continues after them, a fill after the
+                    # context cut back to its blocks)
+                    if done >= prefill:
+                        sess.truncate(done)
                     peak = torch.cuda.max_memory_allocated() - weights
                     rows.append({"context": done, "passq_decode_tokens_per_s": tps, "prefill_s_so_far": t_prefill,
+                                 "filled_tokens": max(0, done - prefill), "fill_s_so_far": t_fill,
                                  "engine_peak_bytes_above_weights": peak, "bytes_sent": sess.bytes_sent,
                                  "bytes_received": sess.bytes_received, "shard_steps": sess.shard_steps,
                                  "shard_steps_in_place": sess.shard_steps_in_place})
-                    log(f"  agent: context {done // 1024}K tokens on kvring (prefill so far {t_prefill:.1f} s): "
-                        f"decode {tps:.1f} tok/s, engine peak {peak / 1e9:.2f} GB above the weights, "
-                        f"{sess.bytes_sent / 1e9:.1f} GB sent / {sess.bytes_received / 1e9:.1f} GB received; "
-                        f"{sess.shard_steps_in_place} of {sess.shard_steps} shard steps in this GPU's memory")
+                    filled = f", {(done - prefill) // 1024}K filled in {t_fill:.1f} s" if done > prefill else ""
+                    log(f"  agent: context {done // 1024}K tokens on kvring (prefill so far {t_prefill:.1f} s"
+                        f"{filled}): decode {tps:.1f} tok/s, engine peak {peak / 1e9:.2f} GB above the weights, "
+                        f"{sess.bytes_sent / 1e9:.1f} GB sent / {sess.bytes_received / 1e9:.1f} GB received "
+                        f"(this session); {sess.shard_steps_in_place} of {sess.shard_steps} shard steps in this "
+                        f"GPU's memory")
     finally:
         sess.detach()
-    res = {"tokens": total, "shards": 4, "rows": rows, "stored_as": quantize or "bf16"}
+    res = {"tokens": total, "shards": 4, "rows": rows, "stored_as": quantize or "bf16", "prefilled_tokens": prefill,
+           "filled_tokens": max(0, total - prefill), "fill_s": t_fill, "fill_bytes_put": fill_bytes,
+           "prefill_s": t_prefill}
     # Its first min(total, 128K) tokens with their KV in the engine (local sdpa, bf16), where they fit: the peer of
     # the pass-Q rows at that length.
     local_n = min(total, 131072)
@@ -245,6 +306,13 @@ def main():
     p.add_argument("--agent-quantize", default="",
                    help="the agent's sequence stored in this encoding (int8, fp8, ...: ClientOptions::quantize); "
                         "its open blocks stay bf16")
+    p.add_argument("--agent-prefill", type=int, default=None,
+                   help="the agent's tokens past this many are stored by PutSequence from K/V the engine computes "
+                        "chunk by chunk (each chunk alone: a stand-in where the whole prefill does not fit the "
+                        "device time); default: all of them through pass-Q prefill")
+    p.add_argument("--agent-check", type=int, default=4096,
+                   help="with --agent-quantize: teacher-forced logits of pass-Q over a context of this many tokens "
+                        "stored in that encoding against local sdpa (0: no check)")
     p.add_argument("--chat-turns", type=int, default=12)
     p.add_argument("--cudnn-sdpa", action="store_true", help="leave SDPA's cuDNN backend on (see main)")
     args = p.parse_args()
@@ -291,7 +359,12 @@ def main():
         if "agent" in parts:
             ca = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=300, quantize=args.agent_quantize) \
                 if args.agent_quantize else c
-            section("agent", lambda: agent(ca, model, results, args.agent_tokens, quantize=args.agent_quantize))
+            if args.agent_quantize and args.agent_check:
+                from hf_e2e import passq_check
+                section("agent-check", lambda: passq_check(ca, model, f"agent-{args.agent_quantize}",
+                                                           args.agent_check, 32, results))
+            section("agent", lambda: agent(ca, model, results, args.agent_tokens, quantize=args.agent_quantize,
+                                           prefill=args.agent_prefill))
             if ca is not c:
                 ca.close()
         c.close()
