@@ -278,6 +278,9 @@ def main():
     p.add_argument("--reply-when-done", action="store_true",
                    help="the client's node_reply_when_queued=False: GPU nodes answer once their work is done, not "
                         "once it is queued (for comparison with the default)")
+    p.add_argument("--detach", action="store_true",
+                   help="the client's detach_device_steps=True: decode steps return without waiting for the nodes' "
+                        "replies (collected on the client's thread; a failure comes back on a later call)")
     p.add_argument("--tag", default="",
                    help="a name for this run's binaries (e.g. base: an earlier build beside the current one, same "
                         "call); it names the output file and moves the cluster to its own ports")
@@ -310,6 +313,9 @@ def main():
     copts["device_exchange_min_bytes"] = args.exchange_min_bytes
     if args.reply_when_done:
         copts["node_reply_when_queued"] = False
+    if args.detach:
+        copts["detach_device_steps"] = True
+    results["detach_device_steps"] = args.detach
     results["device_exchange_min_bytes"] = args.exchange_min_bytes
     path = out / (f"hf_decode_{args.deployment}{'' if args.exchange_min_bytes < 0 else '_x%d' % args.exchange_min_bytes}"
                   f"{'_' + args.tag if args.tag else ''}.json")

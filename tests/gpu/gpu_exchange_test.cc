@@ -381,6 +381,67 @@ TEST(GpuExchangeTest, StepsOrderedOnTwoReplicasAnsweredOnceQueuedStayExact) {
   cudaStreamDestroy(stream);
 }
 
+// Detached steps (ClientOptions::detach_device_steps): the call returns
+// once the requests are out, the stream waits for the nodes' words and
+// merges; the replies are collected on the client's thread. Exact at every
+// step, read through the stream. Then a node is killed: the steps that
+// reached it fail in the collector, which sets their words (the stream goes
+// on: the reads below would hang otherwise), and a later call returns the
+// failure.
+TEST(GpuExchangeTest, DetachedStepsStayExactAndAFailureComesBackOnALaterCall) {
+  KVRING_REQUIRE_GPU();
+  int ipc_events = 0;
+  cudaDeviceGetAttribute(&ipc_events, cudaDevAttrIpcEventSupport, 0);
+  if (!ipc_events || !StreamWordsAvailable()) GTEST_SKIP() << "needs IPC events and stream memory operations";
+  Cluster cl(TwoNodes(1));
+  ASSERT_TRUE(cl.Start());
+  auto token = cl.CreateTenant("engine");
+  ASSERT_TRUE(token.ok()) << token.status();
+  ClientOptions co = Options(cl, *token, true);
+  co.detach_device_steps = true;
+  auto c = Client::Connect(co);
+  ASSERT_TRUE(c.ok());
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  Engine e(51);
+  int detached = 0, decode_calls = 0, returned_early = 0;
+  for (int s = 0; s < 10; ++s) {
+    for (uint32_t l = 0; l < kLayout.layers; ++l) {
+      const std::string what = absl::StrCat("detached, step ", s, " layer ", l);
+      const std::vector<Engine::Part> parts = s == 0 ? std::vector<Engine::Part>{{"d", 40, 40}, {"e", 9, 9}}
+                                                     : std::vector<Engine::Part>{{"d", 1, 1}, {"e", 1, 1}};
+      Engine::Result r = e.Step(**c, l, parts, stream);
+      ASSERT_NO_FATAL_FAILURE(ExpectMatchesReference(r, what));
+      if (s > 0) {
+        ++decode_calls;
+        detached += r.report.shards_detached > 0 ? 1 : 0;
+        returned_early += r.call_seconds < 0.025 ? 1 : 0;
+      }
+    }
+  }
+  // Every decode step went on without its replies, and returned before the
+  // stream reached its inputs (queued behind a 30 ms host function).
+  EXPECT_EQ(detached, decode_calls);
+  EXPECT_GE(returned_early, decode_calls * 3 / 4);
+  // The replies are all in, and none failed: the sequences list their tokens.
+  auto listed = (*c)->ListSequences({"d", "e"});
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 2u);
+  cl.KillDaemon(1);
+  absl::Status failure;
+  for (int s = 0; s < 6 && failure.ok(); ++s) {
+    Engine::Result r = e.Step(**c, 0, {{"d", 1, 1}, {"e", 1, 1}}, stream);
+    failure = r.status;
+    if (failure.ok()) ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // (the stream went on)
+  }
+  // (from the collector: "a detached step (layer 0 of sequence 'd' ...)
+  // failed on node ..."; or, where the client already knew the node was
+  // gone when it sent, from the step itself)
+  ASSERT_FALSE(failure.ok()) << "a step on the killed node never failed";
+  std::cout << "after the kill: " << failure << "\n";
+  cudaStreamDestroy(stream);
+}
+
 TEST(GpuExchangeTest, ACpuNodeRefusesTheExchangeAndIsServedThroughStaging) {
   KVRING_REQUIRE_GPU();
   Cluster cl(TwoNodes(1, /*gpu=*/false));

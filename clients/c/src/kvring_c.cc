@@ -82,6 +82,7 @@ int kvring_connect(const kvring_options* o, kvring_client** out) {
   co.ucx_loop.spin_max_us = o->ucx_spin_max_us;
   co.device_delivery = o->no_device_delivery == 0;
   if (o->node_reply_when_queued != 0) co.node_reply_when_queued = o->node_reply_when_queued > 0;
+  co.detach_device_steps = o->detach_device_steps > 0;
   if (o->device_exchange_min_bytes >= 0)
     co.device_exchange_min_bytes = static_cast<uint64_t>(o->device_exchange_min_bytes);
   auto c = Client::Connect(co);
@@ -322,7 +323,8 @@ int kvring_step(kvring_client* c, const kvring_step_args* a, float* out, float* 
                                    rep.stage_seconds,
                                    rep.round_trip_seconds,
                                    rep.transport_seconds,
-                                   static_cast<int32_t>(rep.shards_replied_queued)};
+                                   static_cast<int32_t>(rep.shards_replied_queued),
+                                   static_cast<int32_t>(rep.shards_detached)};
   }
   return Code(absl::OkStatus());
 }

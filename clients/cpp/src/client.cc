@@ -129,8 +129,19 @@ absl::StatusOr<DeviceMemory*> ClientImpl::Dev() {
   absl::MutexLock l(&dev_mu_);
   if (dev_ == nullptr) {
     KVRING_ASSIGN_OR_RETURN(dev_, DeviceMemory::Create());
+    if (o_.detach_device_steps) detached_ = std::make_unique<DetachedRounds>(dev_.get(), kMaxDetachedSteps);
   }
   return dev_.get();
+}
+
+DetachedRounds* ClientImpl::Detached() {
+  absl::MutexLock l(&dev_mu_);
+  return detached_.get();
+}
+
+absl::Status ClientImpl::SettleDetached() {
+  DetachedRounds* d = Detached();
+  return d != nullptr ? d->Drain() : absl::OkStatus();
 }
 
 void ClientImpl::Suspect(const std::string& id) {
@@ -459,6 +470,7 @@ absl::StatusOr<v1::AttendResponse> ClientImpl::AttendOn(Node& n, v1::AttendReque
 absl::StatusOr<PutReport> ClientImpl::PutBlocks(absl::Span<const BlockData> blocks, const std::string* seq,
                                                 uint64_t first_block, std::vector<std::vector<int>>* missing_on) {
   if (missing_on != nullptr) missing_on->assign(blocks.size(), {});
+  if (seq != nullptr) KVRING_RETURN_IF_ERROR(SettleDetached());
   bool any_device = false;
   for (const BlockData& b : blocks) any_device |= b.payload_on_device;
   if (!any_device) return PutPlaced(blocks, seq, first_block, missing_on);
@@ -913,6 +925,7 @@ absl::StatusOr<SequenceChangeReport> Client::TruncateSequence(const std::string&
   return impl_->ChangeSequence(sequence_id, true, tokens);
 }
 absl::StatusOr<std::vector<SequenceListing>> Client::ListSequences(absl::Span<const std::string> ids) {
+  KVRING_RETURN_IF_ERROR(impl_->SettleDetached());
   return impl_->ListSequences(ids);
 }
 absl::StatusOr<ForkReport> Client::ForkSequence(const std::string& source_id, const std::string& sequence_id,

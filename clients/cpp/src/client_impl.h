@@ -30,6 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "detached_rounds.h"
 #include "kvring.grpc.pb.h"
 #include "kvring/attention/step/step_shape.h"
 #include "kvring/cache/quantize.h"
@@ -62,6 +63,14 @@ class ClientImpl {
 
   using Node = NodeConnection;
 
+  // Detached steps whose replies may be outstanding at once
+  // (ClientOptions::detach_device_steps).
+  static constexpr size_t kMaxDetachedSteps = 8;
+  // The rows a node takes of a detached step: GPU nodes serve steps of up
+  // to 64 rows on their UCX thread, in the order they arrive
+  // (UcxDataPlane's inline_attend_rows); larger ones could pass each other.
+  static constexpr uint32_t kMaxDetachedRows = 64;
+
   explicit ClientImpl(const ClientOptions& o)
       : o_(o),
         quantize_wire_(!o.quantize               ? ""
@@ -69,6 +78,15 @@ class ClientImpl {
                                                  : "none"),
         pool_(o.threads ? o.threads : 16) {
     node_events_ok_ = o.node_reply_when_queued;
+  }
+  // Detached steps' replies collected first, while the node connections
+  // they arrive on are still here.
+  ~ClientImpl() {
+    std::unique_ptr<DetachedRounds> d;
+    {
+      absl::MutexLock l(&dev_mu_);
+      d = std::move(detached_);
+    }
   }
 
   absl::Status Init();
@@ -85,6 +103,14 @@ class ClientImpl {
 
   // The device copier, created on first use (the process may have no GPU).
   absl::StatusOr<DeviceMemory*> Dev();
+  // The collector of detached steps (ClientOptions::detach_device_steps),
+  // created with the device copier; null when the option is off or there is
+  // no device.
+  DetachedRounds* Detached();
+  // Before a call that changes a sequence: the replies of detached steps in
+  // flight collected (an append of theirs reaches the node before this
+  // call), and the failure of one not returned yet.
+  absl::Status SettleDetached();
 
   void Suspect(const std::string& id);
   bool Suspected(const std::string& id);
@@ -459,6 +485,8 @@ class ClientImpl {
   std::atomic<uint32_t> next_flag_{1};
   absl::Mutex dev_mu_;
   std::unique_ptr<DeviceMemory> dev_ ABSL_GUARDED_BY(dev_mu_);
+  // (after dev_: destroyed first, its rounds' buffers going back to dev_)
+  std::unique_ptr<DetachedRounds> detached_ ABSL_GUARDED_BY(dev_mu_);
   ClientOptions o_;
   const std::string quantize_wire_;  // PutRequest.quantize: o_.quantize spelled for the wire
   std::shared_ptr<grpc::ChannelCredentials> creds_;

@@ -24,6 +24,7 @@ std::vector<int> ClientImpl::UpNodes(const ShardRing& ring) {
 
 absl::StatusOr<SequenceChangeReport> ClientImpl::ChangeSequence(const std::string& id, bool truncate, uint64_t tokens) {
   KVRING_RETURN_IF_ERROR(ValidateSequenceId(id));
+  KVRING_RETURN_IF_ERROR(SettleDetached());
   if (tokens > kMaxSequenceTokens) {
     return absl::InvalidArgumentError(absl::StrCat("truncate to ", tokens, " tokens: over the limit"));
   }
@@ -136,6 +137,7 @@ absl::StatusOr<SequencePlacement> ClientImpl::PlacementOf(const SequenceListing&
 absl::StatusOr<PrefixStartReport> ClientImpl::StartFromPrefix(const std::string& id, const BlockLayout& L,
                                                               absl::Span<const BlockKey> chain) {
   KVRING_RETURN_IF_ERROR(ValidateSequenceId(id));
+  KVRING_RETURN_IF_ERROR(SettleDetached());
   const char* why = nullptr;
   if (!L.IsValid(&why)) return absl::InvalidArgumentError(absl::StrCat("layout: ", why));
   if (chain.empty()) return absl::InvalidArgumentError("a start from the prefix cache names a chain's blocks");
@@ -225,6 +227,7 @@ absl::StatusOr<PrefixStartReport> ClientImpl::StartFromPrefix(const std::string&
 absl::StatusOr<ForkReport> ClientImpl::ForkSequence(const std::string& source, const std::string& id, uint64_t tokens) {
   KVRING_RETURN_IF_ERROR(ValidateSequenceId(source));
   KVRING_RETURN_IF_ERROR(ValidateSequenceId(id));
+  KVRING_RETURN_IF_ERROR(SettleDetached());
   if (source == id) return absl::InvalidArgumentError(absl::StrCat("sequence '", id, "' forked onto itself"));
   if (tokens == 0 || tokens > kMaxSequenceTokens) {
     return absl::InvalidArgumentError(

@@ -33,6 +33,7 @@ constexpr uint64_t kStartedAttendMaxBytes = 256 << 10;
 }  // namespace
 
 absl::Status ClientImpl::StepInto(const AttendStep& in, PartialOutput out, AttendReport* report) {
+  if (DetachedRounds* d = Detached(); d != nullptr) KVRING_RETURN_IF_ERROR(d->TakeError());
   if (!in.device_buffers) return StepOnHost(in, out, report);
   KVRING_ASSIGN_OR_RETURN(DeviceMemory * dev, Dev());
   void* const stream = in.stream_ordered ? in.stream : DeviceMemory::ThreadStream();
@@ -550,7 +551,9 @@ class ClientImpl::StepRound {
     prepared_.resize(jobs_.size());
     for (size_t j = 0; j < jobs_.size(); ++j) prepared_[j] = Prepare(j);
     res_.resize(jobs_.size());
-    SendAll();
+    StartAll();
+    if (Detachable()) return Detach();
+    FinishAll();
     c_.SuspectFailed<Result>(ring_, NodesOf(jobs_), res_,
                              [](const Result& r) { return !r.resp.ok() && IsNodeFailure(r.resp.status()); });
     const auto tm = Clock::now();
@@ -802,57 +805,134 @@ class ClientImpl::StepRound {
   // where the carrier allows it (UCX): a fan-out to N nodes then wakes no
   // pool thread and hands each call to a progress thread once. The rest
   // (gRPC; a node that refused the exchange buffer; payloads large enough
-  // that staging them is worth spreading over threads) run on the pool.
-  void SendAll() {
+  // that staging them is worth spreading over threads) run on the pool
+  // (FinishAll).
+  void StartAll() {
     const size_t n = jobs_.size();
-    std::vector<std::shared_ptr<Node>> nodes(n);
-    std::vector<std::shared_ptr<NodeChannel>> channels(n);  // held for their calls
-    std::vector<std::unique_ptr<PendingAttend>> pending(n);
-    std::vector<Clock::time_point> sent_at(n);
-    std::vector<size_t> waited_jobs;
+    nodes_.assign(n, nullptr);
+    channels_.assign(n, nullptr);
+    pending_.clear();
+    pending_.resize(n);
+    sent_at_.assign(n, Clock::time_point());
+    waited_jobs_.clear();
     for (size_t j = 0; j < n; ++j) {
-      nodes[j] = c_.NodeFor(ring_.node(jobs_[j].node).node_id());
-      if (nodes[j] == nullptr || (dx_ != nullptr && nodes[j]->attend_device_refused.load())) {
-        waited_jobs.push_back(j);
+      nodes_[j] = c_.NodeFor(ring_.node(jobs_[j].node).node_id());
+      if (nodes_[j] == nullptr || (dx_ != nullptr && nodes_[j]->attend_device_refused.load())) {
+        waited_jobs_.push_back(j);
         continue;
       }
       Prepared& pr = prepared_[j];
       Result& r = res_[j];
       r.rows = pr.rows;
       if (dx_ == nullptr && pr.bytes > kStartedAttendMaxBytes) {
-        waited_jobs.push_back(j);
+        waited_jobs_.push_back(j);
         continue;
       }
-      channels[j] = nodes[j]->Channel();
-      sent_at[j] = Clock::now();
+      channels_[j] = nodes_[j]->Channel();
+      sent_at_[j] = Clock::now();
       if (dx_ != nullptr) {
         SetDevice(pr.req, j);
         r.sent = pr.req.ByteSizeLong();
-        pending[j] = channels[j]->StartAttend(pr.req, {}, {}, {}, {});
+        pending_[j] = channels_[j]->StartAttend(pr.req, {}, {}, {}, {});
       } else {
         SizeHostReply(pr, r);
-        pending[j] = channels[j]->StartAttend(pr.req, pr.qp, pr.kp, pr.vp, absl::MakeSpan(r.reply));
+        pending_[j] = channels_[j]->StartAttend(pr.req, pr.qp, pr.kp, pr.vp, absl::MakeSpan(r.reply));
       }
-      if (pending[j] == nullptr) waited_jobs.push_back(j);
+      if (pending_[j] == nullptr) waited_jobs_.push_back(j);
     }
-    c_.pool_.ParallelFor(waited_jobs.size(), [&](size_t i) {
-      const size_t j = waited_jobs[i];
-      res_[j] = nodes[j] ? Call(j, *nodes[j]) : Result{absl::UnavailableError("unknown node")};
+  }
+
+  // The jobs StartAll could not start, run on the pool, and every reply.
+  void FinishAll() {
+    c_.pool_.ParallelFor(waited_jobs_.size(), [&](size_t i) {
+      const size_t j = waited_jobs_[i];
+      res_[j] = nodes_[j] ? Call(j, *nodes_[j]) : Result{absl::UnavailableError("unknown node")};
     });
-    for (size_t j = 0; j < n; ++j) {
-      if (pending[j] == nullptr) continue;
+    for (size_t j = 0; j < jobs_.size(); ++j) {
+      if (pending_[j] == nullptr) continue;
       Result& r = res_[j];
-      r.resp = pending[j]->Wait();
-      r.round_trip += Since(sent_at[j]);
-      pending[j].reset();
+      r.resp = pending_[j]->Wait();
+      r.round_trip += Since(sent_at_[j]);
+      pending_[j].reset();
       if (dx_ != nullptr && r.resp.ok() && !r.resp->device_refusal().empty()) {
         // The exchange buffer (or only the inputs' event) refused: the
         // waited path asks again the way this node can be served.
-        res_[j] = Call(j, *nodes[j]);
+        res_[j] = Call(j, *nodes_[j]);
         continue;
       }
       r.in_place = dx_ != nullptr && r.resp.ok();
     }
+    channels_.clear();
+  }
+
+  // Whether the round goes on without its replies
+  // (ClientOptions::detach_device_steps): a step's attend round (one that
+  // may retry: not a two-phase step's appends) on the caller's stream,
+  // every job sent through the exchange buffer with its word, each of at
+  // most kMaxDetachedRows rows and appended tokens.
+  bool Detachable() const {
+    if (dx_ == nullptr || !dx_->stream_ordered || k_.failed == nullptr || !waited_jobs_.empty()) return false;
+    if (ex_.inputs_event.empty() || !c_.node_events_ok_.load() || !dx_->dev->WaitsOnWords()) return false;
+    if (c_.Detached() == nullptr) return false;
+    for (size_t j = 0; j < jobs_.size(); ++j) {
+      if (pending_[j] == nullptr || ex_.place[j].rows > kMaxDetachedRows || ex_.place[j].app > kMaxDetachedRows) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // The round without its replies: every append counted as acknowledged,
+  // the stream's waits on every job's word and the merge of the partials
+  // the plan expects queued now; the replies go to the client's collector
+  // (DetachedRounds), which sets the word of a job whose node did not and
+  // keeps a failure for the next call.
+  absl::Status Detach() {
+    DetachedRounds::Round round;
+    round.stream = dx_->stream;
+    round.what = absl::StrCat("layer ", shape_.options.layer, " of sequence '",
+                              st_.sequences.empty() ? "" : st_.sequences[0].sequence_id, "'",
+                              st_.sequences.size() > 1 ? absl::StrCat(" and ", st_.sequences.size() - 1, " more") : "");
+    std::vector<std::vector<int32_t>> contrib(shape_.num_rows);
+    for (size_t j = 0; j < jobs_.size(); ++j) {
+      const NodeJob& job = jobs_[j];
+      DetachedRounds::Job dj;
+      dj.pending = std::move(pending_[j]);
+      dj.channel = std::move(channels_[j]);
+      dj.node_id = ring_.node(job.node).node_id();
+      dj.sequences = static_cast<int>(job.parts.size());
+      dj.word = ex_.xb.data() + ex_.flags_off + j * sizeof(uint32_t);
+      dj.value = FlagValue(j);
+      round.jobs.push_back(std::move(dj));
+      uint32_t off = 0;
+      for (const SeqPart& p : job.parts) {
+        (void)CollectPart(job, p, absl::OkStatus());  // (acknowledged: a failure comes back later)
+        if (p.chunks.empty()) continue;
+        const uint32_t n = st_.sequences[p.seq].rows, r0 = sh_.row_begin[p.seq];
+        for (uint32_t i = 0; i < n; ++i) {
+          contrib[r0 + i].push_back(static_cast<int32_t>(ex_.place[j].part_row + off + i));
+        }
+        off += n;
+      }
+      AttendReport* rep = k_.rep;
+      if (res_[j].rows > 0) {
+        ++rep->shards;
+        ++rep->shards_in_place;
+      }
+      ++rep->shards_detached;
+      rep->bytes_sent += res_[j].sent;
+    }
+    k_.rep->inputs_waited_on_device = true;  // (the nodes wait on the inputs' event)
+    absl::Status s;
+    for (size_t j = 0; j < round.jobs.size() && s.ok(); ++j) {
+      s = dx_->dev->WaitWord(round.jobs[j].word, round.jobs[j].value, dx_->stream);
+    }
+    if (s.ok()) s = MergeOnDevice(contrib);
+    round.xb = std::move(ex_.xb);
+    // (Handed over also when the waits or the merge could not be queued: the
+    // collector still sets the words and drops the buffer where needed.)
+    c_.Detached()->Add(std::move(round));
+    return s;
   }
 
   // Nodes that answered once their work was queued on their GPU: the
@@ -1057,6 +1137,13 @@ class ClientImpl::StepRound {
   ExchangeStage ex_;
   std::vector<Prepared> prepared_;
   std::vector<Result> res_;
+  // StartAll's: each job's node, channel (held for its call), pending call
+  // (null: run on the pool) and when it was sent; the jobs left to the pool.
+  std::vector<std::shared_ptr<Node>> nodes_;
+  std::vector<std::shared_ptr<NodeChannel>> channels_;
+  std::vector<std::unique_ptr<PendingAttend>> pending_;
+  std::vector<Clock::time_point> sent_at_;
+  std::vector<size_t> waited_jobs_;
   absl::Mutex waited_mu_;
   bool inputs_waited_ ABSL_GUARDED_BY(waited_mu_) = true;
 };

@@ -22,6 +22,10 @@ cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 class CudaDeviceMemory final : public DeviceMemory {
  public:
   ~CudaDeviceMemory() override {
+    {
+      absl::MutexLock w(&word_mu_);  // (SetWord takes word_mu_ before mu_)
+      if (word_stream_ != nullptr) (void)cudaStreamDestroy(word_stream_);
+    }
     absl::MutexLock l(&mu_);
     (void)cudaDeviceSynchronize();                       // queued work may still use the buffers below
     for (auto& [n, e] : free_) (void)cudaFreeHost(e.p);  // nothing to report to at teardown
@@ -146,6 +150,22 @@ class CudaDeviceMemory final : public DeviceMemory {
     return StreamWordWait(S(stream), word, value);
   }
   bool WaitsOnWords() const override { return StreamWordsAvailable(); }
+  absl::Status SetWord(void* word, uint32_t value, const std::string& after_ipc_event) override {
+    absl::MutexLock l(&word_mu_);
+    cudaPointerAttributes a{};
+    if (cudaError_t e = cudaPointerGetAttributes(&a, word); e != cudaSuccess || a.type != cudaMemoryTypeDevice) {
+      (void)cudaGetLastError();
+      return absl::InvalidArgumentError("the word to set is not device memory");
+    }
+    KVRING_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(a.device), "the word's device"));
+    if (word_stream_ == nullptr) {
+      KVRING_RETURN_IF_ERROR(
+          CudaStatus(cudaStreamCreateWithFlags(&word_stream_, cudaStreamNonBlocking), "a stream for words"));
+    }
+    if (!after_ipc_event.empty()) KVRING_RETURN_IF_ERROR(WaitNodeEvent(after_ipc_event, word_stream_));
+    KVRING_RETURN_IF_ERROR(StreamWordWrite(word_stream_, word, value));
+    return CudaStatus(cudaStreamSynchronize(word_stream_), "setting a word");
+  }
   absl::Status WaitNodeEvent(const std::string& ipc_event, void* stream) override {
     cudaEvent_t e = nullptr;
     {
@@ -281,6 +301,8 @@ class CudaDeviceMemory final : public DeviceMemory {
   }
 
   absl::Mutex mu_;
+  absl::Mutex word_mu_;  // SetWord's stream, one call at a time
+  cudaStream_t word_stream_ ABSL_GUARDED_BY(word_mu_) = nullptr;
   std::multimap<size_t, StagingEntry> free_ ABSL_GUARDED_BY(mu_);
   std::multimap<size_t, ExchangeEntry> free_exchange_ ABSL_GUARDED_BY(mu_);
   std::vector<uint8_t*> retired_ ABSL_GUARDED_BY(mu_);

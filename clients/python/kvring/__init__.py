@@ -285,7 +285,8 @@ class Client:
 
     def __init__(self, coordinator, token, namespace="", use_ucx=True, quantize="", rpc_timeout=10.0, tls_ca="",
                  tls_cert="", tls_key="", threads=0, ucx_spin_us=-1, ucx_busy_poll=False, device_delivery=True,
-                 device_exchange_min_bytes=-1, ucx_spin_max_us=-1, node_reply_when_queued=None):
+                 device_exchange_min_bytes=-1, ucx_spin_max_us=-1, node_reply_when_queued=None,
+                 detach_device_steps=False):
         self._hp = None
         o = _native.Options(_text("coordinator", coordinator, 1024, empty=False), _text("token", token, 4096),
                             _text("namespace", namespace, 256), 1 if _flag("use_ucx", use_ucx) else 0,
@@ -297,7 +298,8 @@ class Client:
                             _int("device_exchange_min_bytes", device_exchange_min_bytes, -1, 1 << 62),
                             _int("ucx_spin_max_us", ucx_spin_max_us, -1, 1000000),
                             0 if node_reply_when_queued is None
-                            else 1 if _flag("node_reply_when_queued", node_reply_when_queued) else -1)
+                            else 1 if _flag("node_reply_when_queued", node_reply_when_queued) else -1,
+                            1 if _flag("detach_device_steps", detach_device_steps) else 0)
         h = ctypes.c_void_p()
         _check(_lib.kvring_connect(ctypes.byref(o), ctypes.byref(h)))
         self._hp = h

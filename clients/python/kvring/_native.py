@@ -23,7 +23,8 @@ class Options(ctypes.Structure):
                 ("quantize", c_char_p), ("rpc_timeout_s", c_double), ("tls_ca", c_char_p), ("tls_cert", c_char_p),
                 ("tls_key", c_char_p), ("threads", c_u32), ("ucx_spin_us", ctypes.c_int32), ("ucx_busy_poll", ctypes.c_int32),
                 ("no_device_delivery", ctypes.c_int32), ("device_exchange_min_bytes", ctypes.c_int64),
-                ("ucx_spin_max_us", ctypes.c_int32), ("node_reply_when_queued", ctypes.c_int32)]
+                ("ucx_spin_max_us", ctypes.c_int32), ("node_reply_when_queued", ctypes.c_int32),
+                ("detach_device_steps", ctypes.c_int32)]
 
 
 class PutReport(ctypes.Structure):
@@ -49,7 +50,7 @@ class AttendReport(ctypes.Structure):
                 ("merge_seconds", c_double), ("shards_in_place", ctypes.c_int32),
                 ("inputs_waited_on_device", ctypes.c_int32), ("plan_seconds", c_double),
                 ("stage_seconds", c_double), ("round_trip_seconds", c_double), ("transport_seconds", c_double),
-                ("shards_replied_queued", ctypes.c_int32)]
+                ("shards_replied_queued", ctypes.c_int32), ("shards_detached", ctypes.c_int32)]
 
     def as_dict(self):
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -146,8 +147,8 @@ def _load():
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
-    if lib.kvring_api_version() != 10:
-        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 10" % lib.kvring_api_version())
+    if lib.kvring_api_version() != 11:
+        raise ImportError("libkvring_c.so speaks C API version %d; this package needs 11" % lib.kvring_api_version())
     return lib
 
 

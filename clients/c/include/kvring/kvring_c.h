@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KVRING_C_API_VERSION 10
+#define KVRING_C_API_VERSION 11
 
 typedef struct kvring_client kvring_client;
 
@@ -52,6 +52,7 @@ typedef struct {
                               6) */
   int32_t node_reply_when_queued; /* ClientOptions::node_reply_when_queued: 0 its default (on), > 0 on, < 0 off
                                      (version 10; in 8-9 nonzero was on, 0 off) */
+  int32_t detach_device_steps;    /* ClientOptions::detach_device_steps: > 0 on, else off (version 11) */
 } kvring_options;
 
 typedef struct {
@@ -108,6 +109,8 @@ typedef struct {
   /* Shards that answered once the step's work was queued on their GPU
    * (AttendReport::shards_replied_queued; version 8). */
   int32_t shards_replied_queued;
+  /* Shards whose replies the step did not wait for (AttendReport::shards_detached; version 11). */
+  int32_t shards_detached;
 } kvring_attend_report;
 
 typedef struct {

@@ -115,6 +115,18 @@ struct ClientOptions {
   // tokens/s 1-7% higher (bench/RESULTS.md). (Answering early by an
   // interprocess event instead cost tokens/s: docs/MPS.md.) Default: true.
   bool node_reply_when_queued = true;
+  // With node_reply_when_queued: a decode step on the caller's stream whose
+  // nodes all take its request at once returns without waiting for their
+  // replies: the waits on the nodes' words and the merge are queued on the
+  // stream right after the requests go, and the replies are collected on a
+  // thread of the client's (at most 8 steps ahead of them). A step that
+  // failed there is not retried on another replica: its node's word is set
+  // so that the stream goes on, and the next Step (or a call that changes a
+  // sequence, which first waits for the replies in flight) returns the
+  // error: the failed step's output, and what the engine computed from it,
+  // are wrong. Not measured on a GPU yet (docs/PERFORMANCE-NOTES.md).
+  // Default: false.
+  bool detach_device_steps = false;
   // TLS towards the coordinator and the nodes (common/tls_config.h): set
   // tls.ca_file (and cert_file/key_file for mutual TLS). With TLS on,
   // payloads go over gRPC: use_ucx is ignored (UCX is not encrypted).
@@ -193,6 +205,10 @@ struct AttendReport {
   // node's stream set in the exchange buffer (AttendResponse.done_flag), not
   // by an interprocess event.
   uint32_t shards_done_by_flag = 0;
+  // Shards whose replies this step did not wait for
+  // (ClientOptions::detach_device_steps): they are collected later, and a
+  // failure among them is returned by a later call.
+  uint32_t shards_detached = 0;
 };
 
 // One sequence of an attention step.

@@ -165,6 +165,17 @@ class DeviceMemory {
   // driver has no stream memory operations (WaitsOnWords says so first).
   virtual absl::Status WaitWord(const void* word, uint32_t value, void* stream) = 0;
   virtual bool WaitsOnWords() const = 0;
+  // Sets the word at `word` (device memory of this process) to `value` from
+  // a stream of this object's own, created non-blocking so that it waits for
+  // nothing queued on the callers' streams (the legacy default stream
+  // included); first, where `after_ipc_event` is given (a node's
+  // AttendResponse.done_event), that stream waits for the node's work.
+  // Returns once the word is set. What a detached step's collector sets a
+  // job's word with when its node did not (DetachedRounds). UNIMPLEMENTED
+  // where the driver has no stream memory operations.
+  virtual absl::Status SetWord(void* word, uint32_t value, const std::string& after_ipc_event) {
+    return absl::UnimplementedError("this device memory cannot set a word");
+  }
   // Synchronous copies (complete on return).
   virtual absl::Status ToDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status ToHost(void* dst, const void* src, size_t bytes) = 0;
