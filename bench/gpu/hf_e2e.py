@@ -100,6 +100,7 @@ def eager_floor(model, ids, ref_tokens, ref_logits):
     """How far transformers' own eager attention is from sdpa on the same steps (teacher-forced): the bf16
     noise floor of this model, measured in the same run."""
     from transformers import DynamicCache
+    torch.cuda.empty_cache()  # (eager attention holds a layer's scores at once: 11 GB at 8K on the 40-layer shape)
     set_attention(model, "eager")
     try:
         tf = teacher_forced(model, ids, ref_tokens, DynamicCache())
@@ -378,7 +379,9 @@ def main():
         log("== held-out shape: 40 layers, 40 q / 8 kv heads, head_dim 128 (random weights)")
         model = build_model(40, 40, 8, 5120, 13824, seed=2)
         page40 = str(40 * 2 * 8 * 16 * 128 * 2)
-        with LocalCluster(nodes=4, port=8500, replication=1, host_bytes="8G", page_bytes=page40, gpu=0, hbm_bytes="8G",
+        # (an 8K prefix of 2.5 MiB blocks is 1.3 GB: 4 GB of HBM a daemon leaves the 40-layer model and its
+        # eager reference room on an 80 GB card)
+        with LocalCluster(nodes=4, port=8500, replication=1, host_bytes="8G", page_bytes=page40, gpu=0, hbm_bytes="4G",
                           chunk_blocks=256, bin=args.bin, root=ROOT) as cl:
             c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60)
             section("passq-heldout", lambda: passq_check(c, model, "heldout-40x40", 4096, 32, results))
