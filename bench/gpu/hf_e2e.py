@@ -318,6 +318,9 @@ def main():
     p.add_argument("--only", default="checks,heldout,figures",
                    help="comma-separated: checks (= passq,prefix,evicted,kill), heldout, figures (= ttft,decode), "
                         "or any of those parts")
+    p.add_argument("--detach", action="store_true",
+                   help="clients with detach_device_steps=True (decode steps do not wait for the nodes' replies); "
+                        "the kill check is left out: a detached step that fails is not retried on another replica")
     args = p.parse_args()
     import kvring
     from kvring.local_cluster import LocalCluster, start_mps
@@ -334,6 +337,10 @@ def main():
         parts |= {"passq", "prefix", "evicted", "kill"}
     if "figures" in parts:
         parts |= {"ttft", "decode"}
+    copts = {"detach_device_steps": True} if args.detach else {}
+    if args.detach and "kill" in parts:
+        parts.discard("kill")
+        log("(--detach: the kill check left out)")
 
     section = Sections(results, out / "hf_e2e.json")
 
@@ -345,7 +352,7 @@ def main():
         with LocalCluster(nodes=4, port=8200, replication=2, write_quorum=1, host_bytes="12G", page_bytes=page, gpu=0,
                           hbm_bytes="6G", chunk_blocks=256, bin=args.bin, root=ROOT) if parts & {
                               "passq", "prefix", "evicted", "kill"} else contextlib.nullcontext() as cl:
-            c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60) if cl else None
+            c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60, **copts) if cl else None
             if "passq" in parts:
                 section("passq-8b", lambda: passq_check(c, model, "llama3-8b", 4096, 32, results))
             if "prefix" in parts:
@@ -360,7 +367,7 @@ def main():
         if "ttft" in parts or "decode" in parts:
             with LocalCluster(nodes=4, port=8300, replication=1, host_bytes="12G", page_bytes=page, gpu=0,
                               hbm_bytes="6G", chunk_blocks=256, bin=args.bin, root=ROOT) as cl:
-                c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=120)
+                c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=120, **copts)
                 lens = [8192, 32768] + ([] if args.quick else [131072])
                 if "ttft" in parts:
                     section("ttft", lambda: ttft(c, model, "llama3-8b", lens, results))
@@ -370,7 +377,7 @@ def main():
         if "decode" in parts:
             with LocalCluster(nodes=1, port=8400, replication=1, host_bytes="12G", page_bytes=page, gpu=0,
                               hbm_bytes="12G", bin=args.bin, root=ROOT) as cl:
-                c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=120)
+                c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=120, **copts)
                 section("decode-1", lambda: decode_rate(c, model, "llama3-8b", 16384 if args.quick else 32768, 48, 1, results))
                 c.close()
         del model
@@ -383,7 +390,7 @@ def main():
         # eager reference room on an 80 GB card)
         with LocalCluster(nodes=4, port=8500, replication=1, host_bytes="8G", page_bytes=page40, gpu=0, hbm_bytes="4G",
                           chunk_blocks=256, bin=args.bin, root=ROOT) as cl:
-            c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60)
+            c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=60, **copts)
             section("passq-heldout", lambda: passq_check(c, model, "heldout-40x40", 4096, 32, results))
             section("prefix-heldout", lambda: prefix_check(c, model, "heldout-40x40", 8192, results))
             c.close()
