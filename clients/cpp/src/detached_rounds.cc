@@ -17,6 +17,9 @@ DetachedRounds::~DetachedRounds() {
     stop_ = true;
   }
   thread_.join();
+  // (every round collected: no stream waits for a word of this thread's now)
+  absl::MutexLock l(&mu_);
+  dropped_.clear();
 }
 
 void DetachedRounds::Add(Round r) {
@@ -71,9 +74,16 @@ absl::Status DetachedRounds::Collect(Round& r) {
                                         "wrong: recompute from before that step"));
     }
   }
-  if (!first.ok()) r.xb.Drop();  // a node that failed may still write into it
   r.xb.UseOn(r.stream);
-  r.xb = DeviceMemory::Exchange();  // back to the pool (or dropped) now
+  if (!first.ok()) {
+    // A node that failed may still write into it: never handed out again,
+    // and kept here until this object goes (freeing device memory waits for
+    // the whole device, whose streams may wait for words this thread sets).
+    r.xb.Drop();
+    absl::MutexLock l(&mu_);
+    dropped_.push_back(std::move(r.xb));
+  }
+  r.xb = DeviceMemory::Exchange();  // back to the pool now
   return first;
 }
 

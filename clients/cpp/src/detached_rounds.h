@@ -16,7 +16,9 @@
 //   stream does not wait forever; the round's merge then merged what was
 //   there, so the step's output is wrong: the failure is kept and the
 //   engine's next call returns it (TakeError), and the round's exchange
-//   buffer is never used again (its node may still write into it).
+//   buffer is never used again (its node may still write into it): kept
+//   until this object goes, since freeing device memory waits for the whole
+//   device, whose streams may wait for words only this thread sets.
 // The exchange buffer goes back to its pool once every reply is in, ordered
 // after the work queued on the engine's stream by then.
 //
@@ -82,6 +84,7 @@ class DetachedRounds {
   std::deque<Round> rounds_ ABSL_GUARDED_BY(mu_);  // front: being collected
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
+  std::vector<DeviceMemory::Exchange> dropped_ ABSL_GUARDED_BY(mu_);  // failed rounds' buffers
   std::thread thread_;
 };
 
