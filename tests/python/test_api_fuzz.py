@@ -54,6 +54,7 @@ class ApiFuzz(unittest.TestCase):
             lambda: kvring.Client(co, tok, ucx_spin_max_us=2 ** 40),
             lambda: kvring.Client(co, tok, ucx_spin_max_us=-2),
             lambda: kvring.Client(co, tok, node_reply_when_queued="yes"),
+            lambda: kvring.Client(co, tok, detach_device_steps="yes"),
             lambda: kvring.Client(co, tok + "\0junk"),
             lambda: kvring.Layout(dtype=["bf16"]),
             lambda: kvring.Layout(head_dim="64"),
@@ -166,6 +167,15 @@ class ApiFuzz(unittest.TestCase):
             c = kvring.Client(self.cluster.coordinator, self.tok, node_reply_when_queued=v)
             self.assertKvringError(lambda: c.attend("never-stored", self.L, 32, q, [31]), kvring.NotFoundError)
             c.close()
+
+    def test_detach_device_steps_leaves_host_steps_as_they_are(self):
+        # (C ABI 11: detached steps are steps on a GPU stream; a step on host buffers waits for its replies, and
+        # its error comes back from the call itself, not a later one)
+        q = np.zeros((1, 4, 64), np.float16)
+        c = kvring.Client(self.cluster.coordinator, self.tok, detach_device_steps=True)
+        self.assertKvringError(lambda: c.attend("never-stored", self.L, 32, q, [31]), kvring.NotFoundError)
+        self.assertKvringError(lambda: c.attend("never-stored", self.L, 32, q, [31]), kvring.NotFoundError)
+        c.close()
 
     def test_a_closed_client_raises(self):
         c = kvring.Client(self.cluster.coordinator, self.tok)
