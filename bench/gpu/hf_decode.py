@@ -2,7 +2,7 @@
 """Pass-Q decode inside transformers' generate, on the default deployment, beside local sdpa in the same run.
 
   python3 bench/gpu/hf_decode.py --bin .gpu [--deployment default|before] [--configs 1x1x32K,4x1x32K,...]
-                                 [--budget SECONDS]
+                                 [--budget SECONDS] [--detach | --ab-detach]
 
 Llama-3-8B shapes (32 layers, 32 q / 8 kv heads, d128; random weights). For each configuration
 SHARDSxBATCHxCONTEXT: the decode tokens/s of model.generate with kvring.hf.PassQSession (the KV on GPU
@@ -281,6 +281,10 @@ def main():
     p.add_argument("--detach", action="store_true",
                    help="the client's detach_device_steps=True: decode steps return without waiting for the nodes' "
                         "replies (collected on the client's thread; a failure comes back on a later call)")
+    p.add_argument("--ab-detach", action="store_true",
+                   help="each configuration twice in this process, one after the other: waited steps, then detached "
+                        "(detach_device_steps=True), each beside its own sdpa runs: an A/B that no drift between "
+                        "processes separates")
     p.add_argument("--tag", default="",
                    help="a name for this run's binaries (e.g. base: an earlier build beside the current one, same "
                         "call); it names the output file and moves the cluster to its own ports")
@@ -331,6 +335,10 @@ def main():
                           gpu=0, hbm_bytes=hbm, chunk_blocks=256, bin=args.bin, root=ROOT, daemon_flags=dflags,
                           mps=not before) as cl:
             c = kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=120, **copts)
+            modes = [(c, bool(copts.get("detach_device_steps")))]
+            if args.ab_detach:
+                modes = [(c, False), (kvring.Client(cl.coordinator, cl.tenant_token, rpc_timeout=120,
+                                                    **dict(copts, detach_device_steps=True)), True)]
             import kvring.hf as khf
             with khf.PassQSession(c, model, [f"warm-{shards}"], prepared=not before) as sess:
                 model.generate(warm, max_new_tokens=4, do_sample=False, past_key_values=sess.cache(), pad_token_id=0)
@@ -339,13 +347,18 @@ def main():
                 if time.time() - t_start > args.budget:
                     log(f"  (budget spent: {shards}x{b}x{n // 1024}K skipped)")
                     continue
-                try:
-                    results["configs"].append(run_config(c, cl, model, shards, b, n, args.new, before,
-                                                         args.deployment))
-                except Exception as e:  # noqa: BLE001
-                    import traceback
-                    traceback.print_exc()
-                    results.setdefault("errors", []).append(f"{shards}x{b}x{n}: {e!r}")
+                for cm, detached in modes:
+                    try:
+                        if len(modes) > 1:
+                            log(f"  ({'detached' if detached else 'waited'} steps)")
+                        r = run_config(cm, cl, model, shards, b, n, args.new, before,
+                                       args.deployment + ("-detached" if detached else ""))
+                        r["detached"] = detached
+                        results["configs"].append(r)
+                    except Exception as e:  # noqa: BLE001
+                        import traceback
+                        traceback.print_exc()
+                        results.setdefault("errors", []).append(f"{shards}x{b}x{n}: {e!r}")
                 # (a failed configuration's tensors go before the next one's cluster wants the memory)
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -355,6 +368,8 @@ def main():
                     profile_decode(c, model, shards, out)
                 except Exception as e:  # noqa: BLE001  (a diagnostic: the figures stand without it)
                     log(f"  profile failed: {e!r}")
+            for cm, _ in modes[1:]:
+                cm.close()
             c.close()
     path.write_text(json.dumps(results, indent=1))
     log(f"hf_decode: {len(results['configs'])} configuration(s) measured in {time.time() - t_start:.0f} s -> {path}")
