@@ -552,7 +552,7 @@ class ClientImpl::StepRound {
     for (size_t j = 0; j < jobs_.size(); ++j) prepared_[j] = Prepare(j);
     res_.resize(jobs_.size());
     StartAll();
-    if (Detachable()) return Detach();
+    if (DetachedRounds* d = Detachable(); d != nullptr) return Detach(*d);
     FinishAll();
     c_.SuspectFailed<Result>(ring_, NodesOf(jobs_), res_,
                              [](const Result& r) { return !r.resp.ok() && IsNodeFailure(r.resp.status()); });
@@ -869,17 +869,17 @@ class ClientImpl::StepRound {
   // (ClientOptions::detach_device_steps): a step's attend round (one that
   // may retry: not a two-phase step's appends) on the caller's stream,
   // every job sent through the exchange buffer with its word, each of at
-  // most kMaxDetachedRows rows and appended tokens.
-  bool Detachable() const {
-    if (dx_ == nullptr || !dx_->stream_ordered || k_.failed == nullptr || !waited_jobs_.empty()) return false;
-    if (ex_.inputs_event.empty() || !c_.node_events_ok_.load() || !dx_->dev->WaitsOnWords()) return false;
-    if (c_.Detached() == nullptr) return false;
+  // most kMaxDetachedRows rows and appended tokens. The client's collector
+  // when it does, else null.
+  DetachedRounds* Detachable() const {
+    if (dx_ == nullptr || !dx_->stream_ordered || k_.failed == nullptr || !waited_jobs_.empty()) return nullptr;
+    if (ex_.inputs_event.empty() || !c_.node_events_ok_.load() || !dx_->dev->WaitsOnWords()) return nullptr;
     for (size_t j = 0; j < jobs_.size(); ++j) {
       if (pending_[j] == nullptr || ex_.place[j].rows > kMaxDetachedRows || ex_.place[j].app > kMaxDetachedRows) {
-        return false;
+        return nullptr;
       }
     }
-    return true;
+    return c_.Detached();
   }
 
   // The round without its replies: every append counted as acknowledged,
@@ -887,7 +887,7 @@ class ClientImpl::StepRound {
   // the plan expects queued now; the replies go to the client's collector
   // (DetachedRounds), which sets the word of a job whose node did not and
   // keeps a failure for the next call.
-  absl::Status Detach() {
+  absl::Status Detach(DetachedRounds& collector) {
     DetachedRounds::Round round;
     round.stream = dx_->stream;
     round.what = absl::StrCat("layer ", shape_.options.layer, " of sequence '",
@@ -904,16 +904,10 @@ class ClientImpl::StepRound {
       dj.word = ex_.xb.data() + ex_.flags_off + j * sizeof(uint32_t);
       dj.value = FlagValue(j);
       round.jobs.push_back(std::move(dj));
-      uint32_t off = 0;
       for (const SeqPart& p : job.parts) {
         (void)CollectPart(job, p, absl::OkStatus());  // (acknowledged: a failure comes back later)
-        if (p.chunks.empty()) continue;
-        const uint32_t n = st_.sequences[p.seq].rows, r0 = sh_.row_begin[p.seq];
-        for (uint32_t i = 0; i < n; ++i) {
-          contrib[r0 + i].push_back(static_cast<int32_t>(ex_.place[j].part_row + off + i));
-        }
-        off += n;
       }
+      ForPartialRows(j, [&](size_t, uint32_t r0, uint32_t n, uint32_t off) { ListOnDevice(j, r0, n, off, contrib); });
       AttendReport* rep = k_.rep;
       if (res_[j].rows > 0) {
         ++rep->shards;
@@ -931,7 +925,7 @@ class ClientImpl::StepRound {
     round.xb = std::move(ex_.xb);
     // (Handed over also when the waits or the merge could not be queued: the
     // collector still sets the words and drops the buffer where needed.)
-    c_.Detached()->Add(std::move(round));
+    collector.Add(std::move(round));
     return s;
   }
 
@@ -1059,23 +1053,38 @@ class ClientImpl::StepRound {
     }
     const float* po = reinterpret_cast<const float*>(res.reply.data());
     const float* pl = po + size_t{res.rows} * hq_;
-    uint32_t off = 0;
-    for (size_t k = 0; k < jobs_[j].parts.size(); ++k) {
-      const SeqPart& p = jobs_[j].parts[k];
-      if (p.chunks.empty()) continue;
-      const uint32_t n = st_.sequences[p.seq].rows, r0 = sh_.row_begin[p.seq];
+    ForPartialRows(j, [&](size_t k, uint32_t r0, uint32_t n, uint32_t off) {
       if (served[k] && dx_ != nullptr) {  // merged on the device (MergeOnDevice)
-        for (uint32_t i = 0; i < n; ++i) {
-          contrib[r0 + i].push_back(static_cast<int32_t>(ex_.place[j].part_row + off + i));
-        }
+        ListOnDevice(j, r0, n, off, contrib);
       } else if (served[k]) {
         MergeInto(PartialOutput{k_.out.out + size_t{r0} * hq_, k_.out.lse + size_t{r0} * shape_.q_heads},
                   ConstPartial{po + size_t{off} * hq_, pl + size_t{off} * shape_.q_heads}, n, shape_.q_heads,
                   shape_.head_dim);
       }
+    });
+    return absl::OkStatus();
+  }
+
+  // f(k, r0, n, off) for each part k of job j that attends: its rows are the
+  // step's rows [r0, r0 + n) and the job's partial rows [off, off + n).
+  template <typename F>
+  void ForPartialRows(size_t j, F f) const {
+    uint32_t off = 0;
+    for (size_t k = 0; k < jobs_[j].parts.size(); ++k) {
+      const SeqPart& p = jobs_[j].parts[k];
+      if (p.chunks.empty()) continue;
+      const uint32_t n = st_.sequences[p.seq].rows;
+      f(k, sh_.row_begin[p.seq], n, off);
       off += n;
     }
-    return absl::OkStatus();
+  }
+
+  // Job j's partial rows [off, off + n) listed for the step's rows
+  // [r0, r0 + n) in the device merge (by their rows in the exchange buffer).
+  void ListOnDevice(size_t j, uint32_t r0, uint32_t n, uint32_t off, std::vector<std::vector<int32_t>>& contrib) const {
+    for (uint32_t i = 0; i < n; ++i) {
+      contrib[r0 + i].push_back(static_cast<int32_t>(ex_.place[j].part_row + off + i));
+    }
   }
 
   // Job j in the step's report (the slowest shard's round trip and its
