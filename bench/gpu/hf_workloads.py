@@ -152,13 +152,8 @@ def fill_chunk(c, model, sid, ids, done, n, layout):
     pos = torch.arange(done, done + n, device=ids.device).unsqueeze(0)
     model(ids[:, done:done + n], position_ids=pos, past_key_values=cache, use_cache=True)
     bt = layout.block_tokens
-    parts = []
-    for layer in range(layout.layers):
-        kk = cache.layers[layer].keys[0].reshape(layout.kv_heads, n // bt, bt, -1).permute(1, 0, 2, 3)
-        vv = cache.layers[layer].values[0].reshape(layout.kv_heads, n // bt, bt, -1).permute(1, 0, 2, 3)
-        parts.append(torch.stack([kk, vv], dim=1))
-    blocks = torch.stack(parts, dim=1).contiguous()  # [n / bt, layers, 2, kv_heads, bt, head_dim]
-    del cache, parts
+    blocks = khf.blocks_from_cache(cache, layout, 0, n // bt)
+    del cache
     b0 = done // bt
     keys = np.zeros((n // bt, 2), np.uint64)
     keys[:, 0] = np.arange(b0 + 1, b0 + n // bt + 1, dtype=np.uint64)

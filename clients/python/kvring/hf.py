@@ -434,6 +434,19 @@ def _dynamic_cache(model):
         return DynamicCache()
 
 
+def blocks_from_cache(cache, layout, b0, b1):
+    """Blocks [b0, b1) of a transformers cache's tokens (batch row 0), in kvring's layout
+    [b1 - b0, layers, 2, kv_heads, block_tokens, head_dim] (on the cache's device): what Put and PutSequence take."""
+    bt = layout.block_tokens
+    parts = []
+    for l in range(layout.layers):
+        keys, values = cache.layers[l].keys, cache.layers[l].values  # [1, Hkv, S, D]
+        kk = keys[0, :, b0 * bt:b1 * bt].reshape(layout.kv_heads, b1 - b0, bt, -1).permute(1, 0, 2, 3)
+        vv = values[0, :, b0 * bt:b1 * bt].reshape(layout.kv_heads, b1 - b0, bt, -1).permute(1, 0, 2, 3)
+        parts.append(torch.stack([kk, vv], dim=1))
+    return torch.stack(parts, dim=1).contiguous()
+
+
 class PrefixCache:
     """kvring as a transformers engine's prefix cache (hash-placed blocks, one chain per model)."""
 
@@ -453,16 +466,6 @@ class PrefixCache:
             v = blocks[:, l, 1].permute(1, 0, 2, 3).reshape(1, self.layout.kv_heads, n * self.bt, self.layout.head_dim)
             cache.update(k.contiguous(), v.contiguous(), l)
         return cache
-
-    def _cache_to_blocks(self, cache, b0, b1):
-        """Blocks [b0, b1) of a cache's tokens, in kvring's layout (on the cache's device)."""
-        parts = []
-        for l in range(self.layout.layers):
-            keys, values = cache.layers[l].keys, cache.layers[l].values  # [1, Hkv, S, D]
-            kk = keys[0, :, b0 * self.bt:b1 * self.bt].reshape(self.layout.kv_heads, b1 - b0, self.bt, -1).permute(1, 0, 2, 3)
-            vv = values[0, :, b0 * self.bt:b1 * self.bt].reshape(self.layout.kv_heads, b1 - b0, self.bt, -1).permute(1, 0, 2, 3)
-            parts.append(torch.stack([kk, vv], dim=1))
-        return torch.stack(parts, dim=1).contiguous()
 
     def load(self, input_ids):
         """(DynamicCache of the longest held prefix, or None; blocks loaded; keys of the prompt). last_load_split
@@ -505,7 +508,7 @@ class PrefixCache:
         n = min(len(keys), cache.get_seq_length() // self.bt)
         if n <= held:
             return 0
-        blocks = self._cache_to_blocks(cache, held, n)
+        blocks = blocks_from_cache(cache, self.layout, held, n)
         kt.put(self.client, keys[held:n], blocks.view(-1), self.layout, parent=keys[held - 1] if held else None)
         return n - held
 
