@@ -186,34 +186,34 @@ def agent(c, model, results, total, chunk=8192, milestones=(32768, 65536, 131072
         with torch.no_grad():
             while done < total:
                 n = min(chunk, total - done)
+                filling = done >= prefill
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                if done < prefill:
+                if not filling:
                     model(ids[:, done:done + n], past_key_values=cache, use_cache=True)
                 else:
-                    # The session's attention off for the local computation, then a session over the longer
-                    # sequence (keep=True: the same sequence, not a new one).
-                    if min(sess.tokens[0]) != done:  # the tokens decoded at milestones of the prefill
+                    n = n // sess.layout.block_tokens * sess.layout.block_tokens  # (whole blocks only)
+                    if n == 0:
+                        break
+                    # The context cut back to its blocks (the tokens decoded at milestones), the session's
+                    # attention off for the local computation, then a session over the longer sequence (keep=True:
+                    # the same sequence, not a new one).
+                    if min(sess.tokens[0]) != done:
                         sess.truncate(done)
                     sess.detach()
-                    fill_bytes += fill_chunk(c, model, sid, ids, done, n // 16 * 16, sess.layout)
-                    n = n // 16 * 16
+                    fill_bytes += fill_chunk(c, model, sid, ids, done, n, sess.layout)
                     sess = khf.PassQSession(c, model, [sid], keep=True, start_tokens=done + n)
                     cache = sess.cache()
                 torch.cuda.synchronize()
-                if done < prefill:
-                    t_prefill += time.perf_counter() - t0
-                else:
+                if filling:
                     t_fill += time.perf_counter() - t0
+                else:
+                    t_prefill += time.perf_counter() - t0
                 done += n
-                if n == 0:
-                    break
                 if done in milestones or done == total:
                     tps = decode_tps(model, cache, 8, ids[:, :1])
-                    # (the 9 decoded tokens extend the context; a prefill continues after them, a fill after the
-                    # context cut back to its blocks)
-                    if done >= prefill:
-                        sess.truncate(done)
+                    # (the 9 decoded tokens extend the context: a prefill continues after them, a fill first cuts
+                    # them off)
                     peak = torch.cuda.max_memory_allocated() - weights
                     rows.append({"context": done, "passq_decode_tokens_per_s": tps, "prefill_s_so_far": t_prefill,
                                  "filled_tokens": max(0, done - prefill), "fill_s_so_far": t_fill,
