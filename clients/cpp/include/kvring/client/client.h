@@ -124,8 +124,10 @@ struct ClientOptions {
   // so that the stream goes on, and the next Step (or a call that changes a
   // sequence, which first waits for the replies in flight) returns the
   // error: the failed step's output, and what the engine computed from it,
-  // are wrong. Not measured on a GPU yet (docs/PERFORMANCE-NOTES.md).
-  // Default: false.
+  // are wrong. Measured on an H100 (bench/RESULTS.md, "Detached steps"):
+  // the engine's call about half as long, tokens/s higher on 4 shards; not
+  // the default until a failed step is recomputed on another replica
+  // (docs/PERFORMANCE-NOTES.md). Default: false.
   bool detach_device_steps = false;
   // TLS towards the coordinator and the nodes (common/tls_config.h): set
   // tls.ca_file (and cert_file/key_file for mutual TLS). With TLS on,
